@@ -1,0 +1,29 @@
+# One command sets everything up and runs: `make demo` (main example) / `make test` (whole suite).
+# torch is pinned to the CPU build that lies on local disk so setup never pulls a CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=23"
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.ready
+
+demo: setup
+	$(PY) examples/plan_transformer_trace.py
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	$(PY) benchmarks/planner.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

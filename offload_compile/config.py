@@ -1,0 +1,55 @@
+"""``OffloadConfig``: the one knob set every front door reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hyper_offload.passes.planner_protocol import ResidencyPlanner
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """User configuration, validated on construction.
+
+    Offloading never changes numerics: every option here trades memory for bandwidth,
+    not accuracy.
+    """
+
+    max_resident_activation_mb: float = 1024
+    """Device budget in MiB for resident activation bytes (the planner's ``budget_bytes``)."""
+
+    max_offload_activation_mb: float = 65536
+    """Cap in MiB on pinned host memory; past it the host pool hands out pageable memory."""
+
+    planner: ResidencyPlanner | None = None
+    """Planner used to build the schedule; ``None`` means ``GreedyResidencyPlanner()``."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_resident_activation_mb", "max_offload_activation_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(
+                    f"OffloadConfig.{name}: expected a number of MiB >= 0, got {value!r}"
+                )
+        if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
+            raise TypeError(
+                f"OffloadConfig.planner: {self.planner!r} has no plan(trace) method; pass an "
+                "object implementing hyper_offload.passes.ResidencyPlanner"
+            )
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.max_resident_activation_mb * MIB)
+
+    @property
+    def max_host_bytes(self) -> int:
+        return int(self.max_offload_activation_mb * MIB)
+
+    def resolved_planner(self) -> ResidencyPlanner:
+        if self.planner is not None:
+            return self.planner
+        from hyper_offload.passes import GreedyResidencyPlanner
+
+        return GreedyResidencyPlanner()

@@ -1,0 +1,1 @@
+"""Everything that moves bytes: devices, transfer ops, host pool, residency manager."""
