@@ -1,0 +1,145 @@
+"""``hyper-offload plan TRACE.json --budget-mb X``: plan a trace and summarise the result.
+
+Exit codes: 0 when the schedule is valid and meets the budget, 1 when the budget is
+infeasible (some op's own operands exceed it; the best schedule is still reported),
+2 for bad input (missing file, malformed trace, negative budget), 3 if the planner
+produced a schedule the validator rejects (a bug: please report it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hyper_offload.passes import (
+    ActivationTrace,
+    ResidencyPlanner,
+    ScheduleReport,
+    TraceFormatError,
+    check_schedule,
+    resident_bytes_without_offload,
+)
+
+MIB = 1 << 20
+EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
+
+
+def _planners() -> dict[str, type]:
+    from hyper_offload.passes import GreedyResidencyPlanner
+
+    return {"greedy": GreedyResidencyPlanner}
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="plan a JSON activation trace under a device budget",
+        description="Plan an activation trace (JSON, see hyper_offload.passes.trace) under a "
+        "device budget and print what the schedule moves.",
+    )
+    parser.add_argument("trace", type=Path, help="trace file written by ActivationTrace.to_json")
+    parser.add_argument("--budget-mb", type=float, required=True,
+                        help="device budget for resident activation bytes, in MiB")
+    parser.add_argument("--planner", choices=sorted(_planners()), default="greedy")
+    parser.add_argument("--no-refine", action="store_true",
+                        help="greedy only: the design's plain greedy, without the refinement pass")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--schedule-out", type=Path, help="also write the schedule as JSON here")
+    parser.set_defaults(run=run)
+
+
+class _BadInput(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _load(path: Path, budget_mb: float) -> ActivationTrace:
+    if budget_mb < 0:
+        raise _BadInput(f"--budget-mb must be >= 0, got {budget_mb:g}")
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise _BadInput(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise _BadInput(f"{path}: not a UTF-8 text file; expected a JSON trace") from None
+    try:
+        trace = ActivationTrace.from_json(text)
+    except TraceFormatError as error:
+        raise _BadInput(f"{path}: {error}") from None
+    return trace.with_budget(int(budget_mb * MIB))
+
+
+def _make_planner(name: str, no_refine: bool) -> ResidencyPlanner:
+    planner_type = _planners()[name]
+    return planner_type(refine=not no_refine) if name == "greedy" else planner_type()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        trace = _load(args.trace, args.budget_mb)
+    except _BadInput as error:
+        print(f"hyper-offload plan: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    schedule = _make_planner(args.planner, args.no_refine).plan(trace)
+    report = check_schedule(trace, schedule)
+    if args.schedule_out is not None:
+        args.schedule_out.write_text(schedule.to_json(indent=1))
+    baseline_peak = max(resident_bytes_without_offload(trace), default=0)
+    result = _result(trace, report, baseline_peak)
+    print(json.dumps(result) if args.json else _human(result, report))
+    if not report.ok:
+        return EXIT_INVALID_SCHEDULE
+    return EXIT_OK if report.feasible else EXIT_INFEASIBLE
+
+
+def _result(trace: ActivationTrace, report: ScheduleReport, baseline_peak: int) -> dict[str, Any]:
+    return {
+        "feasible": report.feasible,
+        "valid": report.ok,
+        "num_ops": trace.num_ops,
+        "num_storages": len(trace.storage_sizes),
+        "budget_bytes": report.budget_bytes,
+        "peak_resident_bytes_without_offload": baseline_peak,
+        "peak_resident_bytes": report.peak_resident_bytes,
+        "peak_host_bytes": report.peak_host_bytes,
+        "bytes_d2h": report.bytes_d2h,
+        "bytes_h2d": report.bytes_h2d,
+        "num_transfers": report.num_transfers,
+        "ops_over_budget": len(report.ops_over_budget()),
+        "infeasible_ops": [op._asdict() for op in report.infeasible_ops],
+        "violations": [
+            {"op_index": v.op_index, "storage": v.storage, "rule": v.rule.value, "message": v.message}
+            for v in report.violations
+        ],
+    }
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:,.2f} MiB"
+
+
+def _human(result: dict[str, Any], report: ScheduleReport) -> str:
+    lines = [
+        f"ops: {result['num_ops']}   storages: {result['num_storages']}   "
+        f"budget: {_mib(result['budget_bytes'])}",
+        f"peak resident: {_mib(result['peak_resident_bytes_without_offload'])} without offload"
+        f" -> {_mib(result['peak_resident_bytes'])} with the schedule",
+        f"moved: D2H {_mib(result['bytes_d2h'])}, H2D {_mib(result['bytes_h2d'])} "
+        f"in {result['num_transfers']} transfers; peak host {_mib(result['peak_host_bytes'])}",
+        f"ops over budget: {result['ops_over_budget']}",
+    ]
+    if report.infeasible_ops:
+        worst = max(report.infeasible_ops, key=lambda op: op.excess_bytes)
+        lines.append(
+            f"INFEASIBLE: {len(report.infeasible_ops)} op(s) need more than the budget on their own "
+            f"(worst: op {worst.op_index} needs {_mib(worst.required_bytes)}, "
+            f"{_mib(worst.excess_bytes)} over); raise --budget-mb to at least "
+            f"{_mib(max(op.required_bytes for op in report.infeasible_ops))}"
+        )
+        shown = ", ".join(f"op {op.op_index} (+{op.excess_bytes} B)" for op in report.infeasible_ops[:10])
+        lines.append(f"  ops that cannot fit: {shown}" + (" ..." if len(report.infeasible_ops) > 10 else ""))
+    if report.violations:
+        lines.append(f"INVALID schedule ({len(report.violations)} violations), first: {report.violations[0]}")
+    return "\n".join(lines)
