@@ -1,0 +1,51 @@
+"""The distribution installs as one import package, editable and non-editable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+IMPORTS = "import hyper_offload, hyper_offload.passes, hyper_offload.runtime, hyper_offload.passes.pipeline; print(hyper_offload.__file__)"
+
+
+def _python(code: str, *, cwd: Path, extra_path: Path | None = None) -> str:
+    env = dict(os.environ)
+    if extra_path is not None:
+        env["PYTHONPATH"] = str(extra_path)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_editable_install_maps_the_three_folders(tmp_path: Path) -> None:
+    location = Path(_python(IMPORTS, cwd=tmp_path))
+    assert location == REPO / "offload_compile" / "__init__.py"
+
+
+def test_non_editable_install_works_without_the_source_tree(tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    installed = target / "hyper_offload"
+    assert (installed / "passes" / "validator.py").is_file()
+    assert (installed / "runtime" / "__init__.py").is_file()
+    # Run with the installed copy first on the path and the repo nowhere on it.
+    code = "import sys; sys.path.insert(0, %r); " % str(target) + IMPORTS
+    location = Path(_python(code, cwd=tmp_path))
+    assert location == installed / "__init__.py"
+    help_text = _python(
+        "import sys; sys.path.insert(0, %r); sys.argv=['hyper-offload','--help']\n"
+        "from hyper_offload.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass" % str(target),
+        cwd=tmp_path,
+    )
+    assert "plan" in help_text
