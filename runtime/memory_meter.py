@@ -1,0 +1,344 @@
+"""A dispatch-level live-storage meter: bytes of device-resident storages, op by op.
+
+``DeviceMemoryMeter`` proves memory claims on machines without an accelerator, where
+``torch.cuda.memory_allocated()`` does not exist and the CPU allocator keeps no counters.
+It is a :class:`~torch.utils._python_dispatch.TorchDispatchMode`; every aten op that runs
+while it is active (forward *and* backward: the autograd engine carries the dispatch-mode
+stack into the threads it runs backward on) is followed by one :class:`MemorySample`.
+
+What counts as live device bytes (the invariant every sample obeys)::
+
+    live_bytes = sum(storage.nbytes() for storage in tracked
+                     if storage is alive and not host-labelled)
+
+``tracked`` is
+
+* every storage registered up front with :meth:`DeviceMemoryMeter.register` (parameters,
+  inputs: they exist before the step, so no op creates them), and
+* every storage on the meter's device that an op returns and that is *not* the storage of
+  one of the op's inputs (a fresh allocation; views and in-place results share their
+  input's storage, so they are never counted twice).
+
+Storages that existed before the meter and were not registered are ignored, including
+views of them. Storages are the unit, never tensors: two views of one storage count once.
+
+How the pieces stay exact:
+
+* **Frees.** A storage's Python object is preserved for as long as its C++ storage lives,
+  so a weak reference with a callback on it fires exactly when the bytes are returned to
+  the allocator (the last view, saved tensor or graph reference dropped).
+* **Resizes.** ``resize_`` on a tensor or directly on an ``UntypedStorage`` (how the
+  runtime frees device memory) changes ``nbytes()`` without an op result; the meter
+  re-reads ``nbytes()`` of every tracked storage after each op.
+* **Host buffers.** On CPU the "device" and host memory are the same allocator. Host
+  buffers (pool buffers, offloaded copies) carry a label set with :func:`label_host` and
+  are excluded from device bytes from the moment they are labelled.
+
+On an accelerator the meter additionally reads the allocator's own peak
+(``max_memory_allocated``) for the whole ``with`` block into ``allocator_peak_bytes``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+# Name of the attribute that marks an UntypedStorage as host memory. It lives on the
+# storage object itself (whose Python object is preserved while the storage lives), so
+# every meter, on every thread, sees the same label without any shared registry.
+_HOST_LABEL = "_hyper_offload_host_label"
+
+__all__ = [
+    "DeviceMemoryMeter",
+    "MemorySample",
+    "is_host_labelled",
+    "label_host",
+]
+
+
+class MemorySample(NamedTuple):
+    """Live device bytes right after one op.
+
+    ``index`` counts ops seen by the meter from 0. ``live_bytes`` is measured after the op
+    returned, before the caller dropped any of its inputs: the highest point of the op
+    itself, since an op allocates its outputs while its inputs are still alive.
+    ``peak_bytes`` is the highest live value since the previous sample (at least
+    ``live_bytes``; larger when a storage grew and shrank again between two ops).
+    """
+
+    index: int
+    op: str
+    live_bytes: int
+    peak_bytes: int
+
+    def __repr__(self) -> str:
+        return f"#{self.index} {self.op}: live={self.live_bytes} peak={self.peak_bytes}"
+
+
+def _as_storage(obj: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorage:
+    if isinstance(obj, torch.UntypedStorage):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage()
+    raise TypeError(
+        f"expected a torch.Tensor or torch.UntypedStorage, got {type(obj).__name__}; "
+        "pass the tensor whose storage should be labelled or registered"
+    )
+
+
+def label_host(*objs: torch.Tensor | torch.UntypedStorage) -> None:
+    """Mark the storages of ``objs`` as host memory: no meter counts them as device bytes.
+
+    The label belongs to the storage (all its views share it) and lasts as long as the
+    storage. The runtime labels every buffer it takes from the host pool; tests and users
+    label any other host tensor they create during a metered step.
+    """
+    for obj in objs:
+        setattr(_as_storage(obj), _HOST_LABEL, True)
+
+
+def is_host_labelled(obj: torch.Tensor | torch.UntypedStorage) -> bool:
+    """True when :func:`label_host` marked the storage of ``obj`` as host memory."""
+    return bool(getattr(_as_storage(obj), _HOST_LABEL, False))
+
+
+def _leaf_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """Plain tensors in ``values``; wrapper subclasses are opened to their inner tensors."""
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(value):
+            attrs, _ = value.__tensor_flatten__()
+            yield from _leaf_tensors(getattr(value, name) for name in attrs)
+        else:
+            yield value
+
+
+def _storages_of(values: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+    for value in values:
+        if isinstance(value, torch.UntypedStorage):
+            yield value
+    for tensor in _leaf_tensors(values):
+        yield tensor.untyped_storage()
+
+
+@dataclass
+class _Tracked:
+    """One tracked storage: a weak reference and the bytes last counted for it."""
+
+    ref: weakref.ref[torch.UntypedStorage]
+    counted_bytes: int
+
+
+class DeviceMemoryMeter(TorchDispatchMode):
+    """Op-by-op live bytes of the storages on ``device`` (see the module docstring).
+
+    Usage::
+
+        meter = DeviceMemoryMeter("cpu")
+        meter.register(*model.parameters(), x)
+        with meter:
+            loss = model(x)
+            loss.backward()
+        meter.peak_bytes, meter.curve(), meter.samples
+
+    A meter is single-use: entering it a second time raises, so that samples of two
+    steps are never mixed. Reading results is thread-safe; frees reported from autograd
+    threads are serialised by a lock.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        super().__init__()
+        if device is None:
+            device = torch.accelerator.current_accelerator() or torch.device("cpu")
+        self.device = _normalise_device(torch.device(device))
+        # Re-entrant: dropping the last reference to a storage while holding the lock runs
+        # its weakref callback on this thread, and the callback takes the lock too.
+        self._lock = threading.RLock()
+        self._tracked: dict[int, _Tracked] = {}
+        self._live = 0
+        self._window_peak = 0
+        self._peak = 0
+        self._samples: list[MemorySample] = []
+        self._used = False
+        self._active = False
+        self.allocator_peak_bytes: int | None = None
+        """Peak of the accelerator allocator during the ``with`` block (None on CPU)."""
+
+    # -- registration -------------------------------------------------------------------
+
+    def register(self, *tensors: torch.Tensor | torch.UntypedStorage) -> DeviceMemoryMeter:
+        """Count the storages of ``tensors`` (parameters, inputs) from now on.
+
+        Storages on other devices, and host-labelled ones, are accepted and ignored, so
+        ``register(*model.parameters())`` is always safe. Returns ``self`` for chaining.
+        """
+        for obj in tensors:
+            if isinstance(obj, torch.Tensor) and is_traceable_wrapper_subclass(obj):
+                storages = list(_storages_of([obj]))
+            else:
+                storages = [_as_storage(obj)]  # raises on anything else, naming the fix
+            for storage in storages:
+                self._track(storage)
+        return self
+
+    def label_host(self, *objs: torch.Tensor | torch.UntypedStorage) -> None:
+        """Same as the module-level :func:`label_host`, and re-count immediately."""
+        label_host(*objs)
+        self._rescan()
+
+    # -- results --------------------------------------------------------------------------
+
+    @property
+    def samples(self) -> tuple[MemorySample, ...]:
+        """One sample per op seen, in execution order."""
+        with self._lock:
+            return tuple(self._samples)
+
+    @property
+    def live_bytes(self) -> int:
+        """Live device bytes now; re-reads sizes, so direct ``storage.resize_`` shows."""
+        self._rescan()
+        with self._lock:
+            return self._live
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest live device bytes since registration began (registered bytes included)."""
+        with self._lock:
+            return self._peak
+
+    def curve(self) -> list[int]:
+        """``live_bytes`` of every sample: the resident-bytes curve, one entry per op."""
+        return [sample.live_bytes for sample in self.samples]
+
+    def ops(self) -> list[str]:
+        """Op names of every sample, aligned with :meth:`curve`."""
+        return [sample.op for sample in self.samples]
+
+    # -- dispatch mode --------------------------------------------------------------------
+
+    def __enter__(self) -> DeviceMemoryMeter:
+        if self._used:
+            raise RuntimeError(
+                "DeviceMemoryMeter: a meter measures exactly one step and was already "
+                "entered; create a new DeviceMemoryMeter for the next measurement"
+            )
+        self._used = True
+        self._active = True
+        self._rescan()
+        module = self._accelerator_module()
+        if module is not None:
+            module.synchronize(self.device)
+            module.reset_peak_memory_stats(self.device)
+        return super().__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            self._active = False
+            module = self._accelerator_module()
+            if module is not None:
+                module.synchronize(self.device)
+                self.allocator_peak_bytes = int(module.max_memory_allocated(self.device))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in, _ = tree_flatten((args, kwargs))
+        flat_out, _ = tree_flatten(out)
+        input_keys = {id(s) for s in _storages_of(flat_in)}
+        for storage in _storages_of(flat_out):
+            if id(storage) not in input_keys:
+                self._track(storage)
+        self._rescan()
+        with self._lock:
+            self._samples.append(
+                MemorySample(len(self._samples), str(func), self._live, self._window_peak)
+            )
+            self._window_peak = self._live
+        return out
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def _accelerator_module(self) -> Any | None:
+        if self.device.type == "cpu":
+            return None
+        module = torch.get_device_module(self.device)
+        if not hasattr(module, "max_memory_allocated") or not module.is_available():
+            return None
+        return module
+
+    def _counts(self, storage: torch.UntypedStorage) -> bool:
+        return (
+            _normalise_device(storage.device) == self.device
+            and not getattr(storage, _HOST_LABEL, False)
+        )
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        """Start counting ``storage`` unless it is already tracked or on another device."""
+        if _normalise_device(storage.device) != self.device:
+            return
+        key = id(storage)
+        with self._lock:
+            if key in self._tracked:
+                return
+            ref = weakref.ref(storage, self._forget_callback(key))
+            nbytes = storage.nbytes() if self._counts(storage) else 0
+            self._tracked[key] = _Tracked(ref, nbytes)
+            self._add(nbytes)
+
+    def _forget_callback(self, key: int) -> Any:
+        # A closure over the key only: holding the meter weakly keeps a forgotten meter
+        # collectable even while storages it tracked are still alive.
+        meter_ref = weakref.ref(self)
+
+        def forget(_: weakref.ref[torch.UntypedStorage]) -> None:
+            meter = meter_ref()
+            if meter is None:
+                return
+            with meter._lock:
+                entry = meter._tracked.pop(key, None)
+                if entry is not None:
+                    meter._add(-entry.counted_bytes)
+
+        return forget
+
+    def _rescan(self) -> None:
+        """Re-read ``nbytes()`` and the host label of every tracked storage."""
+        with self._lock:
+            # A copy: callbacks fired by dropping ``storage`` below may shrink the dict.
+            for entry in list(self._tracked.values()):
+                storage = entry.ref()
+                if storage is None:
+                    continue  # its callback is about to subtract it
+                nbytes = storage.nbytes() if self._counts(storage) else 0
+                if nbytes != entry.counted_bytes:
+                    self._add(nbytes - entry.counted_bytes)
+                    entry.counted_bytes = nbytes
+
+    def _add(self, delta: int) -> None:
+        # Caller holds the lock.
+        self._live += delta
+        self._window_peak = max(self._window_peak, self._live)
+        self._peak = max(self._peak, self._live)
+
+
+def _normalise_device(device: torch.device) -> torch.device:
+    """``cuda`` and ``cuda:<current>`` are the same device; CPU has no index."""
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is not None:
+        return device
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and accelerator.type == device.type:
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device

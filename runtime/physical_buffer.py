@@ -1,0 +1,325 @@
+"""``PhysicalBuffer``: where the bytes of one storage are, and the copies between them.
+
+The state machine of the HyperOffload design::
+
+    (device_buffer, device_event)  <-->  (host_buffer, host_event)
+
+* ``device_buffer`` is the storage's own ``torch.UntypedStorage``. Releasing device memory
+  *shrinks that storage to zero bytes* (``resize_(0)``) and reloading grows it back
+  (``resize_(nbytes)``) and copies the bytes in. The storage *object* never changes, so
+  every tensor and view that points at it (autograd's saved tensors, a ShadowTensor's
+  resolved view, a compiled graph's keepalive) sees the data again after a reload, and
+  nothing but that one storage ever holds the device bytes: after ``release_device`` the
+  bytes are really returned to the allocator even while callers still hold tensors.
+  The price: between release and reload those tensors have no bytes behind them and
+  must not be read (a kernel reading them may crash); the eager executor guarantees this
+  by resolving every use through :meth:`PhysicalBuffer.device_storage`, which pages the
+  bytes back in first. Identity is the storage object (``_cdata``), not ``data_ptr()``,
+  which changes on every reload.
+* ``host_buffer`` is a uint8 buffer from the :class:`PinnedMemoryPool` holding a full
+  byte copy (``nbytes`` = the storage's size; copies are byte-wise, hence bit-exact for
+  every dtype, NaN payloads included).
+* ``host_event`` is the D2H :class:`Transfer` that filled the host buffer; ``device_event``
+  the H2D that fills the device storage.
+
+Event rules (section 5.3 of the design), each enforced here:
+
+1. An H2D is ordered after the D2H that filled its host buffer (``after=host_event``).
+2. The device bytes are not handed back to the allocator while a D2H still reads them:
+   on CUDA the engine ``record_stream``-s them on the copy stream; elsewhere
+   ``release_device`` first waits for the D2H.
+3. ``release_device`` waits for an H2D still writing the storage.
+4. The host buffer goes back to the pool with an event covering *every* transfer that
+   touched it (the D2H and all H2Ds reading it); the pool reuses it only after that.
+5. Failures roll back: a failed copy leaves no transfer in flight, returns any buffer it
+   took, keeps the copy that is still valid, and raises :class:`TransferFailedError`
+   saying which copy that is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from .device import Transfer, TransferEngine
+from .errors import DataLostError, ResidencyMisuseError, TransferFailedError
+from .pinned_pool import PinnedMemoryPool
+
+
+__all__ = ["BufferState", "PhysicalBuffer", "TensorLayout", "byte_view"]
+
+
+class BufferState(str, Enum):
+    DEVICE = "DEVICE"
+    """Bytes on the device only."""
+    DEVICE_AND_HOST = "DEVICE_AND_HOST"
+    """Bytes on the device and a host copy (in flight or complete)."""
+    HOST = "HOST"
+    """Offloaded: the device storage is zero bytes, the host copy is the data."""
+    RELEASED = "RELEASED"
+    """Neither copy exists any more (both released on purpose)."""
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How the bound tensor viewed its storage, so it can be rebuilt after a reload."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorLayout:
+        return TensorLayout(
+            tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+        )
+
+
+class _AllDone:
+    """Completion event of a group of transfers, for the pool's pending list."""
+
+    def __init__(self, transfers: Sequence[Transfer]) -> None:
+        self._transfers = list(transfers)
+
+    def query(self) -> bool:
+        self._transfers = [t for t in self._transfers if not t.query()]
+        return not self._transfers
+
+
+def byte_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over the first ``nbytes`` bytes of ``storage``."""
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return flat.set_(storage, 0, (nbytes,), (1,))
+
+
+class PhysicalBuffer:
+    """Residency of one storage; see the module docstring for the model and the rules.
+
+    Methods validate first and change nothing when they raise
+    :class:`ResidencyMisuseError`. ``label`` names the storage in every message.
+    """
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        engine: TransferEngine,
+        pool: PinnedMemoryPool,
+        *,
+        label: str = "storage",
+    ) -> None:
+        storage = tensor.untyped_storage()
+        if tensor.device.type == "meta":
+            raise ResidencyMisuseError(
+                f"bind({label}): a meta tensor has no bytes to offload; bind real tensors only"
+            )
+        if not storage.resizable():
+            raise ResidencyMisuseError(
+                f"bind({label}): the storage is not resizable (memory borrowed from numpy, "
+                "DLPack or a foreign buffer), so its device bytes cannot be released in place; "
+                "bind a tensor that owns its memory (e.g. tensor.clone())"
+            )
+        self.label = label
+        self.storage = storage
+        self.nbytes = storage.nbytes()
+        self.device = storage.device
+        self.layout = TensorLayout.of(tensor)
+        self._engine = engine
+        self._pool = pool
+        self._on_device = True
+        self.host_buffer: torch.Tensor | None = None
+        self.host_event: Transfer | None = None
+        self.device_event: Transfer | None = None
+        self._host_readers: list[Transfer] = []  # H2Ds that read host_buffer
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> BufferState:
+        has_host = self.host_buffer is not None
+        if self._on_device:
+            return BufferState.DEVICE_AND_HOST if has_host else BufferState.DEVICE
+        return BufferState.HOST if has_host else BufferState.RELEASED
+
+    @property
+    def device_buffer(self) -> torch.UntypedStorage | None:
+        """The storage while it holds the bytes, else None (the design's ``device_buffer``).
+        An H2D may still be filling it: use :meth:`device_storage` to read it."""
+        return self.storage if self._on_device else None
+
+    @property
+    def is_resident(self) -> bool:
+        """Whether the device storage holds the bytes (an H2D may still be filling it)."""
+        return self._on_device
+
+    @property
+    def has_host_copy(self) -> bool:
+        return self.host_buffer is not None
+
+    def pending_transfers(self) -> list[Transfer]:
+        """Transfers touching this buffer that have not completed, oldest first."""
+        seen: list[Transfer] = []
+        for transfer in (self.host_event, *self._host_readers, self.device_event):
+            if transfer is not None and transfer not in seen and not transfer.query():
+                seen.append(transfer)
+        return seen
+
+    # ------------------------------------------------------------------ transitions
+
+    def start_d2h(self) -> Transfer:
+        """Start copying the device bytes into a host buffer (reusing the current one if
+        the storage is copied again after a write)."""
+        if not self._on_device:
+            raise ResidencyMisuseError(
+                f"copy_d2h({self.label}): the bytes are not on the device (state "
+                f"{self.state.value}); a D2H needs a device copy: issue copy_h2d first, or "
+                "drop this COPY_D2H"
+            )
+        if self.storage.nbytes() != self.nbytes:
+            raise ResidencyMisuseError(
+                f"copy_d2h({self.label}): the storage was resized outside the manager "
+                f"({self.nbytes} B at bind, {self.storage.nbytes()} B now); re-bind it after "
+                "resizing"
+            )
+        reuse = self.host_buffer is not None
+        host = self.host_buffer if reuse else self._pool.acquire(self.nbytes)
+        # Same copy stream keeps these in order anyway; naming them makes the rule explicit
+        # (and binding for an engine that copies on more than one stream).
+        earlier = (self.device_event, self.host_event, *self._host_readers)
+        after = [t for t in earlier if t is not None]
+        device_bytes = byte_view(self.storage, self.nbytes)
+        try:
+            transfer = self._engine.d2h(device_bytes, host[: self.nbytes], after=after)
+        except Exception as exc:
+            self._quiesce_engine()
+            self._pool.release(host)
+            self.host_buffer, self.host_event, self._host_readers = None, None, []
+            dropped = (
+                " The previous host copy was partly overwritten and is discarded." if reuse else ""
+            )
+            raise TransferFailedError(
+                f"copy_d2h({self.label}) failed: {exc}. The device copy is intact and still "
+                f"resident; no host copy exists now.{dropped} Fix the cause and copy_d2h again"
+            ) from exc
+        self.host_buffer = host
+        self.host_event = transfer
+        self._host_readers = []
+        return transfer
+
+    def release_device(self) -> None:
+        """Return the device bytes to the allocator (the storage shrinks to 0 bytes)."""
+        if not self._on_device:
+            raise ResidencyMisuseError(
+                f"release_device({self.label}): the device bytes were already released (state "
+                f"{self.state.value}); each RELEASE_DEVICE must follow a residency (bind or "
+                "copy_h2d)"
+            )
+        if self.device_event is not None and not self.device_event.query():
+            self.device_event.synchronize()  # rule 3: an H2D is still writing these bytes
+        d2h = self.host_event
+        if d2h is not None and not d2h.query() and not d2h.device_side_recorded:
+            d2h.synchronize()  # rule 2 where the allocator cannot track the copy stream
+        self.storage.resize_(0)
+        self._on_device = False
+        self.device_event = None
+
+    def start_h2d(self) -> Transfer:
+        """Re-allocate the device storage and start filling it from the host copy."""
+        if self._on_device:
+            raise ResidencyMisuseError(
+                f"copy_h2d({self.label}): the bytes are already on the device (state "
+                f"{self.state.value}); prefetch only after release_device"
+            )
+        if self.host_buffer is None:
+            raise ResidencyMisuseError(
+                f"copy_h2d({self.label}): there is no host copy to load (state "
+                f"{self.state.value}: never copied to host, or its host copy was released); an "
+                "H2D must follow a COPY_D2H and precede the RELEASE_HOST"
+            )
+        try:
+            self.storage.resize_(self.nbytes)
+        except Exception as exc:
+            raise TransferFailedError(
+                f"copy_h2d({self.label}) could not allocate {self.nbytes} device bytes: {exc}. "
+                "The host copy is intact; the storage stays offloaded. Free device memory and retry"
+            ) from exc
+        after = [self.host_event] if self.host_event is not None else []
+        try:
+            device_bytes = byte_view(self.storage, self.nbytes)
+            transfer = self._engine.h2d(self.host_buffer[: self.nbytes], device_bytes, after=after)
+        except Exception as exc:
+            self._quiesce_engine()
+            self.storage.resize_(0)  # never leave half-written device bytes visible
+            raise TransferFailedError(
+                f"copy_h2d({self.label}) failed: {exc}. The host copy is intact; the device "
+                "storage was released again, so nothing reads partial data. Retry copy_h2d"
+            ) from exc
+        self._on_device = True
+        self.device_event = transfer
+        self._host_readers = [t for t in self._host_readers if not t.query()] + [transfer]
+        return transfer
+
+    def wait_device(self) -> None:
+        """Make the current compute stream wait for the H2D filling the storage (if any)."""
+        if self.device_event is not None:
+            self.device_event.wait()
+
+    def release_host(self) -> None:
+        """Return the host buffer to the pool once every transfer touching it completed."""
+        if self.host_buffer is None:
+            raise ResidencyMisuseError(
+                f"release_host({self.label}): there is no host copy (state {self.state.value}: "
+                "never copied, copy failed, or released already); each RELEASE_HOST needs one "
+                "COPY_D2H"
+            )
+        touching = (self.host_event, *self._host_readers)
+        pending = [t for t in touching if t is not None and not t.query()]
+        self._pool.release(self.host_buffer, _AllDone(pending) if pending else None)
+        self.host_buffer, self.host_event, self._host_readers = None, None, []
+
+    # ------------------------------------------------------------------ access
+
+    def device_storage(self) -> torch.UntypedStorage:
+        """The device-resident storage, ready for the current compute stream.
+
+        Waits (stream-wise) for a pending H2D. If the bytes are only on the host they are
+        demand-paged back synchronously (the fallback path: correct, not overlapped).
+        """
+        if self._on_device:
+            self.wait_device()
+            return self.storage
+        if self.host_buffer is not None:
+            self.start_h2d().synchronize()
+            return self.storage
+        raise DataLostError(
+            f"device_storage({self.label}): both the device and the host copy were released; "
+            "the schedule freed this storage before its last use (check it with check_schedule)"
+        )
+
+    def device_tensor(self) -> torch.Tensor:
+        """A fresh view with the bound tensor's dtype/size/stride/offset over
+        :meth:`device_storage`."""
+        storage = self.device_storage()
+        layout = self.layout
+        return torch.empty(0, dtype=layout.dtype, device=self.device).set_(
+            storage, layout.storage_offset, layout.size, layout.stride
+        )
+
+    def synchronize(self) -> None:
+        """Block until every transfer touching this buffer has completed."""
+        for transfer in self.pending_transfers():
+            transfer.synchronize()
+
+    def _quiesce_engine(self) -> None:
+        # After a failed enqueue we cannot know what reached the copy stream; draining it
+        # guarantees nothing still reads or writes the buffers we are about to give back.
+        self._engine.synchronize()
+
+    def __repr__(self) -> str:
+        return f"PhysicalBuffer({self.label}, {self.nbytes} B, {self.device}, {self.state.value})"

@@ -1,0 +1,354 @@
+"""``PinnedMemoryPool``: bucketed, capped, thread-safe cache of host staging buffers.
+
+Allocating page-locked memory is slow (milliseconds per call on CUDA) and the same sizes
+recur every training step, so host buffers are cached by size bucket and reused.
+
+Rules (each is tested):
+
+* **Buckets.** A request of ``n`` bytes is served by a buffer of the next power of two,
+  at least ``MIN_BUCKET_BYTES`` (2^10) and at most ``MAX_BUCKET_BYTES`` (2^31). A request
+  larger than 2^31 bytes gets a *dedicated* buffer of exactly ``n`` bytes that is freed,
+  not cached, when released: such sizes are rare and a power-of-two round-up would waste
+  up to 2 GiB.
+* **Cap.** The pool never holds more than ``max_host_bytes`` of its own buffers (in use +
+  waiting for release + cached). When a new buffer would break the cap, cached buffers
+  are freed first; if that is not enough, the request is served with ordinary *pageable*
+  memory, counted separately (``pageable_fallbacks``, ``pageable_bytes_in_use``) and
+  simply dropped on release. A failed pinned allocation also falls back to pageable.
+* **Release after the last event.** ``release(buffer, event)`` puts the buffer on a
+  pending list; it becomes reusable only once ``event.query()`` is True (the copy that
+  touched it is finished). Pending buffers are reaped on ``acquire``, ``stats`` and
+  ``trim``. ``event`` may be anything with ``query()``: a ``torch.Event``, a
+  :class:`~hyper_offload.runtime.device.Transfer`, or ``None`` (free now).
+* **One owner at a time.** A buffer is handed out to one caller until released;
+  releasing it twice, or releasing a tensor the pool never handed out, raises
+  :class:`~hyper_offload.runtime.errors.PoolMisuseError`. Buffers are identified by
+  their storage, so releasing any view of a handed-out buffer is accepted.
+* **Thread-safe.** One ``threading.Lock`` guards the bookkeeping; the slow allocation
+  itself runs outside the lock against a reservation, so the cap holds under contention.
+
+On CPU ``pin`` defaults to False (the CPU build cannot pin): the pool then caches
+ordinary host buffers with identical bookkeeping, and the ``pinned_*`` statistics count
+those pool-owned buffers.
+
+Every buffer the pool hands out is labelled as host memory
+(:func:`~hyper_offload.runtime.memory_meter.label_host`), so the live-storage meter never
+mistakes staging buffers for device bytes on CPU, where both share one allocator.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .device import pin_memory_available
+from .errors import PoolMisuseError
+from .memory_meter import label_host
+
+__all__ = [
+    "MAX_BUCKET_BYTES",
+    "MIN_BUCKET_BYTES",
+    "CompletionEvent",
+    "PinnedMemoryPool",
+    "PoolStats",
+    "bucket_bytes",
+    "host_buffer",
+]
+
+MIN_BUCKET_BYTES = 1 << 10
+MAX_BUCKET_BYTES = 1 << 31
+
+
+class CompletionEvent(Protocol):
+    def query(self) -> bool: ...
+
+
+def bucket_bytes(nbytes: int) -> int:
+    """Capacity of the buffer that serves a request of ``nbytes``.
+
+    A power of two in ``[MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]``, or ``nbytes`` itself for
+    requests above ``MAX_BUCKET_BYTES`` (dedicated allocation).
+    """
+    if nbytes > MAX_BUCKET_BYTES:
+        return nbytes
+    return max(MIN_BUCKET_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Snapshot of a pool's bookkeeping; ``pinned_*`` count the pool's own buffers."""
+
+    pinned: bool
+    """Whether pool-owned buffers are page-locked."""
+    pinned_bytes_in_use: int
+    """Capacity of pool-owned buffers handed out and not yet released."""
+    pinned_bytes_pending: int
+    """Capacity of released pool-owned buffers whose event has not completed yet."""
+    pinned_bytes_cached: int
+    """Capacity of free pool-owned buffers ready for reuse."""
+    pinned_bytes_peak: int
+    """Peak of in-use + pending + cached (the pool's footprint) since creation."""
+    pageable_bytes_in_use: int
+    """Bytes of pageable fallback buffers handed out and not yet released."""
+    pageable_fallbacks: int
+    """How many requests were served with pageable memory (cap reached or pin failed)."""
+    hits: int
+    """Requests served from a cached buffer."""
+    misses: int
+    """Requests that needed a new allocation (pool-owned or pageable)."""
+    buffers_in_use: int
+    """Buffers (pool-owned and pageable) handed out and not yet released."""
+    pending_releases: int
+    """Released buffers (pool-owned and pageable) still waiting for their event."""
+
+    @property
+    def pinned_bytes_held(self) -> int:
+        """Everything the pool owns right now: in use + pending + cached."""
+        return self.pinned_bytes_in_use + self.pinned_bytes_pending + self.pinned_bytes_cached
+
+
+@dataclass(eq=False)
+class _Buffer:
+    tensor: torch.Tensor
+    capacity: int
+    pool_owned: bool  # False: pageable fallback, never cached
+    cacheable: bool  # False: dedicated (> MAX_BUCKET_BYTES) or pageable
+
+    @property
+    def key(self) -> int:
+        return _storage_key(self.tensor)
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """A pageable 1-D uint8 host buffer, labelled as host memory for
+    :class:`~hyper_offload.runtime.memory_meter.DeviceMemoryMeter`.
+
+    Allocated as a bare ``UntypedStorage`` (no aten op runs), so a meter active on CPU never
+    counts host bytes as device bytes, not even for the one op before the label is set.
+    """
+    storage = torch.UntypedStorage(nbytes)
+    label_host(storage)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class PinnedMemoryPool:
+    """Host staging buffers for offloaded activations; see the module docstring."""
+
+    def __init__(self, max_host_bytes: int, *, pin: bool | None = None) -> None:
+        if not _is_count(max_host_bytes):
+            raise ValueError(
+                f"PinnedMemoryPool: max_host_bytes must be an int >= 0, got {max_host_bytes!r}; "
+                "use OffloadConfig.max_host_bytes"
+            )
+        if pin is None:
+            pin = pin_memory_available()
+        elif pin and not pin_memory_available():
+            raise ValueError(
+                "PinnedMemoryPool(pin=True): page-locked memory needs an accelerator and "
+                "torch.accelerator.is_available() is False here; pass pin=None or pin=False"
+            )
+        self.max_host_bytes = max_host_bytes
+        self.pin = pin
+        self._lock = threading.Lock()
+        self._free: dict[int, list[_Buffer]] = {}  # capacity -> cached buffers
+        self._in_use: dict[int, _Buffer] = {}  # storage key -> buffer
+        self._pending: list[tuple[_Buffer, CompletionEvent | None]] = []
+        self._held = 0  # pool-owned bytes incl. reservations for allocations in progress
+        self._in_use_bytes = 0
+        self._pending_bytes = 0
+        self._cached_bytes = 0
+        self._peak = 0
+        self._pageable_in_use = 0
+        self._pageable_fallbacks = 0
+        self._hits = 0
+        self._misses = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 host buffer of at least ``nbytes`` bytes, owned by the caller until
+        :meth:`release`. Contents are unspecified."""
+        if not _is_count(nbytes):
+            raise ValueError(
+                f"PinnedMemoryPool.acquire: nbytes must be an int >= 0, got {nbytes!r}"
+            )
+        capacity = bucket_bytes(nbytes)
+        with self._lock:
+            self._reap_locked()
+            cached = self._free.get(capacity)
+            if cached and capacity <= MAX_BUCKET_BYTES:
+                buffer = cached.pop()
+                self._cached_bytes -= capacity
+                self._hits += 1
+                self._hand_out_locked(buffer)
+                return buffer.tensor
+            self._misses += 1
+            reserved = self._reserve_locked(capacity)
+        if reserved:
+            tensor = self._allocate(capacity, pin=self.pin)
+            if tensor is not None:
+                cacheable = capacity <= MAX_BUCKET_BYTES
+                buffer = _Buffer(tensor, capacity, pool_owned=True, cacheable=cacheable)
+                with self._lock:
+                    self._hand_out_locked(buffer)
+                return tensor
+            with self._lock:
+                self._held -= capacity  # pinning failed: give the reservation back
+        return self._acquire_pageable(nbytes)
+
+    def release(self, buffer: torch.Tensor, event: CompletionEvent | None = None) -> None:
+        """Give ``buffer`` (or any view of it) back. It is reused only after
+        ``event.query()`` is True; ``None`` means no copy is touching it."""
+        key = _storage_key(buffer)
+        with self._lock:
+            record = self._in_use.pop(key, None)
+            if record is None:
+                raise PoolMisuseError(self._why_not_in_use_locked(key))
+            if record.pool_owned:
+                self._in_use_bytes -= record.capacity
+                self._pending_bytes += record.capacity
+            else:
+                self._pageable_in_use -= record.capacity
+            self._pending.append((record, event))
+            self._reap_locked()
+
+    def stats(self) -> PoolStats:
+        """Reap completed releases, then snapshot the counters."""
+        with self._lock:
+            self._reap_locked()
+            return PoolStats(
+                pinned=self.pin,
+                pinned_bytes_in_use=self._in_use_bytes,
+                pinned_bytes_pending=self._pending_bytes,
+                pinned_bytes_cached=self._cached_bytes,
+                pinned_bytes_peak=self._peak,
+                pageable_bytes_in_use=self._pageable_in_use,
+                pageable_fallbacks=self._pageable_fallbacks,
+                hits=self._hits,
+                misses=self._misses,
+                buffers_in_use=len(self._in_use),
+                pending_releases=len(self._pending),
+            )
+
+    def trim(self) -> int:
+        """Free every cached buffer (after reaping completed releases); returns the bytes
+        freed. Buffers in use or still pending are untouched.
+
+        Pinned memory freed by torch first lands in the accelerator's own host-allocator
+        cache; with ``pin=True`` that cache's unused blocks are emptied too, so the bytes
+        really go back to the operating system.
+        """
+        with self._lock:
+            self._reap_locked()
+            freed = self._cached_bytes
+            self._free.clear()
+            self._held -= freed
+            self._cached_bytes = 0
+        if freed and self.pin and hasattr(torch.accelerator, "empty_host_cache"):
+            torch.accelerator.empty_host_cache()
+        return freed
+
+    def owns(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` (or a view of it) is currently handed out by this pool."""
+        with self._lock:
+            return _storage_key(buffer) in self._in_use
+
+    def __repr__(self) -> str:
+        return f"PinnedMemoryPool(max_host_bytes={self.max_host_bytes}, pin={self.pin})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _hand_out_locked(self, buffer: _Buffer) -> None:
+        self._in_use[buffer.key] = buffer
+        if buffer.pool_owned:
+            self._in_use_bytes += buffer.capacity
+            self._peak = max(self._peak, self._held)
+
+    def _reserve_locked(self, capacity: int) -> bool:
+        """Reserve ``capacity`` pool-owned bytes under the cap, evicting cached buffers
+        if needed. False when even an empty cache leaves no room."""
+        if self._held + capacity > self.max_host_bytes:
+            self._evict_cached_locked(self._held + capacity - self.max_host_bytes)
+        if self._held + capacity > self.max_host_bytes:
+            return False
+        self._held += capacity
+        return True
+
+    def _evict_cached_locked(self, need: int) -> None:
+        # Largest first: fewest evictions for the room we need.
+        for capacity in sorted(self._free, reverse=True):
+            bucket = self._free[capacity]
+            while bucket and need > 0:
+                bucket.pop()
+                self._held -= capacity
+                self._cached_bytes -= capacity
+                need -= capacity
+            if not bucket:
+                del self._free[capacity]
+            if need <= 0:
+                return
+
+    def _acquire_pageable(self, nbytes: int) -> torch.Tensor:
+        # Exact size: pageable buffers are never cached, so rounding up would only waste.
+        # At least one byte, so that the buffer has a real (unique) storage address.
+        capacity = max(nbytes, 1)
+        tensor = host_buffer(capacity)
+        buffer = _Buffer(tensor, capacity, pool_owned=False, cacheable=False)
+        with self._lock:
+            self._pageable_fallbacks += 1
+            self._pageable_in_use += capacity
+            self._hand_out_locked(buffer)
+        return tensor
+
+    @staticmethod
+    def _allocate(capacity: int, *, pin: bool) -> torch.Tensor | None:
+        try:
+            if not pin:
+                return host_buffer(capacity)
+            tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            # Out of pinnable memory (or pinning refused): the caller falls back to pageable.
+            return None
+        label_host(tensor)
+        return tensor
+
+    def _reap_locked(self) -> None:
+        still_pending: list[tuple[_Buffer, CompletionEvent | None]] = []
+        for buffer, event in self._pending:
+            if event is not None and not event.query():
+                still_pending.append((buffer, event))
+                continue
+            if not buffer.pool_owned:
+                continue  # pageable: just drop it
+            self._pending_bytes -= buffer.capacity
+            if buffer.cacheable:
+                self._free.setdefault(buffer.capacity, []).append(buffer)
+                self._cached_bytes += buffer.capacity
+            else:
+                self._held -= buffer.capacity  # dedicated buffers are freed, not cached
+        self._pending = still_pending
+
+    def _why_not_in_use_locked(self, key: int) -> str:
+        released = any(b.key == key for b, _ in self._pending) or any(
+            b.key == key for bucket in self._free.values() for b in bucket
+        )
+        if released:
+            return (
+                "PinnedMemoryPool.release: buffer was already released (each acquire() is "
+                "matched by exactly one release()); drop your reference after releasing it"
+            )
+        return (
+            "PinnedMemoryPool.release: this tensor was not handed out by this pool (or was "
+            "released already and its storage freed); only release buffers returned by acquire()"
+        )

@@ -1,0 +1,159 @@
+"""Shared test doubles for runtime tests on CPU.
+
+* :class:`FakeEvent` - a completion event that stays pending until fired.
+* :class:`DeferredEngine` - a CPU engine whose copies *report* completion only when
+  their event fires (the bytes move immediately), so tests can observe what waits on
+  what, as on an accelerator with a copy stream.
+* :class:`FailingEngine` - a CPU engine whose d2h/h2d raise on demand, optionally after
+  scribbling garbage into the destination (a copy that died half way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+import torch
+
+from hyper_offload.runtime.device import Transfer, TransferDirection, TransferEngine
+from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
+
+
+class FakeEvent:
+    """``query()`` is False until ``fire()`` (or ``synchronize()``); counts its callers."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.is_done = done
+        self.queries = 0
+        self.synchronizes = 0
+
+    def fire(self) -> None:
+        self.is_done = True
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.is_done
+
+    def synchronize(self) -> None:
+        self.synchronizes += 1
+        self.is_done = True
+
+
+class DeferredEngine(TransferEngine):
+    """Copies now, completes later: every transfer carries a pending :class:`FakeEvent`."""
+
+    def __init__(self, *, records_streams: bool = False) -> None:
+        super().__init__("cpu")
+        # True mimics CUDA: the device-side bytes are record_stream-ed on the copy stream.
+        self.records_streams = records_streams
+        self.log: list[tuple[TransferDirection, FakeEvent, tuple[Transfer, ...]]] = []
+        self.engine_syncs = 0
+
+    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+        return self._deferred(TransferDirection.D2H, src, dst_host, tuple(after))
+
+    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+        return self._deferred(TransferDirection.H2D, src_host, dst, tuple(after))
+
+    def _deferred(self, direction, src, dst, after) -> Transfer:
+        dst.copy_(src)
+        event = FakeEvent()
+        self.log.append((direction, event, after))
+        nbytes = src.numel() * src.element_size()
+        return Transfer(
+            direction, torch.device("cpu"), nbytes, event, (src, dst),
+            device_side_recorded=self.records_streams,
+        )
+
+    def fire_all(self) -> None:
+        for _, event, _ in self.log:
+            event.fire()
+
+    def synchronize(self) -> None:
+        self.engine_syncs += 1
+        self.fire_all()
+
+
+class FailingEngine(TransferEngine):
+    """Raises from ``d2h`` / ``h2d`` while that direction is in ``fail_on``."""
+
+    def __init__(self, fail_on: Iterable[str] = (), *, corrupt: bool = True) -> None:
+        super().__init__("cpu")
+        self.fail_on = set(fail_on)
+        self.corrupt = corrupt
+        self.engine_syncs = 0
+
+    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+        self._maybe_fail("d2h", dst_host)
+        return super().d2h(src, dst_host, after=after)
+
+    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+        self._maybe_fail("h2d", dst)
+        return super().h2d(src_host, dst, after=after)
+
+    def _maybe_fail(self, direction: str, dst: torch.Tensor) -> None:
+        if direction not in self.fail_on:
+            return
+        if self.corrupt and dst.numel():
+            dst.view(torch.uint8)[: max(1, dst.numel() * dst.element_size() // 2)] = 0xAB
+        raise RuntimeError(f"injected {direction} failure")
+
+    def synchronize(self) -> None:
+        self.engine_syncs += 1
+
+
+@pytest.fixture
+def fake_event() -> type[FakeEvent]:
+    """The :class:`FakeEvent` class; call it to make events."""
+    return FakeEvent
+
+
+@pytest.fixture
+def pool() -> PinnedMemoryPool:
+    """A small unpinned pool (CPU)."""
+    return PinnedMemoryPool(1 << 24, pin=False)
+
+
+@pytest.fixture
+def deferred_engine() -> DeferredEngine:
+    return DeferredEngine()
+
+
+@pytest.fixture
+def deferred_engine_cls() -> type[DeferredEngine]:
+    return DeferredEngine
+
+
+@pytest.fixture
+def failing_engine_cls() -> type[FailingEngine]:
+    return FailingEngine
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """A tensor of arbitrary bit patterns (NaN payloads, denormals included)."""
+    n = 1
+    for d in shape:
+        n *= d
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.fixture
+def make_random() -> object:
+    return random_tensor
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (``torch.equal`` treats NaN != NaN)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+@pytest.fixture
+def bits_equal() -> object:
+    return same_bits

@@ -1,0 +1,148 @@
+"""Device layer on CPU: device resolution, synchronous engine, Transfer handle semantics."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from hyper_offload.runtime.device import (
+    Transfer,
+    TransferDirection,
+    TransferEngine,
+    completed_transfer,
+    is_accelerator,
+    pin_memory_available,
+    resolve_device,
+)
+
+HAS_ACCELERATOR = torch.accelerator.is_available()
+
+
+def _random_bits(nbytes: int, seed: int = 0) -> torch.Tensor:
+    """Arbitrary bytes viewed as float32: includes NaN payloads and denormals, which a
+    value-level (non-bitwise) copy would not preserve."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [("cpu", False), ("meta", False), (None, False), ("cuda", True), ("cuda:1", True), ("xpu", True)],
+)
+def test_is_accelerator(device, expected: bool) -> None:
+    assert is_accelerator(device) is expected
+
+
+def test_pin_memory_availability_matches_accelerator() -> None:
+    assert pin_memory_available() is HAS_ACCELERATOR
+
+
+def test_resolve_device_defaults() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    if HAS_ACCELERATOR:
+        assert resolve_device(None).index is not None
+    else:
+        assert resolve_device(None) == torch.device("cpu")
+        with pytest.raises(ValueError, match="needs an accelerator"):
+            resolve_device(0)
+
+
+def test_cpu_engine_is_synchronous_and_copies_bits_exactly() -> None:
+    engine = TransferEngine("cpu")
+    assert engine.copy_stream is None and not engine.is_async
+    src = _random_bits(4096)
+    host = torch.empty_like(src)
+    out = engine.d2h(src, host)
+    assert out.event is None and out.query() and out.done()
+    assert out.direction is TransferDirection.D2H and out.nbytes == 4096
+    assert torch.equal(host.view(torch.uint8), src.view(torch.uint8))
+
+    back = torch.empty_like(src)
+    into = engine.h2d(host, back)
+    into.wait()  # no-op on CPU, must not raise
+    into.synchronize()
+    assert into.direction is TransferDirection.H2D
+    assert torch.equal(back.view(torch.uint8), src.view(torch.uint8))
+    engine.synchronize()
+
+
+def test_engine_copies_into_views_in_place() -> None:
+    engine = TransferEngine("cpu")
+    host = torch.zeros(16, dtype=torch.uint8)
+    engine.d2h(torch.full((4,), 7, dtype=torch.uint8), host[4:8])
+    assert host.tolist() == [0] * 4 + [7] * 4 + [0] * 8
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        (torch.zeros(4), torch.zeros(5)),
+        (torch.zeros(4), torch.zeros(4, dtype=torch.float64)),
+        (torch.zeros(2, 2), torch.zeros(4)),
+    ],
+)
+def test_engine_refuses_shape_or_dtype_mismatch(src: torch.Tensor, dst: torch.Tensor) -> None:
+    engine = TransferEngine("cpu")
+    with pytest.raises(ValueError, match="never\\s+cast"):
+        engine.d2h(src, dst)
+    with pytest.raises(ValueError, match="never\\s+cast"):
+        engine.h2d(src, dst)
+
+
+def test_engine_refuses_non_host_buffers() -> None:
+    engine = TransferEngine("cpu")
+    with pytest.raises(ValueError, match="destination must be a host"):
+        engine.d2h(torch.zeros(4), torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="source must be a host"):
+        engine.h2d(torch.empty(4, device="meta"), torch.zeros(4))
+
+
+def test_accelerator_engine_needs_an_accelerator() -> None:
+    if HAS_ACCELERATOR:
+        engine = TransferEngine(None)
+        assert engine.is_async and engine.copy_stream is not None
+    else:
+        with pytest.raises(RuntimeError, match="device='cpu'"):
+            TransferEngine("cuda")
+
+
+def test_sync_engine_waits_for_earlier_transfers_first(fake_event) -> None:
+    engine = TransferEngine("cpu")
+    event = fake_event()
+    earlier = Transfer(TransferDirection.D2H, torch.device("cpu"), 4, event, ())
+    engine.h2d(torch.ones(4), torch.zeros(4), after=[earlier])
+    assert event.synchronizes == 1 and earlier.query()
+
+
+def test_transfer_keeps_tensors_alive_until_it_observes_completion(fake_event) -> None:
+    src, dst = torch.zeros(8), torch.zeros(8)
+    src_ref, dst_ref = weakref.ref(src), weakref.ref(dst)
+    event = fake_event()
+    transfer = Transfer(TransferDirection.D2H, torch.device("cpu"), 32, event, (src, dst))
+    del src, dst
+    gc.collect()
+    assert not transfer.query()
+    assert src_ref() is not None and dst_ref() is not None  # copy "in flight": kept alive
+    assert "in flight" in repr(transfer)
+
+    event.fire()
+    assert transfer.query()
+    gc.collect()
+    assert src_ref() is None and dst_ref() is None
+    assert "done" in repr(transfer)
+
+
+def test_transfer_synchronize_blocks_on_the_event(fake_event) -> None:
+    event = fake_event()
+    transfer = Transfer(TransferDirection.H2D, torch.device("cpu"), 4, event, ())
+    transfer.synchronize()
+    transfer.synchronize()  # second call: already done, event not touched again
+    assert event.synchronizes == 1 and transfer.done()
+
+
+def test_completed_transfer_is_done() -> None:
+    transfer = completed_transfer(TransferDirection.H2D, torch.device("cpu"), 12)
+    assert transfer.query() and transfer.event is None and transfer.nbytes == 12
