@@ -21,6 +21,8 @@ What counts as live device bytes (the invariant every sample obeys)::
 
 Storages that existed before the meter and were not registered are ignored, including
 views of them. Storages are the unit, never tensors: two views of one storage count once.
+Wrapper tensor subclasses are opened to their inner tensors; sparse layouts, which have
+no single storage, are not metered.
 
 How the pieces stay exact:
 
@@ -42,13 +44,15 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from .device import DeviceLike, resolve_device
 
 # Name of the attribute that marks an UntypedStorage as host memory. It lives on the
 # storage object itself (whose Python object is preserved while the storage lives), so
@@ -114,6 +118,8 @@ def _leaf_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
     for value in values:
         if not isinstance(value, torch.Tensor):
             continue
+        if value.layout is not torch.strided:
+            continue  # sparse/mkldnn tensors expose no single storage; not metered
         if is_traceable_wrapper_subclass(value):
             attrs, _ = value.__tensor_flatten__()
             yield from _leaf_tensors(getattr(value, name) for name in attrs)
@@ -121,7 +127,7 @@ def _leaf_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
             yield value
 
 
-def _storages_of(values: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+def _storages_of(values: Sequence[Any]) -> Iterator[torch.UntypedStorage]:
     for value in values:
         if isinstance(value, torch.UntypedStorage):
             yield value
@@ -154,11 +160,11 @@ class DeviceMemoryMeter(TorchDispatchMode):
     threads are serialised by a lock.
     """
 
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
+    def __init__(self, device: DeviceLike = None) -> None:
+        """``device``: the device whose bytes count (``None``: the current accelerator,
+        else CPU). On CPU, host-labelled storages are excluded."""
         super().__init__()
-        if device is None:
-            device = torch.accelerator.current_accelerator() or torch.device("cpu")
-        self.device = _normalise_device(torch.device(device))
+        self.device = _normalise_device(resolve_device(device))
         # Re-entrant: dropping the last reference to a storage while holding the lock runs
         # its weakref callback on this thread, and the callback takes the lock too.
         self._lock = threading.RLock()
@@ -168,7 +174,6 @@ class DeviceMemoryMeter(TorchDispatchMode):
         self._peak = 0
         self._samples: list[MemorySample] = []
         self._used = False
-        self._active = False
         self.allocator_peak_bytes: int | None = None
         """Peak of the accelerator allocator during the ``with`` block (None on CPU)."""
 
@@ -232,7 +237,6 @@ class DeviceMemoryMeter(TorchDispatchMode):
                 "entered; create a new DeviceMemoryMeter for the next measurement"
             )
         self._used = True
-        self._active = True
         self._rescan()
         module = self._accelerator_module()
         if module is not None:
@@ -244,7 +248,6 @@ class DeviceMemoryMeter(TorchDispatchMode):
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
-            self._active = False
             module = self._accelerator_module()
             if module is not None:
                 module.synchronize(self.device)
@@ -255,11 +258,14 @@ class DeviceMemoryMeter(TorchDispatchMode):
         out = func(*args, **kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
         flat_out, _ = tree_flatten(out)
+        # Re-count what existed first (frees and resizes since the last op, growth of
+        # inputs by this op), then add the fresh outputs: a storage shrunk before the op
+        # and an output allocated by it never appear to be alive at the same time.
+        self._rescan()
         input_keys = {id(s) for s in _storages_of(flat_in)}
         for storage in _storages_of(flat_out):
             if id(storage) not in input_keys:
                 self._track(storage)
-        self._rescan()
         with self._lock:
             self._samples.append(
                 MemorySample(len(self._samples), str(func), self._live, self._window_peak)
@@ -278,9 +284,8 @@ class DeviceMemoryMeter(TorchDispatchMode):
         return module
 
     def _counts(self, storage: torch.UntypedStorage) -> bool:
-        return (
-            _normalise_device(storage.device) == self.device
-            and not getattr(storage, _HOST_LABEL, False)
+        return _normalise_device(storage.device) == self.device and not getattr(
+            storage, _HOST_LABEL, False
         )
 
     def _track(self, storage: torch.UntypedStorage) -> None:

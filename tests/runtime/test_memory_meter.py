@@ -132,6 +132,19 @@ def test_resize_through_an_op_and_directly_on_the_storage_is_accounted() -> None
     assert meter.peak_bytes == 1000 * F32
 
 
+def test_sample_peak_sees_growth_that_is_gone_by_the_next_op() -> None:
+    meter = DeviceMemoryMeter("cpu")
+    with meter:
+        t = torch.empty(10)
+        t.untyped_storage().resize_(4000)
+        assert meter.live_bytes == 4000  # reading re-counts: the window saw 4000 bytes
+        t.untyped_storage().resize_(0)
+        torch.ones(1)
+    last = meter.samples[-1]
+    assert (last.live_bytes, last.peak_bytes) == (4, 4000)
+    assert meter.peak_bytes == 4000
+
+
 def test_host_labelled_storages_are_excluded() -> None:
     meter = DeviceMemoryMeter("cpu")
     with meter:
@@ -154,7 +167,9 @@ def test_host_labelled_storages_are_excluded() -> None:
 
 def test_registration_ignores_other_devices_and_counts_storages_once() -> None:
     shared = torch.empty(8, 8)
-    meter = DeviceMemoryMeter("cpu").register(shared, shared.t(), shared[0], torch.empty(3, device="meta"))
+    meter = DeviceMemoryMeter("cpu").register(
+        shared, shared.t(), shared[0], torch.empty(3, device="meta")
+    )
     assert meter.live_bytes == 64 * F32
     with pytest.raises(TypeError, match="expected a torch.Tensor or torch.UntypedStorage"):
         meter.register(3)  # type: ignore[arg-type]
@@ -229,11 +244,17 @@ def test_sees_backward_ops_on_autograd_worker_threads() -> None:
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["new", "view", "drop", "resize", "host"]), st.integers(0, 7), st.integers(0, 64)),
+        st.tuples(
+            st.sampled_from(["new", "view", "drop", "resize", "host"]),
+            st.integers(0, 7),
+            st.integers(0, 64),
+        ),
         max_size=30,
     )
 )
-def test_live_bytes_equal_the_distinct_live_device_storages(steps: list[tuple[str, int, int]]) -> None:
+def test_live_bytes_equal_the_distinct_live_device_storages(
+    steps: list[tuple[str, int, int]],
+) -> None:
     """Whatever mix of allocations, views, frees, resizes and labels: the meter's count is
     the sum of nbytes over distinct alive non-host storages created in the step."""
     meter = DeviceMemoryMeter("cpu")
@@ -263,7 +284,9 @@ def test_live_bytes_equal_the_distinct_live_device_storages(steps: list[tuple[st
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_meter_reads_the_allocator_peak_and_matches_it() -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    ).cuda()
     x = torch.randn(64, 256, device="cuda")
     torch.cuda.synchronize()
     meter = DeviceMemoryMeter("cuda").register(*model.parameters(), x)
@@ -271,6 +294,7 @@ def test_cuda_meter_reads_the_allocator_peak_and_matches_it() -> None:
         model(x).sum().backward()
     assert "aten.threshold_backward.default" in meter.ops()  # backward ran on a device thread
     assert meter.allocator_peak_bytes is not None
-    # The caching allocator rounds blocks up to 512 bytes and counts cuBLAS workspaces:
-    # never below the meter, and within 10 % plus workspace on this small step.
-    assert meter.allocator_peak_bytes >= meter.peak_bytes * 0.99
+    # Every byte the meter counts is an allocator block (rounded up to 512 B), so the
+    # allocator's peak is never below the meter's; above it only by rounding and the
+    # cuBLAS workspace the first matmul allocates.
+    assert meter.peak_bytes <= meter.allocator_peak_bytes <= meter.peak_bytes + 128 * (1 << 20)

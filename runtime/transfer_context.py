@@ -1,0 +1,366 @@
+"""``TransferRuntime``: the state behind the ``hyper_offload::`` transfer ops.
+
+The custom ops of :mod:`~hyper_offload.runtime.ops` are stateless functions in a graph;
+the transfers they start, the host buffers they fill and the rules they enforce live
+here, in an object the caller owns and makes current for a step::
+
+    with TransferRuntime(pool=PinnedMemoryPool(config.max_host_bytes)):
+        loss = compiled_model(x)
+        loss.backward()
+
+"Current" is a :class:`contextvars.ContextVar`: no module-level mutable state, threads
+that do not inherit the context see no runtime, and the compiled backward, which the
+autograd engine may run on a device thread, still sees it (AOTAutograd re-enters the
+caller's context there). Hand-written eager backward code that the engine runs on a
+device thread does not see it; call the ops from compiled graphs or the calling thread.
+
+State machine of one host copy (keyed by the host buffer's storage)::
+
+    copy_d2h ──► FILLING ──wait_transfer──► VALID ──release_host──► RELEASED
+                    └──────────── copy_h2d allowed from FILLING or VALID ──┘ (not RELEASED)
+
+and of one transfer: started by ``copy_d2h``/``copy_h2d`` (keyed by its destination's
+storage), ended by exactly one ``wait_transfer``. Every violation raises
+:class:`TransferMisuseError` naming the op, the tensor, the rule and the fix; nothing is
+changed by a call that raises.
+
+Host buffers go back to the pool on ``release_host`` gated by an event that completes
+only when every transfer that touched the buffer has completed **and** the host tensor
+handed out by ``copy_d2h`` has been dropped. The second condition keeps a released buffer
+from being handed to the next ``copy_d2h`` while a stale reference to it still exists,
+so a late ``copy_h2d``/``release_host`` on that reference is always caught as
+"released" instead of silently reading another activation's bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from contextvars import ContextVar, Token
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from .device import Transfer, TransferEngine, resolve_device
+from .errors import OffloadRuntimeError, TransferFailedError
+from .memory_meter import label_host
+from .pinned_pool import PinnedMemoryPool
+
+__all__ = [
+    "HostCopyState",
+    "TransferMisuseError",
+    "TransferRuntime",
+    "current_transfer_runtime",
+]
+
+
+class TransferMisuseError(OffloadRuntimeError):
+    """A transfer-op rule was broken (wait without a start, release twice, prefetch of a
+    released host copy, no active runtime, ...). Nothing was changed."""
+
+
+class HostCopyState(str, Enum):
+    FILLING = "FILLING"  # D2H started, not yet waited
+    VALID = "VALID"  # D2H waited: the host copy may be prefetched any number of times
+    RELEASED = "RELEASED"  # returned to the pool; any further use is an error
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+_CURRENT: ContextVar[TransferRuntime | None] = ContextVar(
+    "hyper_offload_transfer_runtime", default=None
+)
+
+
+def current_transfer_runtime(op: str = "hyper_offload transfer op") -> TransferRuntime:
+    """The runtime made current by ``with TransferRuntime(...)``; raises if there is none."""
+    runtime = _CURRENT.get()
+    if runtime is None:
+        raise TransferMisuseError(
+            f"{op}: no TransferRuntime is active in this context. Rule: transfer ops run "
+            "inside `with TransferRuntime(pool=...)`, which owns the copy engines and the "
+            "host pool. Fix: wrap the step (forward and backward) in that block"
+        )
+    return runtime
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
+
+
+@dataclass(eq=False)
+class _HostCopy:
+    """One host copy made by ``copy_d2h``. ``buffer`` is the pool buffer (dropped once
+    released); ``transfers`` every copy that touched it (its release waits for all)."""
+
+    buffer: torch.Tensor | None
+    state: HostCopyState
+    transfers: list[Transfer] = field(default_factory=list)
+    views: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    """Every tensor object on the buffer that the ops handed out or were given."""
+    storage: weakref.ref[torch.UntypedStorage] | None = None
+    """Set once released: drops the record when the storage dies (its id may be reused)."""
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A started transfer whose ``wait_transfer`` has not run yet. Holding ``source``
+    and ``destination`` keeps both alive until the wait, whatever the caller drops."""
+
+    op: str
+    transfer: Transfer
+    source: torch.Tensor
+    destination: torch.Tensor
+    host_key: int
+
+
+class _ReleaseGate:
+    """Completion event handed to :meth:`PinnedMemoryPool.release` (see module docstring)."""
+
+    def __init__(
+        self, transfers: Iterable[Transfer], views: Iterable[weakref.ref[torch.Tensor]]
+    ) -> None:
+        self._transfers = tuple(transfers)
+        self._views = tuple(views)
+
+    def query(self) -> bool:
+        return all(v() is None for v in self._views) and all(t.query() for t in self._transfers)
+
+
+def _watch(record: _HostCopy, tensor: torch.Tensor) -> None:
+    """Add ``tensor`` to the objects whose death opens the record's release gate."""
+    if not any(ref() is tensor for ref in record.views):
+        record.views.append(weakref.ref(tensor))
+
+
+def _key(tensor: torch.Tensor) -> int:
+    # The storage's Python object lives as long as the storage (torch preserves it), and
+    # the records below hold a tensor on it, so its id is unique while a record exists.
+    return id(tensor.untyped_storage())
+
+
+class TransferRuntime:
+    """Copy engines, host pool and in-flight transfer records for the transfer ops.
+
+    ``pool`` supplies host buffers; ``engines`` pre-supplies a :class:`TransferEngine` per
+    device (others are created on first use). The runtime may be entered several times
+    (e.g. once per step); state carries over. Leaving the block synchronizes every
+    transfer still in flight; leaving it normally with transfers never waited raises.
+    """
+
+    def __init__(self, *, pool: PinnedMemoryPool, engines: Iterable[TransferEngine] = ()) -> None:
+        self.pool = pool
+        self._engines: dict[torch.device, TransferEngine] = {e.device: e for e in engines}
+        self._lock = threading.RLock()
+        self._pending: dict[int, _Pending] = {}
+        self._hosts: dict[int, _HostCopy] = {}
+        self._tokens: list[Token[TransferRuntime | None]] = []
+
+    # ------------------------------------------------------------------ context
+
+    def __enter__(self) -> TransferRuntime:
+        self._tokens.append(_CURRENT.set(self))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        _CURRENT.reset(self._tokens.pop())
+        with self._lock:
+            leftover = list(self._pending.values())
+            self._pending.clear()
+        for pending in leftover:
+            pending.transfer.synchronize()  # nothing stays in flight past the block
+        if leftover and exc_type is None:
+            started = ", ".join(f"{p.op}→{_describe(p.destination)}" for p in leftover)
+            raise TransferMisuseError(
+                f"TransferRuntime exit: {len(leftover)} transfer(s) were started but never "
+                f"waited ({started}). Rule: every copy_d2h/copy_h2d is followed by one "
+                "wait_transfer on its result. They were synchronized; fix the lowering"
+            )
+
+    # ------------------------------------------------------------------ ops
+
+    def engine(self, device: torch.device | str) -> TransferEngine:
+        """The engine copying to and from ``device`` (created on first use)."""
+        resolved = resolve_device(device)
+        with self._lock:
+            if resolved not in self._engines:
+                self._engines[resolved] = TransferEngine(resolved)
+            return self._engines[resolved]
+
+    def copy_d2h(
+        self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Start copying ``src`` into a pool buffer laid out as ``shape``/``stride`` (a
+        dense layout, see ``ops.dense_layout``); returns the host tensor, readable after
+        ``wait_transfer``."""
+        nbytes = src.numel() * src.element_size()
+        buffer = self.pool.acquire(nbytes)
+        host = buffer[:nbytes].view(src.dtype).as_strided(shape, stride)
+        label_host(host)
+        try:
+            transfer = self.engine(src.device).d2h(src, host)
+        except Exception as exc:
+            self.pool.release(buffer)
+            raise TransferFailedError(
+                f"hyper_offload::copy_d2h of {_describe(src)} failed; the device tensor is "
+                "untouched and still the valid copy, the host buffer went back to the pool"
+            ) from exc
+        key = _key(host)
+        with self._lock:
+            self._hosts[key] = _HostCopy(
+                buffer, HostCopyState.FILLING, [transfer], [weakref.ref(host)]
+            )
+            self._pending[key] = _Pending("copy_d2h", transfer, src, host, key)
+        return host
+
+    def copy_h2d(
+        self,
+        host: torch.Tensor,
+        device: torch.device,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+    ) -> torch.Tensor:
+        """Start copying host copy ``host`` into a fresh ``device`` tensor laid out as
+        ``shape``/``stride``; returns it, readable after ``wait_transfer``."""
+        host_key = _key(host)
+        with self._lock:
+            record = self._host_record("hyper_offload::copy_h2d", host)
+            if record.state is HostCopyState.RELEASED:
+                raise TransferMisuseError(
+                    f"hyper_offload::copy_h2d: the host copy {_describe(host)} was already "
+                    "released. Rule: a host copy may be prefetched only until release_host; "
+                    "its buffer may now hold another activation. Fix: move release_host "
+                    "after the last copy_h2d of this host copy"
+                )
+            _watch(record, host)
+            after = [
+                p.transfer
+                for p in self._pending.values()
+                if p.host_key == host_key and p.op == "copy_d2h"
+            ]
+        device_tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
+        try:
+            transfer = self.engine(device).h2d(host, device_tensor, after=after)
+        except Exception as exc:
+            raise TransferFailedError(
+                f"hyper_offload::copy_h2d of {_describe(host)} to {device} failed; the host "
+                "copy is untouched and still valid, nothing is in flight"
+            ) from exc
+        with self._lock:
+            record.transfers.append(transfer)
+            self._pending[_key(device_tensor)] = _Pending(
+                "copy_h2d", transfer, host, device_tensor, host_key
+            )
+        return device_tensor
+
+    def wait_transfer(self, tensor: torch.Tensor, keepalive: torch.Tensor | None) -> None:
+        """Make the compute stream wait for the transfer whose destination is ``tensor``."""
+        key = _key(tensor)
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                raise TransferMisuseError(
+                    f"hyper_offload::wait_transfer: no transfer into {_describe(tensor)} is "
+                    "pending; it was never started, or was already waited. Rule: each "
+                    "copy_d2h/copy_h2d result is waited exactly once. Fix: pass the tensor "
+                    "returned by copy_d2h or copy_h2d, once"
+                )
+            if keepalive is not None and _key(keepalive) != _key(pending.source):
+                raise TransferMisuseError(
+                    f"hyper_offload::wait_transfer: keepalive {_describe(keepalive)} is not "
+                    f"the source of the {pending.op} into {_describe(tensor)}. Rule: the "
+                    "keepalive is the tensor being copied, so that it outlives the copy. "
+                    "Fix: pass the argument given to the matching copy op"
+                )
+            del self._pending[key]
+        pending.transfer.wait()
+        if pending.op == "copy_d2h":
+            with self._lock:
+                record = self._hosts[pending.host_key]
+                record.state = HostCopyState.VALID
+                _watch(record, tensor)
+
+    def release_host(self, host: torch.Tensor) -> None:
+        """Return the buffer of host copy ``host`` to the pool once no copy touches it."""
+        host_key = _key(host)
+        with self._lock:
+            record = self._host_record("hyper_offload::release_host", host)
+            if record.state is HostCopyState.RELEASED:
+                raise TransferMisuseError(
+                    f"hyper_offload::release_host: the host copy {_describe(host)} was already "
+                    "released. Rule: each host copy is released exactly once. Fix: remove "
+                    "the second release_host"
+                )
+            if record.state is HostCopyState.FILLING:
+                raise TransferMisuseError(
+                    f"hyper_offload::release_host: the copy_d2h into {_describe(host)} was "
+                    "never waited. Rule: a host copy is released only after its D2H was "
+                    "waited. Fix: call wait_transfer(host, keepalive=source) first"
+                )
+            _watch(record, host)
+            buffer, record.buffer = record.buffer, None
+            record.state = HostCopyState.RELEASED
+            record.storage = weakref.ref(
+                host.untyped_storage(), self._forget_host_callback(host_key)
+            )
+            gate = _ReleaseGate(record.transfers, record.views)
+            record.transfers, record.views = [], []
+        assert buffer is not None
+        self.pool.release(buffer, gate)
+
+    # ------------------------------------------------------------------ inspection
+
+    def host_state(self, host: torch.Tensor) -> HostCopyState | None:
+        """State of the host copy ``host`` belongs to, or None if this runtime never made it."""
+        with self._lock:
+            record = self._hosts.get(_key(host))
+            return None if record is None else record.state
+
+    @property
+    def transfers_pending(self) -> int:
+        """Transfers started and not yet waited."""
+        with self._lock:
+            return len(self._pending)
+
+    def synchronize(self) -> None:
+        """Block until every started transfer has completed (records stay pending)."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for p in pending:
+            p.transfer.synchronize()
+
+    def _forget_host_callback(self, key: int) -> Any:
+        # Weak in the runtime: a callback must not keep a finished runtime alive.
+        runtime_ref = weakref.ref(self)
+
+        def forget(_: weakref.ref[torch.UntypedStorage]) -> None:
+            runtime = runtime_ref()
+            if runtime is None:
+                return
+            with runtime._lock:
+                record = runtime._hosts.get(key)
+                if record is not None and record.state is HostCopyState.RELEASED:
+                    del runtime._hosts[key]
+
+        return forget
+
+    def _host_record(self, op: str, host: torch.Tensor) -> _HostCopy:
+        # Caller holds the lock.
+        record = self._hosts.get(_key(host))
+        if record is None:
+            raise TransferMisuseError(
+                f"{op}: {_describe(host)} is not a host copy made by copy_d2h in this "
+                "TransferRuntime. Rule: only tensors returned by copy_d2h are host copies. "
+                "Fix: pass the result of copy_d2h (after its wait_transfer)"
+            )
+        return record
+
+    def __repr__(self) -> str:
+        with self._lock:
+            live = sum(r.state is not HostCopyState.RELEASED for r in self._hosts.values())
+            pending = len(self._pending)
+        return f"TransferRuntime(pending={pending}, host_copies={live}, pool={self.pool!r})"

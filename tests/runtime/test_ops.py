@@ -1,0 +1,448 @@
+"""Transfer custom ops: schemas, tracing, DCE, round trips, keepalive, every misuse."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from hyper_offload.runtime import ops
+from hyper_offload.runtime.device import TransferEngine
+from hyper_offload.runtime.errors import TransferFailedError
+from hyper_offload.runtime.memory_meter import DeviceMemoryMeter
+from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
+from hyper_offload.runtime.transfer_context import (
+    HostCopyState,
+    TransferMisuseError,
+    TransferRuntime,
+    current_transfer_runtime,
+)
+
+ROUND_TRIP = [ops.COPY_D2H, ops.WAIT_TRANSFER, ops.COPY_H2D, ops.WAIT_TRANSFER, ops.RELEASE_HOST]
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """offload → wait → prefetch → wait → release, as the FX lowering emits it."""
+    act = x.sin()
+    host = ops.wait_transfer(ops.copy_d2h(act), keepalive=act)
+    back = ops.wait_transfer(ops.copy_h2d(host, x.device), keepalive=host)
+    ops.release_host(host, after=back)
+    return back * 2
+
+
+@pytest.fixture
+def runtime() -> TransferRuntime:
+    with TransferRuntime(pool=PinnedMemoryPool(64 << 20)) as rt:
+        yield rt
+
+
+def transfer_nodes(gm: torch.fx.GraphModule) -> list[object]:
+    return [
+        n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in ops.TRANSFER_OPS
+    ]
+
+
+# ---------------------------------------------------------------- declarations
+
+
+def test_schemas_declare_exactly_what_the_ops_do() -> None:
+    assert [str(op._schema) for op in ops.TRANSFER_OPS] == [
+        "hyper_offload::copy_d2h(Tensor src) -> Tensor",
+        "hyper_offload::copy_h2d(Tensor host, Device device) -> Tensor",
+        "hyper_offload::wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)",
+        "hyper_offload::release_host(Tensor host, Tensor? after=None) -> ()",
+    ]
+    for op in ops.TRANSFER_OPS:
+        assert not op._schema.is_mutable  # nothing is written in place
+    # Only the wait aliases, and only its first argument: it returns that very tensor.
+    wait_schema = ops.WAIT_TRANSFER._schema
+    assert (
+        wait_schema.returns[0].alias_info.before_set
+        == wait_schema.arguments[0].alias_info.before_set
+    )
+    assert wait_schema.arguments[1].alias_info is None
+
+
+def test_the_wait_returns_its_input_and_the_copies_return_new_storage(
+    runtime: TransferRuntime,
+) -> None:
+    src = torch.ones(4)
+    host = ops.copy_d2h(src)
+    assert ops.wait_transfer(host, src) is host
+    back = ops.copy_h2d(host, "cpu")
+    assert back.untyped_storage().data_ptr() not in (
+        host.untyped_storage().data_ptr(),
+        src.untyped_storage().data_ptr(),
+    )
+    assert ops.wait_transfer(back, host) is back
+    ops.release_host(host, back)
+
+
+def test_fake_kernels_give_layout_and_device_without_a_runtime() -> None:
+    with FakeTensorMode():
+        act = torch.empty(4, 3, dtype=torch.bfloat16, device="cuda").t()  # fake: no GPU needed
+        host = ops.copy_d2h(act)
+        back = ops.copy_h2d(ops.wait_transfer(host, act), "cuda")
+        waited = ops.wait_transfer(back, host)
+        assert ops.release_host(host, waited) is None
+    assert (host.device.type, host.shape, host.stride(), host.dtype) == (
+        "cpu",
+        (3, 4),
+        (1, 3),
+        torch.bfloat16,
+    )
+    assert (back.device.type, back.shape, back.stride()) == ("cuda", (3, 4), (1, 3))
+    assert waited.device == back.device and waited.shape == back.shape
+
+
+def test_make_fx_graph_holds_the_ops_in_order_with_keepalive_edges() -> None:
+    gm = make_fx(round_trip, tracing_mode="fake")(torch.randn(4, 3))
+    assert transfer_nodes(gm) == ROUND_TRIP
+    nodes = {n.name: n for n in gm.graph.nodes}
+    # The activation's last use is the D2H wait: that edge is what keeps it alive.
+    assert list(nodes["sin"].users) == [nodes["copy_d2h"], nodes["wait_transfer"]]
+    assert nodes["wait_transfer"].args == (nodes["copy_d2h"], nodes["sin"])
+    assert nodes["wait_transfer_1"].args == (nodes["copy_h2d"], nodes["wait_transfer"])
+    assert nodes["release_host"].args == (nodes["wait_transfer"], nodes["wait_transfer_1"])
+
+
+def test_dead_code_elimination_keeps_every_transfer_op() -> None:
+    def results_unused(x: torch.Tensor) -> torch.Tensor:
+        host = ops.copy_d2h(x)
+        ops.wait_transfer(host, x)  # result unused: only the side effect matters
+        back = ops.copy_h2d(host, x.device)
+        ops.wait_transfer(back, host)
+        ops.release_host(host)
+        x.cos()  # a pure op nobody uses: DCE must remove this one
+        return x + 1
+
+    gm = make_fx(results_unused, tracing_mode="fake")(torch.randn(8))
+    assert any(n.target is torch.ops.aten.cos.default for n in gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    assert not any(n.target is torch.ops.aten.cos.default for n in gm.graph.nodes)
+    assert transfer_nodes(gm) == ROUND_TRIP
+
+
+def test_functionalized_graph_feeds_readers_from_the_wait() -> None:
+    """AOTAutograd functionalizes: the aliasing wait must survive it, and every reader of
+    a transferred tensor must read the wait's output, never the copy's."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, _: object) -> object:
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    with TransferRuntime(pool=PinnedMemoryPool(1 << 20)):
+        aot_function(round_trip, fw_compiler=keep)(torch.randn(4, 3))
+    (gm,) = graphs
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    waits = [n for n in nodes if n.target is ops.WAIT_TRANSFER]
+    assert len(waits) == 2
+    d2h_wait, h2d_wait = waits
+    copy_h2d = next(
+        n for n in nodes if len(n.args) > 1 and n.args[1] is ops.COPY_H2D
+    )  # in with_effects
+    assert copy_h2d.args[2] is d2h_wait  # prefetch reads the waited host copy
+    mul = next(n for n in nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert mul.args[0] is h2d_wait  # compute reads the waited device tensor
+
+
+# ---------------------------------------------------------------- real kernels on CPU
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from(
+        [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.complex64]
+    ),
+    shape=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    layout=st.sampled_from(["contiguous", "transposed", "strided"]),
+)
+def test_round_trip_is_bit_identical_and_real_layout_matches_fake(
+    dtype: torch.dtype, shape: list[int], layout: str
+) -> None:
+    src = torch.randn(shape, dtype=torch.float64).mul(1e3).to(dtype)
+    if layout == "transposed":
+        src = src.transpose(0, -1)
+    elif layout == "strided":
+        src = src[..., ::2]  # not dense: the host copy is packed
+    with FakeTensorMode() as mode:
+        fake_host = ops.copy_d2h(mode.from_tensor(src))
+        fake_back = ops.copy_h2d(fake_host, "cpu")
+    with TransferRuntime(pool=PinnedMemoryPool(1 << 20)) as rt:
+        host = ops.wait_transfer(ops.copy_d2h(src), src)
+        back = ops.wait_transfer(ops.copy_h2d(host, "cpu"), host)
+        assert torch.equal(host, src) and torch.equal(back, src)
+        for real, fake in ((host, fake_host), (back, fake_back)):
+            assert (real.shape, real.stride(), real.dtype) == (
+                fake.shape,
+                fake.stride(),
+                fake.dtype,
+            )
+        assert back.stride() == host.stride() == ops.dense_layout(src)[1]
+        if layout != "strided" and src.numel() > 0:
+            assert host.stride() == src.stride()  # dense layouts travel unchanged
+        assert (
+            back.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+            or src.numel() == 0
+        )
+        ops.release_host(host, back)
+        assert rt.host_state(host) is HostCopyState.RELEASED
+
+
+def test_dense_layout_keeps_dense_strides_and_packs_the_rest_row_major() -> None:
+    base = torch.empty(4, 6)
+    assert ops.dense_layout(base.t()) == ((6, 4), (1, 6))  # transposed: kept
+    assert ops.dense_layout(base[:, ::2]) == ((4, 3), (3, 1))  # gaps: packed
+    assert ops.dense_layout(base[:1].expand(3, 6)) == ((3, 6), (6, 1))  # overlap: packed
+    assert ops.dense_layout(base[:1]) == ((1, 6), (6, 1))  # size-1 dims: stride kept
+    assert ops.dense_layout(base[:, :1]) == ((4, 1), (1, 1))  # a column: gaps, packed
+    assert ops.dense_layout(torch.empty(0)[::2]) == ((0,), (1,))  # empty: row-major
+    assert ops.dense_layout(torch.tensor(3.0)) == ((), ())
+
+
+def test_torch_compile_aot_eager_gives_identical_values_and_gradients(
+    runtime: TransferRuntime,
+) -> None:
+    x = torch.randn(16, 8)
+    compiled = torch.compile(round_trip, backend="aot_eager", fullgraph=True)
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = round_trip(x_eager)
+    got = compiled(x_compiled)
+    expected.sum().backward()
+    got.sum().backward()
+    assert torch.equal(got, expected) and torch.equal(x_compiled.grad, x_eager.grad)
+    assert torch.equal(got, x.sin() * 2)
+    stats = runtime.pool.stats()
+    assert stats.hits + stats.misses == 2  # both runs really offloaded (nothing was eliminated)
+    assert stats.buffers_in_use == 0 and runtime.transfers_pending == 0
+
+
+def test_keepalive_source_lives_until_its_wait(runtime: TransferRuntime) -> None:
+    src = torch.randn(1000)
+    expected = src.clone()
+    storage_ref = weakref.ref(src.untyped_storage())
+    host = ops.copy_d2h(src)
+    del src
+    gc.collect()
+    assert storage_ref() is not None, "the source died while its transfer was pending"
+    ops.wait_transfer(host)
+    gc.collect()
+    assert storage_ref() is None, "the runtime kept the source after the wait"
+    assert torch.equal(host, expected)
+    ops.release_host(host)
+
+
+def test_host_copies_are_labelled_host_for_the_meter(runtime: TransferRuntime) -> None:
+    meter = DeviceMemoryMeter("cpu")
+    with meter:
+        act = torch.ones(256)  # 1 KiB of "device" memory
+        host = ops.wait_transfer(ops.copy_d2h(act), act)
+        after_offload = meter.live_bytes
+        del act
+        after_free = meter.live_bytes
+        back = ops.wait_transfer(ops.copy_h2d(host, "cpu"), host)
+        after_prefetch = meter.live_bytes
+        ops.release_host(host, back)
+    assert (after_offload, after_free, after_prefetch) == (1024, 0, 1024)
+    del back
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["plain", "autograd"])
+def test_released_buffer_is_not_reused_while_a_stale_reference_exists(
+    runtime: TransferRuntime, requires_grad: bool
+) -> None:
+    pool = runtime.pool
+    # Under autograd the wait returns a new tensor object on the same buffer, and the
+    # copy's own result can die first: any live object on the buffer must hold it back.
+    first = ops.wait_transfer(ops.copy_d2h(torch.ones(16, requires_grad=requires_grad)))
+    assert first.requires_grad is requires_grad
+    ops.release_host(first)
+    second = ops.wait_transfer(ops.copy_d2h(torch.zeros(16)))
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    with pytest.raises(TransferMisuseError, match="already released"):
+        ops.copy_h2d(first, "cpu")  # still detected: the buffer was not handed out again
+    del first
+    ops.release_host(second)
+    del second
+    third = ops.wait_transfer(ops.copy_d2h(torch.ones(16)))
+    assert pool.stats().hits == 1  # once every reference is gone, buffers are reused
+    ops.release_host(third)
+
+
+# ---------------------------------------------------------------- misuse
+
+
+def test_ops_without_a_runtime_raise_naming_the_fix() -> None:
+    with pytest.raises(
+        TransferMisuseError, match=r"copy_d2h: no TransferRuntime is active.*wrap the step"
+    ):
+        ops.copy_d2h(torch.ones(2))
+    with pytest.raises(TransferMisuseError, match="no TransferRuntime is active"):
+        current_transfer_runtime()
+
+
+def test_runtime_is_scoped_to_its_context_not_to_other_threads(runtime: TransferRuntime) -> None:
+    assert current_transfer_runtime() is runtime
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        try:
+            ops.copy_d2h(torch.ones(2))
+        except TransferMisuseError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and runtime.transfers_pending == 0
+
+
+def test_nested_runtimes_shadow_and_restore(runtime: TransferRuntime) -> None:
+    inner = TransferRuntime(pool=PinnedMemoryPool(1 << 20))
+    with inner:
+        assert current_transfer_runtime() is inner
+        host = ops.wait_transfer(ops.copy_d2h(torch.ones(2)))
+        assert inner.host_state(host) is HostCopyState.VALID
+        assert runtime.host_state(host) is None  # the outer runtime never saw it
+        ops.release_host(host)
+    assert current_transfer_runtime() is runtime
+
+
+def test_waiting_on_something_never_started_or_twice(runtime: TransferRuntime) -> None:
+    with pytest.raises(TransferMisuseError, match="never started, or was already waited"):
+        ops.wait_transfer(torch.ones(3))
+    src = torch.ones(3)
+    host = ops.copy_d2h(src)
+    ops.wait_transfer(host, src)
+    with pytest.raises(TransferMisuseError, match="never started, or was already waited"):
+        ops.wait_transfer(host, src)
+    ops.release_host(host)
+
+
+def test_keepalive_must_be_the_source(runtime: TransferRuntime) -> None:
+    src = torch.ones(3)
+    host = ops.copy_d2h(src)
+    with pytest.raises(TransferMisuseError, match="keepalive .* is not the source of the copy_d2h"):
+        ops.wait_transfer(host, keepalive=torch.ones(3))
+    assert runtime.transfers_pending == 1  # the failed call changed nothing
+    ops.wait_transfer(host, keepalive=src[1:])  # any view of the source is the source
+    ops.release_host(host)
+
+
+def test_releasing_twice(runtime: TransferRuntime) -> None:
+    host = ops.wait_transfer(ops.copy_d2h(torch.ones(3)))
+    ops.release_host(host)
+    with pytest.raises(TransferMisuseError, match="already released.*released exactly once"):
+        ops.release_host(host)
+    assert runtime.pool.stats().pending_releases == 1  # released once, not twice
+
+
+def test_prefetching_a_released_host_copy(runtime: TransferRuntime) -> None:
+    host = ops.wait_transfer(ops.copy_d2h(torch.ones(3)))
+    ops.release_host(host)
+    with pytest.raises(
+        TransferMisuseError, match="copy_h2d: the host copy .* was already released"
+    ):
+        ops.copy_h2d(host, "cpu")
+    assert runtime.transfers_pending == 0
+
+
+def test_releasing_before_the_d2h_was_waited(runtime: TransferRuntime) -> None:
+    src = torch.ones(3)
+    host = ops.copy_d2h(src)
+    with pytest.raises(
+        TransferMisuseError, match="never waited.*wait_transfer\\(host, keepalive=source\\)"
+    ):
+        ops.release_host(host)
+    assert runtime.host_state(host) is HostCopyState.FILLING
+    ops.wait_transfer(host, src)
+    ops.release_host(host)
+
+
+def test_prefetching_or_releasing_a_tensor_that_is_not_a_host_copy(
+    runtime: TransferRuntime,
+) -> None:
+    with pytest.raises(
+        TransferMisuseError, match="copy_h2d: .* is not a host copy made by copy_d2h"
+    ):
+        ops.copy_h2d(torch.ones(3), "cpu")
+    with pytest.raises(TransferMisuseError, match="release_host: .* is not a host copy"):
+        ops.release_host(torch.ones(3))
+
+
+def test_prefetch_from_a_filling_host_copy_is_ordered_after_the_d2h(
+    runtime: TransferRuntime,
+) -> None:
+    src = torch.arange(10.0)
+    host = ops.copy_d2h(src)
+    back = ops.wait_transfer(ops.copy_h2d(host, "cpu"), host)
+    ops.wait_transfer(host, src)
+    assert torch.equal(back, src)
+    ops.release_host(host, back)
+
+
+def test_leaving_the_block_with_unwaited_transfers_raises_and_drains() -> None:
+    rt = TransferRuntime(pool=PinnedMemoryPool(1 << 20))
+    with pytest.raises(TransferMisuseError, match=r"1 transfer\(s\) were started but never waited"):
+        with rt:
+            ops.copy_d2h(torch.ones(4))
+    assert rt.transfers_pending == 0
+    with pytest.raises(ValueError, match="boom"):  # an exception in the block is not masked
+        with rt:
+            ops.copy_d2h(torch.ones(4))
+            raise ValueError("boom")
+    assert rt.transfers_pending == 0
+
+
+class _FlakyEngine(TransferEngine):
+    """A CPU engine whose next copy in one direction fails, as a broken DMA would."""
+
+    def __init__(self, fail: str) -> None:
+        super().__init__("cpu")
+        self.fail = fail
+
+    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, **kw: object):  # noqa: ANN201
+        if self.fail == "d2h":
+            self.fail = ""
+            raise RuntimeError("injected D2H failure")
+        return super().d2h(src, dst_host, **kw)
+
+    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, **kw: object):  # noqa: ANN201
+        if self.fail == "h2d":
+            self.fail = ""
+            raise RuntimeError("injected H2D failure")
+        return super().h2d(src_host, dst, **kw)
+
+
+def test_a_failing_d2h_returns_the_buffer_and_leaves_nothing_in_flight() -> None:
+    pool = PinnedMemoryPool(1 << 20)
+    with TransferRuntime(pool=pool, engines=[_FlakyEngine("d2h")]) as rt:
+        with pytest.raises(TransferFailedError, match="device tensor is untouched") as info:
+            ops.copy_d2h(torch.ones(8))
+        assert "injected D2H failure" in str(info.value.__cause__)
+        assert rt.transfers_pending == 0 and pool.stats().buffers_in_use == 0
+        host = ops.wait_transfer(ops.copy_d2h(torch.ones(8)))  # the next try works
+        ops.release_host(host)
+
+
+def test_a_failing_h2d_keeps_the_host_copy_valid() -> None:
+    with TransferRuntime(pool=PinnedMemoryPool(1 << 20), engines=[_FlakyEngine("h2d")]) as rt:
+        src = torch.arange(8.0)
+        host = ops.wait_transfer(ops.copy_d2h(src), src)
+        with pytest.raises(TransferFailedError, match="host copy is untouched and still valid"):
+            ops.copy_h2d(host, "cpu")
+        assert rt.transfers_pending == 0 and rt.host_state(host) is HostCopyState.VALID
+        back = ops.wait_transfer(ops.copy_h2d(host, "cpu"), host)
+        assert torch.equal(back, src)
+        ops.release_host(host, back)
