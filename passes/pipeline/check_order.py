@@ -1,0 +1,320 @@
+"""check_order: the one validator for rank-local pipeline orders with swap steps.
+
+It re-derives everything from the order itself (it does not call the swap pass), so it
+judges the pass rather than repeating it. Rules (:class:`OrderRule`):
+
+* every chosen chunk has exactly its four swap steps, in the order LAUNCH_OFFLOAD,
+  WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD; nothing is swapped for other chunks. The chosen set
+  is ``swapped`` when given (it must hold eligible chunks only), else every eligible chunk
+  (``gap >= min_gap``, gaps counted in compute slots, a composite counting once);
+* SWAP_LAUNCH_OFFLOAD comes after the chunk's forward slot, and at least one compute slot
+  lies between it and SWAP_WAIT_OFFLOAD;
+* SWAP_WAIT_LOAD comes before the chunk's first backward consumer (BWD or BWD_INPUT), and
+  the next compute slot after it is that consumer's slot — a BWD_WEIGHT never loads;
+* no swap step sits inside a container (BATCH_SEND_RECV or OVERLAP composite);
+* with FSDP on the stage: when an FSDP_UNSHARD of the stage after SWAP_WAIT_OFFLOAD feeds the
+  consumer (no compute of the stage in between), the order is SWAP_LAUNCH_LOAD →
+  FSDP_UNSHARD → SWAP_WAIT_LOAD → consumer; when the stage stays unsharded, no compute slot
+  lies between SWAP_LAUNCH_LOAD and SWAP_WAIT_LOAD (the load is not brought back early);
+* given the ``reference`` order the swap pass started from: the P2P send/recv sequence
+  (containers included) is unchanged, and removing the swap steps gives ``reference`` back.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Collection, Sequence
+from enum import Enum
+from typing import NamedTuple
+
+from .meta_step import SWAP_SEQUENCE, MetaStep, StepFormatError, StepKind, validate_step
+from .swap import MIN_SWAP_GAP  # the default threshold only; the rules are re-derived here
+
+
+class OrderRule(str, Enum):
+    MALFORMED_STEP = "malformed-step"
+    SWAP_IN_CONTAINER = "swap-step-in-container"
+    UNKNOWN_CHUNK = "swap-for-unknown-chunk"
+    CHOSEN_INELIGIBLE = "chosen-chunk-ineligible"
+    NOT_CHOSEN_SWAPPED = "swapped-chunk-not-chosen"
+    MISSING_SWAP_STEP = "missing-swap-step"
+    DUPLICATE_SWAP_STEP = "duplicate-swap-step"
+    SWAP_STEP_ORDER = "swap-steps-out-of-order"
+    OFFLOAD_BEFORE_FORWARD = "offload-before-forward"
+    OFFLOAD_NOT_COVERED = "wait-offload-without-compute"
+    LOAD_AFTER_CONSUMER = "wait-load-after-consumer"
+    LOAD_NOT_AT_CONSUMER = "wait-load-not-before-consumer"
+    WEIGHT_LOADS = "bwd-weight-loads"
+    FSDP_LOAD_ORDER = "fsdp-load-order"
+    P2P_ORDER_CHANGED = "p2p-order-changed"
+    ORDER_CHANGED = "order-changed-by-swap"
+    # cross-rank rules, reported by execution.check_execution
+    DEPENDENCY = "input-not-ready"
+    NOT_UNSHARDED = "compute-on-sharded-stage"
+    DEADLOCK = "deadlock"
+    UNMATCHED_P2P = "unmatched-p2p"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+class OrderViolation(NamedTuple):
+    """One broken rule: where (rank, top-level step index, stage, micro-batch) and why."""
+
+    rank: int | None
+    step: int
+    stage: int | None
+    micro: int | None
+    rule: OrderRule
+    message: str
+
+    def __str__(self) -> str:
+        where = f"rank {self.rank}, step {self.step} (stage {self.stage}, micro {self.micro})"
+        return f"{where}: [{self.rule.value}] {self.message}"
+
+
+class OrderError(ValueError):
+    """Raised by :func:`assert_valid_order`; ``violations`` holds every broken rule."""
+
+    def __init__(self, message: str, violations: Sequence[OrderViolation]) -> None:
+        super().__init__(message)
+        self.violations = list(violations)
+
+
+_Where = tuple[int | None, int | None]  # (stage, micro)
+_Report = Callable[[int, _Where, OrderRule, str], None]
+
+
+class _Chunk(NamedTuple):
+    forward_slot: int
+    forward_pos: int
+    consumer_slot: int
+    consumer_pos: int
+
+
+def check_order(
+    order: Sequence[MetaStep],
+    *,
+    rank: int | None = None,
+    min_gap: int = MIN_SWAP_GAP,
+    swapped: Collection[tuple[int, int]] | None = None,
+    reference: Sequence[MetaStep] | None = None,
+) -> list[OrderViolation]:
+    """Every violation of the rules in the module docstring, in step order."""
+    out: list[OrderViolation] = []
+
+    def report(step: int, chunk: _Where, rule: OrderRule, message: str) -> None:
+        out.append(OrderViolation(rank, step, chunk[0], chunk[1], rule, message))
+
+    _check_structure(order, report)
+    slot_of = _slot_index(order)
+    chunks, weights = _pair_chunks(order, slot_of)
+    eligible = {k for k, c in chunks.items() if c.consumer_slot - c.forward_slot >= min_gap}
+    chosen = eligible if swapped is None else {tuple(k) for k in swapped}
+    for key in sorted(chosen - eligible):
+        where = chunks[key].forward_pos if key in chunks else 0
+        gap = chunks[key].consumer_slot - chunks[key].forward_slot if key in chunks else None
+        report(where, key, OrderRule.CHOSEN_INELIGIBLE,
+               f"chunk is in the chosen set but is not eligible (gap {gap}, min_gap {min_gap})")
+
+    steps_of: dict[tuple[int, int], dict[StepKind, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for pos, step in enumerate(order):
+        if step.is_swap and step.chunk is not None:
+            steps_of[step.chunk][step.kind].append(pos)
+    for key, by_kind in sorted(steps_of.items()):
+        first = min(p for ps in by_kind.values() for p in ps)
+        if key not in chunks:
+            report(first, key, OrderRule.UNKNOWN_CHUNK,
+                   "swap step for a chunk without a forward and a backward consumer on this rank; remove it")
+        elif key not in chosen:
+            rule = OrderRule.NOT_CHOSEN_SWAPPED
+            why = "eligible but not in the chosen set" if key in eligible else "not eligible (gap < min_gap)"
+            report(first, key, rule, f"chunk has swap steps but is {why}; it must stay resident")
+    for key in sorted(chosen & set(chunks)):
+        _check_chunk(order, key, chunks[key], steps_of.get(key, {}), weights.get(key, []), slot_of, report)
+    if reference is not None:
+        _check_reference(order, reference, report)
+    return sorted(out, key=lambda v: v.step)
+
+
+def assert_valid_order(
+    order: Sequence[MetaStep],
+    *,
+    rank: int | None = None,
+    min_gap: int = MIN_SWAP_GAP,
+    swapped: Collection[tuple[int, int]] | None = None,
+    reference: Sequence[MetaStep] | None = None,
+) -> None:
+    """Raise :class:`OrderError` listing every violation, with the order printed as a table."""
+    violations = check_order(order, rank=rank, min_gap=min_gap, swapped=swapped, reference=reference)
+    if not violations:
+        return
+    lines = [f"rank {rank}: {len(violations)} pipeline-order violation(s):"]
+    lines += [f"  {v}" for v in violations]
+    lines += ["", "Fix the pass that produced the order (or the expected swapped set). Order:"]
+    lines.append(format_order_table(order, violations))
+    raise OrderError("\n".join(lines), violations)
+
+
+def format_order_table(order: Sequence[MetaStep], violations: Sequence[OrderViolation] = ()) -> str:
+    """The order as a table: step index, step, and the rules broken at that step."""
+    marks: dict[int, list[str]] = defaultdict(list)
+    for v in violations:
+        marks[v.step].append(v.rule.value)
+    width = max((len(repr(s)) for s in order), default=4)
+    digits = len(str(max(len(order) - 1, 0)))
+    rows = [f"{'step':>{max(digits, 4)}}  {'action':<{width}}"]
+    for i, step in enumerate(order):
+        note = f"  <-- {', '.join(marks[i])}" if i in marks else ""
+        rows.append(f"{i:>{max(digits, 4)}}  {repr(step):<{width}}{note}")
+    return "\n".join(rows)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _check_structure(order: Sequence[MetaStep], report: _Report) -> None:
+    for pos, step in enumerate(order):
+        inner_swaps = [leaf for leaf in step.leaves() if leaf.is_swap] if step.sub_steps else []
+        for leaf in inner_swaps:
+            report(pos, (leaf.stage, leaf.micro), OrderRule.SWAP_IN_CONTAINER,
+                   f"{leaf!r} sits inside {step.kind.name}; swap steps go between top-level steps")
+        if inner_swaps:
+            continue
+        try:
+            validate_step(step)
+        except StepFormatError as exc:
+            report(pos, (step.stage, step.micro), OrderRule.MALFORMED_STEP, str(exc))
+
+
+def _slot_index(order: Sequence[MetaStep]) -> dict[int, int]:
+    slots: dict[int, int] = {}
+    for pos, step in enumerate(order):
+        if step.is_compute_slot:
+            slots[pos] = len(slots)
+    return slots
+
+
+def _pair_chunks(
+    order: Sequence[MetaStep], slot_of: dict[int, int]
+) -> tuple[dict[tuple[int, int], _Chunk], dict[tuple[int, int], list[int]]]:
+    """Chunks with a forward and a first backward consumer; positions of each chunk's BWD_WEIGHTs."""
+    forwards: dict[tuple[int, int], int] = {}
+    consumers: dict[tuple[int, int], int] = {}
+    weights: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for pos in slot_of:
+        for leaf in order[pos].leaves():
+            key = leaf.chunk
+            if key is None:
+                continue
+            if leaf.kind is StepKind.FWD:
+                forwards.setdefault(key, pos)
+            elif leaf.kind in (StepKind.BWD, StepKind.BWD_INPUT):
+                consumers.setdefault(key, pos)
+            elif leaf.kind is StepKind.BWD_WEIGHT:
+                weights[key].append(pos)
+    chunks = {
+        key: _Chunk(slot_of[f], f, slot_of[consumers[key]], consumers[key])
+        for key, f in forwards.items()
+        if key in consumers
+    }
+    return chunks, weights
+
+
+def _check_chunk(
+    order: Sequence[MetaStep],
+    key: tuple[int, int],
+    chunk: _Chunk,
+    by_kind: dict[StepKind, list[int]],
+    weight_positions: list[int],
+    slot_of: dict[int, int],
+    report: _Report,
+) -> None:
+    positions: dict[StepKind, int] = {}
+    for kind in SWAP_SEQUENCE:
+        found = by_kind.get(kind, [])
+        if not found:
+            report(chunk.forward_pos, key, OrderRule.MISSING_SWAP_STEP, f"chosen chunk has no {kind.name}")
+        elif len(found) > 1:
+            report(found[1], key, OrderRule.DUPLICATE_SWAP_STEP, f"{kind.name} appears {len(found)} times")
+        else:
+            positions[kind] = found[0]
+    if len(positions) != 4:
+        return
+    launch_off, wait_off, launch_load, wait_load = (positions[k] for k in SWAP_SEQUENCE)
+    if not launch_off < wait_off < launch_load < wait_load:
+        report(launch_off, key, OrderRule.SWAP_STEP_ORDER,
+               f"swap steps at {launch_off}, {wait_off}, {launch_load}, {wait_load}; expected "
+               "LAUNCH_OFFLOAD < WAIT_OFFLOAD < LAUNCH_LOAD < WAIT_LOAD")
+    if launch_off < chunk.forward_pos:
+        report(launch_off, key, OrderRule.OFFLOAD_BEFORE_FORWARD,
+               f"SWAP_LAUNCH_OFFLOAD before the forward at step {chunk.forward_pos}")
+    if not any(launch_off < p < wait_off for p in slot_of):
+        report(wait_off, key, OrderRule.OFFLOAD_NOT_COVERED,
+               "no compute slot between SWAP_LAUNCH_OFFLOAD and SWAP_WAIT_OFFLOAD")
+    if wait_load > chunk.consumer_pos:
+        report(wait_load, key, OrderRule.LOAD_AFTER_CONSUMER,
+               f"SWAP_WAIT_LOAD after the backward consumer at step {chunk.consumer_pos}")
+    else:
+        next_slot = min((p for p in slot_of if p > wait_load), default=None)
+        if next_slot in weight_positions and next_slot != chunk.consumer_pos:
+            report(wait_load, key, OrderRule.WEIGHT_LOADS,
+                   f"SWAP_WAIT_LOAD feeds the BWD_WEIGHT at step {next_slot}; only BWD / BWD_INPUT load")
+        elif next_slot != chunk.consumer_pos:
+            report(wait_load, key, OrderRule.LOAD_NOT_AT_CONSUMER,
+                   f"the next compute after SWAP_WAIT_LOAD is step {next_slot}, not the consumer at "
+                   f"step {chunk.consumer_pos}; move the wait right before the consumer")
+    _check_fsdp_load(order, key, chunk, (wait_off, launch_load, wait_load), slot_of, report)
+
+
+def _check_fsdp_load(
+    order: Sequence[MetaStep],
+    key: tuple[int, int],
+    chunk: _Chunk,
+    positions: tuple[int, int, int],
+    slot_of: dict[int, int],
+    report: _Report,
+) -> None:
+    wait_off, launch_load, wait_load = positions
+    stage = key[0]
+    if not any(s.is_fsdp and s.stage == stage for s in order):
+        return
+    feeding = None
+    for pos in range(chunk.consumer_pos - 1, wait_off, -1):
+        step = order[pos]
+        if step.kind is StepKind.FSDP_UNSHARD and step.stage == stage:
+            feeding = pos
+            break
+        if pos in slot_of and any(leaf.stage == stage for leaf in step.leaves()):
+            break
+    if feeding is not None and not launch_load < feeding < wait_load:
+        report(launch_load, key, OrderRule.FSDP_LOAD_ORDER,
+               f"expected SWAP_LAUNCH_LOAD → FSDP_UNSHARD (step {feeding}) → SWAP_WAIT_LOAD → consumer")
+    if feeding is None and any(launch_load < p < wait_load for p in slot_of):
+        report(launch_load, key, OrderRule.FSDP_LOAD_ORDER,
+               "stage stays unsharded: SWAP_LAUNCH_LOAD must follow the last compute before the consumer")
+
+
+def _p2p_sequence(order: Sequence[MetaStep]) -> list[tuple[int, MetaStep]]:
+    return [(pos, s) for pos, s in enumerate(order) if s.is_p2p]
+
+
+def _check_reference(order: Sequence[MetaStep], reference: Sequence[MetaStep], report: _Report) -> None:
+    got, want = _p2p_sequence(order), [s for s in reference if s.is_p2p]
+    for i in range(max(len(got), len(want))):
+        g = got[i][1] if i < len(got) else None
+        w = want[i] if i < len(want) else None
+        if g != w:
+            pos = got[i][0] if i < len(got) else len(order)
+            report(pos, (None, None), OrderRule.P2P_ORDER_CHANGED,
+                   f"P2P step #{i} is {g!r}, the order before the swap pass has {w!r}")
+            break
+    stripped = [(pos, s) for pos, s in enumerate(order) if not s.is_swap]
+    for i in range(max(len(stripped), len(reference))):
+        g = stripped[i][1] if i < len(stripped) else None
+        w = reference[i] if i < len(reference) else None
+        if g != w:
+            pos = stripped[i][0] if i < len(stripped) else len(order)
+            report(pos, (None, None), OrderRule.ORDER_CHANGED,
+                   f"without swap steps, step #{i} is {g!r} but the reference has {w!r}")
+            break

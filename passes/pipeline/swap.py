@@ -1,0 +1,251 @@
+"""Swap pass: offload a chunk's activations to host inside its forward→backward window.
+
+A *chunk* is one ``(stage, micro)`` whose forward and first backward consumer both run on
+this rank. Analysis and rewriting are separate: :func:`find_swap_chunks` measures each
+chunk's window, :func:`swap_anchors` places the four steps of the chosen chunks, and
+:func:`apply_swap_anchors` inserts them, changing nothing else. :func:`inject_swap_steps`
+runs the three.
+
+Leaves and slots. Compute leaves are FWD, BWD, BWD_INPUT and BWD_WEIGHT. Each top-level
+compute step is one *slot* — an OVERLAP composite counts once, so two concurrent leaves are
+never counted as two hiding windows. ``compute_index`` numbers the slots 0, 1, 2, ...
+
+Pairing. A chunk pairs its FWD with its BWD, or with its BWD_INPUT under dx/dw split;
+BWD_WEIGHT is never a consumer (it reuses what BWD_INPUT kept) and never loads.
+``gap = backward.compute_index - forward.compute_index``; the chunk is eligible when
+``gap >= min_gap`` (default 4: at gap 1 no load window exists, at 2 the freed memory is
+claimed back at once, at 3 one edge window rarely hides the copies). ``min_gap`` below 2 is
+rejected: the anchors need one compute slot between the forward and the backward.
+
+Anchors (``f`` / ``b``: top-level positions of the forward / backward slots; all four steps
+sit between top-level steps, so none ever enters a ``BATCH_SEND_RECV``)::
+
+    SWAP_LAUNCH_OFFLOAD  right after slot f (so before the FSDP_RESHARD that follows it)
+    SWAP_WAIT_OFFLOAD    after the first slot following f and the comm block after it,
+                         i.e. right before the second slot following f
+    SWAP_LAUNCH_LOAD     the last cover point before b, never before SWAP_WAIT_OFFLOAD:
+                         - no FSDP on the stage: right before the slot preceding b, so that
+                           slot's compute hides the H2D;
+                         - FSDP with a lookahead FSDP_UNSHARD of the stage after
+                           SWAP_WAIT_OFFLOAD and no compute of the stage between it and b:
+                           right before that UNSHARD, giving
+                           LAUNCH_LOAD → UNSHARD → WAIT_LOAD → BWD;
+                         - FSDP but the stage stays unsharded (no such UNSHARD): delayed to
+                           the start of the comm block before b, so the activation does not
+                           come back early;
+    SWAP_WAIT_LOAD       right before slot b (after its receives).
+
+Several swap steps at one place are ordered LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD,
+WAIT_LOAD, then by the chunk's forward position.
+
+Example (GPipe, rank 0 of 1, 5 micro-batches, min_gap 4; the comm-free order)::
+
+    0F0 0SWAP_LAUNCH_OFFLOAD0 0F1 0SWAP_LAUNCH_OFFLOAD1 0SWAP_WAIT_OFFLOAD0 0F2 ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import NamedTuple
+
+from .meta_step import SWAP_SEQUENCE, MetaStep, StepKind
+
+#: Default threshold: a chunk is swapped only if its window spans at least this many slots.
+MIN_SWAP_GAP = 4
+_CONSUMER_KINDS = (StepKind.BWD, StepKind.BWD_INPUT)
+
+
+class SwapChunk(NamedTuple):
+    """One (stage, micro) chunk's forward→backward window on this rank.
+
+    ``forward_index`` / ``backward_index`` are compute-slot indices (composites count once);
+    ``forward_step`` / ``backward_step`` are top-level positions in the analysed order.
+    ``gap = backward_index - forward_index``; ``eligible`` is ``gap >= min_gap``.
+    """
+
+    stage: int
+    micro: int
+    forward_index: int
+    backward_index: int
+    gap: int
+    eligible: bool
+    forward_step: int
+    backward_step: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.stage, self.micro)
+
+
+def find_swap_chunks(order: Sequence[MetaStep], *, min_gap: int = MIN_SWAP_GAP) -> list[SwapChunk]:
+    """Analyse ``order``: every chunk with a forward and a backward consumer, by forward position.
+
+    Swap steps already in ``order`` are ignored (they are not compute).
+    """
+    _check_min_gap(min_gap)
+    forwards: dict[tuple[int, int], tuple[int, int]] = {}
+    consumers: dict[tuple[int, int], tuple[int, int]] = {}
+    slot = -1
+    for pos, step in enumerate(order):
+        if not step.is_compute_slot:
+            continue
+        slot += 1
+        for leaf in step.leaves():
+            key = leaf.chunk
+            if key is None:
+                continue
+            if leaf.kind is StepKind.FWD:
+                if key in forwards:
+                    raise ValueError(f"step {pos} ({step!r}): second FWD for stage {key[0]} micro {key[1]}")
+                forwards[key] = (slot, pos)
+            elif leaf.kind in _CONSUMER_KINDS and key not in consumers:
+                consumers[key] = (slot, pos)
+    chunks = []
+    for key, (f_slot, f_pos) in forwards.items():
+        if key not in consumers:
+            continue  # forward-only on this rank: nothing consumes the activations here
+        b_slot, b_pos = consumers[key]
+        gap = b_slot - f_slot
+        chunks.append(SwapChunk(key[0], key[1], f_slot, b_slot, gap, gap >= min_gap, f_pos, b_pos))
+    return sorted(chunks, key=lambda c: c.forward_step)
+
+
+class SwapAnchor(NamedTuple):
+    """Insert ``step`` right before top-level position ``position`` of the analysed order
+    (``position == len(order)`` appends)."""
+
+    position: int
+    step: MetaStep
+
+
+def swap_anchors(order: Sequence[MetaStep], chunks: Iterable[SwapChunk]) -> list[SwapAnchor]:
+    """Analysis: where the four swap steps of each chunk go (rules in the module docstring).
+
+    ``chunks`` come from :func:`find_swap_chunks` on the same ``order`` and need
+    ``gap >= 2``. The result is sorted in insertion order: by position, then
+    LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD, then by forward position.
+    """
+    slot_positions = [i for i, step in enumerate(order) if step.is_compute_slot]
+    fsdp_stages = {s.stage for s in order if s.is_fsdp}
+    keyed: list[tuple[int, int, int, SwapAnchor]] = []
+    for chunk in chunks:
+        if chunk.gap < 2:
+            raise ValueError(f"chunk {chunk.key}: gap {chunk.gap} leaves no slot for SWAP_WAIT_OFFLOAD")
+        wait_offload = slot_positions[chunk.forward_index + 2]
+        positions = (
+            chunk.forward_step + 1,
+            wait_offload,
+            _launch_load_position(order, chunk, slot_positions, wait_offload, fsdp_stages),
+            chunk.backward_step,
+        )
+        for kind_order, (kind, position) in enumerate(zip(SWAP_SEQUENCE, positions)):
+            anchor = SwapAnchor(position, MetaStep(kind, chunk.stage, chunk.micro))
+            keyed.append((position, kind_order, chunk.forward_step, anchor))
+    return [anchor for *_, anchor in sorted(keyed, key=lambda t: t[:3])]
+
+
+def apply_swap_anchors(order: Sequence[MetaStep], anchors: Sequence[SwapAnchor]) -> list[MetaStep]:
+    """Rewrite: ``order`` with each anchor's step inserted; anchors at one position keep
+    their given order."""
+    by_position: dict[int, list[MetaStep]] = {}
+    for anchor in anchors:
+        if not 0 <= anchor.position <= len(order):
+            raise ValueError(f"anchor {anchor}: position outside 0..{len(order)}")
+        by_position.setdefault(anchor.position, []).append(anchor.step)
+    out: list[MetaStep] = []
+    for pos in range(len(order) + 1):
+        out.extend(by_position.get(pos, ()))
+        if pos < len(order):
+            out.append(order[pos])
+    return out
+
+
+def inject_swap_steps(
+    order: Sequence[MetaStep],
+    *,
+    min_gap: int = MIN_SWAP_GAP,
+    only: Collection[tuple[int, int]] | None = None,
+) -> list[MetaStep]:
+    """Insert the four swap steps for each eligible chunk (or each chunk of ``only``).
+
+    ``only`` restricts injection to a subset of the eligible ``(stage, micro)`` chunks (a
+    cost model's choice); naming a chunk that is unknown or ineligible raises ValueError.
+    Removing the swap steps from the result gives back ``order`` exactly.
+    """
+    for pos, step in enumerate(order):
+        if step.is_swap:
+            raise ValueError(
+                f"step {pos} ({step!r}): order already holds swap steps; "
+                "inject_swap_steps runs once, as the last pass"
+            )
+    chosen = _choose(find_swap_chunks(order, min_gap=min_gap), only, min_gap)
+    return apply_swap_anchors(order, swap_anchors(order, chosen))
+
+
+def strip_swap_steps(order: Sequence[MetaStep]) -> list[MetaStep]:
+    """``order`` without its swap steps: the inverse of :func:`inject_swap_steps`."""
+    return [step for step in order if not step.is_swap]
+
+
+def _launch_load_position(
+    order: Sequence[MetaStep],
+    chunk: SwapChunk,
+    slot_positions: list[int],
+    wait_offload: int,
+    fsdp_stages: set[int | None],
+) -> int:
+    if chunk.stage not in fsdp_stages:
+        cover = slot_positions[chunk.backward_index - 1]
+        return max(cover, wait_offload)
+    lookahead = lookahead_unshard_position(order, chunk.stage, chunk.backward_step, wait_offload)
+    if lookahead is not None:
+        return lookahead
+    # The stage stays unsharded: start the load at the comm block right before the backward.
+    return max(slot_positions[chunk.backward_index - 1] + 1, wait_offload)
+
+
+def lookahead_unshard_position(
+    order: Sequence[MetaStep], stage: int, backward_step: int, start: int
+) -> int | None:
+    """Position of the FSDP_UNSHARD of ``stage`` that serves the backward at ``backward_step``.
+
+    It is the last UNSHARD of the stage in ``[start, backward_step)`` with no compute of the
+    stage between it and the backward; ``None`` when the stage stays unsharded instead.
+    """
+    for pos in range(backward_step - 1, start - 1, -1):
+        step = order[pos]
+        if step.kind is StepKind.FSDP_UNSHARD and step.stage == stage:
+            return pos
+        if step.is_compute_slot and any(leaf.stage == stage for leaf in step.leaves()):
+            return None
+    return None
+
+
+def _choose(
+    chunks: list[SwapChunk], only: Collection[tuple[int, int]] | None, min_gap: int
+) -> list[SwapChunk]:
+    if only is None:
+        return [c for c in chunks if c.eligible]
+    by_key = {c.key: c for c in chunks}
+    wanted = {tuple(k) for k in only}
+    for key in sorted(wanted):
+        chunk = by_key.get(key)  # type: ignore[arg-type]
+        if chunk is None:
+            raise ValueError(
+                f"only: chunk (stage {key[0]}, micro {key[1]}) has no forward + backward pair on this rank; "
+                f"known chunks: {sorted(by_key)}"
+            )
+        if not chunk.eligible:
+            raise ValueError(
+                f"only: chunk (stage {key[0]}, micro {key[1]}) has gap {chunk.gap} < min_gap {min_gap}; "
+                "only eligible chunks can be swapped"
+            )
+    return [c for c in chunks if c.key in wanted]
+
+
+def _check_min_gap(min_gap: int) -> None:
+    if min_gap < 2:
+        raise ValueError(
+            f"min_gap must be >= 2, got {min_gap}: at gap 1 the backward follows its forward "
+            "directly and no slot is left to hold SWAP_WAIT_OFFLOAD"
+        )
