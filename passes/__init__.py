@@ -3,6 +3,8 @@
 Nothing here touches a device.
 """
 
+from .greedy_planner import GreedyResidencyPlanner, PlanReport
+from .ilp import OptimalResidencyPlanner
 from .liveness import (
     Gap,
     InfeasibleOp,
@@ -26,6 +28,9 @@ from .trace import (
 from .validator import Rule, ScheduleError, ScheduleReport, Violation, check_schedule
 
 __all__ = [
+    "GreedyResidencyPlanner",
+    "OptimalResidencyPlanner",
+    "PlanReport",
     "AccessKind",
     "ActionKind",
     "ActivationTrace",

@@ -1,0 +1,29 @@
+"""Hypothesis strategies shared by the planner tests."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from hyper_offload.passes import ActivationTrace, resident_bytes_without_offload
+
+SIZES = [0, 1, 2, 3, 5, 8, 13, 40]
+
+
+@st.composite
+def traces(draw: st.DrawFn, max_ops: int = 24, max_storages: int = 10) -> ActivationTrace:
+    """Random accesses (some in place), sizes (some zero), retained sets and budgets
+    from 0 (everything infeasible) to above the no-offload peak (nothing to do)."""
+    num_ops = draw(st.integers(0, max_ops))
+    num_storages = draw(st.integers(1, max_storages))
+    ops: list[dict[int, str]] = [{} for _ in range(num_ops)]
+    sizes = {s: draw(st.sampled_from(SIZES)) for s in range(num_storages)}
+    if num_ops:
+        for storage in range(num_storages):
+            touched = draw(st.lists(st.integers(0, num_ops - 1), max_size=6, unique=True))
+            for op in touched:
+                ops[op][storage] = draw(st.sampled_from("RRW"))
+    accessed = sorted({s for op in ops for s in op})
+    retained = draw(st.sets(st.sampled_from(accessed))) if accessed else set()
+    trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=0, retained=retained)
+    peak = max(resident_bytes_without_offload(trace), default=0)
+    return trace.with_budget(draw(st.integers(0, peak + 3)))

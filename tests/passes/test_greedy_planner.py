@@ -1,0 +1,221 @@
+"""The greedy residency planner on small hand-built traces: the structure of its schedules."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyper_offload.config import OffloadConfig
+from hyper_offload.passes import (
+    ActionKind,
+    ActivationTrace,
+    InfeasibleOp,
+    ResidencyAction,
+    ResidencyPlanner,
+    Rule,
+    check_schedule,
+)
+from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner, PlanReport
+from hyper_offload.passes.planner_candidates import OffloadCandidate, offload_candidates
+from hyper_offload.passes.planner_lowering import lower_offload_choice
+
+BOTH = [GreedyResidencyPlanner(refine=False), GreedyResidencyPlanner(refine=True)]
+
+
+def slot(schedule_slot: tuple[ResidencyAction, ...]) -> list[str]:
+    return [repr(a) for a in schedule_slot]
+
+
+def checked(trace: ActivationTrace, planner: GreedyResidencyPlanner) -> PlanReport:
+    """Plan, and fail the test unless check_schedule accepts the schedule."""
+    report = planner.plan_with_report(trace)
+    check_schedule(trace, report.schedule).raise_if_invalid()
+    return report
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_one_long_lived_activation_is_offloaded_and_the_budget_met(planner) -> None:
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {1: "W"}, {1: "R"}, {2: "W"}, {2: "R"}, {0: "R"}],
+        {0: 100, 1: 50, 2: 10},
+        budget_bytes=100,
+    )
+    schedule = checked(trace, planner).schedule
+    assert slot(schedule.post[0]) == ["COPY_D2H 0", "RELEASE_DEVICE 0"]
+    assert slot(schedule.pre[5]) == ["COPY_H2D 0", "WAIT_H2D 0"]
+    assert slot(schedule.post[5]) == ["RELEASE_HOST 0", "RELEASE_DEVICE 0"]
+    assert slot(schedule.post[2]) == ["RELEASE_DEVICE 1"]
+    assert slot(schedule.post[4]) == ["RELEASE_DEVICE 2"]
+    report = check_schedule(trace, schedule)
+    assert report.resident_bytes == (100, 50, 50, 10, 10, 100)
+    assert report.bytes_d2h == report.bytes_h2d == 100
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_no_pressure_means_no_transfer_only_releases(planner) -> None:
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {1: "W"}, {0: "R", 1: "R"}], {0: 10, 1: 10}, budget_bytes=20
+    )
+    schedule = checked(trace, planner).schedule
+    assert schedule.count(ActionKind.COPY_D2H) == schedule.count(ActionKind.COPY_H2D) == 0
+    assert slot(schedule.post[2]) == ["RELEASE_DEVICE 0", "RELEASE_DEVICE 1"]
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_copy_is_made_after_the_last_write_before_the_gap(planner) -> None:
+    # Storage 0 is written at ops 0 and 2 (in place), read at 3 and 7; the pressure sits
+    # at ops 4..6 only, so the gap 3 -> 7 is offloaded and its host copy must be taken
+    # after op 2's write: a copy after op 0 would be stale.
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {}, {0: "W"}, {0: "R"}, {1: "W"}, {1: "R"}, {1: "R"}, {0: "R"}],
+        {0: 40, 1: 40},
+        budget_bytes=60,
+    )
+    schedule = checked(trace, planner).schedule
+    assert slot(schedule.post[2]) == ["COPY_D2H 0"]
+    assert slot(schedule.post[3]) == ["RELEASE_DEVICE 0"]
+    assert schedule.count(ActionKind.COPY_D2H) == 1
+    assert not any(a.kind is ActionKind.COPY_D2H for a in schedule.post[0])
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_retained_storage_is_reloaded_and_never_released(planner) -> None:
+    # Storage 0 is retained (a step output) and idle across the pressure at ops 1..3.
+    trace = ActivationTrace.from_accesses(
+        [{0: "W", 2: "W"}, {1: "W"}, {1: "R"}, {1: "R"}, {0: "R"}, {}],
+        {0: 100, 1: 60, 2: 5},
+        budget_bytes=100,
+        retained=[0, 2],
+    )
+    schedule = checked(trace, planner).schedule
+    releases = [
+        (i, a.storage) for i, _, a in schedule.actions() if a.kind is ActionKind.RELEASE_DEVICE
+    ]
+    assert (0, 0) in releases  # the gap 0 -> 4 is offloaded ...
+    assert all(storage != 0 or op < 4 for op, storage in releases)  # ... never after op 4
+    assert all(storage != 2 for _, storage in releases)
+    report = check_schedule(trace, schedule)
+    assert report.resident_bytes[-1] == 105
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_clean_host_copy_is_reused_for_two_offloaded_gaps(planner) -> None:
+    # Storage 0 is written once and read at 3 and 6; pressure at ops 1-2 and 4-5 needs
+    # both gaps offloaded, from one host copy.
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {1: "W"}, {1: "R"}, {0: "R"}, {2: "W"}, {2: "R"}, {0: "R"}],
+        {0: 50, 1: 60, 2: 60},
+        budget_bytes=80,
+    )
+    report = checked(trace, planner)
+    schedule = report.schedule
+    assert sorted((c.start, c.end) for c in report.chosen) == [(0, 3), (3, 6)]
+    assert schedule.count(ActionKind.COPY_D2H) == 1
+    assert schedule.count(ActionKind.COPY_H2D) == 2
+    assert slot(schedule.post[6]) == ["RELEASE_HOST 0", "RELEASE_DEVICE 0"]
+    totals = check_schedule(trace, schedule)
+    assert (totals.bytes_d2h, totals.bytes_h2d) == (50, 100)
+
+
+def test_a_write_opens_a_new_epoch_with_its_own_copy() -> None:
+    # Gap 0 -> 3 reloads the first epoch; op 3 writes in place, so gap 3 -> 6 needs a
+    # fresh copy, and the first buffer is freed before the new copy is taken.
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {1: "W"}, {1: "R"}, {0: "W"}, {2: "W"}, {2: "R"}, {0: "R"}],
+        {0: 50, 1: 60, 2: 60},
+        budget_bytes=80,
+    )
+    schedule = checked(trace, GreedyResidencyPlanner(refine=False)).schedule
+    assert slot(schedule.post[3]) == ["RELEASE_HOST 0", "COPY_D2H 0", "RELEASE_DEVICE 0"]
+    assert check_schedule(trace, schedule).bytes_d2h == 100
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_infeasible_ops_are_reported_and_the_rest_still_planned(planner) -> None:
+    # Ops 2 and 3 touch 300 bytes under a 200-byte budget: infeasible by 100 bytes.
+    # Everything idle across them is offloaded, and op 5 (feasible) meets the budget.
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {2: "W"}, {1: "W"}, {1: "R"}, {3: "W"}, {0: "R", 3: "R"}, {2: "R"}],
+        {0: 100, 1: 300, 2: 150, 3: 90},
+        budget_bytes=200,
+    )
+    report = checked(trace, planner)
+    assert report.infeasible_ops == (InfeasibleOp(2, 300, 100), InfeasibleOp(3, 300, 100))
+    assert not report.feasible
+    checked_report = check_schedule(trace, report.schedule)
+    assert checked_report.resident_bytes[2] == checked_report.resident_bytes[3] == 300
+    assert all(
+        b <= 200 for i, b in enumerate(checked_report.resident_bytes) if i not in (2, 3)
+    )
+    assert not [v for v in checked_report.violations if v.rule is Rule.OVER_BUDGET]
+
+
+def test_refinement_swaps_a_large_pick_for_cheaper_covering_ones() -> None:
+    # The design ranks the 100-byte storage 0 first (longest gap) although two 10-byte
+    # gaps cover both pressure spikes (ops 4-6 and 14-16, 5 bytes over).
+    ops: list[dict[int, str]] = [{} for _ in range(21)]
+    ops[0] = {0: "W"}
+    ops[20] = {0: "R"}
+    ops[1], ops[9] = {1: "W"}, {1: "R"}
+    ops[11], ops[19] = {2: "W"}, {2: "R"}
+    ops[4], ops[6] = {3: "W"}, {3: "R"}
+    ops[14], ops[16] = {4: "W"}, {4: "R"}
+    trace = ActivationTrace.from_accesses(
+        ops, {0: 100, 1: 10, 2: 10, 3: 5, 4: 5}, budget_bytes=110
+    )
+    design = checked(trace, GreedyResidencyPlanner(refine=False))
+    refined = checked(trace, GreedyResidencyPlanner(refine=True))
+    assert [(c.storage, c.start, c.end) for c in design.chosen] == [(0, 0, 20)]
+    assert sorted((c.storage, c.start, c.end) for c in refined.chosen) == [(1, 1, 9), (2, 11, 19)]
+    assert check_schedule(trace, design.schedule).bytes_moved == 200
+    assert check_schedule(trace, refined.schedule).bytes_moved == 40
+
+
+def test_zero_byte_storages_and_touching_accesses_are_not_candidates() -> None:
+    trace = ActivationTrace.from_accesses(
+        [{0: "W", 1: "W"}, {2: "W"}, {0: "R", 2: "R"}, {1: "R"}, {2: "R"}],
+        {0: 0, 1: 8, 2: 8},
+        budget_bytes=0,
+    )
+    assert offload_candidates(trace) == [OffloadCandidate(1, 0, 3, 8, 0), OffloadCandidate(2, 2, 4, 8, 1)]
+
+
+def test_lowering_orders_post_slots_so_the_validator_accepts_them() -> None:
+    trace = ActivationTrace.from_accesses(
+        [{0: "W", 1: "W"}, {2: "W"}, {0: "R", 1: "R"}, {2: "R"}, {0: "R", 1: "R"}],
+        {0: 10, 1: 10, 2: 10},
+        budget_bytes=0,
+    )
+    chosen = [OffloadCandidate(1, 0, 2, 10, 0), OffloadCandidate(0, 0, 2, 10, 0)]
+    schedule = lower_offload_choice(trace, chosen)
+    assert slot(schedule.post[0]) == ["COPY_D2H 0", "COPY_D2H 1", "RELEASE_DEVICE 0", "RELEASE_DEVICE 1"]
+    assert slot(schedule.pre[2]) == ["COPY_H2D 0", "COPY_H2D 1", "WAIT_H2D 0", "WAIT_H2D 1"]
+    assert slot(schedule.post[2]) == ["RELEASE_HOST 0", "RELEASE_HOST 1"]
+    assert lower_offload_choice(trace, list(reversed(chosen))) == schedule
+    rules = {v.rule for v in check_schedule(trace, schedule).violations}
+    assert rules <= {Rule.OVER_BUDGET}
+
+
+def test_report_and_protocol() -> None:
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {1: "W"}, {1: "R"}, {0: "R"}], {0: 10, 1: 10}, budget_bytes=10
+    )
+    planner = GreedyResidencyPlanner()
+    report = planner.plan_with_report(trace)
+    assert isinstance(planner, ResidencyPlanner)
+    assert planner.plan(trace) == report.schedule
+    assert report.num_candidates == 1 and len(report.chosen) == 1 and report.feasible
+    assert repr(report).startswith("PlanReport(GreedyResidencyPlanner(refine=True): 1/1 gaps")
+    assert GreedyResidencyPlanner() == GreedyResidencyPlanner(refine=True)
+    assert GreedyResidencyPlanner(refine=False) != GreedyResidencyPlanner()
+
+
+def test_empty_trace_plans_to_an_empty_schedule() -> None:
+    trace = ActivationTrace.from_accesses([], {}, budget_bytes=0)
+    assert GreedyResidencyPlanner().plan(trace).num_ops == 0
+
+
+def test_offload_config_accepts_and_defaults_to_the_greedy_planner() -> None:
+    planner = GreedyResidencyPlanner(refine=False)
+    assert OffloadConfig(planner=planner).resolved_planner() is planner
+    default = OffloadConfig().resolved_planner()
+    assert isinstance(default, GreedyResidencyPlanner) and default.refine
