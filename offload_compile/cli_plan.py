@@ -28,9 +28,10 @@ EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
 
 
 def _planners() -> dict[str, type]:
-    from hyper_offload.passes import GreedyResidencyPlanner
+    from hyper_offload.passes import GreedyResidencyPlanner, OptimalResidencyPlanner
 
-    return {"greedy": GreedyResidencyPlanner}
+    # "optimal" solves the exact integer program (needs scipy; small traces only).
+    return {"greedy": GreedyResidencyPlanner, "optimal": OptimalResidencyPlanner}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -117,7 +118,10 @@ def _result(trace: ActivationTrace, report: ScheduleReport, baseline_peak: int) 
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / MIB:,.2f} MiB"
+    """Human-readable bytes: MiB for anything from 1 MiB on, KiB or B below."""
+    if nbytes >= MIB:
+        return f"{nbytes / MIB:,.2f} MiB"
+    return f"{nbytes / 1024:,.2f} KiB" if nbytes >= 1024 else f"{nbytes} B"
 
 
 def _human(result: dict[str, Any], report: ScheduleReport) -> str:

@@ -3,8 +3,8 @@
 Nothing here touches a device.
 """
 
-from .greedy_planner import GreedyResidencyPlanner, PlanReport
-from .ilp import OptimalResidencyPlanner
+from .greedy_planner import GreedyResidencyPlanner, PlanReport, select_greedy
+from .ilp import OptimalPlannerError, OptimalResidencyPlanner, solve_optimal_choice
 from .liveness import (
     Gap,
     InfeasibleOp,
@@ -15,6 +15,11 @@ from .liveness import (
     resident_bytes_without_offload,
     storage_liveness,
 )
+from .planner_candidates import OffloadCandidate, budget_excess, offload_candidates
+from .planner_lowering import lower_offload_choice
+from .refine import refine_choice
+from .refine_prefetch import PrefetchError, hoist_prefetches, prefetch_slots
+from .segment_tree import RangeAddMaxTree
 from .op_guide import OpGuide, OpGuideEntry, ReplayMismatchError
 from .planner_protocol import ResidencyPlanner
 from .schedule import ActionKind, ResidencyAction, ResidencySchedule
@@ -29,7 +34,19 @@ from .validator import Rule, ScheduleError, ScheduleReport, Violation, check_sch
 
 __all__ = [
     "GreedyResidencyPlanner",
+    "OffloadCandidate",
+    "OptimalPlannerError",
     "OptimalResidencyPlanner",
+    "PrefetchError",
+    "RangeAddMaxTree",
+    "budget_excess",
+    "hoist_prefetches",
+    "lower_offload_choice",
+    "offload_candidates",
+    "prefetch_slots",
+    "refine_choice",
+    "select_greedy",
+    "solve_optimal_choice",
     "PlanReport",
     "AccessKind",
     "ActionKind",
