@@ -24,7 +24,8 @@ JSON format (``to_json`` / ``from_json``), version 1::
              {"name": "relu", "accesses": {"0": "R", "1": "W"}}]}
 
 ``outputs`` (storage per output tensor leaf, in leaf order) and ``duration_s`` are
-optional per op.
+optional per op. Bandwidths are in GB/s (10^9 bytes per second); the ``_gbps`` names and
+the 16 default follow the design document, which means bytes, not bits.
 """
 
 from __future__ import annotations
