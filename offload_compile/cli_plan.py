@@ -97,23 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _result(trace: ActivationTrace, report: ScheduleReport, baseline_peak: int) -> dict[str, Any]:
     return {
-        "feasible": report.feasible,
-        "valid": report.ok,
         "num_ops": trace.num_ops,
         "num_storages": len(trace.storage_sizes),
-        "budget_bytes": report.budget_bytes,
         "peak_resident_bytes_without_offload": baseline_peak,
-        "peak_resident_bytes": report.peak_resident_bytes,
-        "peak_host_bytes": report.peak_host_bytes,
-        "bytes_d2h": report.bytes_d2h,
-        "bytes_h2d": report.bytes_h2d,
-        "num_transfers": report.num_transfers,
-        "ops_over_budget": len(report.ops_over_budget()),
-        "infeasible_ops": [op._asdict() for op in report.infeasible_ops],
-        "violations": [
-            {"op_index": v.op_index, "storage": v.storage, "rule": v.rule.value, "message": v.message}
-            for v in report.violations
-        ],
+        **report.summary(),
     }
 
 
