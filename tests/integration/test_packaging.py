@@ -49,3 +49,11 @@ def test_non_editable_install_works_without_the_source_tree(tmp_path: Path) -> N
         cwd=tmp_path,
     )
     assert "plan" in help_text
+
+
+def test_console_script_is_installed_and_runs(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "hyper-offload"
+    assert script.is_file(), f"{script} missing: the [project.scripts] entry was not installed"
+    done = subprocess.run([str(script), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "plan" in done.stdout and "pp-order" in done.stdout
