@@ -20,11 +20,16 @@ Invariants a caller may rely on:
 * ``Transfer.query()`` is True only once the bytes are fully in the destination.
 * ``Transfer.wait()`` orders the *current* compute stream after the copy; it does not
   block the host. ``Transfer.synchronize()`` blocks the host.
-* Until a transfer is known to be complete it keeps a reference to both tensors, so
-  neither can be handed back to an allocator by Python garbage collection mid-copy. On
-  CUDA the device-side tensor is additionally ``record_stream``-ed on the copy stream, so
-  that even freeing its *storage* directly (``untyped_storage().resize_(0)``) cannot let
-  the caching allocator reuse the bytes before the copy stream is past the copy.
+* Until a transfer is known to be complete its bytes cannot be handed back to an
+  allocator mid-copy. On CUDA the device-side tensor is ``record_stream``-ed on the copy
+  stream, so the caching allocator itself holds the block until the copy stream is past
+  the copy, whether the tensor is dropped or its storage freed directly
+  (``untyped_storage().resize_(0)``); the handle then keeps only the *host* tensor alive,
+  so dropping an offloaded activation really frees its device memory while the D2H runs.
+  Where ``record_stream`` is unavailable (and for synchronous test doubles) the handle
+  keeps both tensors alive until it observes completion.
+* A copy whose enqueue raised leaves nothing in flight: the copy stream is drained
+  before the exception propagates.
 
 Copies are byte-for-byte: source and destination must have the same shape and dtype
 (no casting ever happens here; bit-exactness is the library's promise).
@@ -118,8 +123,10 @@ class Transfer:
 
     ``event`` is the accelerator event recorded on the copy stream right after the copy,
     or ``None`` when the copy ran synchronously (CPU, cross-device fallback). The handle
-    holds both tensors alive until it observes completion (``query()`` returning True or
-    ``synchronize()``), then drops them.
+    holds the ``keepalive`` tensors alive until it observes completion (``query()``
+    returning True or ``synchronize()``), then drops them. The engine passes both tensors,
+    or only the host-side one when the device side was ``record_stream``-ed (then
+    ``device_side_recorded`` is True and the allocator protects the device bytes).
     """
 
     __slots__ = (
@@ -304,13 +311,25 @@ class TransferEngine:
         for earlier in after:
             if earlier.event is not None and not earlier.query():
                 stream.wait_event(earlier.event)
-        with module.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            event = module.Event()
-            event.record(stream)
+        try:
+            with module.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                event = module.Event()
+                event.record(stream)
+        except BaseException:
+            # Part of the copy may already be on the stream; the caller is about to give
+            # the buffers back, so nothing may still read or write them.
+            stream.synchronize()
+            raise
         recorded = _record_on_stream(device_side, stream)
+        # Once the allocator knows the copy stream uses the device bytes, it keeps them
+        # from reuse until the copy is past; holding the device tensor as well would only
+        # keep e.g. an offloaded activation's memory allocated until someone queries this
+        # handle (possibly the end of backward). The host side has no such protection.
+        host_side = dst if direction is TransferDirection.D2H else src
+        keepalive = (host_side,) if recorded else (src, dst)
         return Transfer(
-            direction, self.device, nbytes, event, (src, dst), device_side_recorded=recorded
+            direction, self.device, nbytes, event, keepalive, device_side_recorded=recorded
         )
 
     def __repr__(self) -> str:

@@ -170,11 +170,12 @@ class ResidencyManager:
         """Drain all transfers, return every host buffer, forget every binding.
 
         With ``restore_offloaded`` (the default) a storage that lives only on the host is
-        paged back first, so no tensor is left pointing at missing bytes. Storages that
-        cannot be restored (the load failed, or both copies were released) are named in a
-        :class:`DataLostError` raised *after* the cleanup finished. With
-        ``restore_offloaded=False`` offloaded storages stay at zero bytes; tensors over
-        them must not be used again.
+        paged back first, so no tensor is left pointing at missing bytes. Storages whose
+        load fails are named in a :class:`DataLostError` raised *after* the cleanup
+        finished. With ``restore_offloaded=False`` offloaded storages stay at zero bytes.
+        Storages the schedule released on purpose (both copies gone: state ``RELEASED``,
+        a dead activation after its last use) are not an error and also stay at zero
+        bytes. Tensors over zero-byte storages must not be read again.
         """
         self.sync_all_transfers()
         lost: list[str] = []

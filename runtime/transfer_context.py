@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .device import Transfer, TransferEngine, resolve_device
+from .device import Transfer, TransferDirection, TransferEngine, resolve_device
 from .errors import OffloadRuntimeError, TransferFailedError
 from .memory_meter import label_host
 from .pinned_pool import PinnedMemoryPool
@@ -128,7 +128,9 @@ class _ReleaseGate:
         self._views = tuple(views)
 
     def query(self) -> bool:
-        return all(v() is None for v in self._views) and all(t.query() for t in self._transfers)
+        # Transfers first: a completed Transfer drops its keepalive, which may hold the
+        # last reference to a host view; checking the views first would wait forever.
+        return all(t.query() for t in self._transfers) and all(v() is None for v in self._views)
 
 
 def _watch(record: _HostCopy, tensor: torch.Tensor) -> None:
@@ -149,7 +151,9 @@ class TransferRuntime:
     ``pool`` supplies host buffers; ``engines`` pre-supplies a :class:`TransferEngine` per
     device (others are created on first use). The runtime may be entered several times
     (e.g. once per step); state carries over. Leaving the block synchronizes every
-    transfer still in flight; leaving it normally with transfers never waited raises.
+    transfer still in flight (a synchronized D2H counts as waited, so its host copy can
+    still be released); leaving it normally with transfers never waited raises. Leaving
+    the outermost block by an exception also runs :meth:`release_all`.
     """
 
     def __init__(self, *, pool: PinnedMemoryPool, engines: Iterable[TransferEngine] = ()) -> None:
@@ -168,11 +172,9 @@ class TransferRuntime:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         _CURRENT.reset(self._tokens.pop())
-        with self._lock:
-            leftover = list(self._pending.values())
-            self._pending.clear()
-        for pending in leftover:
-            pending.transfer.synchronize()  # nothing stays in flight past the block
+        leftover = self._drain_pending()
+        if exc_type is not None and not self._tokens:
+            self.release_all()  # the step is abandoned: no host buffer may stay lost
         if leftover and exc_type is None:
             started = ", ".join(f"{p.op}→{_describe(p.destination)}" for p in leftover)
             raise TransferMisuseError(
@@ -195,15 +197,23 @@ class TransferRuntime:
         self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]
     ) -> torch.Tensor:
         """Start copying ``src`` into a pool buffer laid out as ``shape``/``stride`` (a
-        dense layout, see ``ops.dense_layout``); returns the host tensor, readable after
-        ``wait_transfer``."""
+        dense layout, see ``ops.dense_layout``); returns the host tensor.
+
+        ``wait_transfer`` on it orders the *compute stream* after the copy (what a later
+        ``copy_h2d`` or a free of ``src`` needs); it does not block the host. On an
+        accelerator, host code that reads the bytes directly must synchronize the device
+        first (``torch.accelerator.synchronize()``)."""
         nbytes = src.numel() * src.element_size()
+        engine = self.engine(src.device)
         buffer = self.pool.acquire(nbytes)
         host = buffer[:nbytes].view(src.dtype).as_strided(shape, stride)
         label_host(host)
         try:
-            transfer = self.engine(src.device).d2h(src, host)
+            transfer = engine.d2h(src, host)
         except Exception as exc:
+            # Drain first: a copy half-enqueued before the failure may still write the
+            # buffer, and the pool would hand it to the next caller at once.
+            engine.synchronize()
             self.pool.release(buffer)
             raise TransferFailedError(
                 f"hyper_offload::copy_d2h of {_describe(src)} failed; the device tensor is "
@@ -237,15 +247,16 @@ class TransferRuntime:
                     "after the last copy_h2d of this host copy"
                 )
             _watch(record, host)
-            after = [
-                p.transfer
-                for p in self._pending.values()
-                if p.host_key == host_key and p.op == "copy_d2h"
-            ]
+            # The D2H that filled the host copy, waited or not: a wait orders only the
+            # stream it ran on, so name the D2H explicitly (the engine skips it once done).
+            after = [t for t in record.transfers if t.direction is TransferDirection.D2H]
+        engine = self.engine(device)
         device_tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
         try:
-            transfer = self.engine(device).h2d(host, device_tensor, after=after)
+            transfer = engine.h2d(host, device_tensor, after=after)
         except Exception as exc:
+            # Drain before device_tensor is dropped: its bytes may still be written.
+            engine.synchronize()
             raise TransferFailedError(
                 f"hyper_offload::copy_h2d of {_describe(host)} to {device} failed; the host "
                 "copy is untouched and still valid, nothing is in flight"
@@ -278,6 +289,7 @@ class TransferRuntime:
                 )
             del self._pending[key]
         pending.transfer.wait()
+        pending.transfer.query()  # drops the handle's references at once if already done
         if pending.op == "copy_d2h":
             with self._lock:
                 record = self._hosts[pending.host_key]
@@ -302,15 +314,61 @@ class TransferRuntime:
                     "waited. Fix: call wait_transfer(host, keepalive=source) first"
                 )
             _watch(record, host)
-            buffer, record.buffer = record.buffer, None
-            record.state = HostCopyState.RELEASED
-            record.storage = weakref.ref(
-                host.untyped_storage(), self._forget_host_callback(host_key)
-            )
-            gate = _ReleaseGate(record.transfers, record.views)
-            record.transfers, record.views = [], []
-        assert buffer is not None
+            buffer, gate = self._mark_released_locked(record, host_key)
         self.pool.release(buffer, gate)
+
+    def _mark_released_locked(
+        self, record: _HostCopy, host_key: int
+    ) -> tuple[torch.Tensor, _ReleaseGate]:
+        """Flip ``record`` to RELEASED; returns its pool buffer and the gate to release it
+        with. Caller holds the lock and then calls ``pool.release`` outside it."""
+        buffer, record.buffer = record.buffer, None
+        assert buffer is not None, "a record that is not RELEASED owns its buffer"
+        record.state = HostCopyState.RELEASED
+        record.storage = weakref.ref(
+            buffer.untyped_storage(), self._forget_host_callback(host_key)
+        )
+        gate = _ReleaseGate(record.transfers, record.views)
+        record.transfers, record.views = [], []
+        return buffer, gate
+
+    def release_all(self) -> int:
+        """Release every host copy not released yet; returns how many (exception-path
+        cleanup, the counterpart of ``ResidencyManager.reset``).
+
+        Every copy engine is drained first, so no transfer is left in flight. Each buffer
+        returns to the pool only once every tensor on it is dropped, so a stale host copy
+        used afterwards is refused as released, never fed another activation's bytes.
+        """
+        self._drain_pending()
+        with self._lock:
+            engines = list(self._engines.values())
+        for engine in engines:
+            engine.synchronize()
+        with self._lock:
+            to_release = [
+                self._mark_released_locked(record, key)
+                for key, record in list(self._hosts.items())
+                if record.state is not HostCopyState.RELEASED
+            ]
+        for buffer, gate in to_release:
+            self.pool.release(buffer, gate)
+        return len(to_release)
+
+    def _drain_pending(self) -> list[_Pending]:
+        """Synchronize and forget every started transfer; returns them. A drained D2H's
+        host copy is complete, hence VALID."""
+        with self._lock:
+            leftover = list(self._pending.values())
+            self._pending.clear()
+        for pending in leftover:
+            pending.transfer.synchronize()  # nothing stays in flight past this point
+        with self._lock:
+            for pending in leftover:
+                record = self._hosts.get(pending.host_key)
+                if pending.op == "copy_d2h" and record is not None:
+                    record.state = HostCopyState.VALID
+        return leftover
 
     # ------------------------------------------------------------------ inspection
 

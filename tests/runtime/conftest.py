@@ -39,13 +39,29 @@ class FakeEvent:
         self.is_done = True
 
 
-class DeferredEngine(TransferEngine):
-    """Copies now, completes later: every transfer carries a pending :class:`FakeEvent`."""
+class StreamWaitTransfer(Transfer):
+    """A transfer whose ``wait()`` only orders a (simulated) compute stream, as on CUDA:
+    the host does not block and the transfer stays in flight until its event fires."""
 
-    def __init__(self, *, records_streams: bool = False) -> None:
+    waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+class DeferredEngine(TransferEngine):
+    """Copies now, completes later: every transfer carries a pending :class:`FakeEvent`.
+
+    ``records_streams=True`` mimics CUDA's ``record_stream``: like the real engine, the
+    handle then keeps only the host-side tensor alive. ``stream_waits=True`` makes
+    ``Transfer.wait()`` a stream wait that does not complete the transfer (CUDA); by
+    default a wait on a pending CPU transfer blocks until it completes.
+    """
+
+    def __init__(self, *, records_streams: bool = False, stream_waits: bool = False) -> None:
         super().__init__("cpu")
-        # True mimics CUDA: the device-side bytes are record_stream-ed on the copy stream.
         self.records_streams = records_streams
+        self.stream_waits = stream_waits
         self.log: list[tuple[TransferDirection, FakeEvent, tuple[Transfer, ...]]] = []
         self.engine_syncs = 0
 
@@ -60,8 +76,11 @@ class DeferredEngine(TransferEngine):
         event = FakeEvent()
         self.log.append((direction, event, after))
         nbytes = src.numel() * src.element_size()
-        return Transfer(
-            direction, torch.device("cpu"), nbytes, event, (src, dst),
+        host_side = dst if direction is TransferDirection.D2H else src
+        keepalive = (host_side,) if self.records_streams else (src, dst)
+        kind = StreamWaitTransfer if self.stream_waits else Transfer
+        return kind(
+            direction, torch.device("cpu"), nbytes, event, keepalive,
             device_side_recorded=self.records_streams,
         )
 
@@ -69,9 +88,35 @@ class DeferredEngine(TransferEngine):
         for _, event, _ in self.log:
             event.fire()
 
+    def in_flight(self) -> bool:
+        """Whether any copy this engine started has not completed."""
+        return any(not event.is_done for _, event, _ in self.log)
+
     def synchronize(self) -> None:
         self.engine_syncs += 1
         self.fire_all()
+
+
+class HalfEnqueuedEngine(DeferredEngine):
+    """A CUDA-like :class:`DeferredEngine` whose copy in direction ``fail`` ("d2h" or
+    "h2d") is enqueued (a pending event) and *then* raises, as a launch error after the
+    memcpy reached the stream would. ``synchronize()`` completes what was enqueued."""
+
+    def __init__(self, fail: str = "") -> None:
+        super().__init__(records_streams=True, stream_waits=True)
+        self.fail = fail
+
+    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+        transfer = super().d2h(src, dst_host, after=after)
+        if self.fail == "d2h":
+            raise RuntimeError("injected d2h failure after enqueue")
+        return transfer
+
+    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+        transfer = super().h2d(src_host, dst, after=after)
+        if self.fail == "h2d":
+            raise RuntimeError("injected h2d failure after enqueue")
+        return transfer
 
 
 class FailingEngine(TransferEngine):
@@ -127,6 +172,11 @@ def deferred_engine_cls() -> type[DeferredEngine]:
 @pytest.fixture
 def failing_engine_cls() -> type[FailingEngine]:
     return FailingEngine
+
+
+@pytest.fixture
+def half_enqueued_engine_cls() -> type[HalfEnqueuedEngine]:
+    return HalfEnqueuedEngine
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

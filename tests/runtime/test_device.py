@@ -146,3 +146,118 @@ def test_transfer_synchronize_blocks_on_the_event(fake_event) -> None:
 def test_completed_transfer_is_done() -> None:
     transfer = completed_transfer(TransferDirection.H2D, torch.device("cpu"), 12)
     assert transfer.query() and transfer.event is None and transfer.nbytes == 12
+
+
+# ---------------------------------------------------------------- async path, simulated
+#
+# The copy-stream path cannot run without an accelerator. A scripted device module with
+# the stream/event API lets its logic (ordering, event, keepalive policy, failure drain)
+# run on CPU; the real thing is covered by tests/runtime/test_gpu_runtime.py.
+
+
+class _ScriptedEvent:
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.done = log, False
+
+    def record(self, stream: object) -> None:
+        self.log.append(f"record on {stream}")
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+class _ScriptedStream:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "_ScriptedStream") -> None:
+        self.log.append(f"{self} waits for {other}")
+
+    def wait_event(self, event: object) -> None:
+        self.log.append(f"{self} waits for event {id(event)}")
+
+    def synchronize(self) -> None:
+        self.log.append(f"synchronize {self}")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _ScriptedModule:
+    """Just the device-module surface TransferEngine uses."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.compute = _ScriptedStream("compute", self.log)
+        self.events: list[_ScriptedEvent] = []
+
+    def current_stream(self, device: object) -> _ScriptedStream:
+        return self.compute
+
+    def Event(self) -> _ScriptedEvent:  # noqa: N802 - mirrors torch.cuda.Event
+        self.events.append(_ScriptedEvent(self.log))
+        return self.events[-1]
+
+    def stream(self, stream: _ScriptedStream):  # noqa: ANN201
+        import contextlib
+
+        log = self.log
+
+        @contextlib.contextmanager
+        def on() -> object:
+            log.append(f"enter {stream}")
+            yield
+            log.append(f"leave {stream}")
+
+        return on()
+
+
+def _scripted_engine(monkeypatch, records: bool) -> tuple[TransferEngine, _ScriptedModule]:  # noqa: ANN001
+    from hyper_offload.runtime import device as device_module
+
+    engine = TransferEngine("cpu")
+    module = _ScriptedModule()
+    engine._module, engine.copy_stream = module, _ScriptedStream("copy", module.log)
+    monkeypatch.setattr(device_module, "_record_on_stream", lambda tensor, stream: records)
+    return engine, module
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["record_stream", "no_record_stream"])
+def test_async_copy_orders_after_compute_and_keeps_only_what_it_must(monkeypatch, records) -> None:  # noqa: ANN001
+    engine, module = _scripted_engine(monkeypatch, records)
+    pending = Transfer(TransferDirection.D2H, torch.device("cpu"), 4, _ScriptedEvent([]), ())
+    src, host = torch.arange(8.0), torch.zeros(8)
+    src_ref, host_ref = weakref.ref(src), weakref.ref(host)
+    transfer = engine.d2h(src, host, after=[pending])
+    assert module.log == [
+        "copy waits for compute",  # sees the kernels that produced src
+        f"copy waits for event {id(pending.event)}",  # and the transfers it must follow
+        "enter copy",
+        "record on copy",
+        "leave copy",
+    ]
+    assert transfer.event is module.events[-1] and transfer.device_side_recorded is records
+    assert torch.equal(host, src)
+    del src, host
+    gc.collect()
+    # With record_stream the allocator guards the device bytes: only the host side is held.
+    assert (src_ref() is None) is records and host_ref() is not None
+    module.events[-1].done = True
+    assert transfer.query()
+    gc.collect()
+    assert src_ref() is None and host_ref() is None
+
+
+def test_async_copy_that_fails_to_enqueue_drains_the_copy_stream(monkeypatch) -> None:  # noqa: ANN001
+    engine, module = _scripted_engine(monkeypatch, True)
+
+    def broken_event() -> object:
+        raise RuntimeError("injected event failure")
+
+    module.Event = broken_event  # the memcpy is already on the stream when this raises
+    with pytest.raises(RuntimeError, match="injected event failure"):
+        engine.h2d(torch.ones(4), torch.zeros(4))
+    assert module.log[-1] == "synchronize copy"

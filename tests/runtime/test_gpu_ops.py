@@ -51,6 +51,33 @@ def test_freeing_the_source_right_after_an_async_d2h_does_not_corrupt_the_copy(
     del junk
 
 
+def test_offload_frees_device_memory_at_the_wait_and_the_buffer_comes_back(
+    runtime: TransferRuntime,
+) -> None:
+    slow = torch.randn(4096, 4096, device="cuda")
+    slow = slow @ slow / 4096  # warm-up: cuBLAS allocates its workspace before `base`
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    act = torch.randn(64 * MIB // 4, device="cuda")
+    expected = act.cpu()
+    for _ in range(8):  # keep the copy queued behind compute while we drop the source
+        slow = slow @ slow / 4096
+    host = ops.wait_transfer(ops.copy_d2h(act), act)
+    del act
+    # The caching allocator holds the block for the copy stream (record_stream); nothing
+    # of ours may keep the activation allocated until the host copy is released.
+    assert torch.cuda.memory_allocated() < base + 64 * MIB
+    torch.cuda.synchronize()
+    assert torch.equal(host, expected)
+    ops.release_host(host)
+    del host
+    stats = runtime.pool.stats()
+    assert stats.pending_releases == 0 and stats.pinned_bytes_cached >= 64 * MIB
+    again = ops.copy_d2h(torch.randn(64 * MIB // 4, device="cuda"))
+    assert runtime.pool.stats().hits == 1
+    ops.release_host(ops.wait_transfer(again))
+
+
 def test_prefetched_data_is_intact_behind_slow_compute(runtime: TransferRuntime) -> None:
     src = torch.randn(16 * MIB // 4, device="cuda")
     host = ops.wait_transfer(ops.copy_d2h(src), src)
@@ -74,6 +101,7 @@ def test_copy_d2h_returns_before_the_copy_is_done(runtime: TransferRuntime) -> N
     start = time.perf_counter()
     host = ops.copy_d2h(src)
     issued = time.perf_counter() - start
+    assert runtime.pool.stats().hits == 1  # the warm buffer came back, no new pinning
     ops.wait_transfer(host, src)
     torch.cuda.synchronize()
     total = time.perf_counter() - start

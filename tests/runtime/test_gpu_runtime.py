@@ -122,16 +122,24 @@ def test_freeing_a_tensor_right_after_async_d2h_does_not_corrupt_the_copy() -> N
         manager.unbind(sid)
 
 
-def test_engine_transfer_keeps_dropped_source_alive() -> None:
+def test_engine_transfer_protects_a_dropped_source_without_holding_it() -> None:
     engine = TransferEngine("cuda")
     nbytes = 128 * MIB
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     a = torch.randn(4096, 4096, device="cuda")
-    _slow_compute(a, 10)
+    _slow_compute(a, 1)  # warm-up: cuBLAS workspace allocated before we count bytes
     src = _pattern(nbytes, "cuda", salt=3)
     expected = src.cpu()
+    torch.cuda.synchronize()
+    with_src = torch.cuda.memory_allocated()
+    _slow_compute(a, 10)  # the D2H queues behind this on the copy stream
     transfer = engine.d2h(src, host)
+    assert transfer.device_side_recorded
     del src
+    # The handle does not keep the source allocated (the allocator guards the block for
+    # the copy stream instead) ...
+    assert torch.cuda.memory_allocated() <= with_src - nbytes + 64 * MIB
+    # ... and a same-size allocation right away must not get the bytes the copy reads.
     torch.full((nbytes,), 0x11, dtype=torch.uint8, device="cuda")
     transfer.synchronize()
     assert torch.equal(host, expected)
