@@ -7,15 +7,24 @@ judges the pass rather than repeating it. Rules (:class:`OrderRule`):
   WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD; nothing is swapped for other chunks. The chosen set
   is ``swapped`` when given (it must hold eligible chunks only), else every eligible chunk
   (``gap >= min_gap``, gaps counted in compute slots, a composite counting once);
-* SWAP_LAUNCH_OFFLOAD comes after the chunk's forward slot, and at least one compute slot
-  lies between it and SWAP_WAIT_OFFLOAD;
+* SWAP_LAUNCH_OFFLOAD comes after the chunk's forward slot, in the block right after it: no
+  compute slot and no FSDP_RESHARD of the stage lies between the forward and the launch
+  (``FWD → SWAP_LAUNCH_OFFLOAD → FSDP_RESHARD``);
+* exactly one compute slot (the first intervening compute) lies between SWAP_LAUNCH_OFFLOAD
+  and SWAP_WAIT_OFFLOAD, and the wait comes after the communication block that follows that
+  slot (only swap steps between the wait and the next compute slot);
+* on a stage without FSDP, SWAP_LAUNCH_LOAD sits at the last cover point: one compute slot
+  lies between it and SWAP_WAIT_LOAD when the window after SWAP_WAIT_OFFLOAD has one (none
+  otherwise), and only swap steps lie between the launch and that compute slot — the load
+  is hidden, and the activation does not come back earlier than it must;
 * SWAP_WAIT_LOAD comes before the chunk's first backward consumer (BWD or BWD_INPUT), and
   the next compute slot after it is that consumer's slot — a BWD_WEIGHT never loads;
 * no swap step sits inside a container (BATCH_SEND_RECV or OVERLAP composite);
 * with FSDP on the stage: when an FSDP_UNSHARD of the stage after SWAP_WAIT_OFFLOAD feeds the
   consumer (no compute of the stage in between), the order is SWAP_LAUNCH_LOAD →
-  FSDP_UNSHARD → SWAP_WAIT_LOAD → consumer; when the stage stays unsharded, no compute slot
-  lies between SWAP_LAUNCH_LOAD and SWAP_WAIT_LOAD (the load is not brought back early);
+  FSDP_UNSHARD → SWAP_WAIT_LOAD → consumer, with only swap steps between the launch and
+  that UNSHARD; when the stage stays unsharded, no compute slot lies between
+  SWAP_LAUNCH_LOAD and SWAP_WAIT_LOAD (the load is not brought back early);
 * given the ``reference`` order the swap pass started from: the P2P send/recv sequence
   (containers included) is unchanged, and removing the swap steps gives ``reference`` back.
 """
@@ -32,6 +41,8 @@ from .swap import MIN_SWAP_GAP  # the default threshold only; the rules are re-d
 
 
 class OrderRule(str, Enum):
+    """The invariant a violation breaks; the value is the short name printed in messages."""
+
     MALFORMED_STEP = "malformed-step"
     SWAP_IN_CONTAINER = "swap-step-in-container"
     UNKNOWN_CHUNK = "swap-for-unknown-chunk"
@@ -41,7 +52,10 @@ class OrderRule(str, Enum):
     DUPLICATE_SWAP_STEP = "duplicate-swap-step"
     SWAP_STEP_ORDER = "swap-steps-out-of-order"
     OFFLOAD_BEFORE_FORWARD = "offload-before-forward"
+    OFFLOAD_NOT_AT_FORWARD = "launch-offload-not-right-after-forward"
     OFFLOAD_NOT_COVERED = "wait-offload-without-compute"
+    WAIT_OFFLOAD_LATE = "wait-offload-not-after-first-compute"
+    LOAD_NOT_AT_COVER_POINT = "launch-load-not-at-last-cover-point"
     LOAD_AFTER_CONSUMER = "wait-load-after-consumer"
     LOAD_NOT_AT_CONSUMER = "wait-load-not-before-consumer"
     WEIGHT_LOADS = "bwd-weight-loads"
@@ -249,9 +263,8 @@ def _check_chunk(
     if launch_off < chunk.forward_pos:
         report(launch_off, key, OrderRule.OFFLOAD_BEFORE_FORWARD,
                f"SWAP_LAUNCH_OFFLOAD before the forward at step {chunk.forward_pos}")
-    if not any(launch_off < p < wait_off for p in slot_of):
-        report(wait_off, key, OrderRule.OFFLOAD_NOT_COVERED,
-               "no compute slot between SWAP_LAUNCH_OFFLOAD and SWAP_WAIT_OFFLOAD")
+    else:
+        _check_offload_anchors(order, key, chunk, (launch_off, wait_off), slot_of, report)
     if wait_load > chunk.consumer_pos:
         report(wait_load, key, OrderRule.LOAD_AFTER_CONSUMER,
                f"SWAP_WAIT_LOAD after the backward consumer at step {chunk.consumer_pos}")
@@ -264,7 +277,70 @@ def _check_chunk(
             report(wait_load, key, OrderRule.LOAD_NOT_AT_CONSUMER,
                    f"the next compute after SWAP_WAIT_LOAD is step {next_slot}, not the consumer at "
                    f"step {chunk.consumer_pos}; move the wait right before the consumer")
-    _check_fsdp_load(order, key, chunk, (wait_off, launch_load, wait_load), slot_of, report)
+    if any(s.is_fsdp and s.stage == key[0] for s in order):
+        _check_fsdp_load(order, key, chunk, (wait_off, launch_load, wait_load), slot_of, report)
+    elif wait_off < launch_load < wait_load:
+        _check_load_cover(order, key, (wait_off, launch_load, wait_load), slot_of, report)
+
+
+def _slots_between(slot_of: dict[int, int], start: int, end: int) -> list[int]:
+    """Positions of the compute slots strictly between top-level positions ``start`` and ``end``."""
+    return [p for p in slot_of if start < p < end]
+
+
+def _only_swaps_between(order: Sequence[MetaStep], start: int, end: int) -> bool:
+    return all(order[p].is_swap for p in range(start + 1, end))
+
+
+def _check_offload_anchors(
+    order: Sequence[MetaStep],
+    key: tuple[int, int],
+    chunk: _Chunk,
+    positions: tuple[int, int],
+    slot_of: dict[int, int],
+    report: _Report,
+) -> None:
+    """LAUNCH_OFFLOAD right after the forward's container (ahead of the stage's RESHARD);
+    WAIT_OFFLOAD after the first intervening compute slot and the comm block after it."""
+    launch_off, wait_off = positions
+    early = _slots_between(slot_of, chunk.forward_pos, launch_off)
+    reshards = [p for p in range(chunk.forward_pos + 1, launch_off)
+                if order[p].kind is StepKind.FSDP_RESHARD and order[p].stage == key[0]]
+    if early or reshards:
+        what = f"compute slot at step {early[0]}" if early else f"FSDP_RESHARD at step {reshards[0]}"
+        report(launch_off, key, OrderRule.OFFLOAD_NOT_AT_FORWARD,
+               f"a {what} lies between the forward at step {chunk.forward_pos} and SWAP_LAUNCH_OFFLOAD; "
+               "launch the offload right after the forward's container (FWD → LAUNCH_OFFLOAD → RESHARD)")
+    between = _slots_between(slot_of, launch_off, wait_off)
+    if not between:
+        report(wait_off, key, OrderRule.OFFLOAD_NOT_COVERED,
+               "no compute slot between SWAP_LAUNCH_OFFLOAD and SWAP_WAIT_OFFLOAD")
+        return
+    next_slot = min((p for p in slot_of if p > wait_off), default=len(order))
+    if len(between) > 1 or not _only_swaps_between(order, wait_off, next_slot):
+        report(wait_off, key, OrderRule.WAIT_OFFLOAD_LATE,
+               f"{len(between)} compute slot(s) between SWAP_LAUNCH_OFFLOAD and SWAP_WAIT_OFFLOAD, "
+               "or non-swap steps between the wait and the next compute slot; wait right before the "
+               "second compute slot after the forward (after the first one and its comm block)")
+
+
+def _check_load_cover(
+    order: Sequence[MetaStep],
+    key: tuple[int, int],
+    positions: tuple[int, int, int],
+    slot_of: dict[int, int],
+    report: _Report,
+) -> None:
+    """Stage without FSDP: LAUNCH_LOAD right before the last compute slot ahead of the
+    consumer, so that slot hides the copy and the activation is not back any earlier."""
+    wait_off, launch_load, wait_load = positions
+    cover = _slots_between(slot_of, launch_load, wait_load)
+    wanted = min(1, len(_slots_between(slot_of, wait_off, wait_load)))
+    if len(cover) != wanted or (cover and not _only_swaps_between(order, launch_load, cover[0])):
+        report(launch_load, key, OrderRule.LOAD_NOT_AT_COVER_POINT,
+               f"{len(cover)} compute slot(s) between SWAP_LAUNCH_LOAD and SWAP_WAIT_LOAD, expected "
+               f"{wanted}; launch the load right before the last compute slot ahead of the consumer "
+               "(or right after SWAP_WAIT_OFFLOAD when no slot is left)")
 
 
 def _check_fsdp_load(
@@ -277,8 +353,6 @@ def _check_fsdp_load(
 ) -> None:
     wait_off, launch_load, wait_load = positions
     stage = key[0]
-    if not any(s.is_fsdp and s.stage == stage for s in order):
-        return
     feeding = None
     for pos in range(chunk.consumer_pos - 1, wait_off, -1):
         step = order[pos]
@@ -290,6 +364,10 @@ def _check_fsdp_load(
     if feeding is not None and not launch_load < feeding < wait_load:
         report(launch_load, key, OrderRule.FSDP_LOAD_ORDER,
                f"expected SWAP_LAUNCH_LOAD → FSDP_UNSHARD (step {feeding}) → SWAP_WAIT_LOAD → consumer")
+    elif feeding is not None and not _only_swaps_between(order, launch_load, feeding):
+        report(launch_load, key, OrderRule.FSDP_LOAD_ORDER,
+               f"SWAP_LAUNCH_LOAD is not right before the lookahead FSDP_UNSHARD at step {feeding}; "
+               "launch the load there so the activation comes back with the parameters, not earlier")
     if feeding is None and any(launch_load < p < wait_load for p in slot_of):
         report(launch_load, key, OrderRule.FSDP_LOAD_ORDER,
                "stage stays unsharded: SWAP_LAUNCH_LOAD must follow the last compute before the consumer")

@@ -20,9 +20,30 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from .meta_step import COMPOSITE_KINDS, MetaStep, StepKind, validate_step
 
-# The torch short forms are our StepKind values, except OVERLAP_B_F / BATCH_SEND_RECV / swap
-# kinds, which torch does not have.
-_TORCH_KINDS = frozenset(t.value for t in _ComputationType)
+# torch's action kinds by *member name*: the names are stable across releases, the values are
+# not (torch <= 2.10 numbers them 1, 2, ... and prints the short form through __str__; newer
+# releases make the short form the value). OVERLAP_B_F, BATCH_SEND_RECV and the swap kinds
+# have no torch counterpart.
+_KIND_OF_TORCH_NAME: dict[str, StepKind] = {
+    "FORWARD": StepKind.FWD,
+    "FULL_BACKWARD": StepKind.BWD,
+    "BACKWARD_INPUT": StepKind.BWD_INPUT,
+    "BACKWARD_WEIGHT": StepKind.BWD_WEIGHT,
+    "UNSHARD": StepKind.FSDP_UNSHARD,
+    "RESHARD": StepKind.FSDP_RESHARD,
+    "SEND_F": StepKind.SEND_F,
+    "RECV_F": StepKind.RECV_F,
+    "SEND_B": StepKind.SEND_B,
+    "RECV_B": StepKind.RECV_B,
+    "OVERLAP_F_B": StepKind.OVERLAP_F_B,
+    "REDUCE_GRAD": StepKind.REDUCE_GRAD,
+}
+# The installed torch's members for the kinds it has.
+_TORCH_TYPE_OF_KIND: dict[StepKind, _ComputationType] = {
+    kind: _ComputationType[name]
+    for name, kind in _KIND_OF_TORCH_NAME.items()
+    if name in _ComputationType.__members__
+}
 
 #: Schedule names we take from torch's own order generators, and their class names (looked
 #: up when used: older torch releases lack some of them).
@@ -38,9 +59,16 @@ TORCH_SCHEDULE_CLASSES: dict[str, str] = {
 
 def from_torch_action(action: _Action) -> MetaStep:
     """One torch action as a MetaStep (composites keep their sub-steps, stage ``-1`` → None)."""
-    kind = StepKind(action.computation_type.value)
-    if action.sub_actions:
-        step = MetaStep(kind, None, None, tuple(from_torch_action(a) for a in action.sub_actions))
+    name = action.computation_type.name
+    if name not in _KIND_OF_TORCH_NAME:
+        raise ValueError(
+            f"torch action {action}: computation type {name} has no MetaStep kind; "
+            f"known: {', '.join(_KIND_OF_TORCH_NAME)} (add it to _KIND_OF_TORCH_NAME in torch_actions.py)"
+        )
+    kind = _KIND_OF_TORCH_NAME[name]
+    sub_actions = getattr(action, "sub_actions", None)  # torch <= 2.8 actions have no sub_actions
+    if sub_actions:
+        step = MetaStep(kind, None, None, tuple(from_torch_action(a) for a in sub_actions))
     else:
         step = MetaStep(kind, action.stage_index, action.microbatch_index)
     validate_step(step)
@@ -54,12 +82,12 @@ def from_torch_actions(actions: Iterable[_Action | None]) -> list[MetaStep]:
 
 def to_torch_action(step: MetaStep) -> _Action:
     """One MetaStep as a torch action; raises for kinds torch has no action for."""
-    if step.kind.value not in _TORCH_KINDS:
+    if step.kind not in _TORCH_TYPE_OF_KIND:
         raise ValueError(
             f"step {step!r}: torch.distributed.pipelining has no action for {step.kind.name}; "
             "convert the order before the transport and swap passes (or flatten BATCH_SEND_RECV)"
         )
-    ctype = _ComputationType(step.kind.value)
+    ctype = _TORCH_TYPE_OF_KIND[step.kind]
     if step.kind in COMPOSITE_KINDS:
         return _Action(-1, ctype, None, tuple(to_torch_action(s) for s in step.sub_steps))
     assert step.stage is not None  # validate_step guarantees a stage on every leaf

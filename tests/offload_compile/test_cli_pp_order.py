@@ -107,7 +107,9 @@ def test_swap_reports_the_peak_drop(capsys) -> None:
         order = [MetaStep.from_str(s) for s in result["orders"][rank]]
         assert peak["unit"] == "chunks"
         assert peak["without"] == 8  # GPipe holds every micro-batch before the first backward
-        assert peak["with"] < peak["without"]
+        # With swap the peak is at F7: chunk 7 (just computed), chunk 6 (its offload is waited
+        # only after the next slot) and chunk 0 (loaded back before F7, the slot ahead of B0).
+        assert peak["with"] == 3
         assert peak["swapped"] == peak["eligible"] == 8
         assert check_order(order, rank=int(rank), reference=strip_swap_steps(order)) == []
     code, out, _ = run_cli(capsys, "--schedule", "gpipe", "--ranks", "4", "--microbatches", "8", "--swap",
@@ -212,3 +214,19 @@ def test_module_entry_point_runs_in_a_subprocess() -> None:
     result = json.loads(done.stdout)
     assert set(result["orders"]) == {"0", "1"}
     assert any("SWAP_WAIT_LOAD" in step for step in result["orders"]["0"])
+
+
+def test_order_rejected_by_check_order_exits_3_and_still_prints(capsys, monkeypatch) -> None:
+    # The passes and the validator disagree only through a bug; the CLI must say so loudly.
+    from hyper_offload import cli_pp_order
+    from hyper_offload.passes.pipeline.check_order import OrderRule, OrderViolation
+
+    def reject_rank_1(order, *, rank, **kwargs):
+        return [OrderViolation(rank, 3, 1, 0, OrderRule.MISSING_SWAP_STEP, "made up")] if rank == 1 else []
+
+    monkeypatch.setattr(cli_pp_order, "check_order", reject_rank_1)
+    code, out, err = run_cli(capsys, "--schedule", "gpipe", "--ranks", "2", "--microbatches", "6", "--swap", "--json")
+    assert code == 3
+    assert set(json.loads(out)["orders"]) == {"0", "1"}  # the order is still shown, for the bug report
+    assert len(err.splitlines()) == 1
+    assert "rank 1, step 3 (stage 1, micro 0): [missing-swap-step]" in err and "this is a bug" in err

@@ -228,3 +228,76 @@ def test_anchor_analysis_is_separate_from_the_rewrite() -> None:
     assert apply_swap_anchors(BASE, anchors) == inject_swap_steps(BASE, min_gap=3, only=[(0, 1)])
     with pytest.raises(ValueError, match="position outside"):
         apply_swap_anchors(BASE, [SwapAnchor(99, anchors[0].step)])
+
+
+# GPipe rank 0 of 2, 5 micro-batches, min_gap 4: every chunk has gap 5. Chunk 0's anchors:
+# LAUNCH_OFFLOAD right after 0F0, WAIT_OFFLOAD right before 0F2 (after 0F1 and its send),
+# LAUNCH_LOAD right before 0F4 (the last slot ahead of 0B0), WAIT_LOAD right before 0B0.
+BASE5 = parse_order(
+    "0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0F3 0SEND_F3 0F4 0SEND_F4 "
+    "0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2 0RECV_B3 0B3 0RECV_B4 0B4"
+)
+SWAPPED5 = inject_swap_steps(BASE5, min_gap=4)
+
+
+def _drift(order: list[MetaStep], moves: list[tuple[str, str, str]]) -> list[MetaStep]:
+    for how, text, anchor in moves:
+        order = (_move if how == "before" else _move_after)(order, text, anchor)
+    return order
+
+
+@pytest.mark.parametrize(
+    ("moves", "rule"),
+    [
+        # offload launched one slot late (its wait moved along, so only the launch is wrong)
+        ([("after", "0SWAP_LAUNCH_OFFLOAD0", "0F1"), ("before", "0SWAP_WAIT_OFFLOAD0", "0F3")],
+         OrderRule.OFFLOAD_NOT_AT_FORWARD),
+        # offload waited one slot late: two compute slots inside the offload window
+        ([("before", "0SWAP_WAIT_OFFLOAD0", "0F3")], OrderRule.WAIT_OFFLOAD_LATE),
+        # offload waited before the comm block that follows the first intervening compute
+        ([("after", "0SWAP_WAIT_OFFLOAD0", "0F1")], OrderRule.WAIT_OFFLOAD_LATE),
+        # load launched one slot early: the activation is back while 0F3 still runs
+        ([("before", "0SWAP_LAUNCH_LOAD0", "0F3")], OrderRule.LOAD_NOT_AT_COVER_POINT),
+        # load launched after the last cover slot: nothing hides the copy
+        ([("before", "0SWAP_LAUNCH_LOAD0", "0SWAP_WAIT_LOAD0")], OrderRule.LOAD_NOT_AT_COVER_POINT),
+        # load launched before the comm block ahead of the cover slot
+        ([("after", "0SWAP_LAUNCH_LOAD0", "0F3")], OrderRule.LOAD_NOT_AT_COVER_POINT),
+    ],
+)
+def test_anchor_drift_is_caught(moves: list[tuple[str, str, str]], rule: OrderRule) -> None:
+    assert check_order(SWAPPED5, rank=0, min_gap=4, reference=BASE5) == []
+    broken = _drift(SWAPPED5, moves)
+    assert strip_swap_steps(broken) == BASE5  # only swap steps moved
+    violations = check_order(broken, rank=0, min_gap=4, reference=BASE5)
+    assert {v.rule for v in violations} == {rule}
+    assert {(v.stage, v.micro) for v in violations} == {(0, 0)}
+
+
+def test_fsdp_anchor_drift_is_caught() -> None:
+    kw = dict(num_ranks=2, stages_per_rank=2, num_microbatches=4, fsdp=True)
+    ref = build_rank_orders("interleaved-1f1b", **kw)[0]
+    good = build_rank_orders("interleaved-1f1b", swap=True, **kw)[0]
+    # 0F1 → LAUNCH_OFFLOAD1 → 0RESHARD: launching after the reshard breaks FWD → LAUNCH → RESHARD
+    late = _move_after(good, "0SWAP_LAUNCH_OFFLOAD1", "0RESHARD")
+    assert {(v.rule, v.micro) for v in check_order(late, rank=0, reference=ref)} == {
+        (OrderRule.OFFLOAD_NOT_AT_FORWARD, 1)
+    }
+    # chunk (0,0) loads right before the lookahead 0UNSHARD; one compute slot earlier is too early
+    early = _move(good, "0SWAP_LAUNCH_LOAD0", "2SWAP_WAIT_LOAD1")
+    assert {(v.rule, v.micro) for v in check_order(early, rank=0, reference=ref)} == {
+        (OrderRule.FSDP_LOAD_ORDER, 0)
+    }
+
+
+def test_check_order_does_not_reuse_the_swap_pass() -> None:
+    # The validator must judge the pass, not repeat it: nothing the swap pass defines (chunk
+    # finder, anchor placement, injection) may be used by check_order; only the default gap.
+    from hyper_offload.passes.pipeline import check_order as validator
+    from hyper_offload.passes.pipeline import swap as swap_pass
+
+    defined_by_pass = {
+        id(value) for value in vars(swap_pass).values() if getattr(value, "__module__", None) == swap_pass.__name__
+    }
+    reused = sorted(name for name, value in vars(validator).items() if id(value) in defined_by_pass)
+    assert reused == []
+    assert defined_by_pass  # the probe itself sees the pass's functions

@@ -254,3 +254,27 @@ def test_interleaved_three_virtual_stages() -> None:
     compute = compute_orders("interleaved-1f1b", **kw)
     assert format_order(compute[0]) == _words(INTERLEAVED_V3_COMPUTE_R0)
     assert _build("interleaved-1f1b", 0, swap=True, **kw) == _words(INTERLEAVED_V3_SWAP_R0)
+
+
+# Overlapped F/B with dx/dw split (design section 6.8.4), 1F1B, 2 ranks × 4 micro-batches,
+# min_gap 2. Rank 1 (last stage) computes F0 B0 F1 B1 F2 B2 F3 B3; fusing gives
+# F0 (B0;F1) (B1;F2) (B2;F3) B3 and the split turns each B into I + a W slot right after:
+# slots F0 | (I0;F1) | W0 | (I1;F2) | W1 | (I2;F3) | W2 | I3 | W3. Gaps F→I: chunk 0 → 1
+# (resident), chunks 1..3 → 2. Each load is waited right before the composite holding its I,
+# the dx is sent right after it, and the W that follows never loads:
+#   SWAP_LAUNCH_LOAD1 → SWAP_WAIT_LOAD1 → (I1;F2)OVERLAP_B_F → SEND_B1 → W1.
+OVERLAP_DXDW_R1 = """
+1RECV_F0 1F0 1RECV_F1 (1I0;1F1)OVERLAP_B_F 1SWAP_LAUNCH_OFFLOAD1 1SEND_B0 1W0
+1RECV_F2 1SWAP_WAIT_OFFLOAD1 1SWAP_LAUNCH_LOAD1 1SWAP_WAIT_LOAD1 (1I1;1F2)OVERLAP_B_F
+1SWAP_LAUNCH_OFFLOAD2 1SEND_B1 1W1
+1RECV_F3 1SWAP_WAIT_OFFLOAD2 1SWAP_LAUNCH_LOAD2 1SWAP_WAIT_LOAD2 (1I2;1F3)OVERLAP_B_F
+1SWAP_LAUNCH_OFFLOAD3 1SEND_B2 1W2
+1SWAP_WAIT_OFFLOAD3 1SWAP_LAUNCH_LOAD3 1SWAP_WAIT_LOAD3 1I3 1SEND_B3 1W3
+"""
+
+
+def test_overlap_with_dxdw_split() -> None:
+    kw = dict(num_ranks=2, stages_per_rank=1, num_microbatches=4, overlap=True, dxdw_split=True, swap=True, min_gap=2)
+    assert _build("1f1b", 1, **kw) == _words(OVERLAP_DXDW_R1)
+    # Stage 0 keeps a plain BWD under dx/dw split, so rank 0 is the overlap order unchanged.
+    assert _build("1f1b", 0, **kw) == _words(OVERLAP_R0)

@@ -192,3 +192,46 @@ def test_swap_only_restricts_per_rank() -> None:
     assert offloaded[1] == {(1, m) for m in range(6)}  # absent rank: every eligible chunk (gap 6)
     with pytest.raises(ValueError, match="no forward"):
         build_rank_orders("gpipe", swap_only={0: [(1, 0)]}, **kw)
+
+
+def test_conversion_reads_kinds_by_name_not_by_value() -> None:
+    # torch <= 2.10 numbers its computation types (FORWARD = 1, ...) and older actions have no
+    # sub_actions field; the conversion must not depend on either.
+    from enum import Enum
+    from typing import NamedTuple
+
+    class OldComputationType(Enum):
+        FORWARD = 1
+        BACKWARD_INPUT = 2
+        BACKWARD_WEIGHT = 3
+        SEND_F = 6
+        FULL_BACKWARD = 10
+
+    class OldAction(NamedTuple):
+        stage_index: int
+        computation_type: OldComputationType
+        microbatch_index: int | None = None
+
+    old = [OldAction(1, OldComputationType.FORWARD, 3), None, OldAction(1, OldComputationType.FULL_BACKWARD, 3),
+           OldAction(2, OldComputationType.BACKWARD_INPUT, 0), OldAction(2, OldComputationType.BACKWARD_WEIGHT, 0),
+           OldAction(0, OldComputationType.SEND_F, 4)]
+    steps = from_torch_actions(old)  # type: ignore[arg-type]
+    assert format_order(steps) == ["1F3", "1B3", "2I0", "2W0", "0SEND_F4"]
+    assert [str(a) for a in to_torch_actions(steps)] == format_order(steps)  # back to this torch's actions
+
+    class Unknown(Enum):
+        SEND_F_RECV_B = 10
+
+    with pytest.raises(ValueError, match="SEND_F_RECV_B has no MetaStep kind"):
+        from_torch_actions([OldAction(0, Unknown.SEND_F_RECV_B, 0)])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("interleaved-1f1b", 2), ("zbv", 2), ("dualpipev", 2), ("1f1b", 1)])
+def test_our_orders_with_p2p_and_fsdp_convert_to_torch_and_back(schedule: str, v: int) -> None:
+    # Before the transport and swap passes every step has a torch action, and torch prints it
+    # the way we do (torch's lowering tests compare exactly these strings).
+    orders = build_rank_orders(schedule, num_ranks=2, stages_per_rank=v, num_microbatches=4, fsdp=True)
+    for order in orders.values():
+        actions = to_torch_actions(order)
+        assert [str(a) for a in actions] == format_order(order)
+        assert from_torch_actions(actions) == order

@@ -113,11 +113,19 @@ def test_mutations_are_caught(cfg: dict[str, Any], data: st.DataObject) -> None:
     swap_positions = [i for i, s in enumerate(order) if s.is_swap]
     assume(swap_positions)
     kw = dict(rank=rank, min_gap=cfg["min_gap"], reference=base)
-    mutation = data.draw(st.sampled_from(["drop", "late_wait", "early_offload", "into_batch"]))
+    mutation = data.draw(st.sampled_from(["drop", "late_wait", "early_offload", "early_load", "into_batch"]))
     if mutation == "drop":
         i = data.draw(st.sampled_from(swap_positions))
         broken = order[:i] + order[i + 1 :]
         expected = OrderRule.MISSING_SWAP_STEP
+    elif mutation == "early_load":
+        # launch the H2D one compute slot earlier than its anchor: the activation comes back early
+        i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind is StepKind.SWAP_LAUNCH_LOAD]))
+        earlier = max(j for j in range(i) if order[j].is_compute_slot)
+        broken = order[:earlier] + [order[i]] + order[earlier:i] + order[i + 1 :]
+        rules = {v.rule for v in check_order(broken, **kw)}
+        assert rules & {OrderRule.LOAD_NOT_AT_COVER_POINT, OrderRule.FSDP_LOAD_ORDER, OrderRule.SWAP_STEP_ORDER}
+        return
     elif mutation == "late_wait":
         i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind is StepKind.SWAP_WAIT_LOAD]))
         consumer = next(j for j in range(i + 1, len(order)) if order[j].is_compute_slot)
