@@ -12,6 +12,9 @@ Prints one JSON object per line:
   exact optimum, with the ratios.
 * ``planner.quality.summary`` — median and worst ratio per planner against the target
   (median <= 1.10, worst <= 1.25).
+* ``planner.quality.random`` (``--random-quality N``) — the same ratios on N more seeded
+  irregular traces outside the bundled set, with the worst seeds, to see how far the
+  bundled figures generalise.
 
 Run from the repository root: ``python benchmarks/planner.py [--quick]``. ``--quick``
 (< 60 s) stops at ~300k accesses and times the oracle on the smallest trace only; the
@@ -26,6 +29,7 @@ import gc
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -41,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "passes"))
 
 import reference_planner  # noqa: E402  (the test suite's oracle)
-from synthetic import transformer_trace  # noqa: E402
+from synthetic import irregular_trace, transformer_trace  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
 ACCESSES_PER_LAYER = 26  # what transformer_trace emits per block (forward + backward)
@@ -160,6 +164,30 @@ def quality() -> None:
               "meets_target": median <= TARGET_MEDIAN and worst <= TARGET_WORST})
 
 
+def random_quality(count: int, seed: int = 1) -> None:
+    """Ratios on ``count`` seeded irregular traces (20-60 ops) outside the bundled set."""
+    ratios: dict[str, list[tuple[float, int]]] = {"greedy(refine=False)": [], "greedy(refine=True)": []}
+    for index in range(seed, seed + count):
+        rng = random.Random(index)
+        num_ops = rng.randint(20, 60)
+        trace = irregular_trace(rng, num_ops=num_ops, num_storages=rng.randint(num_ops // 2, num_ops))
+        with c_stdout_silenced():
+            optimal = check_schedule(trace, OptimalResidencyPlanner().plan(trace)).bytes_moved
+        if not optimal:
+            continue  # the budget happened to hold without offload: no ratio
+        for refine in (False, True):
+            moved = check_schedule(trace, GreedyResidencyPlanner(refine=refine).plan(trace)).bytes_moved
+            ratios[f"greedy(refine={refine})"].append((moved / optimal, index))
+    for name, values in ratios.items():
+        worst = sorted(values, reverse=True)[:5]
+        emit({"bench": "planner.quality.random", "planner": name, "traces": len(values),
+              "seeds": [seed, seed + count - 1],
+              "median_ratio": round(statistics.median(r for r, _ in values), 4),
+              "worst_ratio": round(worst[0][0], 4),
+              "over_1.25": sum(r > TARGET_WORST for r, _ in values),
+              "worst_seeds": [[s, round(r, 4)] for r, s in worst]})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip ~1M accesses (< 60 s)")
@@ -168,12 +196,16 @@ def main() -> None:
                              "(default: 10k with --quick, 110k otherwise)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--random-quality", type=int, default=0, metavar="N",
+                        help="also judge N seeded irregular traces outside the bundled set")
     args = parser.parse_args()
     cap = args.reference_max_accesses
     if cap is None:
         cap = 11_000 if args.quick else 110_000
     if not args.skip_quality:
         quality()
+    if args.random_quality > 0:
+        random_quality(args.random_quality)
     if not args.skip_speed:
         speed(QUICK_SIZES if args.quick else FULL_SIZES, cap)
 

@@ -2,14 +2,18 @@
 
 Exit codes: 0 when the schedule is valid and meets the budget, 1 when the budget is
 infeasible (some op's own operands exceed it; the best schedule is still reported),
-2 for bad input (missing file, malformed trace, negative budget), 3 if the planner
-produced a schedule the validator rejects (a bug: please report it).
+2 for bad input (missing file, malformed trace, negative or non-finite budget, an option
+the chosen planner does not take, an unwritable ``--schedule-out``) or a planner that
+gives up (the exact planner without scipy or past its time limit), 3 if the planner
+produced a schedule the validator rejects (a bug: please report it). Every error is one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from typing import Any
 from hyper_offload.passes import (
     ActivationTrace,
     ResidencyPlanner,
+    ResidencySchedule,
     ScheduleReport,
     TraceFormatError,
     check_schedule,
@@ -57,8 +62,8 @@ class _BadInput(Exception):
 
 
 def _load(path: Path, budget_mb: float) -> ActivationTrace:
-    if budget_mb < 0:
-        raise _BadInput(f"--budget-mb must be >= 0, got {budget_mb:g}")
+    if not 0 <= budget_mb < math.inf:  # also false for NaN
+        raise _BadInput(f"--budget-mb must be a finite number >= 0, got {budget_mb:g}")
     try:
         text = path.read_text()
     except OSError as error:
@@ -74,19 +79,39 @@ def _load(path: Path, budget_mb: float) -> ActivationTrace:
 
 def _make_planner(name: str, no_refine: bool) -> ResidencyPlanner:
     planner_type = _planners()[name]
-    return planner_type(refine=not no_refine) if name == "greedy" else planner_type()
+    if name == "greedy":
+        return planner_type(refine=not no_refine)
+    if no_refine:
+        raise _BadInput(f"--no-refine applies to --planner greedy only, not {name!r}; drop it")
+    return planner_type()
+
+
+def _plan(planner: ResidencyPlanner, trace: ActivationTrace) -> ResidencySchedule:
+    from hyper_offload.passes import OptimalPlannerError
+
+    try:
+        return planner.plan(trace)
+    except (OptimalPlannerError, ImportError) as error:  # the exact planner gave up
+        raise _BadInput(f"{planner!r}: {error}") from None
+
+
+def _write_schedule(path: Path, schedule: ResidencySchedule) -> None:
+    try:
+        path.write_text(schedule.to_json(indent=1))
+    except OSError as error:
+        raise _BadInput(f"cannot write --schedule-out {path}: {error.strerror or error}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         trace = _load(args.trace, args.budget_mb)
+        schedule = _plan(_make_planner(args.planner, args.no_refine), trace)
+        if args.schedule_out is not None:
+            _write_schedule(args.schedule_out, schedule)
     except _BadInput as error:
         print(f"hyper-offload plan: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    schedule = _make_planner(args.planner, args.no_refine).plan(trace)
     report = check_schedule(trace, schedule)
-    if args.schedule_out is not None:
-        args.schedule_out.write_text(schedule.to_json(indent=1))
     baseline_peak = max(resident_bytes_without_offload(trace), default=0)
     result = _result(trace, report, baseline_peak)
     print(json.dumps(result) if args.json else _human(result, report))
@@ -111,6 +136,14 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 1024:,.2f} KiB" if nbytes >= 1024 else f"{nbytes} B"
 
 
+def _mib_flag_at_least(nbytes: int) -> str:
+    """A ``--budget-mb`` value (2 decimals, rounded up) whose budget holds ``nbytes``."""
+    hundredths = -(-nbytes * 100 // MIB)  # ceil without float rounding
+    while int(hundredths / 100 * MIB) < nbytes:  # the CLI's own MiB -> bytes conversion
+        hundredths += 1
+    return f"{hundredths / 100:.2f}"
+
+
 def _human(result: dict[str, Any], report: ScheduleReport) -> str:
     lines = [
         f"ops: {result['num_ops']}   storages: {result['num_storages']}   "
@@ -126,8 +159,8 @@ def _human(result: dict[str, Any], report: ScheduleReport) -> str:
         lines.append(
             f"INFEASIBLE: {len(report.infeasible_ops)} op(s) need more than the budget on their own "
             f"(worst: op {worst.op_index} needs {_mib(worst.required_bytes)}, "
-            f"{_mib(worst.excess_bytes)} over); raise --budget-mb to at least "
-            f"{_mib(max(op.required_bytes for op in report.infeasible_ops))}"
+            f"{_mib(worst.excess_bytes)} over); raise the budget to at least "
+            f"--budget-mb {_mib_flag_at_least(worst.required_bytes)}"
         )
         shown = ", ".join(f"op {op.op_index} (+{op.excess_bytes} B)" for op in report.infeasible_ops[:10])
         lines.append(f"  ops that cannot fit: {shown}" + (" ..." if len(report.infeasible_ops) > 10 else ""))

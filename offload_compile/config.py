@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hyper_offload.passes.planner_protocol import ResidencyPlanner
@@ -29,9 +30,12 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for name in ("max_resident_activation_mb", "max_offload_activation_mb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            # ``not 0 <= value < inf`` is also true for NaN, which int() would reject later.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 <= value < math.inf
+            ):
                 raise ValueError(
-                    f"OffloadConfig.{name}: expected a number of MiB >= 0, got {value!r}"
+                    f"OffloadConfig.{name}: expected a finite number of MiB >= 0, got {value!r}"
                 )
         if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
             raise TypeError(

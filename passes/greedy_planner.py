@@ -20,8 +20,9 @@ offloaded, which is the best any schedule can do there. It selects exactly the g
 design's literal "resident > budget" test selects (see ``excess_over_allowed``).
 
 ``GreedyResidencyPlanner()`` then runs the refinement of :mod:`.refine` (drop redundant
-transfers, swap expensive picks for cheaper covering ones); ``refine=False`` is the
-design's exact behaviour, which the test suite checks against a straightforward oracle.
+transfers, swap expensive picks for cheaper covering ones, insert one gap that
+replaces several picks); ``refine=False`` is the design's exact behaviour, which the
+test suite checks against a straightforward oracle.
 """
 
 from __future__ import annotations

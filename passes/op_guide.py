@@ -48,6 +48,11 @@ class OpGuide:
 
     def check_op(self, op_index: int, name: str, leaf_count: int) -> OpGuideEntry:
         """Return the entry for ``op_index`` or raise if the replayed op differs."""
+        if op_index < 0:  # a negative index would silently check the last ops
+            raise ReplayMismatchError(
+                f"replay op {op_index} ({name}): op indices start at 0; count replayed ops "
+                "from the start of the step"
+            )
         if op_index >= len(self.entries):
             raise ReplayMismatchError(
                 f"replay op {op_index} ({name}): the warmup step recorded only "

@@ -11,14 +11,23 @@ and keeps every op within its allowance:
   leaves over budget and cost fewer bytes (its H2D, plus its epoch's D2H when it was the
   epoch's only chosen gap, against the new gaps' H2Ds and any new epochs' D2Hs). The
   replacement set is filled greedily in three orders (cheapest, longest, cheapest per
-  op covered) and the cheapest result wins.
+  op covered) and the cheapest result wins. Then the same for all chosen gaps of one
+  storage at once: adjacent picks of one storage, or picks sharing one D2H, often only
+  pay off removed together;
+* **insert** an unchosen gap, drop the chosen gaps it makes redundant and, if that does
+  not pay yet, swap out the chosen gaps it overlaps (each swap now only has to cover
+  what the new gap leaves); kept only if the whole move saves bytes, else rolled back
+  through the journal of adds and removes. One gap replacing two or more picks at once,
+  or two picks out and two in, which a swap (one pick out) cannot find. Only gaps
+  covering an op that was over budget with no offload are inserted, longest first.
 
-Both moves are tested with the same :class:`RangeAddMaxTree` as the greedy, so a move
+All moves are tested with the same :class:`RangeAddMaxTree` as the greedy, so a move
 costs O(K log S) where K is the number of gaps looked at. Drops cost O(M log S) per
-round; swaps look at most at ``max_scan`` gaps each and all swaps of one refinement
-share a fixed budget of ``swap_work`` tree operations, so on huge traces refinement adds
+round; swaps and inserts look at most at ``max_scan`` gaps each and all of them in one
+refinement share a fixed budget of ``swap_work`` tree operations, so on huge traces refinement adds
 O(M log S) plus a constant, while on small traces (the ones the ILP can judge) every
-chosen gap gets its swap attempts against every overlapping gap. The result never moves more bytes than the input choice (every move is an
+chosen gap gets its swap attempts against every overlapping gap and every gap its
+insert attempt. The result never moves more bytes than the input choice (every move is an
 improvement or is reverted).
 """
 
@@ -37,10 +46,11 @@ from .segment_tree import RangeAddMaxTree
 DEFAULT_MAX_SCAN = 256
 # Full passes over the chosen set; later passes rarely find anything after the second.
 DEFAULT_ROUNDS = 3
-# Work units (segment-tree operations and candidates scanned or sorted) all swap attempts
-# of one refinement may spend together: about 0.1 s of CPU. None of 230 random
-# 20-60-op traces needed more than 10_000.
-DEFAULT_SWAP_WORK = 20_000
+# Work units (segment-tree operations and candidates scanned or sorted) all swap and
+# insert attempts of one refinement may spend together: about 0.06 s of CPU on the
+# 100k-op benchmark trace, which spends all of it. On 1430 small traces (the 30 bundled
+# ones and 1400 random 4-60-op ones) the search was cut short on 10 (20_000: on 33).
+DEFAULT_SWAP_WORK = 40_000
 
 
 class _Choice:
@@ -64,6 +74,14 @@ class _Choice:
             self.epoch_count[self.epoch_of[k]] += 1
         self.tree = RangeAddMaxTree([e + d for e, d in zip(excess, accumulate(delta))])
         self.chosen: set[int] = set(chosen)
+        # Bytes the current choice moves (H2D per gap, D2H per epoch with a gap), kept
+        # up to date by add / remove so a composite move can compare before and after.
+        self.moved = sum(candidates[k].size for k in self.chosen) + sum(
+            candidates[k].size for k in {self.epoch_of[k]: k for k in self.chosen}.values()
+        )
+        # Every add (k + 1) and remove (-(k + 1)) in order, so that ``rollback`` can undo
+        # a composite move exactly.
+        self.journal: list[int] = []
         # Work counter compared against the swap budget: one unit per tree operation
         # and per candidate a swap attempt scans or sorts.
         self.work = 0
@@ -71,16 +89,31 @@ class _Choice:
     def add(self, k: int) -> None:
         cand = self.candidates[k]
         self.work += 1
+        self.moved += self.cost_to_add(k)
         self.tree.add(cand.start + 1, cand.end, -cand.size)
         self.chosen.add(k)
         self.epoch_count[self.epoch_of[k]] += 1
+        self.journal.append(k + 1)
 
     def remove(self, k: int) -> None:
         cand = self.candidates[k]
         self.work += 1
+        self.moved -= self.saving_of_remove(k)
         self.tree.add(cand.start + 1, cand.end, cand.size)
         self.chosen.discard(k)
         self.epoch_count[self.epoch_of[k]] -= 1
+        self.journal.append(-(k + 1))
+
+    def rollback(self, mark: int) -> None:
+        """Undo every add and remove since ``len(self.journal)`` was ``mark``."""
+        undo = self.journal[mark:]
+        del self.journal[mark:]
+        for entry in reversed(undo):
+            if entry > 0:
+                self.remove(entry - 1)
+            else:
+                self.add(-entry - 1)
+        del self.journal[mark:]  # the undo steps themselves are not part of the history
 
     def cost_to_add(self, k: int) -> int:
         """Bytes moved by adding candidate ``k``: its H2D, plus a D2H for a new epoch."""
@@ -128,12 +161,29 @@ def refine_choice(
     starts = [candidates[k].start for k in by_start]
     _drop_redundant(state)
     swap_budget_end = state.work + swap_work
+    insertable: list[int] | None = None  # built only if swaps leave work budget for it
     for _ in range(rounds):
         swapped = False
         for k in _by_saving(state):
             if state.work >= swap_budget_end:
                 break
-            if k in state.chosen and _try_swap(state, k, by_start, starts, max_scan):
+            if k in state.chosen and _try_swap(state, (k,), by_start, starts, max_scan):
+                swapped = True
+        groups = _multi_gap_storages(state) if state.work < swap_budget_end else []
+        for out in groups:  # a storage's adjacent picks, or its shared D2H, go together
+            if state.work >= swap_budget_end:
+                break
+            if all(k in state.chosen for k in out) and _try_swap(
+                state, out, by_start, starts, max_scan
+            ):
+                swapped = True
+        if insertable is None and state.work < swap_budget_end:
+            insertable = _insertable(candidates, excess)
+            state.work += len(candidates)  # the scan and sort, in the same work units
+        for j in insertable or ():
+            if state.work >= swap_budget_end:
+                break
+            if j not in state.chosen and _try_insert(state, j, by_start, starts, max_scan):
                 swapped = True
         if not swapped:
             break
@@ -141,6 +191,31 @@ def refine_choice(
         if state.work >= swap_budget_end:
             break
     return [candidates[k] for k in sorted(state.chosen)]
+
+
+def _insertable(candidates: Sequence[OffloadCandidate], excess: Sequence[int]) -> list[int]:
+    """Candidates an insert move may add, longest first (ties: smaller, then by index).
+
+    Only gaps covering an op that is over its allowance with no offload: the planner
+    never offloads a gap where nothing was over budget to begin with.
+    """
+    over_before = list(accumulate((1 if e > 0 else 0 for e in excess), initial=0))
+    return sorted(
+        (k for k, c in enumerate(candidates) if over_before[c.end] > over_before[c.start + 1]),
+        key=lambda k: (-candidates[k].distance, candidates[k].size, k),
+    )
+
+
+def _multi_gap_storages(state: _Choice) -> list[tuple[int, ...]]:
+    """Chosen gaps grouped by storage, for storages with two or more of them; the most
+    bytes first (ties: by first index)."""
+    cands = state.candidates
+    groups: dict[int, list[int]] = {}
+    for k in sorted(state.chosen):
+        groups.setdefault(cands[k].storage, []).append(k)
+    state.work += len(state.chosen)
+    multi = [tuple(g) for g in groups.values() if len(g) >= 2]
+    return sorted(multi, key=lambda g: (-len(g) * cands[g[0]].size, g[0]))
 
 
 def _by_saving(state: _Choice) -> list[int]:
@@ -159,9 +234,16 @@ def _drop_redundant(state: _Choice) -> bool:
 
 
 def _overlapping(
-    state: _Choice, k: int, by_start: Sequence[int], starts: Sequence[int], max_scan: int
+    state: _Choice,
+    k: int,
+    by_start: Sequence[int],
+    starts: Sequence[int],
+    max_scan: int,
+    *,
+    chosen: bool = False,
 ) -> list[int]:
-    """Unchosen candidates covering some op that ``k`` covers; at most ``max_scan`` looked at.
+    """Candidates (unchosen, or chosen if ``chosen``) covering some op that ``k`` covers,
+    ``k`` excluded; at most ``max_scan`` looked at.
 
     Scans from the latest start that still overlaps backwards, so the nearest gaps are
     seen first when the cap bites.
@@ -171,68 +253,121 @@ def _overlapping(
     found = []
     position = bisect_left(starts, hi - 1)
     scanned = 0
+    in_set = state.chosen
     while position > 0 and scanned < max_scan:
         position -= 1
         scanned += 1
         state.work += 1
         j = by_start[position]
-        if j not in state.chosen and state.candidates[j].end > lo:
+        if (j in in_set) is chosen and j != k and state.candidates[j].end > lo:
             found.append(j)
     return found
 
 
 def _try_swap(
-    state: _Choice, k: int, by_start: Sequence[int], starts: Sequence[int], max_scan: int
+    state: _Choice, out: Sequence[int], by_start: Sequence[int], starts: Sequence[int],
+    max_scan: int,
 ) -> bool:
-    """Replace chosen ``k`` by cheaper overlapping gaps if that saves bytes; else revert."""
-    pool = _overlapping(state, k, by_start, starts, max_scan)
+    """Replace chosen gaps ``out`` (one, or all chosen gaps of one epoch) by cheaper
+    overlapping gaps if that saves bytes; else revert."""
+    pool = list(dict.fromkeys(
+        j for k in out for j in _overlapping(state, k, by_start, starts, max_scan)
+    ))
     if not pool:
         return False
-    saving = state.saving_of_remove(k)
-    target = state.candidates[k]
-    lo, hi = target.start + 1, target.end
-    state.remove(k)
-    orders = _fill_orders(state, pool, lo, hi)  # costs as they are without k
+    ranges = [(state.candidates[k].start + 1, state.candidates[k].end) for k in out]
+    saving = 0
+    for k in out:
+        saving += state.saving_of_remove(k)  # counts the epoch's D2H once, at its last gap
+        state.remove(k)
+    orders = _fill_orders(state, pool, ranges)  # costs as they are without ``out``
     state.work += len(pool) * len(orders)
     best: tuple[int, list[int]] | None = None
     for order in orders:
-        added: list[int] = []
-        spent = 0
-        for j in order:
-            if spent >= saving:
-                break
-            if state.over(j):
-                spent += state.cost_to_add(j)
-                state.add(j)
-                added.append(j)
-                if state.range_max(lo, hi) <= 0:
-                    break  # k's ops are covered again
-        # Fill gaps may overlap each other: drop those the later ones made redundant.
-        for j in sorted(added, key=lambda j: (-state.saving_of_remove(j), j)):
-            if state.removable(j):
-                spent -= state.saving_of_remove(j)
-                state.remove(j)
-                added.remove(j)
-        if spent < saving and state.range_max(lo, hi) <= 0 and (best is None or spent < best[0]):
+        added, spent = _fill(state, order, ranges, saving)
+        if spent < saving and _covered(state, ranges) and (best is None or spent < best[0]):
             best = (spent, list(added))
         for j in added:
             state.remove(j)
-    if best is None:
+    for k in out if best is None else best[1]:
         state.add(k)
+    return best is not None
+
+
+def _covered(state: _Choice, ranges: Sequence[tuple[int, int]]) -> bool:
+    return all(state.range_max(lo, hi) <= 0 for lo, hi in ranges)
+
+
+def _fill(
+    state: _Choice, order: Sequence[int], ranges: Sequence[tuple[int, int]], saving: int
+) -> tuple[list[int], int]:
+    """Add gaps of ``order`` that cover an op still over budget until ``ranges`` are
+    covered or they cost ``saving``; then drop those later ones made redundant.
+
+    Returns the added gaps (they stay chosen; the caller reverts them) and the bytes
+    they move."""
+    added: list[int] = []
+    spent = 0
+    for j in order:
+        if spent >= saving:
+            break
+        if state.over(j):
+            spent += state.cost_to_add(j)
+            state.add(j)
+            added.append(j)
+            if _covered(state, ranges):
+                break
+    # Fill gaps may overlap each other: drop those the later ones made redundant.
+    for j in sorted(added, key=lambda j: (-state.saving_of_remove(j), j)):
+        if state.removable(j):
+            spent -= state.saving_of_remove(j)
+            state.remove(j)
+            added.remove(j)
+    return added, spent
+
+
+def _try_insert(
+    state: _Choice, j: int, by_start: Sequence[int], starts: Sequence[int], max_scan: int
+) -> bool:
+    """Add unchosen ``j`` if the chosen gaps it makes redundant save more than it costs.
+
+    The reverse of a swap: one new gap replaces several chosen ones at once (two picks
+    that each cover half of ``j``'s ops, say), which no single-pick swap can find.
+    Reverted unless it strictly lowers the bytes moved.
+    """
+    rivals = _overlapping(state, j, by_start, starts, max_scan, chosen=True)
+    if not rivals:
         return False
-    for j in best[1]:
-        state.add(j)
-    return True
+    mark, before = len(state.journal), state.moved
+    state.add(j)
+    rivals.sort(key=lambda k: (-state.saving_of_remove(k), k))
+    for k in rivals:
+        if state.removable(k):
+            state.remove(k)
+    if state.moved >= before:
+        # Not paid off yet: ``j`` may still let a rival be swapped for gaps that cover
+        # only what ``j`` leaves (two picks out, two in). Each swap commits only if it
+        # saves bytes, and the whole move is undone unless the total does.
+        for k in rivals:
+            if k in state.chosen:
+                _try_swap(state, (k,), by_start, starts, max_scan)
+    if state.moved < before:
+        return True
+    state.rollback(mark)
+    return False
 
 
-def _fill_orders(state: _Choice, pool: list[int], lo: int, hi: int) -> list[list[int]]:
-    """Orders in which to try replacement gaps for ops ``lo .. hi - 1``: cheapest first,
-    longest first, and fewest bytes moved per op of the range covered first."""
+def _fill_orders(
+    state: _Choice, pool: list[int], ranges: Sequence[tuple[int, int]]
+) -> list[list[int]]:
+    """Orders in which to try replacement gaps for the ops of ``ranges``: cheapest first,
+    longest first, and fewest bytes moved per op of the ranges covered first."""
     cands = state.candidates
 
     def per_op_covered(j: int) -> float:
-        covered = min(cands[j].end, hi) - max(cands[j].start + 1, lo)  # >= 1: j overlaps
-        return state.cost_to_add(j) / covered
+        start, end = cands[j].start + 1, cands[j].end
+        covered = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in ranges)
+        return state.cost_to_add(j) / covered  # covered >= 1: j overlaps some range
 
     return [
         sorted(pool, key=lambda j: (state.cost_to_add(j), -cands[j].distance, j)),

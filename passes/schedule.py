@@ -28,6 +28,7 @@ JSON format, version 1::
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -37,6 +38,9 @@ from .trace import StorageId, TraceFormatError
 
 SCHEDULE_FORMAT = "hyper-offload.schedule"
 SCHEDULE_VERSION = 1
+_SCHEDULE_FIELDS = frozenset({"format", "version", "num_ops", "pre", "post"})
+# ASCII digits only: ``str.isdigit`` also accepts "²", which ``int`` rejects.
+_OP_INDEX_TEXT = re.compile(r"[0-9]+")
 
 
 class ActionKind(str, Enum):
@@ -166,6 +170,11 @@ class ResidencySchedule:
                 f"schedule.version: this build reads version {SCHEDULE_VERSION}, "
                 f"got {data.get('version')!r}"
             )
+        for key in data:
+            if key not in _SCHEDULE_FIELDS:
+                raise TraceFormatError(
+                    f"schedule.{key}: unknown field; expected only {', '.join(sorted(_SCHEDULE_FIELDS))}"
+                )
         num_ops = data.get("num_ops")
         if isinstance(num_ops, bool) or not isinstance(num_ops, int) or num_ops < 0:
             raise TraceFormatError(f"schedule.num_ops: expected an integer >= 0, got {num_ops!r}")
@@ -176,9 +185,13 @@ class ResidencySchedule:
                 raise TraceFormatError(f"schedule.{name}: expected an object op -> actions")
             parsed: dict[int, list[ResidencyAction]] = {}
             for key, actions in raw.items():
-                if not str(key).isdigit() or not isinstance(actions, list):
+                if not _OP_INDEX_TEXT.fullmatch(str(key)) or not isinstance(actions, list):
                     raise TraceFormatError(
                         f"schedule.{name}[{key!r}]: expected op index -> list of actions"
+                    )
+                if int(key) in parsed:  # "0" and "00": one slot, two lists
+                    raise TraceFormatError(
+                        f"schedule.{name}[{key!r}]: op {int(key)} is listed twice; merge its actions"
                     )
                 parsed[int(key)] = [ResidencyAction.from_str(str(a)) for a in actions]
             slots[name] = parsed

@@ -24,13 +24,17 @@ JSON format (``to_json`` / ``from_json``), version 1::
              {"name": "relu", "accesses": {"0": "R", "1": "W"}}]}
 
 ``outputs`` (storage per output tensor leaf, in leaf order) and ``duration_s`` are
-optional per op. Bandwidths are in GB/s (10^9 bytes per second); the ``_gbps`` names and
+optional per op. ``from_json`` rejects, with a message naming the field and op index,
+unknown fields (a misspelt ``retained`` must not vanish silently), a storage named twice
+by one op or in ``storage_sizes`` (``"1"`` and ``"01"``), and non-finite numbers. Bandwidths are in GB/s (10^9 bytes per second); the ``_gbps`` names and
 the 16 default follow the design document, which means bytes, not bits.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -71,15 +75,30 @@ class StorageAccess(NamedTuple):
 class TraceOp:
     """One op of the step.
 
-    Invariant: ``accesses`` names each storage at most once (sorted by storage id);
-    ``outputs`` lists the storage of each output tensor leaf in leaf order and every
-    output storage is also in ``accesses``.
+    Invariant: ``accesses`` names each storage at most once (sorted by storage id, each
+    kind an :class:`AccessKind`); ``outputs`` lists the storage of each output tensor
+    leaf in leaf order and every output storage is also in ``accesses``. Construction
+    sorts the accesses and turns ``"R"`` / ``"W"`` into ``AccessKind``: the planners
+    and the validator test ``kind is AccessKind.WRITE``, and a plain ``"W"`` would
+    otherwise read as a READ and hide a write epoch.
     """
 
     name: str
     accesses: tuple[StorageAccess, ...]
     outputs: tuple[StorageId, ...] = ()
     duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        accesses = tuple(self.accesses)
+        if any(type(a) is not StorageAccess or type(a.kind) is not AccessKind for a in accesses):
+            accesses = tuple(
+                StorageAccess(storage, _access_kind(kind, f"TraceOp({self.name})"))
+                for storage, kind in accesses
+            )
+        if any(a.storage > b.storage for a, b in zip(accesses, accesses[1:])):
+            accesses = tuple(sorted(accesses, key=lambda a: a.storage))
+        object.__setattr__(self, "accesses", accesses)
+        object.__setattr__(self, "outputs", tuple(self.outputs))
 
     def __repr__(self) -> str:
         acc = " ".join(repr(a) for a in self.accesses)
@@ -183,11 +202,9 @@ class ActivationTrace:
             )
         return cls(
             ops=tuple(trace_ops),
-            storage_sizes={
-                _parse_sid(s, "sizes"): _parse_size(n, f"sizes[{s!r}]") for s, n in sizes.items()
-            },
+            storage_sizes=_parse_sizes(sizes, "sizes"),
             budget_bytes=budget_bytes,
-            retained=frozenset(_parse_sid(s, "retained") for s in retained),
+            retained=_parse_retained(retained, "retained"),
         )
 
     # -- JSON ----------------------------------------------------------------------------
@@ -234,9 +251,8 @@ class ActivationTrace:
         for key in ("budget_bytes", "storage_sizes", "ops"):
             if key not in data:
                 raise TraceFormatError(f"trace.{key}: required field is missing")
-        sizes = data["storage_sizes"]
-        if not isinstance(sizes, Mapping):
-            raise TraceFormatError("trace.storage_sizes: expected an object id -> bytes")
+        _reject_unknown_fields(data, _TRACE_FIELDS, "trace")
+        sizes = _parse_sizes(data["storage_sizes"], "trace.storage_sizes")
         raw_ops = data["ops"]
         if not isinstance(raw_ops, list):
             raise TraceFormatError("trace.ops: expected a list of op objects")
@@ -246,12 +262,9 @@ class ActivationTrace:
             raise TraceFormatError("trace.retained: expected a list of storage ids")
         return cls(
             ops=ops,
-            storage_sizes={
-                _parse_sid(s, "trace.storage_sizes"): _parse_size(n, f"trace.storage_sizes[{s}]")
-                for s, n in sizes.items()
-            },
+            storage_sizes=sizes,
             budget_bytes=_parse_size(data["budget_bytes"], "trace.budget_bytes"),
-            retained=frozenset(_parse_sid(s, "trace.retained") for s in retained),
+            retained=_parse_retained(retained, "trace.retained"),
             d2h_bandwidth_gbps=_parse_bandwidth(data, "d2h_bandwidth_gbps"),
             h2d_bandwidth_gbps=_parse_bandwidth(data, "h2d_bandwidth_gbps"),
         )
@@ -262,10 +275,17 @@ class ActivationTrace:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise TraceFormatError(f"trace: not valid JSON ({error})") from None
+        except RecursionError:
+            raise TraceFormatError("trace: JSON nested too deeply to be a trace") from None
         return cls.from_dict(data)
 
 
 # -- parsing helpers ---------------------------------------------------------------------
+
+
+# A storage id written as text: optional minus sign, ASCII digits (``str.isdigit`` also
+# accepts characters such as "²" that ``int`` rejects).
+_SID_TEXT = re.compile(r"-?[0-9]+")
 
 
 def _parse_sid(value: Any, where: str) -> StorageId:
@@ -273,9 +293,33 @@ def _parse_sid(value: Any, where: str) -> StorageId:
         raise TraceFormatError(f"{where}: storage id {value!r} is not an integer")
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, str) and _SID_TEXT.fullmatch(value.strip()):
         return int(value)
     raise TraceFormatError(f"{where}: storage id {value!r} is not an integer")
+
+
+def _parse_sizes(sizes: Any, where: str) -> dict[StorageId, int]:
+    """``{storage: bytes}``; two keys naming one storage ("1" and 1, "0" and "00") are
+    rejected rather than silently merged."""
+    if not isinstance(sizes, Mapping):
+        raise TraceFormatError(f"{where}: expected a mapping storage id -> bytes")
+    parsed: dict[StorageId, int] = {}
+    for sid, size in sizes.items():
+        storage = _parse_sid(sid, where)
+        if storage in parsed:
+            raise TraceFormatError(
+                f"{where}: storage {storage} is listed twice (as {sid!r} and an earlier key); "
+                "keep one entry per storage"
+            )
+        parsed[storage] = _parse_size(size, f"{where}[{sid!r}]")
+    return parsed
+
+
+def _parse_retained(retained: Any, where: str) -> frozenset[StorageId]:
+    # A string is iterable, but "12" means neither storage 12 nor storages 1 and 2.
+    if isinstance(retained, (str, bytes)) or not isinstance(retained, Iterable):
+        raise TraceFormatError(f"{where}: expected a list of storage ids, got {retained!r}")
+    return frozenset(_parse_sid(s, where) for s in retained)
 
 
 def _parse_size(value: Any, where: str) -> int:
@@ -286,15 +330,51 @@ def _parse_size(value: Any, where: str) -> int:
 
 def _parse_bandwidth(data: Mapping[str, Any], key: str) -> float:
     value = data.get(key, DEFAULT_BANDWIDTH_GBPS)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise TraceFormatError(f"trace.{key}: expected a positive number, got {value!r}")
+    if not _is_number(value) or not 0 < value < math.inf:
+        raise TraceFormatError(f"trace.{key}: expected a positive finite number, got {value!r}")
     return float(value)
+
+
+_TRACE_FIELDS = frozenset(
+    {"format", "version", "budget_bytes", "d2h_bandwidth_gbps", "h2d_bandwidth_gbps",
+     "storage_sizes", "retained", "ops"}
+)
+_OP_FIELDS = frozenset({"name", "accesses", "outputs", "duration_s"})
+
+
+def _reject_unknown_fields(data: Mapping[Any, Any], known: frozenset[str], where: str) -> None:
+    # A misspelt optional field ("retaind") would otherwise vanish silently, and with it
+    # the storages that must survive the step.
+    for key in data:
+        if key not in known:
+            raise TraceFormatError(
+                f"{where}.{key}: unknown field in a version-{TRACE_VERSION} trace; "
+                f"expected only {', '.join(sorted(known))}"
+            )
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def _access_kind(kind: Any, where: str) -> AccessKind:
+    try:
+        return AccessKind(kind)
+    except ValueError:
+        raise TraceFormatError(f"{where}: access kind {kind!r} is not 'R' or 'W'") from None
 
 
 def _parse_accesses(accesses: Mapping[Any, Any], where: str) -> tuple[StorageAccess, ...]:
     parsed: dict[StorageId, AccessKind] = {}
     for sid, kind in accesses.items():
         storage = _parse_sid(sid, f"{where}.accesses")
+        if storage in parsed:
+            # Merging would keep whichever kind came last: a WRITE read back as a READ
+            # hides a new write epoch, and a planner would then reload a stale host copy.
+            raise TraceFormatError(
+                f"{where}.accesses: storage {storage} is listed twice (key {sid!r}); "
+                "list each storage once, as 'W' if the op writes it at all"
+            )
         try:
             parsed[storage] = AccessKind(kind)
         except ValueError:
@@ -308,6 +388,7 @@ def _op_from_dict(entry: Any, index: int) -> TraceOp:
     where = f"trace.ops[{index}]"
     if not isinstance(entry, Mapping):
         raise TraceFormatError(f"{where}: expected an object")
+    _reject_unknown_fields(entry, _OP_FIELDS, where)
     accesses = entry.get("accesses")
     if not isinstance(accesses, Mapping):
         raise TraceFormatError(f"{where}.accesses: expected an object id -> 'R'|'W'")
@@ -315,10 +396,10 @@ def _op_from_dict(entry: Any, index: int) -> TraceOp:
     if not isinstance(outputs, list):
         raise TraceFormatError(f"{where}.outputs: expected a list of storage ids")
     duration = entry.get("duration_s")
-    if duration is not None and (
-        isinstance(duration, bool) or not isinstance(duration, (int, float)) or duration < 0
-    ):
-        raise TraceFormatError(f"{where}.duration_s: expected a number >= 0, got {duration!r}")
+    if duration is not None and (not _is_number(duration) or not 0 <= duration < math.inf):
+        raise TraceFormatError(
+            f"{where}.duration_s: expected a finite number >= 0, got {duration!r}"
+        )
     name = entry.get("name", f"op{index}")
     if not isinstance(name, str):
         raise TraceFormatError(f"{where}.name: expected a string, got {name!r}")
@@ -338,8 +419,9 @@ def _validate(trace: ActivationTrace) -> None:
             f"trace.budget_bytes: must be >= 0, got {trace.budget_bytes}"
         )
     for key in ("d2h_bandwidth_gbps", "h2d_bandwidth_gbps"):
-        if not getattr(trace, key) > 0:
-            raise TraceFormatError(f"trace.{key}: must be positive, got {getattr(trace, key)!r}")
+        value = getattr(trace, key)
+        if not _is_number(value) or not 0 < value < math.inf:
+            raise TraceFormatError(f"trace.{key}: must be positive and finite, got {value!r}")
     for storage, size in trace.storage_sizes.items():
         _parse_size(size, f"trace.storage_sizes[{storage}]")
     accessed: set[StorageId] = set()

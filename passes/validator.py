@@ -35,6 +35,7 @@ class Rule(str, Enum):
     HOST_RELEASE_DURING_H2D = "HOST_RELEASE_DURING_H2D"
     HOST_RELEASE_STILL_NEEDED = "HOST_RELEASE_STILL_NEEDED"
     OVER_BUDGET = "OVER_BUDGET"
+    TRANSIENT_OVER_BUDGET = "TRANSIENT_OVER_BUDGET"
     RETAINED_NOT_RESIDENT = "RETAINED_NOT_RESIDENT"
     DEVICE_NOT_RELEASED = "DEVICE_NOT_RELEASED"
     HOST_NOT_RELEASED = "HOST_NOT_RELEASED"
@@ -64,8 +65,11 @@ class ScheduleReport:
     """What the simulation saw.
 
     ``resident_bytes[i]`` is the device bytes during op ``i`` (after its pre actions,
-    before its post actions). ``infeasible_ops`` are ops whose unavoidable bytes exceed
-    the budget: being over budget there, up to those bytes, is not a violation.
+    before its post actions). ``peak_resident_bytes`` is the highest device bytes at any
+    point, including inside a slot (a COPY_H2D that runs before a RELEASE_DEVICE of the
+    same slot); it equals ``max(resident_bytes)`` when no slot peaks above its op.
+    ``infeasible_ops`` are ops whose unavoidable bytes exceed the budget: being over
+    budget there, up to those bytes, is not a violation.
     """
 
     resident_bytes: tuple[int, ...]
@@ -150,6 +154,12 @@ class _Simulation:
         self.bytes_h2d = 0
         self.transfers = 0
         self.violations: list[Violation] = []
+        # Device bytes may peak between two ops, inside post[i - 1] + pre[i] (a COPY_H2D
+        # that runs before a RELEASE_DEVICE). The highest point of the current stretch
+        # and the action that reached it; see ``check_between_ops``.
+        self.peak_device = 0
+        self.between_peak: tuple[int, int, StorageId, str] | None = None
+        self.slot_name = "pre"
         # First op index whose accesses still lie ahead: ``op`` in pre actions, ``op + 1``
         # in post actions. Decides whether a storage is "needed later".
         self.cursor = 0
@@ -222,6 +232,25 @@ class _Simulation:
         self.device_bytes += st.size
         self.bytes_h2d += st.size
         self.transfers += 1
+        self.peak_device = max(self.peak_device, self.device_bytes)
+        if self.between_peak is None or self.device_bytes > self.between_peak[0]:
+            self.between_peak = (self.device_bytes, op, sid, self.slot_name)
+
+    def check_between_ops(self, allowance: int, at_op: int) -> None:
+        """Flag a peak between two ops above ``allowance`` that the op after them
+        (``at_op`` resident bytes) does not already show, then start a new stretch.
+
+        A peak no higher than ``at_op`` needs no flag of its own: if it is over the
+        allowance, so is the op, and OVER_BUDGET says so there.
+        """
+        if self.between_peak is not None:
+            peak, op, sid, slot = self.between_peak
+            if peak > allowance and peak > at_op:
+                self.flag(op, sid, Rule.TRANSIENT_OVER_BUDGET,
+                          f"COPY_H2D in the {slot} slot raises resident bytes to {peak}, above "
+                          f"the allowance {allowance} between these ops, before later actions "
+                          "free memory; put RELEASE_DEVICE before the COPY_H2D, or copy later")
+        self.between_peak = None
 
     def _wait_h2d(self, op: int, sid: StorageId, st: _StorageState) -> None:
         if not st.h2d_pending:
@@ -284,27 +313,32 @@ def check_schedule(trace: ActivationTrace, schedule: ResidencySchedule) -> Sched
                               "plan the schedule from this trace")
         return ScheduleReport((), 0, trace.budget_bytes, 0, 0, 0, 0, (violation,))
     sim = _Simulation(trace)
-    need = required_bytes(trace)
-    curve = []
+    allowances = [max(trace.budget_bytes, need) for need in required_bytes(trace)]
+    curve: list[int] = []
     for op in range(trace.num_ops):
-        sim.cursor = op
+        allowed = allowances[op]
+        sim.cursor, sim.slot_name = op, "pre"
         for action in schedule.pre[op]:
             sim.apply(op, action)
         sim.run_op(op)
         curve.append(sim.device_bytes)
-        allowed = max(trace.budget_bytes, need[op])
+        # Between two ops (post[op - 1], pre[op]) either op's allowance may hold: no
+        # schedule can be below op - 1's unavoidable bytes before it frees anything.
+        sim.check_between_ops(max(allowances[max(op - 1, 0) : op + 1]), sim.device_bytes)
         if sim.device_bytes > allowed:
             sim.flag(op, None, Rule.OVER_BUDGET,
                      f"{sim.device_bytes} resident bytes exceed the budget {trace.budget_bytes}"
-                     + (f" (and the op's unavoidable {need[op]})" if need[op] > trace.budget_bytes else "")
+                     + (f" (and the op's unavoidable {allowed})" if allowed > trace.budget_bytes else "")
                      + "; offload more of what is live across this op")
-        sim.cursor = op + 1
+        sim.cursor, sim.slot_name = op + 1, "post"
         for action in schedule.post[op]:
             sim.apply(op, action)
+    if curve:
+        sim.check_between_ops(allowances[-1], curve[-1])  # the last op's post slot
     sim.finish()
     return ScheduleReport(
         resident_bytes=tuple(curve),
-        peak_resident_bytes=max(curve, default=0),
+        peak_resident_bytes=max(max(curve, default=0), sim.peak_device),
         budget_bytes=trace.budget_bytes,
         bytes_d2h=sim.bytes_d2h,
         bytes_h2d=sim.bytes_h2d,

@@ -49,14 +49,6 @@ from .swap import (
     strip_swap_steps,
     swap_anchors,
 )
-from .torch_actions import (
-    from_torch_action,
-    from_torch_actions,
-    to_torch_action,
-    to_torch_actions,
-    torch_compute_orders,
-    torch_pipeline_order,
-)
 from .swap_cost import (
     ActivationSizes,
     ChunkWindow,
@@ -80,6 +72,27 @@ from .timeline import (
     build_timeline,
 )
 from .transport import TRANSPORTS, rewrite_transport
+
+# The torch conversion imports torch.distributed.pipelining (seconds of start-up); load it
+# on first use so that the CLI and pure order passes start fast.
+_TORCH_ACTION_EXPORTS = frozenset(
+    {
+        "from_torch_action",
+        "from_torch_actions",
+        "to_torch_action",
+        "to_torch_actions",
+        "torch_compute_orders",
+        "torch_pipeline_order",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _TORCH_ACTION_EXPORTS:
+        from . import torch_actions
+
+        return getattr(torch_actions, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "ActivationSizes",

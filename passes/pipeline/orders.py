@@ -23,7 +23,6 @@ from enum import Enum
 from typing import NamedTuple
 
 from .meta_step import MetaStep, StepKind
-from .torch_actions import torch_compute_orders
 
 #: Schedule names accepted by :func:`compute_orders` and ``build_rank_orders``.
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")
@@ -120,6 +119,9 @@ def compute_orders(
         return {r: gpipe_compute_order(r, num_microbatches) for r in range(num_ranks)}
     if schedule == "1f1b":
         return {r: one_f_one_b_compute_order(r, num_ranks, num_microbatches) for r in range(num_ranks)}
+    # Imported here: torch.distributed.pipelining is only needed for torch-built schedules.
+    from .torch_actions import torch_compute_orders
+
     return torch_compute_orders(
         schedule, num_ranks=num_ranks, stages_per_rank=stages_per_rank, num_microbatches=num_microbatches
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,17 +28,37 @@ def test_editable_install_maps_the_three_folders(tmp_path: Path) -> None:
     assert location == REPO / "offload_compile" / "__init__.py"
 
 
+def _source_copy(destination: Path) -> Path:
+    """What a fresh clone has for the build, copied away from the repository.
+
+    Building in the repository itself would leave ``build/`` and ``*.egg-info`` there, and
+    setuptools reuses a stale ``build/lib``: a module deleted from the source could still
+    be installed and the test would not notice.
+    """
+    for name in ("pyproject.toml", "README.md"):
+        destination.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, destination / name)
+    for folder in ("offload_compile", "passes", "runtime"):
+        shutil.copytree(REPO / folder, destination / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return destination
+
+
 def test_non_editable_install_works_without_the_source_tree(tmp_path: Path) -> None:
     target = tmp_path / "site"
+    source = _source_copy(tmp_path / "src")
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(REPO)],
+         "--target", str(target), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr
     installed = target / "hyper_offload"
-    assert (installed / "passes" / "validator.py").is_file()
-    assert (installed / "runtime" / "__init__.py").is_file()
+    # Exactly the source modules, no more (a stale build would add some) and no fewer.
+    for folder, package in (("offload_compile", ""), ("passes", "passes"), ("runtime", "runtime"),
+                            ("passes/pipeline", "passes/pipeline")):
+        expected = {p.name for p in (REPO / folder).glob("*.py")}
+        assert {p.name for p in (installed / package).glob("*.py")} == expected, folder
     # Run with the installed copy first on the path and the repo nowhere on it.
     code = "import sys; sys.path.insert(0, %r); " % str(target) + IMPORTS
     location = Path(_python(code, cwd=tmp_path))

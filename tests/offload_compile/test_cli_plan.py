@@ -73,22 +73,78 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize(
-    ("make_args", "message"),
-    [
-        (lambda d: [str(d / "missing.json"), "--budget-mb", "1"], "cannot read"),
-        (lambda d: [str(d / "bad.json"), "--budget-mb", "1"], "not valid JSON"),
-        (lambda d: [str(d / "wrong.json"), "--budget-mb", "1"], "trace.ops[0].accesses['0']"),
-        (lambda d: [str(d / "trace.json"), "--budget-mb", "-1"], "--budget-mb must be >= 0"),
-    ],
-)
-def test_bad_input_is_one_line_without_traceback(tmp_path: Path, trace_file: Path, make_args, message) -> None:
+@pytest.fixture
+def bad_inputs(tmp_path: Path, trace_file: Path) -> Path:
+    """Next to ``trace.json``: files that are broken in one way each."""
     (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     doc = json.loads(trace_file.read_text())
     doc["ops"][0]["accesses"] = {"0": "maybe"}
     (tmp_path / "wrong.json").write_text(json.dumps(doc))
-    done = _run_cli("plan", *make_args(tmp_path))
+    doc["ops"][0]["accesses"] = {"--0": "W"}
+    (tmp_path / "bad_id.json").write_text(json.dumps(doc))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.json", "--budget-mb", "1"], "cannot read"),
+        (["bad.json", "--budget-mb", "1"], "not valid JSON"),
+        (["deep.json", "--budget-mb", "1"], "nested too deeply"),
+        (["wrong.json", "--budget-mb", "1"], "trace.ops[0].accesses['0']"),
+        (["bad_id.json", "--budget-mb", "1"], "storage id '--0' is not an integer"),
+        (["trace.json", "--budget-mb", "-1"], "--budget-mb must be a finite number >= 0"),
+        (["trace.json", "--budget-mb", "nan"], "--budget-mb must be a finite number >= 0, got nan"),
+        (["trace.json", "--budget-mb", "inf"], "--budget-mb must be a finite number >= 0, got inf"),
+        (["trace.json", "--budget-mb", "2", "--schedule-out", "no/such/dir/s.json"],
+         "cannot write --schedule-out"),
+        (["trace.json", "--budget-mb", "2", "--planner", "optimal", "--no-refine"],
+         "--no-refine applies to --planner greedy only"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(bad_inputs: Path, args, message, capsys) -> None:
+    argv = [str(bad_inputs / a) if a.endswith(".json") else a for a in args]
+    assert main(["plan", *argv]) == 2  # an exception escaping main() fails the test too
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], captured.err
+    assert lines[0].startswith("hyper-offload plan: error: ")
+    assert captured.out == ""
+
+
+def test_exact_planner_giving_up_is_one_line(trace_file: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # as if scipy were missing
+    assert main(["plan", str(trace_file), "--budget-mb", "2", "--planner", "optimal"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "needs scipy" in lines[0]
+
+
+def test_module_entry_point_reports_bad_input_without_traceback(bad_inputs: Path) -> None:
+    # One real process: ``python -m hyper_offload`` exits 2 with one line on stderr.
+    done = _run_cli("plan", str(bad_inputs / "wrong.json"), "--budget-mb", "1")
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert len(lines) == 1 and "trace.ops[0].accesses['0']" in lines[0], done.stderr
+
+
+def test_optimal_planner_from_the_cli_moves_no_more_than_greedy(trace_file: Path, capsys) -> None:
+    results = {}
+    for planner in ("greedy", "optimal"):
+        assert main(["plan", str(trace_file), "--budget-mb", "2", "--planner", planner, "--json"]) == 0
+        results[planner] = json.loads(capsys.readouterr().out)
+    assert results["optimal"]["violations"] == []
+    moved = {name: r["bytes_d2h"] + r["bytes_h2d"] for name, r in results.items()}
+    assert moved["optimal"] <= moved["greedy"] == 4 * MIB
+
+
+def test_infeasible_summary_suggests_a_budget_that_fits(tmp_path: Path, capsys) -> None:
+    # One op needs 1.5 MiB + 3 bytes: "1.50" would still be 3 bytes short.
+    path = tmp_path / "tight.json"
+    trace = ActivationTrace.from_accesses([{0: "W", 1: "W"}], {0: MIB, 1: MIB // 2 + 3}, budget_bytes=0)
+    path.write_text(trace.to_json())
+    assert main(["plan", str(path), "--budget-mb", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "raise the budget to at least --budget-mb 1.51" in out
+    assert main(["plan", str(path), "--budget-mb", "1.51"]) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from hyper_offload.passes import ActivationTrace, resident_bytes_without_offload
+from hyper_offload.passes import ActivationTrace, required_bytes, resident_bytes_without_offload
 
 SIZES = [0, 1, 2, 3, 5, 8, 13, 40]
 
@@ -27,3 +27,15 @@ def traces(draw: st.DrawFn, max_ops: int = 24, max_storages: int = 10) -> Activa
     trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=0, retained=retained)
     peak = max(resident_bytes_without_offload(trace), default=0)
     return trace.with_budget(draw(st.integers(0, peak + 3)))
+
+
+@st.composite
+def pressured_traces(draw: st.DrawFn, max_ops: int = 40, max_storages: int = 20) -> ActivationTrace:
+    """Traces that need offload and leave the planner choices: the budget lies between
+    the largest op's unavoidable bytes and the no-offload peak (when there is room)."""
+    trace = draw(traces(max_ops, max_storages))
+    need = max(required_bytes(trace), default=0)
+    peak = max(resident_bytes_without_offload(trace), default=0)
+    if peak <= need:
+        return trace
+    return trace.with_budget(draw(st.integers(need, peak - 1)))

@@ -219,3 +219,82 @@ def test_offload_config_accepts_and_defaults_to_the_greedy_planner() -> None:
     assert OffloadConfig(planner=planner).resolved_planner() is planner
     default = OffloadConfig().resolved_planner()
     assert isinstance(default, GreedyResidencyPlanner) and default.refine
+
+
+@pytest.mark.parametrize("field", ["max_resident_activation_mb", "max_offload_activation_mb"])
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True, "8"])
+def test_offload_config_rejects_budgets_that_are_not_finite_mib(field: str, value) -> None:
+    with pytest.raises(ValueError, match=rf"OffloadConfig\.{field}: expected a finite number"):
+        OffloadConfig(**{field: value})
+
+
+def test_offload_config_rejects_a_planner_without_plan() -> None:
+    with pytest.raises(TypeError, match="has no plan\\(trace\\) method"):
+        OffloadConfig(planner=object())
+
+
+def test_refinement_replaces_two_picks_by_one_gap_covering_both() -> None:
+    # Pressure at ops 12-14 and 17-19 (10 bytes over each). The design picks the two
+    # long 10-byte gaps of storages 0 and 1 (one per spike, 40 bytes moved); the 15-byte
+    # gap 11 -> 20 of storage 2 covers both spikes for 30. No single-pick swap finds it:
+    # either pick alone saves 20 bytes, less than the 30 that replace it.
+    ops: list[dict[int, str]] = [{} for _ in range(32)]
+    ops[0], ops[15] = {0: "W"}, {0: "R"}
+    ops[16], ops[31] = {1: "W"}, {1: "R"}
+    ops[11], ops[20] = {2: "W"}, {2: "R"}
+    ops[12], ops[13], ops[14] = {3: "W"}, {3: "R"}, {3: "R"}
+    ops[17], ops[18], ops[19] = {4: "W"}, {4: "R"}, {4: "R"}
+    trace = ActivationTrace.from_accesses(
+        ops, {0: 10, 1: 10, 2: 15, 3: 10, 4: 10}, budget_bytes=25
+    )
+    design = checked(trace, GreedyResidencyPlanner(refine=False))
+    refined = checked(trace, GreedyResidencyPlanner(refine=True))
+    assert sorted((c.storage, c.start, c.end) for c in design.chosen) == [(0, 0, 15), (1, 16, 31)]
+    assert [(c.storage, c.start, c.end) for c in refined.chosen] == [(2, 11, 20)]
+    assert check_schedule(trace, design.schedule).bytes_moved == 40
+    assert check_schedule(trace, refined.schedule).bytes_moved == 30
+
+
+def test_refinement_swaps_out_all_picks_of_one_storage_together() -> None:
+    # Storage 0 (10 B, written once) idles over ops 1-9 and 11-19; the pressure is at
+    # ops 7-8 and 12-13 (4 bytes over each). The design offloads both gaps of storage 0
+    # (one D2H, two H2Ds: 30 bytes); the 6-byte gaps of storages 1 and 2 cover one spike
+    # each for 24. Swapping out one gap of storage 0 saves only its 10-byte H2D (the D2H
+    # stays for the other), less than the 12 bytes of either replacement, and inserting
+    # one replacement frees just one gap: only both gaps out at once pay off.
+    ops: list[dict[int, str]] = [{} for _ in range(21)]
+    ops[0], ops[10], ops[20] = {0: "W"}, {0: "R"}, {0: "R"}
+    ops[5], ops[9] = {1: "W"}, {1: "R"}
+    ops[11], ops[15] = {2: "W"}, {2: "R"}
+    ops[7], ops[8] = {3: "W"}, {3: "R"}
+    ops[12], ops[13] = {4: "W"}, {4: "R"}
+    trace = ActivationTrace.from_accesses(ops, {0: 10, 1: 6, 2: 6, 3: 4, 4: 4}, budget_bytes=16)
+    design = checked(trace, GreedyResidencyPlanner(refine=False))
+    refined = checked(trace, GreedyResidencyPlanner(refine=True))
+    assert sorted((c.storage, c.start, c.end) for c in design.chosen) == [(0, 0, 10), (0, 10, 20)]
+    assert [(c.storage, c.start, c.end) for c in refined.chosen] == [(1, 5, 9), (2, 11, 15)]
+    assert check_schedule(trace, design.schedule).bytes_moved == 30
+    assert check_schedule(trace, refined.schedule).bytes_moved == 24
+
+
+def test_refinement_inserts_a_shared_gap_then_swaps_each_pick_for_a_small_one() -> None:
+    # Pressure at ops 3, 5 (under storage 0's gap) and 9, 11 (under storage 1's gap).
+    # The design offloads storages 0 and 1 (10 B each: 40 bytes moved). Storage 2's gap
+    # covers ops 5 and 9 for 12 bytes; storages 3 and 4 cover ops 3 and 11 for 10 each:
+    # 32 in all. Swapping out either pick alone needs storage 2 plus one small gap, 22
+    # bytes for a 20-byte saving; storage 2 alone frees no pick. Only inserting storage 2
+    # and then swapping each pick for its small gap pays off.
+    ops: list[dict[int, str]] = [{} for _ in range(15)]
+    ops[0], ops[7], ops[14] = {0: "W"}, {0: "R", 1: "W"}, {1: "R"}
+    ops[4], ops[10] = {2: "W", 3: "R"}, {2: "R", 4: "W"}
+    ops[2], ops[12] = {3: "W"}, {4: "R"}
+    for op, filler in ((3, 5), (5, 6), (9, 7), (11, 8)):
+        ops[op] = {filler: "W"}
+    sizes = {0: 10, 1: 10, 2: 6, 3: 5, 4: 5, 5: 16, 6: 16, 7: 16, 8: 16}
+    trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=26)
+    design = checked(trace, GreedyResidencyPlanner(refine=False))
+    refined = checked(trace, GreedyResidencyPlanner(refine=True))
+    assert sorted((c.storage, c.start, c.end) for c in design.chosen) == [(0, 0, 7), (1, 7, 14)]
+    assert [(c.storage, c.start, c.end) for c in refined.chosen] == [(2, 4, 10), (3, 2, 4), (4, 10, 12)]
+    assert check_schedule(trace, design.schedule).bytes_moved == 40
+    assert check_schedule(trace, refined.schedule).bytes_moved == 32

@@ -13,7 +13,7 @@ from hyper_offload.passes import ActivationTrace, Rule, check_schedule
 from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner
 from hyper_offload.passes.ilp import OptimalResidencyPlanner, solve_optimal_choice
 from hyper_offload.passes.planner_candidates import budget_excess, offload_candidates
-from planner_strategies import traces
+from planner_strategies import pressured_traces
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = sorted((ROOT / "benchmarks" / "data").glob("irregular_*.json"))
@@ -47,7 +47,7 @@ def test_no_pressure_needs_no_solver_call() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(traces(max_ops=16, max_storages=8))
+@given(pressured_traces(max_ops=16, max_storages=8))
 def test_optimum_is_valid_and_never_beaten_by_greedy(trace: ActivationTrace) -> None:
     optimal = check_schedule(trace, OptimalResidencyPlanner().plan(trace))
     assert optimal.violations == ()

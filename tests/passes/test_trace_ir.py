@@ -51,6 +51,14 @@ def test_from_accesses_builds_sorted_accesses_and_coerces_ids() -> None:
         ([{0: "W"}], {0: 4}, (7,), r"retained: storage 7 is retained but no op accesses it"),
         ([{"a": "W"}], {0: 4}, (), r"storage id 'a' is not an integer"),
         (["W"], {0: 4}, (), r"ops\[0\]: expected a mapping"),
+        # str.isdigit accepts these, int() does not: must be a format error, not a crash.
+        ([{"--3": "W"}], {3: 4}, (), r"storage id '--3' is not an integer"),
+        ([{"\u00b2": "W"}], {2: 4}, (), r"storage id '\u00b2' is not an integer"),
+        # Two keys naming one storage: merging would turn the WRITE into a READ.
+        ([{1: "W", "1": "R"}], {1: 4}, (), r"ops\[0\]\.accesses: storage 1 is listed twice"),
+        ([{1: "W"}], {1: 4, "01": 8}, (), r"sizes: storage 1 is listed twice"),
+        ([{1: "W"}], [4], (), r"sizes: expected a mapping"),
+        ([{12: "W"}], {12: 4}, "12", r"retained: expected a list of storage ids"),
     ],
 )
 def test_from_accesses_rejects_malformed_input(ops, sizes, retained, message) -> None:
@@ -101,6 +109,14 @@ def _doc(**changes):
         (_doc(budget_bytes=-3), r"trace\.budget_bytes"),
         (_doc(h2d_bandwidth_gbps=0), r"trace\.h2d_bandwidth_gbps"),
         (_doc(storage_sizes=[1, 2]), r"trace\.storage_sizes"),
+        (_doc(storage_sizes={"0": 100, "00": 1, "1": 50, "2": 8}), r"storage 0 is listed twice"),
+        (_doc(ops=[{"accesses": {"0": "W", "00": "R"}}]), r"trace\.ops\[0\]\.accesses: storage 0 is listed twice"),
+        (_doc(ops=[{"accesses": {"-0x1": "W"}}]), r"trace\.ops\[0\]\.accesses: storage id '-0x1'"),
+        (_doc(retaind=[2]), r"trace\.retaind: unknown field"),
+        (_doc(ops=[{"accesses": {"0": "W"}, "duraton_s": 1.0}]), r"trace\.ops\[0\]\.duraton_s: unknown field"),
+        (_doc(ops=[{"accesses": {"0": "W"}, "duration_s": float("nan")}]), r"trace\.ops\[0\]\.duration_s: expected a finite"),
+        (_doc(d2h_bandwidth_gbps=float("inf")), r"trace\.d2h_bandwidth_gbps: expected a positive finite"),
+        ("[" * 100_000 + "]" * 100_000, r"nested too deeply"),
     ],
 )
 def test_trace_json_schema_check_names_field_and_op(text: str, message: str) -> None:
@@ -136,6 +152,30 @@ def test_action_parse_errors(text: str) -> None:
         ResidencyAction.from_str(text)
 
 
+def _schedule_doc(**changes) -> dict:
+    doc = {"format": "hyper-offload.schedule", "version": 1, "num_ops": 3,
+           "pre": {"1": ["COPY_H2D 0"]}, "post": {}}
+    doc.update(changes)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        (_schedule_doc(pre={"\u00b2": []}), r"schedule\.pre\['\u00b2'\]: expected op index"),
+        (_schedule_doc(pre={"-1": []}), r"schedule\.pre\['-1'\]: expected op index"),
+        (_schedule_doc(post={"0": ["RELEASE_DEVICE 0"], "00": ["RELEASE_HOST 0"]}),
+         r"schedule\.post\['00'\]: op 0 is listed twice"),
+        (_schedule_doc(psot={}), r"schedule\.psot: unknown field"),
+        (_schedule_doc(pre={"1": ["COPY_H2D \u00b2"]}), r"storage is not an integer"),
+        (_schedule_doc(post={"7": []}), r"post\[7\]: op index out of range"),
+    ],
+)
+def test_schedule_json_schema_check(doc: dict, message: str) -> None:
+    with pytest.raises(TraceFormatError, match=message):
+        ResidencySchedule.from_dict(doc)
+
+
 def test_schedule_slot_out_of_range_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"post\[5\]: op index out of range"):
         ResidencySchedule.from_slots(2, {}, {5: []})
@@ -154,6 +194,8 @@ def test_op_guide_binds_leaves_and_detects_a_changed_step() -> None:
         guide.check_op(0, "mm", 1)
     with pytest.raises(ReplayMismatchError, match="recorded only 1 ops"):
         guide.check_op(1, "mm", 1)
+    with pytest.raises(ReplayMismatchError, match="op indices start at 0"):
+        guide.check_op(-1, "split", 2)
 
 
 access_maps = st.lists(
@@ -171,3 +213,16 @@ def test_any_trace_round_trips_through_json(ops, budget, data) -> None:
     retained = data.draw(st.lists(st.sampled_from(used), unique=True))
     trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=budget, retained=retained)
     assert ActivationTrace.from_json(trace.to_json()) == trace
+
+
+def test_trace_op_built_directly_gets_enum_kinds_and_sorted_accesses() -> None:
+    # Front doors build TraceOps directly; a plain "W" must still count as a write.
+    op = TraceOp("add_", (StorageAccess(1, "W"), StorageAccess(0, "R")))  # type: ignore[arg-type]
+    assert op.accesses == (StorageAccess(0, AccessKind.READ), StorageAccess(1, AccessKind.WRITE))
+    assert all(type(a.kind) is AccessKind for a in op.accesses)
+    trace = ActivationTrace(ops=(TraceOp("w", ((0, "W"),)), op), storage_sizes={0: 4, 1: 4},  # type: ignore[arg-type]
+                            budget_bytes=8)
+    assert trace.accesses_of(1) == ((1, AccessKind.WRITE),)
+    assert ActivationTrace.from_json(trace.to_json()) == trace
+    with pytest.raises(TraceFormatError, match=r"TraceOp\(mm\): access kind 'X' is not 'R' or 'W'"):
+        TraceOp("mm", (StorageAccess(0, "X"),))  # type: ignore[arg-type]

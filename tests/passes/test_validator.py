@@ -175,3 +175,40 @@ def test_end_of_step_rules() -> None:
 def test_length_mismatch() -> None:
     report = check_schedule(TRACE, ResidencySchedule.empty(2))
     assert rules(report) == [Rule.LENGTH_MISMATCH]
+
+
+def test_copy_before_release_in_one_slot_peaks_over_budget() -> None:
+    # pre[3] reloads s0 (100 B) while s1 (50 B, last read at op 2) is still resident and
+    # frees s1 only afterwards: 150 bytes for a moment, above the 120-byte budget, though
+    # op 3 itself sees 100. Releasing first is the same schedule within budget.
+    late_release = schedule(
+        {3: acts((H2D, 0), (WAIT, 0), (REL, 1))},
+        {0: acts((D2H, 0), (REL, 0)), 3: acts((REL, 0), (HREL, 0))},
+    )
+    report = check_schedule(TRACE, late_release)
+    assert report.resident_bytes == (100, 50, 50, 100)
+    assert report.peak_resident_bytes == 150
+    assert [(v.op_index, v.storage, v.rule) for v in report.violations] == [
+        (3, 0, Rule.TRANSIENT_OVER_BUDGET)
+    ]
+    assert "raises resident bytes to 150, above the allowance 120" in report.violations[0].message
+    early_release = schedule(
+        {3: acts((REL, 1), (H2D, 0), (WAIT, 0))},
+        {0: acts((D2H, 0), (REL, 0)), 3: acts((REL, 0), (HREL, 0))},
+    )
+    fixed = check_schedule(TRACE, early_release)
+    assert fixed.ok and fixed.peak_resident_bytes == 100
+
+
+def test_copy_in_a_post_slot_is_checked_between_ops_too() -> None:
+    # The same reload issued in post[2], before s1 is released there.
+    report = check_schedule(
+        TRACE,
+        schedule({3: acts((WAIT, 0))}, {0: acts((D2H, 0), (REL, 0)), 2: acts((H2D, 0), (REL, 1)),
+                                        3: acts((REL, 0), (HREL, 0))}),
+    )
+    assert [(v.op_index, v.rule) for v in report.violations] == [(2, Rule.TRANSIENT_OVER_BUDGET)]
+    # An op that is itself over budget is reported once, as OVER_BUDGET, not twice.
+    no_release = check_schedule(TRACE, schedule({3: acts((H2D, 0), (WAIT, 0))}, {
+        0: acts((D2H, 0), (REL, 0)), 3: acts((REL, 0), (REL, 1), (HREL, 0))}))
+    assert rules(no_release) == [Rule.OVER_BUDGET]
