@@ -3,7 +3,7 @@
 Nothing here touches a device.
 """
 
-from .greedy_planner import GreedyResidencyPlanner, PlanReport, select_greedy
+from .greedy_planner import GreedyResidencyPlanner, select_greedy
 from .ilp import OptimalPlannerError, OptimalResidencyPlanner, solve_optimal_choice
 from .liveness import (
     Gap,
@@ -16,6 +16,7 @@ from .liveness import (
     storage_liveness,
 )
 from .planner_candidates import OffloadCandidate, budget_excess, offload_candidates
+from .plan_report import PlanReport, plan_by_choice
 from .planner_lowering import lower_offload_choice
 from .refine import refine_choice
 from .refine_prefetch import PrefetchError, hoist_prefetches, prefetch_slots
@@ -43,6 +44,7 @@ __all__ = [
     "hoist_prefetches",
     "lower_offload_choice",
     "offload_candidates",
+    "plan_by_choice",
     "prefetch_slots",
     "refine_choice",
     "select_greedy",

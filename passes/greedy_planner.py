@@ -27,49 +27,14 @@ test suite checks against a straightforward oracle.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from .liveness import InfeasibleOp
-from .planner_candidates import (
-    OffloadCandidate,
-    budget_excess,
-    design_rank_key,
-    offload_candidates,
-)
-from .planner_lowering import lower_offload_choice
+from .planner_candidates import OffloadCandidate, design_rank_key
+from .plan_report import PlanReport, plan_by_choice
 from .refine import refine_choice
 from .schedule import ResidencySchedule
 from .segment_tree import RangeAddMaxTree
 from .trace import ActivationTrace
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """What a planner decided, and why it could not do better where it could not.
-
-    ``chosen`` are the offloaded gaps in acceptance order; ``infeasible_ops`` the ops
-    whose own operands exceed the budget (with the excess bytes); ``plan_seconds`` the
-    wall time of the analysis and lowering.
-    """
-
-    schedule: ResidencySchedule
-    chosen: tuple[OffloadCandidate, ...]
-    infeasible_ops: tuple[InfeasibleOp, ...]
-    num_candidates: int
-    planner: str
-    plan_seconds: float
-
-    @property
-    def feasible(self) -> bool:
-        return not self.infeasible_ops
-
-    def __repr__(self) -> str:
-        return (
-            f"PlanReport({self.planner}: {len(self.chosen)}/{self.num_candidates} gaps offloaded, "
-            f"{len(self.infeasible_ops)} infeasible ops, {self.plan_seconds * 1e3:.1f} ms)"
-        )
 
 
 def select_greedy(
@@ -117,18 +82,10 @@ class GreedyResidencyPlanner:
         return self.plan_with_report(trace).schedule
 
     def plan_with_report(self, trace: ActivationTrace) -> PlanReport:
-        started = time.perf_counter()
-        candidates = offload_candidates(trace)
-        excess, infeasible = budget_excess(trace)
+        return plan_by_choice(trace, self._choose, planner=repr(self))
+
+    def _choose(
+        self, candidates: Sequence[OffloadCandidate], excess: Sequence[int]
+    ) -> Sequence[OffloadCandidate]:
         chosen = select_greedy(candidates, excess)
-        if self.refine:
-            chosen = refine_choice(candidates, excess, chosen)
-        schedule = lower_offload_choice(trace, chosen)
-        return PlanReport(
-            schedule=schedule,
-            chosen=tuple(chosen),
-            infeasible_ops=tuple(infeasible),
-            num_candidates=len(candidates),
-            planner=repr(self),
-            plan_seconds=time.perf_counter() - started,
-        )
+        return refine_choice(candidates, excess, chosen) if self.refine else chosen

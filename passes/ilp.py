@@ -21,15 +21,13 @@ that says how to install it.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from functools import reduce
 from itertools import accumulate
 from typing import Any
 
-from .greedy_planner import PlanReport
-from .planner_candidates import OffloadCandidate, budget_excess, offload_candidates
-from .planner_lowering import lower_offload_choice
+from .plan_report import PlanReport, plan_by_choice
+from .planner_candidates import OffloadCandidate
 from .schedule import ResidencySchedule
 from .trace import ActivationTrace
 
@@ -150,15 +148,10 @@ class OptimalResidencyPlanner:
         return self.plan_with_report(trace).schedule
 
     def plan_with_report(self, trace: ActivationTrace) -> PlanReport:
-        started = time.perf_counter()
-        candidates = offload_candidates(trace)
-        excess, infeasible = budget_excess(trace)
-        chosen = solve_optimal_choice(candidates, excess, time_limit_s=self.time_limit_s)
-        return PlanReport(
-            schedule=lower_offload_choice(trace, chosen),
-            chosen=tuple(chosen),
-            infeasible_ops=tuple(infeasible),
-            num_candidates=len(candidates),
+        return plan_by_choice(
+            trace,
+            lambda candidates, excess: solve_optimal_choice(
+                candidates, excess, time_limit_s=self.time_limit_s
+            ),
             planner=repr(self),
-            plan_seconds=time.perf_counter() - started,
         )
