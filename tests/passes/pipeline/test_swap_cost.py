@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hyper_offload.passes.pipeline.build import build_rank_orders
 from hyper_offload.passes.pipeline.check_order import check_order
-from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, parse_order
+from hyper_offload.passes.pipeline.meta_step import StepKind
 from hyper_offload.passes.pipeline.swap import find_swap_chunks, inject_swap_steps
 from hyper_offload.passes.pipeline.swap_cost import (
     ActivationSizes,
@@ -24,21 +24,11 @@ from hyper_offload.passes.pipeline.swap_cost import (
     resident_curve,
 )
 
+from swap_order_text import order
+
 MB = 10**6
 # Default model: FWD 10 ms, BWD 20 ms, 20 GB/s each way -> 100 MB copy in 5 ms.
 COST = SwapCostModel()
-
-
-def order(text: str) -> list[MetaStep]:
-    """Parse an order, with LO / WO / LL / WL as short names of the four swap steps."""
-    names = {"LO": "SWAP_LAUNCH_OFFLOAD", "WO": "SWAP_WAIT_OFFLOAD", "LL": "SWAP_LAUNCH_LOAD", "WL": "SWAP_WAIT_LOAD"}
-    words = []
-    for word in text.split():
-        for short, long in names.items():
-            if short in word and long not in word:
-                word = word.replace(short, long)
-        words.append(word)
-    return parse_order(words)
 
 
 # One stage, four micro-batches, only chunk 0 has swap steps. Offload window: F1 (10 ms);

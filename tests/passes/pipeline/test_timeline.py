@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_offload.passes.pipeline.meta_step import MetaStep, parse_order
 from hyper_offload.passes.pipeline.timeline import (
     Bubble,
     SwapWindow,
@@ -14,24 +13,7 @@ from hyper_offload.passes.pipeline.timeline import (
     build_timeline,
 )
 
-_SWAP_SHORT = {
-    "LO": "SWAP_LAUNCH_OFFLOAD",
-    "WO": "SWAP_WAIT_OFFLOAD",
-    "LL": "SWAP_LAUNCH_LOAD",
-    "WL": "SWAP_WAIT_LOAD",
-}
-
-
-def order(text: str) -> list[MetaStep]:
-    """Parse an order, with LO / WO / LL / WL as short names of the four swap steps."""
-    words = []
-    for word in text.split():
-        for short, long in _SWAP_SHORT.items():
-            if short in word and long not in word:
-                word = word.replace(short, long)
-        words.append(word)
-    return parse_order(words)
-
+from swap_order_text import order
 
 # GPipe, 2 ranks x 2 micro-batches, as torch.distributed.pipelining runs it (P2P included).
 GPIPE_2X2 = {
