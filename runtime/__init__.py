@@ -25,11 +25,19 @@ from .errors import (
     ResidencyMisuseError,
     TransferFailedError,
 )
+from .host_sync import HostSyncCounter, SyncReason
 from .memory_meter import DeviceMemoryMeter, MemorySample, is_host_labelled, label_host
 from .ops import COPY_D2H, COPY_H2D, RELEASE_HOST, TRANSFER_OPS, WAIT_TRANSFER, dense_layout
 from .physical_buffer import BufferState, PhysicalBuffer
-from .pinned_pool import PinnedMemoryPool, PoolStats, bucket_bytes
+from .pinned_pool import (
+    PageableFallbackWarning,
+    PinnedMemoryPool,
+    PoolStats,
+    bucket_bytes,
+    pinned_cost,
+)
 from .residency import ResidencyManager
+from .stats import RuntimeStats
 from .transfer_context import (
     HostCopyState,
     TransferMisuseError,
@@ -46,8 +54,10 @@ __all__ = [
     "DeviceMemoryMeter",
     "DeviceTimer",
     "HostCopyState",
+    "HostSyncCounter",
     "MemorySample",
     "OffloadRuntimeError",
+    "PageableFallbackWarning",
     "PhysicalBuffer",
     "PinnedMemoryPool",
     "PoolMisuseError",
@@ -55,6 +65,8 @@ __all__ = [
     "RELEASE_HOST",
     "ResidencyManager",
     "ResidencyMisuseError",
+    "RuntimeStats",
+    "SyncReason",
     "TRANSFER_OPS",
     "Transfer",
     "TransferBandwidth",
@@ -71,6 +83,7 @@ __all__ = [
     "is_host_labelled",
     "label_host",
     "pin_memory_available",
+    "pinned_cost",
     "profile_transfer_bandwidth",
     "resolve_device",
 ]

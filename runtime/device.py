@@ -21,13 +21,19 @@ Invariants a caller may rely on:
 * ``Transfer.wait()`` orders the *current* compute stream after the copy; it does not
   block the host. ``Transfer.synchronize()`` blocks the host.
 * Until a transfer is known to be complete its bytes cannot be handed back to an
-  allocator mid-copy. On CUDA the device-side tensor is ``record_stream``-ed on the copy
-  stream, so the caching allocator itself holds the block until the copy stream is past
-  the copy, whether the tensor is dropped or its storage freed directly
-  (``untyped_storage().resize_(0)``); the handle then keeps only the *host* tensor alive,
-  so dropping an offloaded activation really frees its device memory while the D2H runs.
-  Where ``record_stream`` is unavailable (and for synchronous test doubles) the handle
-  keeps both tensors alive until it observes completion.
+  allocator mid-copy. By default the handle keeps the device-side tensor alive until a
+  stream wait (``Transfer.wait()``) on the stream that issued the copy; after that, every
+  later use of the bytes on that stream, including their reuse by the caching allocator,
+  is ordered after the copy. Only a caller that may free the device bytes *before any
+  stream wait* (the residency manager's RELEASE_DEVICE right after a COPY_D2H) asks for
+  ``free_before_wait=True``: the engine then ``record_stream``-s the device side on the
+  copy stream and the allocator protects the block. ``record_stream`` is kept to that
+  case because it delays reuse of a freed block until everything queued on the copy
+  stream at free time completes, while ``memory_allocated`` already dropped. The host
+  side is held until the handle observes completion.
+* The normal path never blocks the host; every host block (``synchronize()``, copies
+  with pageable host memory, synchronous fallbacks) is counted in the engine's
+  ``host_syncs`` (:class:`~hyper_offload.runtime.host_sync.HostSyncCounter`).
 * A copy whose enqueue raised leaves nothing in flight: the copy stream is drained
   before the exception propagates.
 
@@ -43,6 +49,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from .host_sync import HostSyncCounter, SyncReason
 
 __all__ = [
     "DeviceLike",
@@ -122,15 +130,28 @@ class Transfer:
     """Handle of one copy between device and host memory.
 
     ``event`` is the accelerator event recorded on the copy stream right after the copy,
-    or ``None`` when the copy ran synchronously (CPU, cross-device fallback). The handle
-    holds the ``keepalive`` tensors alive until it observes completion (``query()``
-    returning True or ``synchronize()``), then drops them. The engine passes both tensors,
-    or only the host-side one when the device side was ``record_stream``-ed (then
-    ``device_side_recorded`` is True and the allocator protects the device bytes).
+    or ``None`` when the copy ran synchronously (CPU, cross-device fallback).
+
+    What the handle keeps alive (the engine decides, see :meth:`TransferEngine.d2h`):
+
+    * ``keepalive``: held until the handle observes completion (``query()`` True or
+      ``synchronize()``): the host side, which no allocator protects.
+    * ``until_wait``: held until a stream wait on the *issue stream* (``wait()``) or
+      completion: the device side when it was not ``record_stream``-ed. After the issue
+      stream waited, every later use of those device bytes on that stream (including
+      the allocator handing them out again) is ordered after the copy, so dropping them
+      is safe and frees them for real, with no deferred reuse.
+
+    ``device_side_recorded`` is True when the device side was ``record_stream``-ed on
+    the copy stream (the allocator itself then protects it if freed before any wait).
+    ``issue_stream`` is the compute stream that was current when the copy was issued
+    (the stream that produced a D2H source or allocated an H2D destination).
+    ``host_syncs`` counts every host block this handle causes.
     """
 
     __slots__ = (
-        "direction", "device", "nbytes", "event", "device_side_recorded", "_keepalive", "_done"
+        "direction", "device", "nbytes", "event", "device_side_recorded", "issue_stream",
+        "_module", "_host_syncs", "_keepalive", "_until_wait", "_waited_streams", "_done",
     )
 
     def __init__(
@@ -142,16 +163,23 @@ class Transfer:
         keepalive: tuple[torch.Tensor, ...],
         *,
         device_side_recorded: bool = False,
+        until_wait: tuple[torch.Tensor, ...] = (),
+        module: Any | None = None,
+        issue_stream: Any | None = None,
+        host_syncs: HostSyncCounter | None = None,
     ) -> None:
         self.direction = direction
         self.device = device
         self.nbytes = nbytes
         self.event = event
-        # True when the device-side tensor was record_stream-ed on the copy stream, i.e.
-        # its storage may be freed before the copy ends without the allocator reusing it.
         self.device_side_recorded = device_side_recorded
+        self.issue_stream = issue_stream
+        self._module = module  # device module with streams; None: the host is the stream
+        self._host_syncs = host_syncs
         self._done = event is None
         self._keepalive: tuple[torch.Tensor, ...] | None = None if self._done else keepalive
+        self._until_wait: tuple[torch.Tensor, ...] | None = None if self._done else until_wait
+        self._waited_streams: list[Any] = []
 
     def query(self) -> bool:
         """True once the copy has completed; never blocks."""
@@ -163,30 +191,57 @@ class Transfer:
         """Alias of :meth:`query`."""
         return self.query()
 
-    def wait(self) -> None:
-        """Make the current compute stream of ``device`` wait for this copy.
+    @property
+    def stream_waited(self) -> bool:
+        """Whether some stream was ordered after this copy by :meth:`wait`."""
+        return bool(self._waited_streams)
 
-        Does not block the host on an accelerator. A no-op for synchronous copies (already
-        complete). On a device without streams (CPU) the host *is* the compute stream, so
-        a pending event is waited for by blocking.
+    def wait(self, stream: Any | None = None) -> None:
+        """Order ``stream`` (default: the current stream of ``device``) after this copy.
+
+        Does not block the host on an accelerator. A no-op for completed copies. On a
+        device without streams (CPU) the host *is* the compute stream, so a pending event
+        is waited for by blocking (counted as a host sync).
         """
-        if self._done or self.event is None:
-            return
-        if not is_accelerator(self.device):
-            self.synchronize()
-            return
-        device_module(self.device).current_stream(self.device).wait_event(self.event)
-
-    def synchronize(self) -> None:
-        """Block the host until the copy has completed."""
         if self._done:
             return
+        if self._module is None:
+            self.synchronize(reason=SyncReason.WAIT_WITHOUT_STREAMS)
+            return
+        if stream is None:
+            stream = self._module.current_stream(self.device)
+        stream.wait_event(self.event)
+        self._waited_streams.append(stream)
+        if self.issue_stream is None or stream == self.issue_stream:
+            self._until_wait = None  # later uses of the device bytes follow the copy
+
+    def order_before_free(self) -> None:
+        """Make freeing the device side safe now, without blocking the host.
+
+        The caching allocator hands a freed block out again on the stream that allocated
+        it, so that stream (``issue_stream``) must be ordered after the copy unless the
+        copy is complete, the device side was ``record_stream``-ed, or it already waited.
+        """
+        if self._done or self.device_side_recorded:
+            return
+        if any(s == self.issue_stream for s in self._waited_streams):
+            return
+        self.wait(self.issue_stream)
+
+    def synchronize(self, *, reason: str = SyncReason.SYNCHRONIZE) -> None:
+        """Block the host until the copy has completed (counted as a host sync when the
+        copy was still pending)."""
+        if self._done:
+            return
+        if self._host_syncs is not None:
+            self._host_syncs.record(reason)
         self.event.synchronize()
         self._mark_done()
 
     def _mark_done(self) -> None:
         self._done = True
         self._keepalive = None
+        self._until_wait = None
 
     def __repr__(self) -> str:
         state = "done" if self._done else "in flight"
@@ -209,11 +264,15 @@ class TransferEngine:
     engine on purpose: streams are state, and state belongs to an owner). On CPU, and on
     accelerators whose device module has no streams, the engine is a thin synchronous
     shim with ``copy_stream is None``.
+
+    ``host_syncs`` counts every time a copy of this engine blocked the host (see
+    :mod:`~hyper_offload.runtime.host_sync`); the normal schedule path keeps it at 0.
     """
 
     def __init__(self, device: DeviceLike = None) -> None:
         self.device = resolve_device(device)
         self.copy_stream: Any | None = None
+        self.host_syncs = HostSyncCounter()
         self._module: ModuleType | None = None
         if is_accelerator(self.device):
             if not torch.accelerator.is_available():
@@ -236,12 +295,25 @@ class TransferEngine:
         return self.copy_stream is not None
 
     def d2h(
-        self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = ()
+        self,
+        src: torch.Tensor,
+        dst_host: torch.Tensor,
+        *,
+        after: Iterable[Transfer] = (),
+        free_before_wait: bool = False,
     ) -> Transfer:
         """Copy device tensor ``src`` into host tensor ``dst_host``.
 
         The copy is ordered after all work already enqueued on the current compute stream
         and after every transfer in ``after``.
+
+        ``free_before_wait``: the caller may free ``src``'s bytes before any stream waits
+        on this copy (the residency manager's RELEASE_DEVICE right after a COPY_D2H). The
+        engine then ``record_stream``-s ``src`` on the copy stream, so the allocator keeps
+        the block from reuse until the copy stream is past it. Otherwise (the default) the
+        handle keeps ``src`` alive until :meth:`Transfer.wait`: ``record_stream`` would
+        delay the block's reuse to the end of whatever the copy stream holds at free time
+        while ``memory_allocated`` already dropped, so the memory figures would lie.
         """
         _check_pair("d2h", src, dst_host)
         if dst_host.device.type != "cpu":
@@ -249,15 +321,24 @@ class TransferEngine:
                 f"TransferEngine.d2h: destination must be a host (cpu) tensor, got one on "
                 f"{dst_host.device}; use a buffer from PinnedMemoryPool.acquire()"
             )
-        return self._copy(TransferDirection.D2H, src, dst_host, device_side=src, after=after)
+        return self._copy(
+            TransferDirection.D2H, src, dst_host, device_side=src, after=after,
+            free_before_wait=free_before_wait,
+        )
 
     def h2d(
-        self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = ()
+        self,
+        src_host: torch.Tensor,
+        dst: torch.Tensor,
+        *,
+        after: Iterable[Transfer] = (),
+        free_before_wait: bool = False,
     ) -> Transfer:
         """Copy host tensor ``src_host`` into device tensor ``dst``.
 
         Ordered after the current compute stream (which allocated ``dst``) and after every
         transfer in ``after`` (typically the D2H that filled ``src_host``).
+        ``free_before_wait`` as in :meth:`d2h`, for ``dst``.
         """
         _check_pair("h2d", src_host, dst)
         if src_host.device.type != "cpu":
@@ -265,11 +346,15 @@ class TransferEngine:
                 f"TransferEngine.h2d: source must be a host (cpu) tensor, got one on "
                 f"{src_host.device}; pass the host buffer the D2H filled"
             )
-        return self._copy(TransferDirection.H2D, src_host, dst, device_side=dst, after=after)
+        return self._copy(
+            TransferDirection.H2D, src_host, dst, device_side=dst, after=after,
+            free_before_wait=free_before_wait,
+        )
 
     def synchronize(self) -> None:
         """Block the host until every copy enqueued on this engine has completed."""
         if self.copy_stream is not None:
+            self.host_syncs.record(SyncReason.ENGINE_DRAIN)
             self.copy_stream.synchronize()
 
     def _copy(
@@ -280,6 +365,7 @@ class TransferEngine:
         *,
         device_side: torch.Tensor,
         after: Iterable[Transfer],
+        free_before_wait: bool,
     ) -> Transfer:
         nbytes = src.numel() * src.element_size()
         after = tuple(after)
@@ -289,9 +375,11 @@ class TransferEngine:
             # streams. Earlier transfers must be finished before we read/write the buffer.
             for earlier in after:
                 earlier.synchronize()
+            if self.copy_stream is not None:
+                self.host_syncs.record(SyncReason.CROSS_DEVICE_COPY)
             dst.copy_(src)
             return completed_transfer(direction, device_side.device, nbytes)
-        return self._async_copy(direction, src, dst, device_side, after, nbytes)
+        return self._async_copy(direction, src, dst, device_side, after, nbytes, free_before_wait)
 
     def _async_copy(
         self,
@@ -301,36 +389,57 @@ class TransferEngine:
         device_side: torch.Tensor,
         after: tuple[Transfer, ...],
         nbytes: int,
+        free_before_wait: bool,
     ) -> Transfer:
         module = self._module
         stream = self.copy_stream
         assert module is not None and stream is not None
+        host_side = dst if direction is TransferDirection.D2H else src
+        if not self._is_pinned(host_side):
+            # CUDA completes a copy to/from pageable memory before returning, and our copy
+            # stream first waits on compute: the host blocks behind all queued work.
+            self.host_syncs.record(SyncReason.PAGEABLE_COPY)
         # The copy must see everything the compute stream has enqueued so far: the kernels
         # that produced a D2H source, or the allocation of an H2D destination.
-        stream.wait_stream(module.current_stream(self.device))
+        issue_stream = module.current_stream(self.device)
+        stream.wait_stream(issue_stream)
         for earlier in after:
             if earlier.event is not None and not earlier.query():
                 stream.wait_event(earlier.event)
         try:
             with module.stream(stream):
-                dst.copy_(src, non_blocking=True)
+                self._enqueue_copy(direction, src, dst)
                 event = module.Event()
                 event.record(stream)
         except BaseException:
             # Part of the copy may already be on the stream; the caller is about to give
             # the buffers back, so nothing may still read or write them.
+            self.host_syncs.record(SyncReason.ENGINE_DRAIN)
             stream.synchronize()
             raise
-        recorded = _record_on_stream(device_side, stream)
-        # Once the allocator knows the copy stream uses the device bytes, it keeps them
-        # from reuse until the copy is past; holding the device tensor as well would only
-        # keep e.g. an offloaded activation's memory allocated until someone queries this
-        # handle (possibly the end of backward). The host side has no such protection.
-        host_side = dst if direction is TransferDirection.D2H else src
-        keepalive = (host_side,) if recorded else (src, dst)
+        recorded = free_before_wait and self._record_stream(device_side, stream)
         return Transfer(
-            direction, self.device, nbytes, event, keepalive, device_side_recorded=recorded
+            direction, self.device, nbytes, event, (host_side,),
+            device_side_recorded=recorded,
+            # Without record_stream the device bytes must outlive the copy's wait.
+            until_wait=() if recorded else (device_side,),
+            module=module, issue_stream=issue_stream, host_syncs=self.host_syncs,
         )
+
+    # Hooks: the only three places that touch the accelerator's memory semantics, so a
+    # scripted device (tests/runtime/scripted_cuda.py) can stand in for them on CPU.
+
+    def _enqueue_copy(
+        self, direction: TransferDirection, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Enqueue ``dst <- src`` on the current (copy) stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def _record_stream(self, tensor: torch.Tensor, stream: Any) -> bool:
+        return _record_on_stream(tensor, stream)
+
+    def _is_pinned(self, host: torch.Tensor) -> bool:
+        return host.is_pinned()
 
     def __repr__(self) -> str:
         mode = "async copy stream" if self.is_async else "synchronous"

@@ -26,9 +26,13 @@ Event rules (section 5.3 of the design), each enforced here:
 
 1. An H2D is ordered after the D2H that filled its host buffer (``after=host_event``).
 2. The device bytes are not handed back to the allocator while a D2H still reads them:
-   on CUDA the engine ``record_stream``-s them on the copy stream; elsewhere
-   ``release_device`` first waits for the D2H.
-3. ``release_device`` waits for an H2D still writing the storage.
+   the D2H is issued with ``free_before_wait=True`` (RELEASE_DEVICE usually follows it
+   before any stream wait), so on CUDA the engine ``record_stream``-s them on the copy
+   stream; where that is unavailable ``release_device`` orders the stream that will
+   reuse the bytes after the D2H (a stream wait, never a host block).
+3. ``release_device`` never frees bytes an H2D is still writing: if the compute stream
+   already waited for the H2D (WAIT_H2D) nothing is needed; otherwise the stream that
+   allocated them is made to wait for the H2D first (again a stream wait).
 4. The host buffer goes back to the pool with an event covering *every* transfer that
    touched it (the D2H and all H2Ds reading it); the pool reuses it only after that.
 5. Failures roll back: a failed copy leaves no transfer in flight, returns any buffer it
@@ -195,7 +199,9 @@ class PhysicalBuffer:
         after = [t for t in earlier if t is not None]
         device_bytes = byte_view(self.storage, self.nbytes)
         try:
-            transfer = self._engine.d2h(device_bytes, host[: self.nbytes], after=after)
+            transfer = self._engine.d2h(
+                device_bytes, host[: self.nbytes], after=after, free_before_wait=True
+            )
         except Exception as exc:
             self._quiesce_engine()
             self._pool.release(host)
@@ -220,11 +226,11 @@ class PhysicalBuffer:
                 f"{self.state.value}); each RELEASE_DEVICE must follow a residency (bind or "
                 "copy_h2d)"
             )
-        if self.device_event is not None and not self.device_event.query():
-            self.device_event.synchronize()  # rule 3: an H2D is still writing these bytes
-        d2h = self.host_event
-        if d2h is not None and not d2h.query() and not d2h.device_side_recorded:
-            d2h.synchronize()  # rule 2 where the allocator cannot track the copy stream
+        # No host block on either path: the stream that reuses the bytes is ordered
+        # after the copy instead (a no-op once WAIT_H2D ran or the D2H was recorded).
+        for transfer in (self.device_event, self.host_event):
+            if transfer is not None and not transfer.query():
+                transfer.order_before_free()
         self.storage.resize_(0)
         self._on_device = False
         self.device_event = None
@@ -289,13 +295,16 @@ class PhysicalBuffer:
         """The device-resident storage, ready for the current compute stream.
 
         Waits (stream-wise) for a pending H2D. If the bytes are only on the host they are
-        demand-paged back synchronously (the fallback path: correct, not overlapped).
+        demand-paged back (the fallback path: correct, not overlapped, since the copy
+        starts only now) and the compute stream waits for that load; the host never
+        blocks.
         """
         if self._on_device:
             self.wait_device()
             return self.storage
         if self.host_buffer is not None:
-            self.start_h2d().synchronize()
+            self.start_h2d()
+            self.wait_device()
             return self.storage
         raise DataLostError(
             f"device_storage({self.label}): both the device and the host copy were released; "

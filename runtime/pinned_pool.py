@@ -10,11 +10,24 @@ Rules (each is tested):
   larger than 2^31 bytes gets a *dedicated* buffer of exactly ``n`` bytes that is freed,
   not cached, when released: such sizes are rare and a power-of-two round-up would waste
   up to 2 GiB.
-* **Cap.** The pool never holds more than ``max_host_bytes`` of its own buffers (in use +
-  waiting for release + cached). When a new buffer would break the cap, cached buffers
-  are freed first; if that is not enough, the request is served with ordinary *pageable*
-  memory, counted separately (``pageable_fallbacks``, ``pageable_bytes_in_use``) and
-  simply dropped on release. A failed pinned allocation also falls back to pageable.
+* **Cap.** The pool never makes the process pin more than ``max_host_bytes`` for its
+  own buffers (in use + waiting for release + cached). Each buffer is counted at what
+  pinning it really costs: torch's caching host allocator rounds every pinned request
+  up to a power of two (so a dedicated 2.1 GiB buffer pins 4 GiB and is counted so),
+  and keeps freed pinned blocks in its own cache, so whenever the pool frees pinned
+  buffers (eviction, :meth:`trim`, a dedicated buffer's release) it empties that cache
+  (``torch.accelerator.empty_host_cache()``: note that this also returns *other* unused
+  cached pinned blocks of the process). :attr:`PoolStats.host_allocator_pinned_bytes`
+  reports what torch's host allocator really holds, for comparison. When a new buffer
+  would break the cap, cached buffers are freed first; if that is not enough, the
+  request is served with ordinary *pageable* memory, counted separately
+  (``pageable_fallbacks``, ``pageable_bytes_in_use``) and simply dropped on release. A
+  failed pinned allocation also falls back to pageable.
+* **Pageable fallbacks are loud.** A copy to or from pageable memory is synchronous on
+  CUDA and, since the copy stream first waits for compute, blocks the host behind all
+  queued work. A pinned pool warns once (:class:`PageableFallbackWarning`, naming the
+  cap and ``OffloadConfig.max_offload_activation_mb``) and every stats view reports the
+  count.
 * **Release after the last event.** ``release(buffer, event)`` puts the buffer on a
   pending list; it becomes reusable only once ``event.query()`` is True (the copy that
   touched it is finished). Pending buffers are reaped on ``acquire``, ``stats`` and
@@ -39,6 +52,7 @@ mistakes staging buffers for device bytes on CPU, where both share one allocator
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +66,7 @@ __all__ = [
     "MAX_BUCKET_BYTES",
     "MIN_BUCKET_BYTES",
     "CompletionEvent",
+    "PageableFallbackWarning",
     "PinnedMemoryPool",
     "PoolStats",
     "bucket_bytes",
@@ -60,6 +75,11 @@ __all__ = [
 
 MIN_BUCKET_BYTES = 1 << 10
 MAX_BUCKET_BYTES = 1 << 31
+
+
+class PageableFallbackWarning(RuntimeWarning):
+    """A pinned pool served a request with pageable memory (cap reached or pinning
+    refused): transfers through that buffer block the host. Warned once per pool."""
 
 
 class CompletionEvent(Protocol):
@@ -77,9 +97,16 @@ def bucket_bytes(nbytes: int) -> int:
     return max(MIN_BUCKET_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
+def pinned_cost(capacity: int) -> int:
+    """Bytes torch really pins for a pinned request of ``capacity`` bytes: its caching
+    host allocator rounds every request up to the next power of two."""
+    return 1 << max(0, capacity - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class PoolStats:
-    """Snapshot of a pool's bookkeeping; ``pinned_*`` count the pool's own buffers."""
+    """Snapshot of a pool's bookkeeping; ``pinned_*`` count the pool's own buffers at the
+    bytes they really pin (:func:`pinned_cost` when ``pinned``; their capacity else)."""
 
     pinned: bool
     """Whether pool-owned buffers are page-locked."""
@@ -103,6 +130,33 @@ class PoolStats:
     """Buffers (pool-owned and pageable) handed out and not yet released."""
     pending_releases: int
     """Released buffers (pool-owned and pageable) still waiting for their event."""
+    host_allocator_pinned_bytes: int | None = None
+    """What the accelerator's caching host allocator holds for the whole process (active
+    + cached pinned blocks, ``torch.cuda.host_memory_stats()['allocated_bytes.current']``);
+    ``None`` where no such statistic exists (CPU, unpinned pools)."""
+
+    def summary(self) -> dict[str, object]:
+        """The figures a user needs, as one flat dict (JSON-friendly)."""
+        return {
+            "pinned": self.pinned,
+            "pinned_bytes_held": self.pinned_bytes_held,
+            "pinned_bytes_peak": self.pinned_bytes_peak,
+            "pageable_fallbacks": self.pageable_fallbacks,
+            "pageable_bytes_in_use": self.pageable_bytes_in_use,
+            "hits": self.hits,
+            "misses": self.misses,
+            "host_allocator_pinned_bytes": self.host_allocator_pinned_bytes,
+        }
+
+    def __str__(self) -> str:
+        host = self.host_allocator_pinned_bytes
+        return (
+            f"host pool: {self.pinned_bytes_held} B {'pinned' if self.pinned else 'pooled'} "
+            f"(peak {self.pinned_bytes_peak} B), {self.pageable_fallbacks} pageable "
+            f"fallback(s) ({self.pageable_bytes_in_use} B in use), {self.hits} hits / "
+            f"{self.misses} misses"
+            + ("" if host is None else f", torch host allocator holds {host} B")
+        )
 
     @property
     def pinned_bytes_held(self) -> int:
@@ -114,6 +168,7 @@ class PoolStats:
 class _Buffer:
     tensor: torch.Tensor
     capacity: int
+    cost: int  # bytes counted against the cap (what pinning it really takes)
     pool_owned: bool  # False: pageable fallback, never cached
     cacheable: bool  # False: dedicated (> MAX_BUCKET_BYTES) or pageable
 
@@ -173,6 +228,8 @@ class PinnedMemoryPool:
         self._pageable_fallbacks = 0
         self._hits = 0
         self._misses = 0
+        self._warned_pageable = False
+        self._host_cache_dirty = False  # pinned buffers freed since the last empty
 
     # ------------------------------------------------------------------ public API
 
@@ -184,28 +241,33 @@ class PinnedMemoryPool:
                 f"PinnedMemoryPool.acquire: nbytes must be an int >= 0, got {nbytes!r}"
             )
         capacity = bucket_bytes(nbytes)
+        cost = pinned_cost(capacity) if self.pin else capacity
         with self._lock:
             self._reap_locked()
             cached = self._free.get(capacity)
             if cached and capacity <= MAX_BUCKET_BYTES:
                 buffer = cached.pop()
-                self._cached_bytes -= capacity
+                self._cached_bytes -= buffer.cost
                 self._hits += 1
                 self._hand_out_locked(buffer)
                 return buffer.tensor
             self._misses += 1
-            reserved = self._reserve_locked(capacity)
+            reserved = self._reserve_locked(cost)
+        self._flush_host_cache()  # evicted pinned buffers must really be unpinned first
         if reserved:
             tensor = self._allocate(capacity, pin=self.pin)
             if tensor is not None:
                 cacheable = capacity <= MAX_BUCKET_BYTES
-                buffer = _Buffer(tensor, capacity, pool_owned=True, cacheable=cacheable)
+                buffer = _Buffer(tensor, capacity, cost, pool_owned=True, cacheable=cacheable)
                 with self._lock:
                     self._hand_out_locked(buffer)
                 return tensor
             with self._lock:
-                self._held -= capacity  # pinning failed: give the reservation back
-        return self._acquire_pageable(nbytes)
+                self._held -= cost  # pinning failed: give the reservation back
+            return self._acquire_pageable(nbytes, why="pinning the buffer failed")
+        return self._acquire_pageable(
+            nbytes, why=f"the pool's cap of {self.max_host_bytes} B pinned is reached"
+        )
 
     def release(self, buffer: torch.Tensor, event: CompletionEvent | None = None) -> None:
         """Give ``buffer`` (or any view of it) back. It is reused only after
@@ -216,17 +278,21 @@ class PinnedMemoryPool:
             if record is None:
                 raise PoolMisuseError(self._why_not_in_use_locked(key))
             if record.pool_owned:
-                self._in_use_bytes -= record.capacity
-                self._pending_bytes += record.capacity
+                self._in_use_bytes -= record.cost
+                self._pending_bytes += record.cost
             else:
                 self._pageable_in_use -= record.capacity
             self._pending.append((record, event))
             self._reap_locked()
+        self._flush_host_cache()
 
     def stats(self) -> PoolStats:
         """Reap completed releases, then snapshot the counters."""
         with self._lock:
             self._reap_locked()
+        self._flush_host_cache()
+        host_pinned = self._host_allocator_pinned_bytes() if self.pin else None
+        with self._lock:
             return PoolStats(
                 pinned=self.pin,
                 pinned_bytes_in_use=self._in_use_bytes,
@@ -239,6 +305,7 @@ class PinnedMemoryPool:
                 misses=self._misses,
                 buffers_in_use=len(self._in_use),
                 pending_releases=len(self._pending),
+                host_allocator_pinned_bytes=host_pinned,
             )
 
     def trim(self) -> int:
@@ -255,8 +322,9 @@ class PinnedMemoryPool:
             self._free.clear()
             self._held -= freed
             self._cached_bytes = 0
-        if freed and self.pin and hasattr(torch.accelerator, "empty_host_cache"):
-            torch.accelerator.empty_host_cache()
+            if freed and self.pin:
+                self._host_cache_dirty = True
+        self._flush_host_cache()
         return freed
 
     def owns(self, buffer: torch.Tensor) -> bool:
@@ -272,17 +340,17 @@ class PinnedMemoryPool:
     def _hand_out_locked(self, buffer: _Buffer) -> None:
         self._in_use[buffer.key] = buffer
         if buffer.pool_owned:
-            self._in_use_bytes += buffer.capacity
+            self._in_use_bytes += buffer.cost
             self._peak = max(self._peak, self._held)
 
-    def _reserve_locked(self, capacity: int) -> bool:
-        """Reserve ``capacity`` pool-owned bytes under the cap, evicting cached buffers
+    def _reserve_locked(self, cost: int) -> bool:
+        """Reserve ``cost`` pool-owned bytes under the cap, evicting cached buffers
         if needed. False when even an empty cache leaves no room."""
-        if self._held + capacity > self.max_host_bytes:
-            self._evict_cached_locked(self._held + capacity - self.max_host_bytes)
-        if self._held + capacity > self.max_host_bytes:
+        if self._held + cost > self.max_host_bytes:
+            self._evict_cached_locked(self._held + cost - self.max_host_bytes)
+        if self._held + cost > self.max_host_bytes:
             return False
-        self._held += capacity
+        self._held += cost
         return True
 
     def _evict_cached_locked(self, need: int) -> None:
@@ -290,25 +358,41 @@ class PinnedMemoryPool:
         for capacity in sorted(self._free, reverse=True):
             bucket = self._free[capacity]
             while bucket and need > 0:
-                bucket.pop()
-                self._held -= capacity
-                self._cached_bytes -= capacity
-                need -= capacity
+                evicted = bucket.pop()
+                self._held -= evicted.cost
+                self._cached_bytes -= evicted.cost
+                need -= evicted.cost
+                self._host_cache_dirty = self.pin
             if not bucket:
                 del self._free[capacity]
             if need <= 0:
                 return
 
-    def _acquire_pageable(self, nbytes: int) -> torch.Tensor:
+    def _acquire_pageable(self, nbytes: int, *, why: str) -> torch.Tensor:
         # Exact size: pageable buffers are never cached, so rounding up would only waste.
         # At least one byte, so that the buffer has a real (unique) storage address.
         capacity = max(nbytes, 1)
         tensor = host_buffer(capacity)
-        buffer = _Buffer(tensor, capacity, pool_owned=False, cacheable=False)
+        buffer = _Buffer(tensor, capacity, capacity, pool_owned=False, cacheable=False)
         with self._lock:
             self._pageable_fallbacks += 1
             self._pageable_in_use += capacity
             self._hand_out_locked(buffer)
+            warn = self.pin and not self._warned_pageable
+            self._warned_pageable = self._warned_pageable or warn
+        if warn:
+            warnings.warn(
+                PageableFallbackWarning(
+                    f"PinnedMemoryPool: a {nbytes} B host buffer was served from pageable "
+                    f"memory because {why}. Copies to and from pageable memory block the host "
+                    "behind all queued device work, so offloading stops overlapping with "
+                    "compute. Raise OffloadConfig.max_offload_activation_mb (this pool's cap "
+                    f"is {self.max_host_bytes / (1 << 20):g} MiB) or offload less; this warning "
+                    "is shown once per pool, every fallback is counted in "
+                    "PoolStats.pageable_fallbacks"
+                ),
+                stacklevel=3,
+            )
         return tensor
 
     @staticmethod
@@ -323,6 +407,34 @@ class PinnedMemoryPool:
         label_host(tensor)
         return tensor
 
+    def _flush_host_cache(self) -> None:
+        """Empty torch's host cache if the pool freed pinned buffers since the last time
+        (outside the lock: the call may take a while)."""
+        with self._lock:
+            dirty, self._host_cache_dirty = self._host_cache_dirty, False
+        if dirty:
+            self._empty_host_cache()
+
+    @staticmethod
+    def _empty_host_cache() -> None:
+        # Freed pinned blocks stay pinned in torch's caching host allocator until this.
+        empty = getattr(torch.accelerator, "empty_host_cache", None)
+        if empty is not None:
+            empty()
+
+    @staticmethod
+    def _host_allocator_pinned_bytes() -> int | None:
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if accelerator is None:
+            return None
+        stats_fn = getattr(torch.get_device_module(accelerator), "host_memory_stats", None)
+        if stats_fn is None:
+            return None
+        try:
+            return int(stats_fn().get("allocated_bytes.current", 0))
+        except RuntimeError:
+            return None
+
     def _reap_locked(self) -> None:
         still_pending: list[tuple[_Buffer, CompletionEvent | None]] = []
         for buffer, event in self._pending:
@@ -331,12 +443,13 @@ class PinnedMemoryPool:
                 continue
             if not buffer.pool_owned:
                 continue  # pageable: just drop it
-            self._pending_bytes -= buffer.capacity
+            self._pending_bytes -= buffer.cost
             if buffer.cacheable:
                 self._free.setdefault(buffer.capacity, []).append(buffer)
-                self._cached_bytes += buffer.capacity
+                self._cached_bytes += buffer.cost
             else:
-                self._held -= buffer.capacity  # dedicated buffers are freed, not cached
+                self._held -= buffer.cost  # dedicated buffers are freed, not cached
+                self._host_cache_dirty = self.pin
         self._pending = still_pending
 
     def _why_not_in_use_locked(self, key: int) -> str:

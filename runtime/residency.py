@@ -37,6 +37,7 @@ from .device import Transfer, TransferEngine
 from .errors import DataLostError, ResidencyMisuseError
 from .physical_buffer import BufferState, PhysicalBuffer
 from .pinned_pool import PinnedMemoryPool
+from .stats import RuntimeStats, runtime_stats
 
 
 __all__ = ["ResidencyManager"]
@@ -162,6 +163,11 @@ class ResidencyManager:
             transfer.synchronize()
         self._in_flight.clear()
 
+    def stats(self) -> RuntimeStats:
+        """Host syncs of the engine, the pool's figures (pageable fallbacks included) and
+        the transfers in flight."""
+        return runtime_stats([self.engine.host_syncs], self.pool.stats(), self.transfers_in_flight())
+
     def transfers_in_flight(self) -> int:
         self._prune_in_flight()
         return len(self._in_flight)
@@ -248,7 +254,11 @@ class ResidencyManager:
 
     def __repr__(self) -> str:
         in_flight = self.transfers_in_flight()
-        return f"ResidencyManager({self.engine!r}, {len(self)} storages, {in_flight} in flight)"
+        return (
+            f"ResidencyManager({self.engine!r}, {len(self)} storages, {in_flight} in flight, "
+            f"{self.engine.host_syncs.total} host syncs, "
+            f"{self.pool.stats().pageable_fallbacks} pageable fallbacks)"
+        )
 
     # ------------------------------------------------------------------ internals
 

@@ -48,6 +48,7 @@ from .device import Transfer, TransferDirection, TransferEngine, resolve_device
 from .errors import OffloadRuntimeError, TransferFailedError
 from .memory_meter import label_host
 from .pinned_pool import PinnedMemoryPool
+from .stats import RuntimeStats, runtime_stats
 
 __all__ = [
     "HostCopyState",
@@ -384,6 +385,14 @@ class TransferRuntime:
         with self._lock:
             return len(self._pending)
 
+    def stats(self) -> RuntimeStats:
+        """Host syncs of every engine, the pool's figures (pageable fallbacks included)
+        and the transfers started but not yet waited."""
+        with self._lock:
+            counters = [engine.host_syncs for engine in self._engines.values()]
+            pending = len(self._pending)
+        return runtime_stats(counters, self.pool.stats(), pending)
+
     def synchronize(self) -> None:
         """Block until every started transfer has completed (records stay pending)."""
         with self._lock:
@@ -421,4 +430,8 @@ class TransferRuntime:
         with self._lock:
             live = sum(r.state is not HostCopyState.RELEASED for r in self._hosts.values())
             pending = len(self._pending)
-        return f"TransferRuntime(pending={pending}, host_copies={live}, pool={self.pool!r})"
+        stats = self.stats()
+        return (
+            f"TransferRuntime(pending={pending}, host_copies={live}, host_syncs="
+            f"{stats.host_syncs}, pageable_fallbacks={stats.pageable_fallbacks}, pool={self.pool!r})"
+        )

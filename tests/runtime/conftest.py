@@ -6,6 +6,9 @@
   what, as on an accelerator with a copy stream.
 * :class:`FailingEngine` - a CPU engine whose d2h/h2d raise on demand, optionally after
   scribbling garbage into the destination (a copy that died half way).
+* :class:`~scripted_cuda.ScriptedCudaEngine` (fixture ``scripted_engine``) - the real
+  async engine over a scripted CUDA (streams, events, lazy copies, an allocator model
+  that flags use-after-free); see ``scripted_cuda.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 
 from hyper_offload.runtime.device import Transfer, TransferDirection, TransferEngine
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
+
+from scripted_cuda import ScriptedCudaEngine
 
 
 class FakeEvent:
@@ -65,10 +70,10 @@ class DeferredEngine(TransferEngine):
         self.log: list[tuple[TransferDirection, FakeEvent, tuple[Transfer, ...]]] = []
         self.engine_syncs = 0
 
-    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = (), free_before_wait: bool = False) -> Transfer:
         return self._deferred(TransferDirection.D2H, src, dst_host, tuple(after))
 
-    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = (), free_before_wait: bool = False) -> Transfer:
         return self._deferred(TransferDirection.H2D, src_host, dst, tuple(after))
 
     def _deferred(self, direction, src, dst, after) -> Transfer:
@@ -106,13 +111,13 @@ class HalfEnqueuedEngine(DeferredEngine):
         super().__init__(records_streams=True, stream_waits=True)
         self.fail = fail
 
-    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = (), free_before_wait: bool = False) -> Transfer:
         transfer = super().d2h(src, dst_host, after=after)
         if self.fail == "d2h":
             raise RuntimeError("injected d2h failure after enqueue")
         return transfer
 
-    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = (), free_before_wait: bool = False) -> Transfer:
         transfer = super().h2d(src_host, dst, after=after)
         if self.fail == "h2d":
             raise RuntimeError("injected h2d failure after enqueue")
@@ -128,13 +133,13 @@ class FailingEngine(TransferEngine):
         self.corrupt = corrupt
         self.engine_syncs = 0
 
-    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+    def d2h(self, src: torch.Tensor, dst_host: torch.Tensor, *, after: Iterable[Transfer] = (), free_before_wait: bool = False) -> Transfer:
         self._maybe_fail("d2h", dst_host)
-        return super().d2h(src, dst_host, after=after)
+        return super().d2h(src, dst_host, after=after, free_before_wait=free_before_wait)
 
-    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = ()) -> Transfer:
+    def h2d(self, src_host: torch.Tensor, dst: torch.Tensor, *, after: Iterable[Transfer] = (), free_before_wait: bool = False) -> Transfer:
         self._maybe_fail("h2d", dst)
-        return super().h2d(src_host, dst, after=after)
+        return super().h2d(src_host, dst, after=after, free_before_wait=free_before_wait)
 
     def _maybe_fail(self, direction: str, dst: torch.Tensor) -> None:
         if direction not in self.fail_on:
@@ -145,6 +150,12 @@ class FailingEngine(TransferEngine):
 
     def synchronize(self) -> None:
         self.engine_syncs += 1
+
+
+@pytest.fixture
+def scripted_engine() -> ScriptedCudaEngine:
+    """The real async engine over a scripted CUDA (see ``scripted_cuda.py``)."""
+    return ScriptedCudaEngine()
 
 
 @pytest.fixture

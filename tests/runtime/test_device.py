@@ -225,13 +225,19 @@ def _scripted_engine(monkeypatch, records: bool) -> tuple[TransferEngine, _Scrip
     return engine, module
 
 
-@pytest.mark.parametrize("records", [True, False], ids=["record_stream", "no_record_stream"])
-def test_async_copy_orders_after_compute_and_keeps_only_what_it_must(monkeypatch, records) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    ("free_before_wait", "records"),
+    [(True, True), (True, False), (False, True)],
+    ids=["free_first+record_stream", "free_first+no_record_stream", "wait_first"],
+)
+def test_async_copy_orders_after_compute_and_keeps_only_what_it_must(
+    monkeypatch, free_before_wait: bool, records: bool  # noqa: ANN001
+) -> None:
     engine, module = _scripted_engine(monkeypatch, records)
     pending = Transfer(TransferDirection.D2H, torch.device("cpu"), 4, _ScriptedEvent([]), ())
     src, host = torch.arange(8.0), torch.zeros(8)
     src_ref, host_ref = weakref.ref(src), weakref.ref(host)
-    transfer = engine.d2h(src, host, after=[pending])
+    transfer = engine.d2h(src, host, after=[pending], free_before_wait=free_before_wait)
     assert module.log == [
         "copy waits for compute",  # sees the kernels that produced src
         f"copy waits for event {id(pending.event)}",  # and the transfers it must follow
@@ -239,16 +245,42 @@ def test_async_copy_orders_after_compute_and_keeps_only_what_it_must(monkeypatch
         "record on copy",
         "leave copy",
     ]
-    assert transfer.event is module.events[-1] and transfer.device_side_recorded is records
+    recorded = free_before_wait and records  # record_stream only for frees before a wait
+    assert transfer.event is module.events[-1] and transfer.device_side_recorded is recorded
+    assert transfer.issue_stream is module.compute
     assert torch.equal(host, src)
     del src, host
     gc.collect()
     # With record_stream the allocator guards the device bytes: only the host side is held.
-    assert (src_ref() is None) is records and host_ref() is not None
+    assert (src_ref() is None) is recorded and host_ref() is not None
+    transfer.wait()  # a stream wait on the issue stream: the device side may go now
+    gc.collect()
+    assert src_ref() is None and host_ref() is not None
+    assert module.log[-1] == f"compute waits for event {id(transfer.event)}"
     module.events[-1].done = True
     assert transfer.query()
     gc.collect()
     assert src_ref() is None and host_ref() is None
+
+
+def test_wait_on_another_stream_keeps_the_device_side_and_order_before_free_adds_one(
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    engine, module = _scripted_engine(monkeypatch, False)
+    src = torch.arange(8.0)
+    src_ref = weakref.ref(src)
+    transfer = engine.d2h(src, torch.zeros(8))
+    del src
+    transfer.wait(_ScriptedStream("side", module.log))  # not the stream that reuses src
+    gc.collect()
+    assert src_ref() is not None and transfer.stream_waited
+    transfer.order_before_free()  # the issue stream must wait too
+    assert module.log[-1] == f"compute waits for event {id(transfer.event)}"
+    gc.collect()
+    assert src_ref() is None
+    transfer.order_before_free()  # already ordered: nothing more
+    assert module.log[-1] == f"compute waits for event {id(transfer.event)}"
+    assert engine.host_syncs.total == 1  # the only block: the pageable (unpinned) host buffer
 
 
 def test_async_copy_that_fails_to_enqueue_drains_the_copy_stream(monkeypatch) -> None:  # noqa: ANN001
@@ -261,3 +293,4 @@ def test_async_copy_that_fails_to_enqueue_drains_the_copy_stream(monkeypatch) ->
     with pytest.raises(RuntimeError, match="injected event failure"):
         engine.h2d(torch.ones(4), torch.zeros(4))
     assert module.log[-1] == "synchronize copy"
+    assert engine.host_syncs.by_reason()["copy stream drained"] == 1
