@@ -36,8 +36,13 @@ How the pieces stay exact:
   buffers (pool buffers, offloaded copies) carry a label set with :func:`label_host` and
   are excluded from device bytes from the moment they are labelled.
 
-On an accelerator the meter additionally reads the allocator's own peak
-(``max_memory_allocated``) for the whole ``with`` block into ``allocator_peak_bytes``.
+On an accelerator the meter additionally reads the allocator's own figures for the whole
+``with`` block: ``allocator_base_bytes`` (``memory_allocated`` at entry, i.e. everything
+alive before the step, cuBLAS workspaces and leftovers of earlier work included),
+``allocator_peak_bytes`` (``max_memory_allocated``), ``allocator_step_peak_bytes`` (the
+peak minus the base: what the step itself added) and ``allocator_reserved_peak_bytes``
+(``max_memory_reserved``: allocated bytes can drop while blocks are still held, e.g.
+freed blocks waiting for a side stream, so the reserved peak is reported beside it).
 """
 
 from __future__ import annotations
@@ -176,6 +181,10 @@ class DeviceMemoryMeter(TorchDispatchMode):
         self._used = False
         self.allocator_peak_bytes: int | None = None
         """Peak of the accelerator allocator during the ``with`` block (None on CPU)."""
+        self.allocator_base_bytes: int | None = None
+        """Allocated bytes at entry, after a synchronize (None on CPU)."""
+        self.allocator_reserved_peak_bytes: int | None = None
+        """Peak reserved bytes during the ``with`` block (None on CPU)."""
 
     # -- registration -------------------------------------------------------------------
 
@@ -228,6 +237,25 @@ class DeviceMemoryMeter(TorchDispatchMode):
         """Op names of every sample, aligned with :meth:`curve`."""
         return [sample.op for sample in self.samples]
 
+    @property
+    def allocator_step_peak_bytes(self) -> int | None:
+        """What the step added to the allocator at its peak: ``allocator_peak_bytes`` minus
+        ``allocator_base_bytes`` (None on CPU). Compare with ``peak_bytes`` minus the
+        registered bytes, never with the raw peak, which includes unrelated live memory."""
+        if self.allocator_peak_bytes is None or self.allocator_base_bytes is None:
+            return None
+        return self.allocator_peak_bytes - self.allocator_base_bytes
+
+    def allocator_summary(self) -> str:
+        """The accelerator figures in one line (allocated and reserved side by side)."""
+        if self.allocator_peak_bytes is None:
+            return f"{self.device}: no allocator figures (meter-only device)"
+        return (
+            f"{self.device}: max_memory_allocated {self.allocator_peak_bytes} B "
+            f"(step +{self.allocator_step_peak_bytes} B over {self.allocator_base_bytes} B at "
+            f"entry), max_memory_reserved {self.allocator_reserved_peak_bytes} B"
+        )
+
     # -- dispatch mode --------------------------------------------------------------------
 
     def __enter__(self) -> DeviceMemoryMeter:
@@ -242,6 +270,7 @@ class DeviceMemoryMeter(TorchDispatchMode):
         if module is not None:
             module.synchronize(self.device)
             module.reset_peak_memory_stats(self.device)
+            self.allocator_base_bytes = int(module.memory_allocated(self.device))
         return super().__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -252,6 +281,7 @@ class DeviceMemoryMeter(TorchDispatchMode):
             if module is not None:
                 module.synchronize(self.device)
                 self.allocator_peak_bytes = int(module.max_memory_allocated(self.device))
+                self.allocator_reserved_peak_bytes = int(module.max_memory_reserved(self.device))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -279,7 +309,8 @@ class DeviceMemoryMeter(TorchDispatchMode):
         if self.device.type == "cpu":
             return None
         module = torch.get_device_module(self.device)
-        if not hasattr(module, "max_memory_allocated") or not module.is_available():
+        needed = ("max_memory_allocated", "max_memory_reserved", "memory_allocated")
+        if not all(hasattr(module, name) for name in needed) or not module.is_available():
             return None
         return module
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hyper_offload.cli import main
-from hyper_offload.passes import ActivationTrace
+from hyper_offload.passes import ActionKind, ActivationTrace
 
 MIB = 1 << 20
 
@@ -148,3 +148,34 @@ def test_infeasible_summary_suggests_a_budget_that_fits(tmp_path: Path, capsys) 
     out = capsys.readouterr().out
     assert "raise the budget to at least --budget-mb 1.51" in out
     assert main(["plan", str(path), "--budget-mb", "1.51"]) == 0
+
+
+class _BrokenPlanner:
+    """A planner with a bug: it releases a storage's device bytes with no host copy."""
+
+    def __init__(self, refine: bool = True) -> None:
+        self.refine = refine
+
+    def plan(self, trace: ActivationTrace):  # noqa: ANN201
+        from hyper_offload.passes import GreedyResidencyPlanner, ResidencyAction, ResidencySchedule
+
+        good = GreedyResidencyPlanner().plan(trace)
+        post = [list(slot) for slot in good.post]
+        post[0] = [ResidencyAction(ActionKind.RELEASE_DEVICE, 0)]  # drops s0's only copy
+        return ResidencySchedule(tuple(tuple(s) for s in good.pre), tuple(tuple(s) for s in post))
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_schedule_the_validator_rejects_exits_3(
+    trace_file: Path, capsys, monkeypatch, as_json: bool  # noqa: ANN001
+) -> None:
+    from hyper_offload import cli_plan
+
+    monkeypatch.setattr(cli_plan, "_planners", lambda: {"greedy": _BrokenPlanner})
+    args = ["plan", str(trace_file), "--budget-mb", "2"] + (["--json"] if as_json else [])
+    assert main(args) == cli_plan.EXIT_INVALID_SCHEDULE == 3
+    out = capsys.readouterr().out
+    if as_json:
+        assert json.loads(out)["violations"]
+    else:
+        assert "INVALID schedule" in out

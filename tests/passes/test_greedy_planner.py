@@ -298,3 +298,17 @@ def test_refinement_inserts_a_shared_gap_then_swaps_each_pick_for_a_small_one() 
     assert [(c.storage, c.start, c.end) for c in refined.chosen] == [(2, 4, 10), (3, 2, 4), (4, 10, 12)]
     assert check_schedule(trace, design.schedule).bytes_moved == 40
     assert check_schedule(trace, refined.schedule).bytes_moved == 32
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_ops_exactly_at_the_budget_attract_no_offload_one_byte_less_does(planner) -> None:
+    # s0 (100 B) idles over ops 1..2 beside s1 (50 B): those ops hold exactly 150 B.
+    accesses = [{0: "W"}, {1: "W"}, {1: "R"}, {0: "R"}]
+    at_budget = ActivationTrace.from_accesses(accesses, {0: 100, 1: 50}, budget_bytes=150)
+    schedule = checked(at_budget, planner).schedule
+    assert schedule.count(ActionKind.COPY_D2H) == 0  # at the budget is not over it
+    assert max(check_schedule(at_budget, schedule).resident_bytes) == 150
+    below = ActivationTrace.from_accesses(accesses, {0: 100, 1: 50}, budget_bytes=149)
+    schedule = checked(below, planner).schedule
+    assert slot(schedule.post[0]) == ["COPY_D2H 0", "RELEASE_DEVICE 0"]
+    assert check_schedule(below, schedule).resident_bytes == (100, 50, 50, 100)

@@ -212,3 +212,15 @@ def test_copy_in_a_post_slot_is_checked_between_ops_too() -> None:
     no_release = check_schedule(TRACE, schedule({3: acts((H2D, 0), (WAIT, 0))}, {
         0: acts((D2H, 0), (REL, 0)), 3: acts((REL, 0), (REL, 1), (HREL, 0))}))
     assert rules(no_release) == [Rule.OVER_BUDGET]
+
+
+def test_a_report_with_violations_is_not_ok_and_raises_listing_them() -> None:
+    lost = schedule(post={0: acts((D2H, 0), (REL, 0)), 2: acts((REL, 1)), 3: acts((HREL, 0))})
+    report = check_schedule(TRACE, lost)
+    assert report.violations and not report.ok
+    assert report.summary()["violations"]  # what the CLI prints
+    with pytest.raises(ScheduleError, match=r"schedule breaks \d+ rule"):
+        report.raise_if_invalid()
+    good = check_schedule(TRACE, schedule(GOOD_PRE, GOOD_POST))
+    assert good.ok and not good.violations
+    good.raise_if_invalid()

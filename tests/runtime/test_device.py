@@ -36,8 +36,12 @@ def test_is_accelerator(device, expected: bool) -> None:
     assert is_accelerator(device) is expected
 
 
-def test_pin_memory_availability_matches_accelerator() -> None:
-    assert pin_memory_available() is HAS_ACCELERATOR
+def test_pin_memory_available_predicts_whether_pinning_works() -> None:
+    try:
+        pinned = torch.empty(8, pin_memory=True).is_pinned()
+    except RuntimeError:  # the CPU build refuses to pin
+        pinned = False
+    assert pin_memory_available() is pinned
 
 
 def test_resolve_device_defaults() -> None:

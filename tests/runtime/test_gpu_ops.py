@@ -36,46 +36,74 @@ def test_round_trip_through_pinned_memory_is_bit_identical(runtime: TransferRunt
     assert torch.equal(back, src)
 
 
-def test_freeing_the_source_right_after_an_async_d2h_does_not_corrupt_the_copy(
+def _slow_compute(x: torch.Tensor, steps: int) -> torch.Tensor:
+    for _ in range(steps):
+        x = torch.tanh(x @ x)
+    return x
+
+
+def test_reuse_of_the_source_after_its_wait_is_ordered_after_the_copy(
     runtime: TransferRuntime,
 ) -> None:
-    src = torch.randn(64 * MIB // 4, device="cuda")
+    # Twin on CPU: test_copy_stream.py::test_op_d2h_source_lives_until_its_wait_then_...
+    # The D2H queues behind slow compute; the source is freed at the wait and its block
+    # goes straight to the next same-size allocation, whose fill kernel is ordered after
+    # the copy only because wait_transfer made the compute stream wait for it.
+    nbytes = 256 * MIB
+    a = torch.randn(4096, 4096, device="cuda")
+    _slow_compute(a, 1)  # warm-up
+    src = ((torch.arange(nbytes, device="cuda") * 7) % 251).to(torch.uint8)
     expected = src.cpu()
-    host = ops.copy_d2h(src)
-    del src  # the allocator would love to hand these bytes out again right now
-    junk = [torch.full((64 * MIB // 4,), 7.0, device="cuda") for _ in range(4)]
-    ops.wait_transfer(host)
     torch.cuda.synchronize()
-    assert torch.equal(host, expected)
+    _slow_compute(a, 10)
+    host = ops.copy_d2h(src)
+    del src  # still held by the pending copy: nothing is freed before the wait
+    host = ops.wait_transfer(host)  # source freed here, on the compute stream
+    intruder = torch.full((nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(host, expected), "the fill overwrote bytes the D2H had not read"
     ops.release_host(host)
-    del junk
+    del intruder
+    assert runtime.stats().host_syncs == 0, runtime.stats()
 
 
 def test_offload_frees_device_memory_at_the_wait_and_the_buffer_comes_back(
     runtime: TransferRuntime,
 ) -> None:
+    act_mib = 96  # a size no other block of this test has, so reuse is unambiguous
     slow = torch.randn(4096, 4096, device="cuda")
     slow = slow @ slow / 4096  # warm-up: cuBLAS allocates its workspace before `base`
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    act = torch.randn(64 * MIB // 4, device="cuda")
+    act = torch.randn(act_mib * MIB // 4, device="cuda")
+    act_block = act.data_ptr()
     expected = act.cpu()
     for _ in range(8):  # keep the copy queued behind compute while we drop the source
         slow = slow @ slow / 4096
     host = ops.wait_transfer(ops.copy_d2h(act), act)
     del act
-    # The caching allocator holds the block for the copy stream (record_stream); nothing
-    # of ours may keep the activation allocated until the host copy is released.
-    assert torch.cuda.memory_allocated() < base + 64 * MIB
+    # Nothing of ours keeps the activation allocated past its wait ...
+    assert torch.cuda.memory_allocated() < base + act_mib * MIB
+    # ... and its block is reusable at once: with record_stream it would stay reserved
+    # for the copy stream until the queued copy ran, and this allocation would get
+    # another block (a new segment: reserved memory grows).
+    reuse = torch.empty(act_mib * MIB // 4, device="cuda")
+    assert reuse.data_ptr() == act_block, (
+        f"freed block not reused: max_memory_allocated {torch.cuda.max_memory_allocated()} B, "
+        f"max_memory_reserved {torch.cuda.max_memory_reserved()} B"
+    )
+    reuse.fill_(float("nan"))  # ordered after the copy by the wait
     torch.cuda.synchronize()
     assert torch.equal(host, expected)
+    del reuse
     ops.release_host(host)
     del host
     stats = runtime.pool.stats()
-    assert stats.pending_releases == 0 and stats.pinned_bytes_cached >= 64 * MIB
-    again = ops.copy_d2h(torch.randn(64 * MIB // 4, device="cuda"))
+    assert stats.pending_releases == 0 and stats.pinned_bytes_cached >= act_mib * MIB
+    again = ops.copy_d2h(torch.randn(act_mib * MIB // 4, device="cuda"))
     assert runtime.pool.stats().hits == 1
     ops.release_host(ops.wait_transfer(again))
+    assert runtime.stats().host_syncs == 0, runtime.stats()
 
 
 def test_prefetched_data_is_intact_behind_slow_compute(runtime: TransferRuntime) -> None:

@@ -4,13 +4,14 @@ timing events, bandwidth probe. Skipped without CUDA."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
 
 from hyper_offload.runtime.bandwidth import DeviceTimer, profile_transfer_bandwidth
 from hyper_offload.runtime.device import TransferEngine
-from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
+from hyper_offload.runtime.pinned_pool import PageableFallbackWarning, PinnedMemoryPool
 from hyper_offload.runtime.residency import ResidencyManager
 
 pytestmark = [
@@ -71,32 +72,51 @@ def test_d2h_on_copy_stream_overlaps_compute() -> None:
     assert both_s < 0.85 * (compute_s + copy_s), (compute_s, copy_s, both_s)
 
 
-def test_prefetch_brings_back_bit_identical_data_and_frees_device_memory() -> None:
+def _fill_free_block_with_junk(nbytes: int) -> None:
+    """Leave a same-size free block holding 0xEE where the next allocation will land, so
+    a read of not-yet-copied bytes sees junk instead of stale correct data."""
+    torch.cuda.synchronize()
+    junk = torch.full((nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
+    del junk
+
+
+def test_prefetch_read_after_wait_h2d_sees_the_data_even_behind_slow_compute() -> None:
+    # Twin on CPU: test_copy_stream.py::test_wait_h2d_makes_compute_wait_for_that_storages_h2d
     engine = TransferEngine("cuda")
     pool = PinnedMemoryPool(1024 * MIB, pin=True)
     manager = ResidencyManager(engine, pool)
-    activation = torch.randn(64 * MIB // 4, device="cuda")
+    nbytes = 256 * MIB
+    activation = _pattern(nbytes, "cuda", salt=5)
     reference = activation.clone()
     manager.bind(0, activation)
+    a = torch.randn(4096, 4096, device="cuda")
+    _slow_compute(a, 1)  # warm-up: cuBLAS workspace allocated before we count bytes
     torch.cuda.synchronize()
-    allocated = torch.cuda.memory_allocated()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
     manager.copy_d2h(0)
     manager.release_device(0)
-    manager.sync_all_transfers()
+    torch.cuda.synchronize()
     torch.empty(1, device="cuda")  # lets the allocator process the copy stream's events
-    assert torch.cuda.memory_allocated() <= allocated - 64 * MIB + 1 * MIB
+    figures = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), allocated, reserved)
+    assert torch.cuda.memory_allocated() <= allocated - nbytes + MIB, figures
 
-    a = torch.randn(2048, 2048, device="cuda")
-    manager.copy_h2d(0)  # prefetch while compute runs
+    _fill_free_block_with_junk(nbytes)
+    # Slow compute is queued *before* the H2D: the copy stream waits for it, so the copy
+    # and the read below both start only when it ends. Without WAIT_H2D the read races
+    # the copy and sees the junk.
     _slow_compute(a, 20)
+    manager.copy_h2d(0)
     manager.wait_h2d(0)
-    assert torch.equal(activation.view(torch.int32), reference.view(torch.int32))
+    mismatches = (activation != reference).sum()  # queued on compute, after the wait
     manager.release_host(0)
+    assert mismatches.item() == 0
+    assert engine.host_syncs.total == 0, engine.host_syncs  # .item() above is ours, not its
     assert pool.stats().buffers_in_use == 0
 
 
 def test_freeing_a_tensor_right_after_async_d2h_does_not_corrupt_the_copy() -> None:
+    # Twin on CPU: test_copy_stream.py::test_d2h_freed_before_its_copy_ran_is_protected_...
     engine = TransferEngine("cuda")
     pool = PinnedMemoryPool(2048 * MIB, pin=True)
     manager = ResidencyManager(engine, pool)
@@ -114,6 +134,7 @@ def test_freeing_a_tensor_right_after_async_d2h_does_not_corrupt_the_copy() -> N
         # Same size right away: if the allocator reused the block, this would overwrite
         # the bytes the D2H has not read yet.
         intruder = torch.full((nbytes,), 0xEE, dtype=torch.uint8, device="cuda")
+        assert engine.host_syncs.total == 0, engine.host_syncs
         manager.sync_all_transfers()
         host = manager.buffer(sid).host_buffer[:nbytes]
         assert torch.equal(host, expected), f"round {round_}: the D2H read reused memory"
@@ -122,7 +143,8 @@ def test_freeing_a_tensor_right_after_async_d2h_does_not_corrupt_the_copy() -> N
         manager.unbind(sid)
 
 
-def test_engine_transfer_protects_a_dropped_source_without_holding_it() -> None:
+def test_engine_transfer_freed_before_its_wait_is_protected_by_record_stream() -> None:
+    # Twin on CPU: test_copy_stream.py::test_engine_records_the_device_side_only_for_...
     engine = TransferEngine("cuda")
     nbytes = 128 * MIB
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -133,7 +155,7 @@ def test_engine_transfer_protects_a_dropped_source_without_holding_it() -> None:
     torch.cuda.synchronize()
     with_src = torch.cuda.memory_allocated()
     _slow_compute(a, 10)  # the D2H queues behind this on the copy stream
-    transfer = engine.d2h(src, host)
+    transfer = engine.d2h(src, host, free_before_wait=True)
     assert transfer.device_side_recorded
     del src
     # The handle does not keep the source allocated (the allocator guards the block for
@@ -143,6 +165,78 @@ def test_engine_transfer_protects_a_dropped_source_without_holding_it() -> None:
     torch.full((nbytes,), 0x11, dtype=torch.uint8, device="cuda")
     transfer.synchronize()
     assert torch.equal(host, expected)
+
+
+def test_engine_transfer_keeps_its_source_until_the_wait_then_frees_it_for_real() -> None:
+    # Twin on CPU: test_copy_stream.py::test_engine_keeps_the_device_side_until_the_wait_...
+    engine = TransferEngine("cuda")
+    nbytes = 128 * MIB
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    _slow_compute(a, 1)
+    src = _pattern(nbytes, "cuda", salt=4)
+    expected = src.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no spare free block: reuse below must take src's block
+    with_src = torch.cuda.memory_allocated()
+    _slow_compute(a, 10)  # the D2H queues behind this on the copy stream
+    transfer = engine.d2h(src, host)
+    assert not transfer.device_side_recorded
+    del src
+    assert torch.cuda.memory_allocated() >= with_src  # held by the handle until the wait
+    transfer.wait()  # compute waits for the copy: no host block
+    assert torch.cuda.memory_allocated() <= with_src - nbytes + MIB
+    reserved = torch.cuda.memory_reserved()
+    # The freed block is reusable at once (no record_stream: nothing deferred), and the
+    # fill is ordered after the copy because the compute stream waited.
+    reuse = torch.full((nbytes,), 0x22, dtype=torch.uint8, device="cuda")
+    assert torch.cuda.memory_reserved() == reserved, "the freed block was not reusable"
+    torch.cuda.synchronize()
+    assert torch.equal(host, expected)
+    assert engine.host_syncs.total == 0, engine.host_syncs
+    del reuse
+
+
+def test_pinned_pool_bounds_what_torch_really_pins() -> None:
+    # The cap counts torch's power-of-two rounding and its cache of freed pinned blocks.
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        pytest.skip("this torch has no torch.cuda.host_memory_stats()")
+    PinnedMemoryPool._empty_host_cache()
+    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    cap = 3 * MIB
+    pool = PinnedMemoryPool(cap, pin=True)
+    small = [pool.acquire(MIB) for _ in range(3)]
+    for buffer in small:
+        pool.release(buffer)
+    del small, buffer
+    big = pool.acquire(2 * MIB)  # evicts two cached 1 MiB buffers to stay under the cap
+    assert big.is_pinned() and pool.stats().pageable_fallbacks == 0
+    held = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    assert held <= cap, (held, pool.stats())
+    assert pool.stats().host_allocator_pinned_bytes is not None
+    pool.release(big)
+    del big
+    pool.trim()
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] - before <= 0
+
+
+def test_pageable_fallback_warns_once_and_counts_its_host_blocks() -> None:
+    engine = TransferEngine("cuda")
+    pool = PinnedMemoryPool(0, pin=True)  # every request past the cap: pageable
+    manager = ResidencyManager(engine, pool)
+    manager.bind(0, torch.ones(1024, device="cuda"))
+    with pytest.warns(PageableFallbackWarning, match="max_offload_activation_mb"):
+        manager.copy_d2h(0)
+    manager.bind(1, torch.ones(1024, device="cuda"))
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        manager.copy_d2h(1)
+    assert not later  # once per pool
+    stats = manager.stats()
+    assert stats.pageable_fallbacks == 2
+    assert stats.host_syncs_by_reason["async copy with pageable host memory"] == 2
+    assert "pageable" in str(stats)
+    manager.reset()
 
 
 def test_cross_device_copy_falls_back_to_synchronous() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import warnings
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.pinned_pool import (
     MAX_BUCKET_BYTES,
     MIN_BUCKET_BYTES,
+    PageableFallbackWarning,
     PinnedMemoryPool,
     bucket_bytes,
+    pinned_cost,
 )
 
 KIB = 1 << 10
@@ -319,3 +322,115 @@ def test_random_acquire_release_sequences_keep_the_books(ops) -> None:
         assert in_use == sum(b.numel() for b in held)
         assert stats.pinned_bytes_held <= cap and stats.pinned_bytes_peak <= cap
         assert stats.hits + stats.misses == acquires
+
+
+# ---------------------------------------------------------------- near the cap
+
+
+def test_trim_gives_its_bytes_back_to_the_cap() -> None:
+    pool = PinnedMemoryPool(8 * KIB, pin=False)
+    pool.release(pool.acquire(8 * KIB))
+    assert pool.trim() == 8 * KIB
+    again = pool.acquire(8 * KIB)  # the whole cap again: must be a pool buffer
+    stats = pool.stats()
+    assert stats.pageable_fallbacks == 0 and stats.pinned_bytes_in_use == 8 * KIB
+    pool.release(again)
+
+
+class _RefusesOncePool(PinnedMemoryPool):
+    """The accelerator refuses the first pinning, then accepts."""
+
+    refusals = 1
+
+    def _allocate(self, capacity: int, *, pin: bool) -> torch.Tensor | None:  # type: ignore[override]
+        if self.refusals:
+            self.refusals -= 1
+            return None
+        return PinnedMemoryPool._allocate(capacity, pin=pin)
+
+
+def test_a_refused_pinning_gives_its_reservation_back_near_the_cap() -> None:
+    pool = _RefusesOncePool(8 * KIB, pin=False)
+    first = pool.acquire(8 * KIB)  # refused: pageable, the 8 KiB reservation returned
+    second = pool.acquire(8 * KIB)  # the full cap must still be available
+    stats = pool.stats()
+    assert stats.pageable_fallbacks == 1 and stats.pinned_bytes_in_use == 8 * KIB
+    assert pool.owns(first) and pool.owns(second)
+
+
+# ---------------------------------------------------------------- pinned pools (simulated)
+
+
+class _SimulatedPinnedPool(PinnedMemoryPool):
+    """A ``pin=True`` pool on CPU: allocations are plain host buffers (bookkeeping under
+    test), and emptying torch's host cache is counted instead of done."""
+
+    def __init__(self, max_host_bytes: int) -> None:
+        self.empties = 0
+        super().__init__(max_host_bytes, pin=True)
+
+    @staticmethod
+    def _allocate(capacity: int, *, pin: bool) -> torch.Tensor | None:
+        return torch.empty(min(capacity, 1 << 20), dtype=torch.uint8)
+
+    def _empty_host_cache(self) -> None:  # type: ignore[override]
+        self.empties += 1
+
+
+@pytest.fixture
+def pinned_pool_cls(monkeypatch: pytest.MonkeyPatch) -> type[_SimulatedPinnedPool]:
+    from hyper_offload.runtime import pinned_pool
+
+    monkeypatch.setattr(pinned_pool, "pin_memory_available", lambda: True)
+    return _SimulatedPinnedPool
+
+
+def test_pinned_dedicated_buffers_count_what_torch_really_pins(pinned_pool_cls) -> None:
+    huge = MAX_BUCKET_BYTES + 1  # torch's host allocator pins 2^32 for this
+    pool = pinned_pool_cls(2 * pinned_cost(huge))
+    assert pinned_cost(huge) == 2 * MAX_BUCKET_BYTES
+    first = pool.acquire(huge)
+    assert pool.stats().pinned_bytes_in_use == 2 * MAX_BUCKET_BYTES
+    second = pool.acquire(huge)
+    assert pool.stats().pinned_bytes_held == pool.max_host_bytes  # the cap is reached
+    with pytest.warns(PageableFallbackWarning):
+        small = pool.acquire(KIB)  # even 1 KiB more would pin past the cap: pageable
+    assert pool.stats().pageable_fallbacks == 1
+    for buffer in (first, second, small):
+        pool.release(buffer)
+    assert pool.stats().pinned_bytes_held == 0
+    assert pool.empties == 2  # each dedicated buffer also left torch's host cache
+
+
+def test_pinned_evictions_and_trim_empty_torchs_host_cache(pinned_pool_cls) -> None:
+    pool = pinned_pool_cls(8 * KIB)
+    pool.release(pool.acquire(4 * KIB))
+    assert pool.empties == 0  # cached by the pool: still ours, still counted
+    big = pool.acquire(8 * KIB)  # evicts the cached 4 KiB
+    assert pool.empties == 1 and pool.stats().pageable_fallbacks == 0
+    pool.release(big)
+    assert pool.trim() == 8 * KIB and pool.empties == 2
+    assert pool.trim() == 0 and pool.empties == 2  # nothing freed: nothing to empty
+
+
+def test_a_pinned_pool_warns_once_naming_the_knob(pinned_pool_cls) -> None:
+    pool = pinned_pool_cls(0)
+    with pytest.warns(PageableFallbackWarning, match="OffloadConfig.max_offload_activation_mb"):
+        a = pool.acquire(KIB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = pool.acquire(KIB)  # counted, not warned again
+    stats = pool.stats()
+    assert stats.pageable_fallbacks == 2
+    assert stats.summary()["pageable_fallbacks"] == 2 and "2 pageable fallback(s)" in str(stats)
+    pool.release(a)
+    pool.release(b)
+
+
+def test_an_unpinned_pool_counts_fallbacks_without_warning() -> None:
+    pool = PinnedMemoryPool(0, pin=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.release(pool.acquire(KIB))
+    assert pool.stats().pageable_fallbacks == 1
+    assert pool.stats().host_allocator_pinned_bytes is None
