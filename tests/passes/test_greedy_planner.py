@@ -312,3 +312,21 @@ def test_ops_exactly_at_the_budget_attract_no_offload_one_byte_less_does(planner
     schedule = checked(below, planner).schedule
     assert slot(schedule.post[0]) == ["COPY_D2H 0", "RELEASE_DEVICE 0"]
     assert check_schedule(below, schedule).resident_bytes == (100, 50, 50, 100)
+
+
+@pytest.mark.parametrize("planner", BOTH, ids=repr)
+def test_a_top_ranked_gap_over_ops_exactly_at_budget_is_skipped(planner) -> None:
+    # Ops 1..4 hold exactly 150 B (s0 idles there beside s1); ops 7..8 hold 160 B. s0's
+    # gap ranks first (the farthest), but its ops are not over budget: only s2's gap may
+    # be taken. (The walk runs because ops 7..8 are over; this is the boundary test.)
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {1: "W"}, {}, {}, {1: "R"}, {0: "R"},
+         {2: "W"}, {3: "W"}, {3: "R"}, {2: "R"}],
+        {0: 100, 1: 50, 2: 100, 3: 60},
+        budget_bytes=150,
+    )
+    schedule = checked(trace, planner).schedule
+    d2h = [repr(a) for slot_ in schedule.post for a in slot_ if a.kind is ActionKind.COPY_D2H]
+    assert d2h == ["COPY_D2H 2"]
+    report = check_schedule(trace, schedule)
+    assert report.resident_bytes[1:5] == (150, 150, 150, 150) and report.peak_resident_bytes == 150

@@ -50,8 +50,9 @@ class StreamWaitTransfer(Transfer):
 
     waits = 0
 
-    def wait(self) -> None:
+    def wait(self, stream: object = None) -> None:
         self.waits += 1
+        self._waited_streams.append(stream if stream is not None else self.issue_stream)
 
 
 class DeferredEngine(TransferEngine):

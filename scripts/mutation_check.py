@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Plant known bugs one at a time and show that the tests guarding each one fail.
+
+Every mutation below is a small deliberate bug in ``passes/``, ``runtime/`` or the CLI
+that once went unnoticed (issue 7), or a rule the runtime hardening introduced. For each,
+the script copies the package into a temporary directory (never touching this tree),
+applies the one edit, and runs the named test files against the copy; a mutation is
+CAUGHT when pytest fails. It first checks that the unmutated copy passes those tests and
+that ``import hyper_offload`` really resolves to the copy.
+
+    python scripts/mutation_check.py            # all mutations (a few minutes on 2 cores)
+    python scripts/mutation_check.py --list
+    python scripts/mutation_check.py --only wait_h2d-noop --only trim-keeps-reservation
+
+Exit status: 0 when every mutation is caught, 1 when one survives (or breaks the code
+in another way, e.g. an import error: ``BROKEN``), 2 when the baseline fails. One line
+per mutation: ``CAUGHT``/``MISSED``/``BROKEN``, its name, and the first failing test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Repository folder -> where it lives inside the installed package.
+PACKAGE_DIRS = {"offload_compile": "hyper_offload", "passes": "hyper_offload/passes",
+                "runtime": "hyper_offload/runtime"}
+IGNORE = shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # repository-relative source file
+    old: str  # must occur exactly once
+    new: str
+    tests: tuple[str, ...]  # test files (or node ids) that must fail
+    why: str
+
+
+RT = "tests/runtime/"
+COPY = RT + "test_copy_stream.py"
+MUTATIONS = (
+    Mutation("report-ok-forced-true", "passes/validator.py",
+             "        return not self.violations", "        return True",
+             ("tests/passes/test_validator.py", "tests/offload_compile/test_cli_plan.py"),
+             "ScheduleReport.ok ignores violations; the plan CLI never exits 3"),
+    Mutation("d2h-backward-zeros", "runtime/ops.py",
+             "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:\n"
+             "    return grad.to(ctx.source_device)",
+             "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:\n"
+             "    return torch.zeros_like(grad).to(ctx.source_device)",
+             (RT + "test_ops.py",), "copy_d2h's backward returns zeros"),
+    Mutation("h2d-backward-zeros", "runtime/ops.py",
+             "    return grad.to(ctx.source_device), None",
+             "    return torch.zeros_like(grad).to(ctx.source_device), None",
+             (RT + "test_ops.py",), "copy_h2d's backward returns zeros"),
+    Mutation("wait-backward-zeros", "runtime/ops.py",
+             "        return grad, None", "        return torch.zeros_like(grad), None",
+             (RT + "test_ops.py",), "wait_transfer's backward returns zeros"),
+    Mutation("wait_h2d-noop", "runtime/residency.py",
+             "        buffer.wait_device()", "        pass",
+             (COPY, RT + "test_residency.py"), "ResidencyManager.wait_h2d does nothing"),
+    Mutation("trim-keeps-reservation", "runtime/pinned_pool.py",
+             "            self._held -= freed\n", "",
+             (RT + "test_pinned_pool.py",), "trim() frees buffers but not the cap's room"),
+    Mutation("refused-pin-keeps-reservation", "runtime/pinned_pool.py",
+             "                self._held -= cost  # pinning failed: give the reservation back",
+             "                pass",
+             (RT + "test_pinned_pool.py",), "a refused pinning keeps its reservation"),
+    Mutation("pinned-cost-exact-size", "runtime/pinned_pool.py",
+             "        cost = pinned_cost(capacity) if self.pin else capacity",
+             "        cost = capacity",
+             (RT + "test_pinned_pool.py",), "the cap ignores torch's power-of-two pinning"),
+    Mutation("eviction-keeps-host-cache", "runtime/pinned_pool.py",
+             "                need -= evicted.cost\n                self._host_cache_dirty = self.pin\n",
+             "                need -= evicted.cost\n",
+             (RT + "test_pinned_pool.py",), "evicted pinned buffers stay in torch's host cache"),
+    Mutation("pageable-fallback-silent", "runtime/pinned_pool.py",
+             "        if warn:\n            warnings.warn(", "        if False:\n            warnings.warn(",
+             (RT + "test_pinned_pool.py",), "pageable fallbacks are not warned about"),
+    Mutation("greedy-accepts-at-budget", "passes/greedy_planner.py",
+             "subtract_if_over(cand.start + 1, cand.end, 0, -cand.size)",
+             "subtract_if_over(cand.start + 1, cand.end, -1, -cand.size)",
+             ("tests/passes/test_greedy_planner.py",),
+             "a gap is accepted when its ops sit exactly at the budget"),
+    Mutation("release-device-blocks-host", "runtime/physical_buffer.py",
+             "                transfer.order_before_free()", "                transfer.synchronize()",
+             (COPY,), "RELEASE_DEVICE synchronizes the host on pending copies"),
+    Mutation("release-device-frees-under-h2d", "runtime/physical_buffer.py",
+             "                transfer.order_before_free()", "                pass",
+             (COPY,), "RELEASE_DEVICE frees bytes an unwaited H2D still writes"),
+    Mutation("demand-paging-blocks-host", "runtime/physical_buffer.py",
+             "            self.start_h2d()\n            self.wait_device()\n            return self.storage",
+             "            self.start_h2d().synchronize()\n            return self.storage",
+             (COPY,), "demand paging synchronizes the host"),
+    Mutation("wait-is-no-stream-wait", "runtime/device.py",
+             "        stream.wait_event(self.event)\n", "",
+             (COPY, RT + "test_device.py"), "Transfer.wait orders nothing"),
+    Mutation("no-record-stream-for-early-frees", "runtime/device.py",
+             "recorded = free_before_wait and self._record_stream(device_side, stream)",
+             "recorded = False",
+             (COPY,), "a D2H freed before any wait is not protected"),
+    Mutation("record-stream-always", "runtime/device.py",
+             "recorded = free_before_wait and self._record_stream(device_side, stream)",
+             "recorded = self._record_stream(device_side, stream)",
+             (COPY, RT + "test_device.py"), "record_stream on every copy (deferred reuse)"),
+    Mutation("handle-drops-device-side", "runtime/device.py",
+             "until_wait=() if recorded else (device_side,),", "until_wait=(),",
+             (COPY,), "an unrecorded device side is not kept until the wait"),
+    Mutation("pageable-copy-not-counted", "runtime/device.py",
+             "            self.host_syncs.record(SyncReason.PAGEABLE_COPY)",
+             "            pass", (COPY,), "copies through pageable memory are not counted"),
+    Mutation("host-sync-counter-silent", "runtime/host_sync.py",
+             "            self._counts[reason] = self._counts.get(reason, 0) + 1",
+             "            pass", (COPY,), "the host-sync counter counts nothing"),
+)
+
+
+def _build_copy(tmp: Path) -> Path:
+    """The package laid out as installed (``hyper_offload/…``) plus tests and pyproject."""
+    pkg = tmp / "pkg"
+    for folder, target in PACKAGE_DIRS.items():
+        shutil.copytree(ROOT / folder, pkg / target, ignore=IGNORE, dirs_exist_ok=True)
+    shutil.copytree(ROOT / "passes" / "pipeline", pkg / "hyper_offload/passes/pipeline",
+                    ignore=IGNORE, dirs_exist_ok=True)
+    shutil.copytree(ROOT / "tests", tmp / "tests", ignore=IGNORE)
+    shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
+    return pkg
+
+
+def _installed_path(repo_path: str) -> str:
+    folder, _, rest = repo_path.partition("/")
+    return f"{PACKAGE_DIRS[folder]}/{rest}"
+
+
+def _env(pkg: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(pkg), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _pytest(tmp: Path, pkg: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    return subprocess.run(command, cwd=tmp, env=_env(pkg), capture_output=True, text=True,
+                          timeout=900)
+
+
+def _first_failure(output: str) -> str:
+    match = re.search(r"^(FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    return match.group(2) if match else output.strip().splitlines()[-1] if output.strip() else "?"
+
+
+def _apply(pkg: Path, mutation: Mutation) -> None:
+    path = pkg / _installed_path(mutation.path)
+    text = path.read_text()
+    count = text.count(mutation.old)
+    if count != 1:
+        raise SystemExit(
+            f"mutation {mutation.name}: expected the snippet once in {mutation.path}, found "
+            f"{count}; update MUTATIONS in {Path(__file__).name} to the current source"
+        )
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], help="run this mutation only")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list or not chosen:
+        for m in MUTATIONS:
+            print(f"{m.name:34} {m.path:28} {m.why}")
+        return 0 if args.list else 2
+    with tempfile.TemporaryDirectory(prefix="hyper_offload_mutation_") as name:
+        tmp = Path(name)
+        pristine = _build_copy(tmp / "pristine")
+        where = subprocess.run(
+            [sys.executable, "-c", "import hyper_offload; print(hyper_offload.__file__)"],
+            env=_env(pristine), capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        if not where.startswith(str(pristine)):
+            print(f"import hyper_offload resolves to {where}, not the copy", file=sys.stderr)
+            return 2
+        baseline = sorted({t for m in chosen for t in m.tests})
+        done = _pytest(tmp / "pristine", pristine, tuple(baseline))
+        if done.returncode != 0:
+            print(f"baseline fails, fix it first:\n{done.stdout[-3000:]}", file=sys.stderr)
+            return 2
+        print(f"baseline: {len(baseline)} test file(s) pass on the unmutated copy")
+        missed = 0
+        for mutation in chosen:
+            work = tmp / mutation.name
+            pkg = _build_copy(work)
+            _apply(pkg, mutation)
+            start = time.perf_counter()
+            done = _pytest(work, pkg, mutation.tests)
+            seconds = time.perf_counter() - start
+            # Exit 1: tests ran and failed. Anything else (a collection or import error, no
+            # tests) means the mutation broke the code in some other way: not a catch.
+            caught = done.returncode == 1
+            missed += not caught
+            if caught:
+                verdict, detail = "CAUGHT", _first_failure(done.stdout)
+            elif done.returncode == 0:
+                verdict, detail = "MISSED", "all tests passed"
+            else:
+                verdict, detail = "BROKEN", f"pytest exit {done.returncode}: " + _first_failure(done.stdout)
+            print(f"{verdict} {mutation.name:34} {seconds:5.1f}s  {detail}")
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"{len(chosen) - missed}/{len(chosen)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
