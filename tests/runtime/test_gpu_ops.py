@@ -52,7 +52,8 @@ def test_reuse_of_the_source_after_its_wait_is_ordered_after_the_copy(
     nbytes = 256 * MIB
     a = torch.randn(4096, 4096, device="cuda")
     _slow_compute(a, 1)  # warm-up
-    src = ((torch.arange(nbytes, device="cuda") * 7) % 251).to(torch.uint8)
+    torch.cuda.empty_cache()  # src gets a block of its own, the intruder's exact fit
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     expected = src.cpu()
     torch.cuda.synchronize()
     _slow_compute(a, 10)
@@ -74,6 +75,7 @@ def test_offload_frees_device_memory_at_the_wait_and_the_buffer_comes_back(
     slow = torch.randn(4096, 4096, device="cuda")
     slow = slow @ slow / 4096  # warm-up: cuBLAS allocates its workspace before `base`
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached free block: act gets a segment of its own
     base = torch.cuda.memory_allocated()
     act = torch.randn(act_mib * MIB // 4, device="cuda")
     act_block = act.data_ptr()

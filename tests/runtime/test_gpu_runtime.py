@@ -30,7 +30,10 @@ def _slow_compute(x: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def _pattern(nbytes: int, device: str, salt: int = 0) -> torch.Tensor:
-    return ((torch.arange(nbytes, device=device, dtype=torch.int64) * 7 + salt) % 251).to(torch.uint8)
+    """Random bytes made in place (no temporaries), so the tensor's block is its own and a
+    same-size allocation after its free lands exactly there."""
+    generator = torch.Generator(device=device).manual_seed(salt)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=generator)
 
 
 def _wall(fn) -> float:
