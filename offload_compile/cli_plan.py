@@ -4,7 +4,8 @@ Exit codes: 0 when the schedule is valid and meets the budget, 1 when the budget
 infeasible (some op's own operands exceed it; the best schedule is still reported),
 2 for bad input (missing file, malformed trace, negative or non-finite budget, an option
 the chosen planner does not take, an unwritable ``--schedule-out``) or a planner that
-gives up (the exact planner without scipy or past its time limit), 3 if the planner
+gives up (the exact planner without scipy or past its time limit), or ``--plot``
+without matplotlib / an unwritable ``--plot`` or ``--chrome-trace`` path, 3 if the planner
 produced a schedule the validator rejects (a bug: please report it). Every error is one
 line on stderr, never a traceback.
 """
@@ -54,6 +55,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="greedy only: the design's plain greedy, without the refinement pass")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--schedule-out", type=Path, help="also write the schedule as JSON here")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="draw resident bytes per op before/after the plan, the budget and "
+                        "the copies to this image (needs the plot extra: matplotlib)")
+    parser.add_argument("--chrome-trace", type=Path, default=None,
+                        help="write the plan's predicted timeline (compute and copy-stream "
+                        "tracks) as a Chrome/Perfetto trace JSON here")
     parser.set_defaults(run=run)
 
 
@@ -102,12 +109,40 @@ def _write_schedule(path: Path, schedule: ResidencySchedule) -> None:
         raise _BadInput(f"cannot write --schedule-out {path}: {error.strerror or error}") from None
 
 
+def _write_views(args: argparse.Namespace, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
+    """``--chrome-trace`` and ``--plot``: one-line errors for missing matplotlib or paths."""
+    title = f"{args.trace.name}: {args.planner} plan, budget {args.budget_mb:g} MiB"
+    if args.chrome_trace is not None:
+        from hyper_offload.passes import write_chrome_trace
+
+        try:
+            document = write_chrome_trace(args.chrome_trace, trace, schedule, title=title)
+        except OSError as error:
+            raise _BadInput(f"cannot write --chrome-trace {args.chrome_trace}: "
+                            f"{error.strerror or error}") from None
+        missing = sum(op.duration_s is None for op in trace.ops)
+        if missing:  # predicted times are only as good as the durations behind them
+            print(f"hyper-offload plan: note: {missing} of {trace.num_ops} ops have no "
+                  f"duration_s; {document.name} gives them the mean of the known durations "
+                  "(1 µs when none is known)", file=sys.stderr)
+    if args.plot is not None:
+        from hyper_offload.plan_plot import PlotDependencyError, plot_plan
+
+        try:
+            plot_plan(trace, schedule, args.plot, title=title)
+        except PlotDependencyError as error:
+            raise _BadInput(str(error)) from None
+        except (OSError, ValueError) as error:  # unwritable path, unknown image suffix
+            raise _BadInput(f"cannot write --plot {args.plot}: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         trace = _load(args.trace, args.budget_mb)
         schedule = _plan(_make_planner(args.planner, args.no_refine), trace)
         if args.schedule_out is not None:
             _write_schedule(args.schedule_out, schedule)
+        _write_views(args, trace, schedule)
     except _BadInput as error:
         print(f"hyper-offload plan: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -3,6 +3,7 @@
 Nothing here touches a device.
 """
 
+from .chrome_trace import chrome_trace, write_chrome_trace
 from .greedy_planner import GreedyResidencyPlanner, select_greedy
 from .ilp import OptimalPlannerError, OptimalResidencyPlanner, solve_optimal_choice
 from .liveness import (
@@ -23,6 +24,7 @@ from .refine_prefetch import PrefetchError, hoist_prefetches, prefetch_slots
 from .segment_tree import RangeAddMaxTree
 from .op_guide import OpGuide, OpGuideEntry, ReplayMismatchError
 from .planner_protocol import ResidencyPlanner
+from .predicted_timeline import PredictedTimeline, predict_timeline
 from .schedule import ActionKind, ResidencyAction, ResidencySchedule
 from .trace import (
     AccessKind,
@@ -35,6 +37,10 @@ from .validator import Rule, ScheduleError, ScheduleReport, Violation, check_sch
 
 __all__ = [
     "GreedyResidencyPlanner",
+    "PredictedTimeline",
+    "chrome_trace",
+    "predict_timeline",
+    "write_chrome_trace",
     "OffloadCandidate",
     "OptimalPlannerError",
     "OptimalResidencyPlanner",

@@ -1,0 +1,230 @@
+"""``predict_timeline``: when each op and each copy of a plan would run, from the trace's
+op durations and its D2H/H2D bandwidths. Pure: data in, data out.
+
+The model is the runtime's (``runtime/device.py``, ``runtime/physical_buffer.py``):
+
+* **One compute stream.** Ops run back to back in trace order; op ``i`` takes
+  ``trace.ops[i].duration_s`` (or ``default_op_duration_s`` when the trace has none).
+* **One copy stream, serial.** A ``COPY_D2H`` / ``COPY_H2D`` is *issued* when the compute
+  stream reaches its slot (the copy stream first waits for compute up to there) and
+  *starts* when it is issued **and** the copy stream is free; it lasts
+  ``bytes / bandwidth`` (GB/s = 1e9 bytes per second). D2H and H2D share the stream.
+* **WAIT_H2D blocks compute.** The compute stream stops until the storage's latest H2D
+  has finished: that stall is the *exposed* transfer time. Nothing else waits for a
+  copy (RELEASE_DEVICE frees under ``record_stream``; RELEASE_HOST is deferred by events).
+* Actions of a slot run in slot order at the slot's time: ``pre[i]`` before op ``i``,
+  ``post[i]`` after it.
+
+Invariants of the result: compute spans (ops and waits) never overlap and appear in
+execution order; transfer spans never overlap each other; every transfer starts at or
+after its issue time; each wait ends exactly when its H2D ends (and is only recorded
+when it stalls compute); ``compute_end_s`` = sum of op durations + exposed wait time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .schedule import ActionKind, ResidencySchedule
+from .trace import ActivationTrace, StorageId
+
+__all__ = [
+    "DEFAULT_OP_DURATION_S",
+    "InstantMark",
+    "OpSpan",
+    "PredictedTimeline",
+    "TransferSpan",
+    "WaitSpan",
+    "predict_timeline",
+]
+
+DEFAULT_OP_DURATION_S = 1e-6
+"""Used for ops without a duration when the trace has no duration at all."""
+
+
+class OpSpan(NamedTuple):
+    """Op ``index`` runs on the compute stream over ``[start_s, end_s)``."""
+
+    index: int
+    name: str
+    start_s: float
+    end_s: float
+    estimated: bool  # True when the duration was defaulted, not from the trace
+
+    def __repr__(self) -> str:
+        return f"op {self.index} {self.name} [{self.start_s:.3g}, {self.end_s:.3g})"
+
+
+class TransferSpan(NamedTuple):
+    """A copy of ``nbytes`` of ``storage`` on the copy stream over ``[start_s, end_s)``,
+    issued at ``issue_s`` from slot ``slot`` (``"pre"``/``"post"``) of op ``op_index``."""
+
+    kind: ActionKind  # COPY_D2H or COPY_H2D
+    storage: StorageId
+    nbytes: int
+    op_index: int
+    slot: str
+    issue_s: float
+    start_s: float
+    end_s: float
+
+    def __repr__(self) -> str:
+        direction = "D2H" if self.kind is ActionKind.COPY_D2H else "H2D"
+        return f"{direction} s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
+
+
+class WaitSpan(NamedTuple):
+    """Compute stalled over ``[start_s, end_s)`` at op ``op_index``'s slot, waiting for
+    ``storage``'s H2D."""
+
+    storage: StorageId
+    op_index: int
+    slot: str
+    start_s: float
+    end_s: float
+
+    def __repr__(self) -> str:
+        return f"wait H2D s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
+
+
+class InstantMark(NamedTuple):
+    """A RELEASE_DEVICE / RELEASE_HOST at ``time_s`` (takes no time on either stream)."""
+
+    kind: ActionKind
+    storage: StorageId
+    op_index: int
+    slot: str
+    time_s: float
+
+
+@dataclass(frozen=True)
+class PredictedTimeline:
+    """The timeline of one step under a schedule; see the module docstring."""
+
+    ops: tuple[OpSpan, ...]
+    transfers: tuple[TransferSpan, ...]
+    waits: tuple[WaitSpan, ...]
+    releases: tuple[InstantMark, ...]
+    default_op_duration_s: float
+
+    @property
+    def compute_end_s(self) -> float:
+        """When the last op finishes (compute time plus exposed waits)."""
+        return self.ops[-1].end_s if self.ops else 0.0
+
+    @property
+    def end_s(self) -> float:
+        """When the step is done on the device: compute and every copy finished."""
+        last_copy = max((t.end_s for t in self.transfers), default=0.0)
+        return max(self.compute_end_s, last_copy)
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        """Compute time lost waiting for H2D copies."""
+        return sum(w.end_s - w.start_s for w in self.waits)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(op.end_s - op.start_s for op in self.ops)
+
+    def summary(self) -> dict[str, float | int]:
+        return {
+            "predicted_step_s": self.end_s,
+            "compute_s": self.compute_s,
+            "exposed_transfer_s": self.exposed_transfer_s,
+            "copy_stream_busy_s": sum(t.end_s - t.start_s for t in self.transfers),
+            "num_transfers": len(self.transfers),
+            "ops_with_default_duration": sum(op.estimated for op in self.ops),
+        }
+
+
+def predict_timeline(
+    trace: ActivationTrace,
+    schedule: ResidencySchedule,
+    *,
+    default_op_duration_s: float | None = None,
+) -> PredictedTimeline:
+    """Predict when every op, copy and wait of ``schedule`` runs (see module docstring).
+
+    ``default_op_duration_s`` is the duration of ops without one; ``None`` means the mean
+    of the trace's known durations, or :data:`DEFAULT_OP_DURATION_S` if none is known.
+    Raises ``ValueError`` naming the op when the schedule does not fit the trace or a
+    WAIT_H2D has no COPY_H2D before it (run ``check_schedule`` for the full diagnosis).
+    """
+    if schedule.num_ops != trace.num_ops:
+        raise ValueError(
+            f"predict_timeline: the schedule has {schedule.num_ops} op slots but the trace has "
+            f"{trace.num_ops} ops; plan this trace, or load the schedule made for it"
+        )
+    default = _default_duration(trace, default_op_duration_s)
+    builder = _Builder(trace)
+    ops: list[OpSpan] = []
+    for index, op in enumerate(trace.ops):
+        builder.run_slot(schedule.pre[index], index, "pre")
+        duration = default if op.duration_s is None else op.duration_s
+        start = builder.clock
+        builder.clock += duration
+        ops.append(OpSpan(index, op.name, start, builder.clock, op.duration_s is None))
+        builder.run_slot(schedule.post[index], index, "post")
+    return PredictedTimeline(
+        tuple(ops), tuple(builder.transfers), tuple(builder.waits), tuple(builder.releases),
+        default,
+    )
+
+
+def _default_duration(trace: ActivationTrace, given: float | None) -> float:
+    if given is not None:
+        if not given >= 0:
+            raise ValueError(f"predict_timeline: default_op_duration_s must be >= 0, got {given!r}")
+        return given
+    known = [op.duration_s for op in trace.ops if op.duration_s is not None]
+    return sum(known) / len(known) if known else DEFAULT_OP_DURATION_S
+
+
+class _Builder:
+    """The two stream clocks while walking the schedule."""
+
+    def __init__(self, trace: ActivationTrace) -> None:
+        self.trace = trace
+        self.clock = 0.0  # compute stream
+        self.copy_free = 0.0  # copy stream
+        self.transfers: list[TransferSpan] = []
+        self.waits: list[WaitSpan] = []
+        self.releases: list[InstantMark] = []
+        self.last_h2d: dict[StorageId, TransferSpan] = {}
+
+    def run_slot(self, actions: tuple, index: int, slot: str) -> None:  # noqa: ANN001
+        for action in actions:
+            kind, storage = action.kind, action.storage
+            if kind in (ActionKind.COPY_D2H, ActionKind.COPY_H2D):
+                self._issue(kind, storage, index, slot)
+            elif kind is ActionKind.WAIT_H2D:
+                self._wait(storage, index, slot)
+            else:
+                self.releases.append(InstantMark(kind, storage, index, slot, self.clock))
+
+    def _issue(self, kind: ActionKind, storage: StorageId, index: int, slot: str) -> None:
+        nbytes = self.trace.storage_sizes[storage]
+        gbps = (
+            self.trace.d2h_bandwidth_gbps if kind is ActionKind.COPY_D2H
+            else self.trace.h2d_bandwidth_gbps
+        )
+        start = max(self.clock, self.copy_free)
+        end = start + nbytes / (gbps * 1e9)
+        span = TransferSpan(kind, storage, nbytes, index, slot, self.clock, start, end)
+        self.copy_free = end
+        self.transfers.append(span)
+        if kind is ActionKind.COPY_H2D:
+            self.last_h2d[storage] = span
+
+    def _wait(self, storage: StorageId, index: int, slot: str) -> None:
+        h2d = self.last_h2d.get(storage)
+        if h2d is None:
+            raise ValueError(
+                f"predict_timeline: {slot}[{index}] WAIT_H2D {storage} has no COPY_H2D of "
+                f"storage {storage} before it; check the schedule with check_schedule"
+            )
+        if h2d.end_s > self.clock:
+            self.waits.append(WaitSpan(storage, index, slot, self.clock, h2d.end_s))
+            self.clock = h2d.end_s
