@@ -114,6 +114,10 @@ MUTATIONS = (
              "recorded = free_before_wait and self._record_stream(device_side, stream)",
              "recorded = self._record_stream(device_side, stream)",
              (COPY, RT + "test_device.py"), "record_stream on every copy (deferred reuse)"),
+    Mutation("ops-path-records-stream", "runtime/transfer_context.py",
+             "            transfer = engine.d2h(src, host)\n",
+             "            transfer = engine.d2h(src, host, free_before_wait=True)\n",
+             (COPY,), "the transfer ops record_stream their sources (deferred reuse)"),
     Mutation("handle-drops-device-side", "runtime/device.py",
              "until_wait=() if recorded else (device_side,),", "until_wait=(),",
              (COPY,), "an unrecorded device side is not kept until the wait"),
@@ -150,15 +154,22 @@ def _env(pkg: Path) -> dict[str, str]:
     return env
 
 
-def _pytest(tmp: Path, pkg: Path, tests: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+def _pytest(
+    tmp: Path, pkg: Path, tests: tuple[str, ...], *, stop_first: bool = True
+) -> subprocess.CompletedProcess[str]:
+    stop = ["-x"] if stop_first else []
+    command = [sys.executable, "-m", "pytest", *stop, "-q", "-p", "no:cacheprovider", *tests]
     return subprocess.run(command, cwd=tmp, env=_env(pkg), capture_output=True, text=True,
                           timeout=900)
 
 
+def _failures(output: str) -> list[str]:
+    return [m.group(2) for m in re.finditer(r"^(FAILED|ERROR) (\S+)", output, re.MULTILINE)]
+
+
 def _first_failure(output: str) -> str:
-    match = re.search(r"^(FAILED|ERROR) (\S+)", output, re.MULTILINE)
-    return match.group(2) if match else output.strip().splitlines()[-1] if output.strip() else "?"
+    failed = _failures(output)
+    return failed[0] if failed else output.strip().splitlines()[-1] if output.strip() else "?"
 
 
 def _apply(pkg: Path, mutation: Mutation) -> None:
@@ -177,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="run this mutation only")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--all-failures", action="store_true",
+                        help="run every named test instead of stopping at the first failure, "
+                        "and list each failing test")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
     if args.list or not chosen:
@@ -205,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             pkg = _build_copy(work)
             _apply(pkg, mutation)
             start = time.perf_counter()
-            done = _pytest(work, pkg, mutation.tests)
+            done = _pytest(work, pkg, mutation.tests, stop_first=not args.all_failures)
             seconds = time.perf_counter() - start
             # Exit 1: tests ran and failed. Anything else (a collection or import error, no
             # tests) means the mutation broke the code in some other way: not a catch.
@@ -218,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 verdict, detail = "BROKEN", f"pytest exit {done.returncode}: " + _first_failure(done.stdout)
             print(f"{verdict} {mutation.name:34} {seconds:5.1f}s  {detail}")
+            if caught and args.all_failures:
+                for test in _failures(done.stdout):
+                    print(f"       fails: {test}")
             shutil.rmtree(work, ignore_errors=True)
     print(f"{len(chosen) - missed}/{len(chosen)} mutations caught")
     return 1 if missed else 0

@@ -206,6 +206,9 @@ def test_op_d2h_source_lives_until_its_wait_then_compute_reuse_follows_the_copy(
         assert same_bits(host, expected)
         ops.release_host(host)
     _assert_no_host_block(scripted_engine)
+    # The wait comes before any free here, so record_stream (which would defer the block's
+    # reuse to the end of the copy stream's queue) must not be used.
+    assert not any(copy.recorded for copy in scripted_engine.sim.queue)
 
 
 def test_op_h2d_destination_is_read_only_after_its_wait(scripted_engine: ScriptedCudaEngine) -> None:
@@ -219,6 +222,7 @@ def test_op_h2d_destination_is_read_only_after_its_wait(scripted_engine: Scripte
         assert same_bits(back, src)
         ops.release_host(host, back)
     _assert_no_host_block(scripted_engine)
+    assert not any(copy.recorded for copy in scripted_engine.sim.queue)
 
 
 # ---------------------------------------------------------------- engine policy
