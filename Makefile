@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup demo test bench gpu-check mutation-check clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ bench: setup
 # On a machine with CUDA: the GPU-marked tests, with that machine's own torch.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Plant known bugs one at a time (in a temporary copy) and show the tests catch each.
+mutation-check: setup
+	$(PY) scripts/mutation_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
