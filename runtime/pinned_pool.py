@@ -9,7 +9,7 @@ Rules (each is tested):
   at least ``MIN_BUCKET_BYTES`` (2^10) and at most ``MAX_BUCKET_BYTES`` (2^31). A request
   larger than 2^31 bytes gets a *dedicated* buffer of exactly ``n`` bytes that is freed,
   not cached, when released: such sizes are rare and a power-of-two round-up would waste
-  up to 2 GiB.
+  up to 2 GiB (of pageable memory; pinned, torch rounds it up anyway, see the cap).
 * **Cap.** The pool never makes the process pin more than ``max_host_bytes`` for its
   own buffers (in use + waiting for release + cached). Each buffer is counted at what
   pinning it really costs: torch's caching host allocator rounds every pinned request
@@ -99,7 +99,9 @@ def bucket_bytes(nbytes: int) -> int:
 
 def pinned_cost(capacity: int) -> int:
     """Bytes torch really pins for a pinned request of ``capacity`` bytes: its caching
-    host allocator rounds every request up to the next power of two."""
+    host allocator (``ATen/core/CachingHostAllocator.h``) rounds every request up to the
+    next power of two unless the user lowered ``pinned_max_round_threshold`` in the
+    allocator config, in which case this count is conservative (never below the truth)."""
     return 1 << max(0, capacity - 1).bit_length()
 
 
