@@ -1,0 +1,224 @@
+"""``OffloadSession``: the eager front door (warmup trace -> plan -> replay).
+
+Usage (design section 3)::
+
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=512))
+    with session:            # step 1: warmup (trace + online eviction)
+        loss = model(x); loss.backward()
+    with session:            # later steps: replay the planned schedule
+        loss = model(x); loss.backward()
+
+Lifecycle. ``__enter__`` picks the executor for the phase (``"warmup"`` until a plan
+exists, then ``"replay"``), makes the session current (a ``ContextVar``, read by
+``skip_offload``) and enters :class:`ActivationDispatchMode`. ``__exit__`` leaves the
+mode first (so cleanup is never traced), then
+
+* on success: warmup builds and checks the plan (the session switches to replay);
+  replay verifies the step ran every recorded op and restores what must survive;
+* on an exception: every transfer is synchronised, offloaded storages still in use are
+  paged back, every host buffer returns to the pool (``pool.stats()`` in-use bytes are
+  0 again), and the exception propagates unchanged. The plan is kept; ``reset()``
+  drops it to re-warm.
+
+Who holds what. The session owns one ``TransferEngine``, one ``PinnedMemoryPool`` and
+one ``ResidencyManager`` for its lifetime. During a step the manager holds the storage
+*objects* it manages (not extra copies of their bytes) and the host buffers; the
+executor holds only storage ids; autograd and the user hold ordinary tensors whose
+storages the manager shrinks and grows in place. Nothing is held across steps except
+the plan (trace, schedule, report, op callables).
+"""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar, Token
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from hyper_offload.passes.op_guide import OpGuide, ReplayMismatchError
+from hyper_offload.passes.schedule import ResidencySchedule
+from hyper_offload.passes.trace import ActivationTrace
+from hyper_offload.passes.validator import ScheduleReport
+from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine, resolve_device
+
+from .config import OffloadConfig
+from .dispatch_mode import ActivationDispatchMode
+from .executor_base import BaseExecutor, OffloadSessionError, StepStats
+from .replay import ReplayExecutor
+from .warmup import WarmupExecutor, WarmupResult
+
+__all__ = ["OffloadSession", "current_session"]
+
+_CURRENT: ContextVar[OffloadSession | None] = ContextVar("hyper_offload_session", default=None)
+
+
+def current_session() -> OffloadSession | None:
+    """The session whose ``with`` block is active in this context, if any."""
+    return _CURRENT.get()
+
+
+class OffloadSession:
+    """Eager activation offloading for one model's training steps (module docstring).
+
+    ``device``: the device whose activations are managed (default: the current
+    accelerator, else CPU). One session per training loop; steps must not overlap.
+    """
+
+    def __init__(self, config: OffloadConfig | None = None, *, device: Any = None) -> None:
+        self.config = config if config is not None else OffloadConfig()
+        if not isinstance(self.config, OffloadConfig):
+            raise TypeError(
+                f"OffloadSession: expected an OffloadConfig, got {type(self.config).__name__}; "
+                "pass OffloadConfig(max_resident_activation_mb=...)"
+            )
+        self.device = _normalise(resolve_device(device))
+        self.engine = TransferEngine(self.device)
+        self.pool = PinnedMemoryPool(self.config.max_host_bytes)
+        self.manager = ResidencyManager(self.engine, self.pool)
+        self._plan: WarmupResult | None = None
+        self._executor: BaseExecutor | None = None
+        self._mode: ActivationDispatchMode | None = None
+        self._token: Token[OffloadSession | None] | None = None
+        self._started = 0.0
+        self.last_stats: StepStats | None = None
+        """Stats of the most recent step (also after a failed one)."""
+        self.steps = 0
+        """Completed steps (warmup and replay) since construction or ``reset()``."""
+        self.rewarms = 0
+        """Automatic re-warms after a structural mismatch (``rewarm_on_mismatch``)."""
+
+    # ------------------------------------------------------------------ public state
+
+    @property
+    def phase(self) -> str:
+        """``"warmup"`` until a plan exists, then ``"replay"``."""
+        return "warmup" if self._plan is None else "replay"
+
+    @property
+    def active(self) -> bool:
+        return self._executor is not None
+
+    @property
+    def trace(self) -> ActivationTrace | None:
+        return None if self._plan is None else self._plan.trace
+
+    @property
+    def schedule(self) -> ResidencySchedule | None:
+        return None if self._plan is None else self._plan.schedule
+
+    @property
+    def report(self) -> ScheduleReport | None:
+        """``check_schedule(trace, schedule)`` of the plan."""
+        return None if self._plan is None else self._plan.report
+
+    @property
+    def op_guide(self) -> OpGuide | None:
+        return None if self._plan is None else OpGuide.from_trace(self._plan.trace)
+
+    @property
+    def executor(self) -> BaseExecutor | None:
+        """The executor of the step in progress (None between steps)."""
+        return self._executor
+
+    def reset(self) -> None:
+        """Drop the plan: the next step warms up again."""
+        if self.active:
+            raise OffloadSessionError(
+                "OffloadSession.reset(): called inside the session's own `with` block; "
+                "call it between steps"
+            )
+        self._plan = None
+        self.steps = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadSession(phase={self.phase}, device={self.device}, "
+            f"budget_bytes={self.config.budget_bytes}, steps={self.steps})"
+        )
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> OffloadSession:
+        other = _CURRENT.get()
+        if self.active or other is not None:
+            which = "this session is" if other is self or self.active else f"another session ({other!r}) is"
+            raise OffloadSessionError(
+                f"OffloadSession.__enter__: {which} already active; sessions do not nest. "
+                "Finish the current `with` block first"
+            )
+        self._executor = self._new_executor()
+        self._mode = ActivationDispatchMode(self._executor)
+        self._token = _CURRENT.set(self)
+        self._started = time.perf_counter()
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._leave()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._mode is not None and self._executor is not None
+        executor = self._executor
+        try:
+            self._mode.__exit__(exc_type, exc, tb)
+        finally:
+            self._leave()
+        if exc_type is not None:
+            self._abort(executor)
+            return None  # propagate unchanged
+        try:
+            result = executor.finish()
+        except BaseException:
+            self._abort(executor)
+            raise
+        if isinstance(result, WarmupResult):
+            self._plan = result
+        self._close_stats(executor)
+        self.steps += 1
+        return None
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_executor(self) -> BaseExecutor:
+        if self._plan is None:
+            return WarmupExecutor(
+                self.manager,
+                self.device,
+                budget_bytes=self.config.budget_bytes,
+                planner=self.config.resolved_planner(),
+            )
+        return ReplayExecutor(self.manager, self.device, self._plan)
+
+    def _leave(self) -> None:
+        if self._token is not None:
+            _CURRENT.reset(self._token)
+        self._token = None
+        self._mode = None
+        self._executor = None
+
+    def _abort(self, executor: BaseExecutor) -> None:
+        executor.abort()
+        self._close_stats(executor)
+
+    def _close_stats(self, executor: BaseExecutor) -> None:
+        stats = executor.close_stats(self.pool)
+        stats.step_seconds = time.perf_counter() - self._started
+        self.last_stats = stats
+
+
+def _normalise(device: torch.device) -> torch.device:
+    if device.type != "cpu" and device.index is None:
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device
+
+
+# Re-exported for callers that catch it from the session module.
+__all__ += ["OffloadSessionError", "ReplayMismatchError"]
