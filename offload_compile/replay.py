@@ -51,6 +51,7 @@ class ReplayExecutor(BaseExecutor):
         self._pre = plan.schedule.pre
         self._post = plan.schedule.post
         self._num_ops = len(self._funcs)
+        self._sizes = plan.trace.storage_sizes
         self._keys: set[int] = set()
         self._mismatched: Any = None  # the unexpected func, while it runs
 
@@ -86,6 +87,8 @@ class ReplayExecutor(BaseExecutor):
                 if found >= len(expected) or expected[found] in self.manager:
                     self._raise_mismatch(self._funcs[i], self._count_leaves(result))
                 sid = expected[found]
+                if storage.nbytes() != self._sizes[sid]:
+                    self._raise_size_mismatch(sid, storage.nbytes())
                 self.manager.bind(sid, tensor)
                 bound[key] = sid
                 self._resident += storage.nbytes()
@@ -130,6 +133,15 @@ class ReplayExecutor(BaseExecutor):
             f"leaves, replay ran {name} with {found_leaves}; the step's op sequence changed "
             "(another branch or shape). Wrap data-dependent code in @skip_offload, call "
             "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
+        )
+
+    def _raise_size_mismatch(self, sid: int, found_bytes: int) -> None:
+        i = self.index
+        raise ReplayMismatchError(
+            f"replay op {i} ({self._entries[i].name}): output storage {sid} has {found_bytes} "
+            f"bytes, warmup recorded {self._sizes[sid]}; the step runs the same ops on other "
+            "shapes, so the plan's sizes and budget no longer hold. Call session.reset() to "
+            "re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
         )
 
     # ------------------------------------------------------------------ end of step
