@@ -19,6 +19,7 @@ the storage. Nothing else ever reads an offloaded storage while the session is a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,10 @@ class BaseExecutor:
         self.bound: dict[int, StorageId] = {}
         self.stats = StepStats(self.phase)
         self._resident = 0
+        self.closed = False
+        """Set once the step finished or aborted; late autograd callbacks then no-op."""
+        self.backward_regions: list[Any] = []
+        """Opaque regions whose backward virtual op is in progress (innermost last)."""
 
     # ------------------------------------------------------------------ template
 
@@ -121,13 +126,22 @@ class BaseExecutor:
             return fn(*args, **kwargs)
         return run_opaque_region(self, fn, args, kwargs, name, compiled=compiled)
 
-    def finish(self) -> None:
+    def finish(self) -> Any:
         """Normal end of the step (``__exit__`` without an exception)."""
+        raise NotImplementedError
+
+    def storage_ids(self, tensors: Iterable[torch.Tensor]) -> tuple[StorageId, ...]:
+        """Ids of the tracked storages among ``tensors`` (each once, in order)."""
+        raise NotImplementedError
+
+    def storage_of(self, sid: StorageId) -> torch.UntypedStorage | None:
+        """The storage object of a tracked id while the step still has it."""
         raise NotImplementedError
 
     def abort(self) -> None:
         """Exception path: no transfer in flight, every host buffer back in the pool, no
         tensor left over missing bytes that can still be paged back."""
+        self.closed = True
         try:
             self.manager.sync_all_transfers()
         finally:
@@ -155,6 +169,30 @@ class BaseExecutor:
                 if sid is not None:
                     self.page_in(sid, where)
         return keys
+
+    @staticmethod
+    def live_inputs(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, Any]:
+        """``_cdata`` -> weak reference of the input storages of a *virtual* op.
+
+        A region runs many ops; an input may die inside it and a new storage may reuse
+        its address, so "is this output an alias of an input" must compare identity,
+        not the address alone (see :meth:`is_input_alias`)."""
+        refs: dict[int, Any] = {}
+        for tensor in tensors:
+            if tensor.device == device and tensor.layout is torch.strided:
+                storage = tensor.untyped_storage()
+                refs[storage._cdata] = weakref.ref(storage)
+        return refs
+
+    @staticmethod
+    def is_input_alias(storage: torch.UntypedStorage, keys: Any) -> bool:
+        """Whether ``storage`` is one of the op's input storages (``keys`` from
+        :meth:`guard` for aten ops, whose inputs stay alive, or :meth:`live_inputs`)."""
+        key = storage._cdata
+        if isinstance(keys, dict):
+            ref = keys.get(key)
+            return ref is not None and ref() is storage
+        return key in keys
 
     def page_in(self, sid: StorageId, where: Any) -> None:
         """Make ``sid`` resident now (synchronously) or refuse if its bytes are gone."""

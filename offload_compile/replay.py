@@ -52,7 +52,7 @@ class ReplayExecutor(BaseExecutor):
         self._post = plan.schedule.post
         self._num_ops = len(self._funcs)
         self._sizes = plan.trace.storage_sizes
-        self._keys: set[int] = set()
+        self._keys: Any = set()
         self._mismatched: Any = None  # the unexpected func, while it runs
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -64,6 +64,8 @@ class ReplayExecutor(BaseExecutor):
             if pre:
                 self.apply_actions(pre)
         self._keys = self.guard(func, tensor_leaves((args, kwargs)))
+        if isinstance(func, str):  # a virtual op: inputs may die inside the region
+            self._keys = self.live_inputs(tensor_leaves(args), self.device)
 
     def on_op_end(self, result: Any) -> Any:
         i = self.index
@@ -82,7 +84,7 @@ class ReplayExecutor(BaseExecutor):
             key = storage._cdata
             sid = bound.get(key)
             if sid is None:
-                if key in keys:
+                if self.is_input_alias(storage, keys):
                     continue  # alias of a storage that existed before the step
                 if found >= len(expected) or expected[found] in self.manager:
                     self._raise_mismatch(self._funcs[i], self._count_leaves(result))
@@ -104,6 +106,22 @@ class ReplayExecutor(BaseExecutor):
         self.index = i + 1
         return result
 
+    def storage_ids(self, tensors: Any) -> tuple[int, ...]:
+        sids: dict[int, None] = {}
+        for tensor in tensors:
+            if tensor.device == self.device and tensor.layout is torch.strided:
+                sid = self.bound.get(tensor.untyped_storage()._cdata)
+                if sid is not None:
+                    sids[sid] = None
+        return tuple(sids)
+
+    def storage_of(self, sid: int) -> torch.UntypedStorage | None:
+        # A RELEASED storage was dead at this point of the warmup step (the plan freed it
+        # after its last recorded use), so a region's backward cannot be reading it.
+        if sid not in self.manager or self.manager.state(sid) is BufferState.RELEASED:
+            return None
+        return self.manager.buffer(sid).storage
+
     # ------------------------------------------------------------------ checks
 
     def _count_leaves(self, result: Any) -> int:
@@ -112,8 +130,8 @@ class ReplayExecutor(BaseExecutor):
         for tensor in tensor_leaves(result):
             if tensor.device != self.device or tensor.layout is not torch.strided:
                 continue
-            key = tensor.untyped_storage()._cdata
-            if key in self.bound or key not in self._keys:
+            storage = tensor.untyped_storage()
+            if storage._cdata in self.bound or not self.is_input_alias(storage, self._keys):
                 count += 1
         return count
 
@@ -147,6 +165,7 @@ class ReplayExecutor(BaseExecutor):
     # ------------------------------------------------------------------ end of step
 
     def finish(self) -> None:
+        self.closed = True
         if self.index != self._num_ops:
             raise ReplayMismatchError(
                 f"replay: the step ended after {self.index} ops, but the warmup step recorded "

@@ -79,7 +79,7 @@ class WarmupExecutor(BaseExecutor):
         self.funcs: list[Any] = []
         self._resident_sids: dict[StorageId, None] = {}  # insertion-ordered set
         self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
-        self._current: tuple[Any, str, dict[StorageId, AccessKind], set[int], float] | None = None
+        self._current: tuple[Any, str, dict[StorageId, AccessKind], Any, float] | None = None
 
     # ------------------------------------------------------------------ op hooks
 
@@ -95,7 +95,9 @@ class WarmupExecutor(BaseExecutor):
             tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
         for key, value in kwargs.items():
             tensors.extend((t, key in written_names) for t in tensor_leaves(value))
-        keys = self.guard(name, (t for t, _ in tensors))
+        keys: Any = self.guard(name, (t for t, _ in tensors))
+        if isinstance(func, str):
+            keys = self.live_inputs((t for t, _ in tensors), self.device)
         accesses: dict[StorageId, AccessKind] = {}
         for tensor, written in tensors:
             if tensor.device != self.device or tensor.layout is not torch.strided:
@@ -103,8 +105,8 @@ class WarmupExecutor(BaseExecutor):
             sid = self.tracker.sid_of(tensor.untyped_storage())
             if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
-        if not isinstance(func, str):
-            self._evict(set(accesses), _estimate_new_bytes(func, args, kwargs, self.device))
+        incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
+        self._evict(set(accesses), incoming)
         self._current = (func, name, accesses, keys, time.perf_counter())
 
     def on_op_end(self, result: Any) -> Any:
@@ -119,7 +121,7 @@ class WarmupExecutor(BaseExecutor):
             storage = tensor.untyped_storage()
             sid = self.tracker.sid_of(storage)
             if sid is None:
-                if storage._cdata in keys:
+                if self.is_input_alias(storage, keys):
                     continue  # a view of (or in-place result on) a pre-existing storage
                 sid = self.tracker.adopt(storage, self.index)
                 self._resident += storage.nbytes()
@@ -141,6 +143,18 @@ class WarmupExecutor(BaseExecutor):
         self.sample()
         self.index += 1
         return result
+
+    def storage_ids(self, tensors: Any) -> tuple[StorageId, ...]:
+        sids: dict[StorageId, None] = {}
+        for tensor in tensors:
+            if tensor.device == self.device and tensor.layout is torch.strided:
+                sid = self.tracker.sid_of(tensor.untyped_storage())
+                if sid is not None:
+                    sids[sid] = None
+        return tuple(sids)
+
+    def storage_of(self, sid: StorageId) -> torch.UntypedStorage | None:
+        return self.tracker.storage(sid)
 
     # ------------------------------------------------------------------ eviction
 
@@ -200,6 +214,7 @@ class WarmupExecutor(BaseExecutor):
 
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
+        self.closed = True
         manager = self.manager
         with _disable_current_modes():
             manager.wait_for_transfers()
