@@ -119,11 +119,6 @@ class BaseExecutor:
         """
         from .opaque import run_opaque_region  # opaque imports this module
 
-        if self.opaque_depth:
-            if compiled:
-                with _disable_current_modes():
-                    return fn(*args, **kwargs)
-            return fn(*args, **kwargs)
         return run_opaque_region(self, fn, args, kwargs, name, compiled=compiled)
 
     def finish(self) -> Any:

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from .executor_base import BaseExecutor
 
 __all__ = [
+    "OpenRegion",
+    "begin_region",
+    "end_region",
     "OpaqueRegionEnd",
     "OpaqueRegionStart",
     "call_opaque",
@@ -139,6 +142,68 @@ def _split(value: Any) -> tuple[list[Any], Any, list[int]]:
     return flat, spec, [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
 
 
+class OpenRegion:
+    """A region between :func:`begin_region` and :func:`end_region` (forward)."""
+
+    __slots__ = ("region", "marker", "modes_off")
+
+    def __init__(self, region: _Region | None, marker: torch.Tensor | None, modes_off: Any) -> None:
+        self.region = region
+        self.marker = marker
+        self.modes_off = modes_off
+
+
+def begin_region(
+    executor: BaseExecutor, name: str, inputs: Sequence[torch.Tensor], *, compiled: bool
+) -> tuple[OpenRegion, tuple[torch.Tensor, ...]]:
+    """Start virtual op ``name`` over ``inputs``; returns the open region and the input
+    aliases the region's body must use. Nested inside another region, nothing is
+    recorded (only a compiled body still gets the dispatch modes switched off)."""
+    if executor.opaque_depth:
+        modes_off = _disable_current_modes() if compiled else None
+        if modes_off is not None:
+            modes_off.__enter__()
+        return OpenRegion(None, None, modes_off), tuple(inputs)
+    executor.on_op_begin(name, tuple(inputs), {})
+    region = _Region(executor, name, executor.storage_ids(inputs))
+    executor.opaque_depth += 1
+    try:
+        with _disable_current_modes():
+            marker = torch.zeros((), requires_grad=True)
+        marker_out, *aliases = OpaqueRegionStart.apply(region, marker, *inputs)
+        modes_off = _disable_current_modes() if compiled else None
+        if modes_off is not None:
+            modes_off.__enter__()
+    except BaseException:
+        executor.opaque_depth -= 1
+        raise
+    return OpenRegion(region, marker_out, modes_off), tuple(aliases)
+
+
+def end_region(open_region: OpenRegion, result: Any, *, failed: bool = False) -> Any:
+    """Finish the region begun by :func:`begin_region`; returns ``result`` with its
+    tensors replaced by aliases connected to the region's backward. ``failed``: the body
+    raised; only restore the modes and the depth (the step is being aborted)."""
+    if open_region.modes_off is not None:
+        open_region.modes_off.__exit__(None, None, None)
+    region = open_region.region
+    if region is None:
+        return result
+    executor = region.executor
+    try:
+        if failed:
+            return result
+        out_flat, out_spec, out_where = _split(result)
+        if out_where and torch.is_grad_enabled():
+            outs = OpaqueRegionEnd.apply(region, open_region.marker, *(out_flat[i] for i in out_where))
+            for index, alias in zip(out_where, outs):
+                out_flat[index] = alias
+            result = tree_unflatten(out_flat, out_spec)
+    finally:
+        executor.opaque_depth -= 1
+    return executor.on_op_end(result)
+
+
 def run_opaque_region(
     executor: BaseExecutor,
     fn: Callable[..., Any],
@@ -150,31 +215,16 @@ def run_opaque_region(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` as one virtual op of ``executor`` (module docstring)."""
     flat, spec, where = _split((args, kwargs))
-    inputs = [flat[i] for i in where]
-    executor.on_op_begin(name, tuple(inputs), {})
-    region = _Region(executor, name, executor.storage_ids(inputs))
-    executor.opaque_depth += 1
+    open_region, aliases = begin_region(executor, name, [flat[i] for i in where], compiled=compiled)
+    for index, alias in zip(where, aliases):
+        flat[index] = alias
+    call_args, call_kwargs = tree_unflatten(flat, spec)
     try:
-        with _disable_current_modes():
-            marker = torch.zeros((), requires_grad=True)
-        marker_out, *aliases = OpaqueRegionStart.apply(region, marker, *inputs)
-        for index, alias in zip(where, aliases):
-            flat[index] = alias
-        call_args, call_kwargs = tree_unflatten(flat, spec)
-        if compiled:
-            with _disable_current_modes():
-                result = fn(*call_args, **call_kwargs)
-        else:
-            result = fn(*call_args, **call_kwargs)
-        out_flat, out_spec, out_where = _split(result)
-        if out_where:
-            outs = OpaqueRegionEnd.apply(region, marker_out, *(out_flat[i] for i in out_where))
-            for index, alias in zip(out_where, outs):
-                out_flat[index] = alias
-            result = tree_unflatten(out_flat, out_spec)
-    finally:
-        executor.opaque_depth -= 1
-    return executor.on_op_end(result)
+        result = fn(*call_args, **call_kwargs)
+    except BaseException:
+        end_region(open_region, None, failed=True)
+        raise
+    return end_region(open_region, result)
 
 
 def is_compiled(fn: Any) -> bool:

@@ -43,6 +43,7 @@ from hyper_offload.passes.trace import ActivationTrace
 from hyper_offload.passes.validator import ScheduleReport
 from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine, resolve_device
 
+from .compiled_modules import install_compiled_module_hooks
 from .config import OffloadConfig
 from .dispatch_mode import ActivationDispatchMode
 from .executor_base import BaseExecutor, OffloadSessionError, StepStats
@@ -81,6 +82,7 @@ class OffloadSession:
         self._executor: BaseExecutor | None = None
         self._mode: ActivationDispatchMode | None = None
         self._token: Token[OffloadSession | None] | None = None
+        self._hooks: tuple[Any, ...] = ()
         self._started = 0.0
         self.last_stats: StepStats | None = None
         """Stats of the most recent step (also after a failed one)."""
@@ -153,6 +155,7 @@ class OffloadSession:
         self._token = _CURRENT.set(self)
         self._started = time.perf_counter()
         try:
+            self._hooks = install_compiled_module_hooks()
             self._mode.__enter__()
         except BaseException:
             self._leave()
@@ -198,6 +201,9 @@ class OffloadSession:
         return ReplayExecutor(self.manager, self.device, self._plan)
 
     def _leave(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = ()
         if self._token is not None:
             _CURRENT.reset(self._token)
         self._token = None

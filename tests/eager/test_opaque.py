@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -14,6 +15,7 @@ from hyper_offload import OffloadConfig, OffloadSession, skip_offload
 from hyper_offload.config import MIB
 from hyper_offload.opaque import is_compiled, opaque_name
 
+_no_op = contextlib.nullcontext
 TIGHT = OffloadConfig(max_resident_activation_mb=8 * 1024 / MIB)
 CALLS: list[str] = []
 
@@ -158,14 +160,44 @@ def test_compiled_submodule_keeps_its_compiled_code() -> None:
     assert sum("opaque:" in op.name for op in session.trace.ops) == 2
 
 
-def test_compiled_code_is_bypassed_without_skip_offload() -> None:
-    """The torch behaviour the opaque path exists for (TORCH_NOTES): under a dispatch
-    mode a compiled module runs its Python; if torch changes this, revisit."""
+def test_compiled_module_is_detected_without_skip_offload() -> None:
+    """A compiled submodule called plainly inside the session is detected and still runs
+    its compiled forward and backward, as one virtual op each way."""
     torch._dynamo.reset()
     counts = {"fw": 0, "bw": 0}
-    body = nn.Linear(32, 32)
-    compiled = torch.compile(body, backend=_counting_backend(counts))
-    with OffloadSession(TIGHT):
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    torch.manual_seed(1)
+    model = Host(torch.compile(body, backend=_counting_backend(counts)), opaque=False)
+    torch.manual_seed(1)
+    ref = Host(copy.deepcopy(body), opaque=False)
+    x = torch.randn(64, 32)
+    session = OffloadSession(TIGHT)
+    for step in range(3):
+        before = dict(counts)
+        with pytest.warns(UserWarning, match="global hooks") if step == 0 else _no_op():
+            with session:
+                loss = _step(model, x)
+        assert counts["fw"] == before["fw"] + 1 and counts["bw"] == before["bw"] + 1, counts
+        assert torch.equal(loss, _step(ref, x)) and _same_grads(model, ref), f"step {step}"
+    names = [op.name for op in session.trace.ops]
+    assert sum(n.startswith("opaque:") for n in names) == 2, names
+    assert session.last_stats.bytes_d2h > 0
+
+
+def test_plain_dispatch_mode_bypasses_compiled_code() -> None:
+    """The torch behaviour the hooks exist for (TORCH_NOTES): under a dispatch mode a
+    compiled module runs its Python. If torch changes this, the hooks can go."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    counts = {"fw": 0, "bw": 0}
+    compiled = torch.compile(nn.Linear(32, 32), backend=_counting_backend(counts))
+    with Passthrough():
         compiled(torch.randn(4, 32)).sum().backward()
     assert counts == {"fw": 0, "bw": 0}
 
