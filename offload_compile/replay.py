@@ -24,6 +24,7 @@ so that its leaf count can be reported; no schedule action runs for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .dispatch_mode import tensor_leaves
 from .executor_base import BaseExecutor, OffloadSessionError
-from .warmup import WarmupResult
+from .warmup import WarmupExecutor, WarmupResult
 
 __all__ = ["ReplayExecutor"]
 
@@ -42,9 +43,22 @@ __all__ = ["ReplayExecutor"]
 class ReplayExecutor(BaseExecutor):
     phase = "replay"
 
-    def __init__(self, manager: ResidencyManager, device: torch.device, plan: WarmupResult) -> None:
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        device: torch.device,
+        plan: WarmupResult,
+        *,
+        rewarm: Callable[[], WarmupExecutor] | None = None,
+    ) -> None:
+        """``rewarm``: on a structural mismatch, build a warmup executor that takes the
+        step over (``OffloadConfig.rewarm_on_mismatch``); ``None`` raises instead."""
         super().__init__(manager, device)
         self.plan = plan
+        self.rewarm = rewarm
+        self.successor: WarmupExecutor | None = None
+        """The warmup executor that took the step over after a mismatch, if any."""
+        self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.guide = OpGuide.from_trace(plan.trace)
         self._entries = self.guide.entries
         self._funcs = plan.funcs
@@ -63,11 +77,36 @@ class ReplayExecutor(BaseExecutor):
             pre = self._pre[i]
             if pre:
                 self.apply_actions(pre)
+        if self.rewarm is not None:
+            self._call = (func, args, kwargs)
         self._keys = self.guard(func, tensor_leaves((args, kwargs)))
         if isinstance(func, str):  # a virtual op: inputs may die inside the region
             self._keys = self.live_inputs(tensor_leaves(args), self.device)
 
     def on_op_end(self, result: Any) -> Any:
+        if self.rewarm is None:
+            return self._end_op(result)
+        try:
+            return self._end_op(result)
+        except ReplayMismatchError:
+            if self.opaque_depth or self.backward_regions or self._call is None:
+                raise  # inside an opaque region: no safe point to hand the step over
+            return self._hand_over(result)
+
+    def _hand_over(self, result: Any) -> Any:
+        """Let a warmup executor record the rest of the step (re-warm on mismatch)."""
+        assert self.rewarm is not None and self._call is not None
+        successor = self.rewarm()
+        successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+        successor.stats.demand_loads = self.stats.demand_loads
+        self.successor = successor
+        self.closed = True
+        func, args, kwargs = self._call
+        self._call = None
+        successor.on_op_begin(func, args, kwargs)
+        return successor.on_op_end(result)
+
+    def _end_op(self, result: Any) -> Any:
         i = self.index
         if self._mismatched is not None:
             func, self._mismatched = self._mismatched, None
@@ -164,8 +203,13 @@ class ReplayExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ end of step
 
-    def finish(self) -> None:
+    def finish(self) -> Any:
         self.closed = True
+        if self.index != self._num_ops and self.rewarm is not None and not self.opaque_depth:
+            successor = self.rewarm()  # the step ran fewer ops: re-plan what it did run
+            successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+            self.successor = successor
+            return successor.finish()
         if self.index != self._num_ops:
             raise ReplayMismatchError(
                 f"replay: the step ended after {self.index} ops, but the warmup step recorded "

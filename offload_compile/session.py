@@ -184,6 +184,8 @@ class OffloadSession:
             raise
         if isinstance(result, WarmupResult):
             self._plan = result
+        if isinstance(executor, ReplayExecutor) and executor.successor is not None:
+            executor = executor.successor  # re-warmed: report the warmup's figures
         self._close_stats(executor)
         self.steps += 1
         return None
@@ -192,13 +194,26 @@ class OffloadSession:
 
     def _new_executor(self) -> BaseExecutor:
         if self._plan is None:
-            return WarmupExecutor(
-                self.manager,
-                self.device,
-                budget_bytes=self.config.budget_bytes,
-                planner=self.config.resolved_planner(),
-            )
-        return ReplayExecutor(self.manager, self.device, self._plan)
+            return self._new_warmup()
+        rewarm = self._take_over if self.config.rewarm_on_mismatch else None
+        return ReplayExecutor(self.manager, self.device, self._plan, rewarm=rewarm)
+
+    def _new_warmup(self) -> WarmupExecutor:
+        return WarmupExecutor(
+            self.manager,
+            self.device,
+            budget_bytes=self.config.budget_bytes,
+            planner=self.config.resolved_planner(),
+        )
+
+    def _take_over(self) -> WarmupExecutor:
+        """``rewarm_on_mismatch``: a warmup executor takes the mismatched step over."""
+        warm = self._new_warmup()
+        if self._mode is not None:
+            self._mode.executor = warm
+            self._executor = warm
+        self.rewarms += 1
+        return warm
 
     def _leave(self) -> None:
         for handle in self._hooks:

@@ -27,6 +27,10 @@ from hyper_offload.passes.trace import StorageId
 
 __all__ = ["ActivationTracker", "TrackedStorage"]
 
+def _dead_ref() -> None:
+    """Stands in for the weak reference of a storage recorded as already dead."""
+    return None
+
 
 class TrackedStorage:
     """One tracked storage: its id, size at creation, producing op and a weak reference."""
@@ -54,7 +58,8 @@ class ActivationTracker:
 
     def __init__(self, on_free: Callable[[StorageId], None] | None = None) -> None:
         self._by_key: dict[int, TrackedStorage] = {}
-        self._entries: list[TrackedStorage] = []  # index == sid
+        self._entries: dict[StorageId, TrackedStorage] = {}
+        self._next_sid = 0
         self._on_free = on_free
 
     # ------------------------------------------------------------------ queries
@@ -85,10 +90,10 @@ class ActivationTracker:
         return len(self._entries)
 
     def __iter__(self) -> Iterator[TrackedStorage]:
-        return iter(self._entries)
+        return iter(list(self._entries.values()))
 
     def sizes(self) -> dict[StorageId, int]:
-        return {e.sid: e.nbytes for e in self._entries}
+        return {sid: e.nbytes for sid, e in self._entries.items()}
 
     # ------------------------------------------------------------------ updates
 
@@ -100,11 +105,29 @@ class ActivationTracker:
                 f"ActivationTracker.adopt: storage already tracked as "
                 f"{self._by_key[key].sid}; look it up with sid_of() first"
             )
-        sid = len(self._entries)
-        entry = TrackedStorage(sid, storage.nbytes(), producer, weakref.ref(storage, self._freed(key, sid)))
-        self._entries.append(entry)
-        self._by_key[key] = entry
+        return self.adopt_as(storage, self._next_sid, storage.nbytes(), producer)
+
+    def adopt_as(
+        self, storage: torch.UntypedStorage, sid: StorageId, nbytes: int, producer: int
+    ) -> StorageId:
+        """Track ``storage`` under a given id (continuing a step another executor began);
+        later fresh ids start above it."""
+        if sid in self._entries:
+            raise ValueError(f"ActivationTracker.adopt_as: storage id {sid} is already in use")
+        entry = TrackedStorage(sid, nbytes, producer, weakref.ref(storage, self._freed(storage._cdata, sid)))
+        self._entries[sid] = entry
+        self._by_key[storage._cdata] = entry
+        self._next_sid = max(self._next_sid, sid + 1)
         return sid
+
+    def add_dead(self, sid: StorageId, nbytes: int, producer: int) -> None:
+        """Record a storage of the step that no longer lives (its size stays in the trace)."""
+        if sid in self._entries:
+            raise ValueError(f"ActivationTracker.add_dead: storage id {sid} is already in use")
+        entry = TrackedStorage(sid, nbytes, producer, _dead_ref)  # type: ignore[arg-type]
+        entry.alive = False
+        self._entries[sid] = entry
+        self._next_sid = max(self._next_sid, sid + 1)
 
     def grow(self, sid: StorageId, nbytes: int) -> None:
         """Record that ``sid`` grew (an op resized it); sizes are the maximum seen."""
@@ -113,10 +136,11 @@ class ActivationTracker:
 
     def clear(self) -> None:
         """Forget everything (between steps); pending weakref callbacks become no-ops."""
-        for entry in self._entries:
+        for entry in self._entries.values():
             entry.alive = False
         self._by_key.clear()
-        self._entries = []
+        self._entries = {}
+        self._next_sid = 0
 
     def _freed(self, key: int, sid: StorageId) -> Callable[[weakref.ref], None]:
         # Holds the tracker weakly so a finished step's tracker can be collected while

@@ -31,7 +31,7 @@ from hyper_offload.passes.planner_protocol import ResidencyPlanner
 from hyper_offload.passes.schedule import ResidencySchedule
 from hyper_offload.passes.trace import AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp
 from hyper_offload.passes.validator import ScheduleReport, check_schedule
-from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
+from hyper_offload.runtime import BufferState, ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.physical_buffer import byte_view
 
 from .dispatch_mode import tensor_leaves, written_arguments
@@ -210,20 +210,75 @@ class WarmupExecutor(BaseExecutor):
         del self.bound[storage._cdata]
         self._resident_sids[sid] = None
 
+    # ------------------------------------------------------------------ re-warm
+
+    def continue_from(self, trace: ActivationTrace, funcs: list[Any], num_ops: int, bound: dict[int, StorageId]) -> None:
+        """Take over a replayed step after its first ``num_ops`` ops (which matched
+        ``trace``): keep those ops, and adopt every storage the replay bound, in the
+        state the schedule left it (``bound``: the replay's ``_cdata`` -> id map).
+
+        Resident storages become tracked activations; offloaded ones stay bound (an op
+        that needs one pages it back); storages the schedule released for good stay
+        bound too, so that a read of one raises instead of touching 0 bytes."""
+        manager = self.manager
+        self.ops = list(trace.ops[:num_ops])
+        self.funcs = list(funcs[:num_ops])
+        self.index = num_ops
+        bound_sids = {sid: key for key, sid in bound.items()}
+        seen = sorted({a.storage for op in self.ops for a in op.accesses})
+        for sid in seen:
+            size = trace.storage_sizes[sid]
+            producer = trace.accesses_of(sid)[0][0]
+            if sid not in manager:
+                self.tracker.add_dead(sid, size, producer)
+                continue
+            buffer = manager.buffer(sid)
+            storage, state = buffer.storage, buffer.state
+            if state is BufferState.RELEASED:
+                self.tracker.add_dead(sid, size, producer)
+                self.bound[bound_sids[sid]] = sid
+            elif state is BufferState.HOST:
+                self.tracker.adopt_as(storage, sid, size, producer)
+                self.bound[bound_sids[sid]] = sid
+            else:
+                with _disable_current_modes():
+                    buffer.synchronize()
+                    if buffer.has_host_copy:
+                        manager.release_host(sid)
+                    manager.unbind(sid)
+                self.tracker.adopt_as(storage, sid, size, producer)
+                self._resident_sids[sid] = None
+                self._resident += size
+        with _disable_current_modes():
+            for sid in list(manager):  # bound by the mismatched op itself: it records anew
+                if sid not in self.tracker.sizes():
+                    manager.unbind(sid)
+
     # ------------------------------------------------------------------ end of step
 
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
         self.closed = True
         manager = self.manager
+        stranded = []
         with _disable_current_modes():
             manager.wait_for_transfers()
             for sid in list(manager):
-                if not self.tracker.referenced_elsewhere(sid):
+                if manager.state(sid) is BufferState.RELEASED:  # only after a re-warm
+                    if torch._C._storage_Use_Count(manager.buffer(sid).storage._cdata) > 1:
+                        stranded.append(sid)
+                    manager.unbind(sid)
+                elif not self.tracker.referenced_elsewhere(sid):
                     manager.release_host(sid)  # dead while offloaded: drop both copies
                     manager.unbind(sid)
             manager.reset(restore_offloaded=True)
         self.bound.clear()
+        if stranded:
+            raise OffloadSessionError(
+                f"warmup (re-warmed after a mismatch): storages {stranded[:10]} are still "
+                "referenced after the step, but the previous plan released their bytes; do "
+                "not read those tensors, and call session.reset() before the next step"
+            )
         retained = frozenset(e.sid for e in self.tracker if e.alive)
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
         trace = ActivationTrace(

@@ -228,3 +228,49 @@ def test_hundred_replay_steps_do_not_leak() -> None:
     assert len(peaks) == 1 and len(curves) == 1, "meter figures drift across steps"
     assert len(pools) == 1, f"host pool grows across steps: {sorted(pools)}"
     assert session.steps == 101 and session.last_stats.demand_loads == 0
+
+
+def _plain_grads(model: Branchy, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    import copy
+
+    ref = copy.deepcopy(model)
+    loss = ref(x)
+    loss.backward()
+    return loss, [p.grad for p in ref.parameters()]
+
+
+def test_rewarm_on_mismatch_replans_transparently() -> None:
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(64, 32)
+    session = OffloadSession(
+        OffloadConfig(max_resident_activation_mb=TIGHT.max_resident_activation_mb, rewarm_on_mismatch=True)
+    )
+    _warm(model, x, session)
+    first_trace = session.trace
+    for extra, rewarms in ((True, 1), (True, 1), (False, 2), (False, 2)):
+        model.extra = extra
+        expected_loss, expected_grads = _plain_grads(model, x)
+        model.zero_grad(set_to_none=True)
+        with session:
+            loss = model(x)
+            loss.backward()
+        assert session.rewarms == rewarms, (extra, session.rewarms)
+        assert torch.equal(loss, expected_loss)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected_grads))
+        _pool_idle(session)
+    assert session.phase == "replay" and session.trace.num_ops == first_trace.num_ops
+    assert session.last_stats.phase == "replay" and session.last_stats.demand_loads == 0
+
+
+def test_rewarm_after_a_shorter_step() -> None:
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(64, 32)
+    session = OffloadSession(
+        OffloadConfig(max_resident_activation_mb=TIGHT.max_resident_activation_mb, rewarm_on_mismatch=True)
+    )
+    _warm(model, x, session)
+    full = session.trace.num_ops
+    with torch.no_grad(), session:
+        model(x)  # evaluation: forward only, under no_grad
+    assert session.rewarms == 1 and session.trace.num_ops < full
+    _pool_idle(session)
