@@ -18,7 +18,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from .executor_base import BaseExecutor
 
-__all__ = ["ActivationDispatchMode", "tensor_leaves", "written_arguments"]
+__all__ = [
+    "ActivationDispatchMode",
+    "device_test",
+    "flat_tensors",
+    "result_tensors",
+    "tensor_leaves",
+    "written_arguments",
+]
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
@@ -57,6 +64,44 @@ def tensor_leaves(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from tensor_leaves(item)
+
+
+def flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensor arguments of an aten op (top level and one list level), as a list: the
+    replay hot path's cheaper :func:`tensor_leaves` (aten schemas nest no deeper)."""
+    out: list[torch.Tensor] = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif type(value) is list or type(value) is tuple:
+            out.extend(item for item in value if isinstance(item, torch.Tensor))
+    if kwargs:
+        for value in kwargs.values():
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif type(value) is list or type(value) is tuple:
+                out.extend(item for item in value if isinstance(item, torch.Tensor))
+    return out
+
+
+def result_tensors(result: Any) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """Tensor leaves of an op result (a tensor, or a flat tuple/list of them)."""
+    if isinstance(result, torch.Tensor):
+        return (result,)
+    if type(result) is tuple or type(result) is list:
+        if all(isinstance(item, torch.Tensor) for item in result):
+            return result
+    return list(tensor_leaves(result))
+
+
+def device_test(device: torch.device) -> Any:
+    """A fast ``tensor -> bool`` "is on ``device``" for the hot path (``tensor.device``
+    builds a new ``torch.device`` per call)."""
+    if device.type == "cpu":
+        return lambda t: t.is_cpu
+    if device.type == "cuda" and torch.cuda.device_count() == 1:
+        return lambda t: t.is_cuda
+    return lambda t: t.device == device
 
 
 def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:

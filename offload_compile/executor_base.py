@@ -20,6 +20,7 @@ the storage. Nothing else ever reads an offloaded storage while the session is a
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from hyper_offload.passes.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.trace import StorageId
 from hyper_offload.runtime import BufferState, PinnedMemoryPool, PoolStats, ResidencyManager
 
-from .dispatch_mode import tensor_leaves
+from .dispatch_mode import device_test, flat_tensors
 
 __all__ = ["BaseExecutor", "OffloadSessionError", "StepStats"]
 
@@ -78,6 +79,8 @@ class BaseExecutor:
     def __init__(self, manager: ResidencyManager, device: torch.device) -> None:
         self.manager = manager
         self.device = device
+        self.on_device = device_test(device)
+        """``tensor -> bool``: whether a tensor lives on the session's device."""
         self.index = 0
         self.opaque_depth = 0
         self.bound: dict[int, StorageId] = {}
@@ -92,7 +95,7 @@ class BaseExecutor:
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.opaque_depth:
-            self.guard(func, tensor_leaves((args, kwargs)))
+            self.guard(func, flat_tensors(args, kwargs))
             return func(*args, **kwargs)
         self.on_op_begin(func, args, kwargs)
         return self.on_op_end(func(*args, **kwargs))
@@ -152,9 +155,11 @@ class BaseExecutor:
         ``nbytes()`` per tensor.
         """
         keys = set()
-        device = self.device
+        strided = torch.strided
         for tensor in tensors:
-            if tensor.device != device or tensor.layout is not torch.strided:
+            # Any device: only storages this executor bound can be paged in, and a key of
+            # another device's storage never matches an output here.
+            if tensor.layout is not strided:
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
@@ -216,7 +221,10 @@ class BaseExecutor:
         """Run schedule actions through the manager, keeping the byte counters."""
         manager = self.manager
         stats = self.stats
-        with _disable_current_modes():  # runtime copies are not ops of the model
+        # Runtime copies are not ops of the model: hide them from modes entered before
+        # the session (a meter); with none on the stack there is nothing to switch off.
+        modes_off = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else nullcontext()
+        with modes_off:
             for action in actions:
                 manager.apply(action)
                 kind = action.kind

@@ -33,7 +33,7 @@ from hyper_offload.passes.op_guide import OpGuide, ReplayMismatchError
 from hyper_offload.runtime import BufferState, ResidencyManager
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .dispatch_mode import tensor_leaves
+from .dispatch_mode import flat_tensors, result_tensors, tensor_leaves
 from .executor_base import BaseExecutor, OffloadSessionError
 from .warmup import WarmupExecutor, WarmupResult
 
@@ -79,9 +79,10 @@ class ReplayExecutor(BaseExecutor):
                 self.apply_actions(pre)
         if self.rewarm is not None:
             self._call = (func, args, kwargs)
-        self._keys = self.guard(func, tensor_leaves((args, kwargs)))
+        inputs = flat_tensors(args, kwargs)
+        self._keys = self.guard(func, inputs)
         if isinstance(func, str):  # a virtual op: inputs may die inside the region
-            self._keys = self.live_inputs(tensor_leaves(args), self.device)
+            self._keys = self.live_inputs(inputs, self.device)
 
     def on_op_end(self, result: Any) -> Any:
         if self.rewarm is None:
@@ -114,10 +115,11 @@ class ReplayExecutor(BaseExecutor):
         expected = self._entries[i].leaf_storages
         bound = self.bound
         keys = self._keys
-        device = self.device
+        on_device = self.on_device
+        strided = torch.strided
         found = 0
-        for tensor in tensor_leaves(result):
-            if tensor.device != device or tensor.layout is not torch.strided:
+        for tensor in result_tensors(result):
+            if not on_device(tensor) or tensor.layout is not strided:
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
