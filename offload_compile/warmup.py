@@ -318,7 +318,11 @@ def _estimate_new_bytes(
     with _disable_current_modes():
         try:
             meta_args, meta_kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+            if "device" in meta_kwargs:  # factory ops (randn, empty, ...) allocate on meta
+                meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
             meta_inputs = {t.untyped_storage()._cdata for t in tensor_leaves((meta_args, meta_kwargs)) if t.is_meta}
+            if not meta_inputs and "device" not in meta_kwargs:
+                return 0  # nothing would run on meta: never run the real kernel (RNG, cost)
             result = func(*meta_args, **meta_kwargs)
         except Exception:
             return 0
