@@ -24,10 +24,10 @@ the hooks themselves, so it cannot be detected here: wrap such modules in
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -36,6 +36,25 @@ from .opaque import OpenRegion, begin_region, end_region, opaque_name
 __all__ = ["install_compiled_module_hooks"]
 
 _OPEN_ATTR = "_hyper_offload_open_regions"
+
+
+class _NotLoaded:
+    """Stands in for ``OptimizedModule`` until Dynamo is imported (nothing is compiled)."""
+
+
+# ``torch._dynamo`` costs seconds to import; a process that never compiled anything has
+# no OptimizedModule, so the class is looked up when a session installs its hooks.
+# Bound once, never changed afterwards: the class itself, not configuration.
+OptimizedModule: type = _NotLoaded
+
+
+def _bind_optimized_module() -> bool:
+    global OptimizedModule
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return False
+    OptimizedModule = eval_frame.OptimizedModule
+    return True
 
 
 def _executor() -> Any:
@@ -77,8 +96,11 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> A
     return end_region(open_region, output, failed=output is None)
 
 
-def install_compiled_module_hooks() -> tuple[RemovableHandle, RemovableHandle]:
-    """Register the two hooks; the caller removes both handles at the end of the step."""
+def install_compiled_module_hooks() -> tuple[RemovableHandle, ...]:
+    """Register the two hooks; the caller removes the handles at the end of the step.
+    Without Dynamo loaded there is no compiled module, and no hook is installed."""
+    if not _bind_optimized_module():
+        return ()
     pre = register_module_forward_pre_hook(_pre_hook)
     post = register_module_forward_hook(_post_hook, always_call=True)
     return pre, post

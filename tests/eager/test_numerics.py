@@ -18,8 +18,8 @@ from .models import CASES, assert_same_state, make_pair, plain_peak_bytes, train
 COMBOS = [
     ("mlp", torch.float32), ("mlp", torch.bfloat16), ("mlp", torch.float16),
     ("transformer", torch.float32), ("transformer", torch.bfloat16), ("transformer", torch.float16),
-    ("cnn", torch.float32), ("cnn", torch.bfloat16),
-    ("lstm", torch.float32), ("lstm", torch.bfloat16),
+    ("cnn", torch.float32), ("cnn", torch.bfloat16), ("cnn", torch.float16),
+    ("lstm", torch.float32), ("lstm", torch.bfloat16), ("lstm", torch.float16),
 ]
 
 
