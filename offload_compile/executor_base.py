@@ -226,8 +226,12 @@ class BaseExecutor:
         modes_off = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else nullcontext()
         with modes_off:
             for action in actions:
-                manager.apply(action)
                 kind = action.kind
+                if kind is ActionKind.COPY_H2D and manager.is_resident(action.storage):
+                    # Demand-paged earlier (a read the trace could not see, e.g. through a
+                    # closure inside an opaque region): the bytes are already there.
+                    continue
+                manager.apply(action)
                 if kind is ActionKind.RELEASE_DEVICE:
                     self._resident -= manager.buffer(action.storage).nbytes
                 elif kind is ActionKind.COPY_H2D:

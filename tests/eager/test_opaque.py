@@ -233,3 +233,36 @@ def test_custom_function_and_checkpoint_inside_session(budget_kib: int) -> None:
         with session:
             loss = run(lin)
         assert torch.equal(loss, run(ref)) and torch.equal(lin.weight.grad, ref.weight.grad)
+
+
+def test_region_reading_an_offloaded_activation_through_a_closure() -> None:
+    """A read the trace cannot see (a closure inside a region) of a storage the plan has
+    offloaded: the guard pages it back instead of reading 0 bytes, and the schedule's
+    later prefetch of it is skipped. Numbers stay exact."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+    ref_layers = copy.deepcopy(layers)
+    x = torch.randn(256, 32)
+
+    def run(mods: nn.ModuleList) -> torch.Tensor:
+        mods.zero_grad(set_to_none=True)
+        first = torch.tanh(mods[0](x))
+        h = first
+        for layer in mods[1:]:
+            h = torch.tanh(layer(h))
+
+        @skip_offload
+        def peek(t: torch.Tensor) -> torch.Tensor:
+            return t + first.detach().mean()  # `first` is not an argument
+
+        loss = peek(h).pow(2).mean()
+        loss.backward()
+        return loss
+
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=64 * 1024 / MIB))
+    for step in range(3):
+        with session:
+            loss = run(layers)
+        assert torch.equal(loss, run(ref_layers)) and _same_grads(layers, ref_layers), step
+    stats = session.last_stats
+    assert stats.phase == "replay" and stats.demand_loads > 0, stats  # the path ran

@@ -56,7 +56,7 @@ def test_dead_storages_are_not_retained() -> None:
     del out
 
 
-def test_online_eviction_earliest_first_larger_first_and_fits() -> None:
+def test_online_eviction_fits_and_pages_back_on_use() -> None:
     session = OffloadSession(_kib(8))
     x = torch.randn(16)
     meter = DeviceMemoryMeter("cpu")
