@@ -274,3 +274,22 @@ def test_rewarm_after_a_shorter_step() -> None:
         model(x)  # evaluation: forward only, under no_grad
     assert session.rewarms == 1 and session.trace.num_ops < full
     _pool_idle(session)
+
+
+def test_backward_outside_the_session() -> None:
+    """Forward inside, backward after the block: what the graph saved stays resident."""
+    model, ref, x = make_pair(CASES["mlp"], torch.float32, input_shape=(128, 32))
+    session = OffloadSession(TIGHT)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        with session:
+            loss = model(x)
+        loss.backward()
+        torch.manual_seed(step)
+        ref_loss = ref(x)
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss)
+        assert_same_state(model, ref, f"backward outside, step {step}")
+    _pool_idle(session)
