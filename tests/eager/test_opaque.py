@@ -202,8 +202,9 @@ def test_plain_dispatch_mode_bypasses_compiled_code() -> None:
     assert counts == {"fw": 0, "bw": 0}
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["checkpoint", "reentrant-checkpoint"])
 @pytest.mark.parametrize("budget_kib", [4, 1 << 20])
-def test_custom_function_and_checkpoint_inside_session(budget_kib: int) -> None:
+def test_custom_function_and_checkpoint_inside_session(budget_kib: int, reentrant: bool) -> None:
     class Square(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):  # type: ignore[no-untyped-def]
@@ -223,7 +224,7 @@ def test_custom_function_and_checkpoint_inside_session(budget_kib: int) -> None:
     def run(m: nn.Module) -> torch.Tensor:
         m.zero_grad(set_to_none=True)
         h = Square.apply(m(x))
-        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(t) * t, h, use_reentrant=False)
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(t) * t, h, use_reentrant=reentrant)
         loss = Square.apply(h).mean()
         loss.backward()
         return loss
