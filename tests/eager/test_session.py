@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -231,8 +233,6 @@ def test_hundred_replay_steps_do_not_leak() -> None:
 
 
 def _plain_grads(model: Branchy, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    import copy
-
     ref = copy.deepcopy(model)
     loss = ref(x)
     loss.backward()
@@ -292,4 +292,43 @@ def test_backward_outside_the_session() -> None:
         ref_loss.backward()
         assert torch.equal(loss, ref_loss)
         assert_same_state(model, ref, f"backward outside, step {step}")
+    _pool_idle(session)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_optimizer_step_inside_the_session(optimizer: str) -> None:
+    """The first opt.step() creates optimizer state (other ops than later steps): without
+    re-warming, step 2 is reported as a mismatch; with it, step 2 re-plans once."""
+    model, ref, x = make_pair(CASES["mlp"], torch.float32, input_shape=(128, 32))
+
+    def make(params):  # type: ignore[no-untyped-def]
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+        return torch.optim.Adam(params, lr=1e-3)
+
+    strict_model = copy.deepcopy(model)
+    strict_opt = make(strict_model.parameters())
+    strict = OffloadSession(TIGHT)
+    with strict:
+        train_step(strict_model, x, strict_opt, 0)
+        strict_opt.step()
+    with pytest.raises(ReplayMismatchError):
+        with strict:
+            train_step(strict_model, x, strict_opt, 1)
+            strict_opt.step()
+    _pool_idle(strict)
+
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    session = OffloadSession(
+        OffloadConfig(max_resident_activation_mb=TIGHT.max_resident_activation_mb, rewarm_on_mismatch=True)
+    )
+    for step in range(4):
+        with session:
+            loss = train_step(model, x, opt, step)
+            opt.step()
+        ref_loss = train_step(ref, x, ref_opt, step)
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss)
+        assert_same_state(model, ref, f"{optimizer} inside the session, step {step}")
+    assert session.rewarms == 1 and session.last_stats.phase == "replay"
     _pool_idle(session)
