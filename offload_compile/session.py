@@ -64,18 +64,31 @@ class OffloadSession:
     """Eager activation offloading for one model's training steps (module docstring).
 
     ``device``: the device whose activations are managed (default: the current
-    accelerator, else CPU). One session per training loop; steps must not overlap.
+    accelerator, else CPU). ``engine``: the ``TransferEngine`` that moves the bytes
+    (default: one for ``device``; tests pass a scripted engine). One session per
+    training loop; steps must not overlap.
     """
 
-    def __init__(self, config: OffloadConfig | None = None, *, device: Any = None) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig | None = None,
+        *,
+        device: Any = None,
+        engine: TransferEngine | None = None,
+    ) -> None:
         self.config = config if config is not None else OffloadConfig()
         if not isinstance(self.config, OffloadConfig):
             raise TypeError(
                 f"OffloadSession: expected an OffloadConfig, got {type(self.config).__name__}; "
                 "pass OffloadConfig(max_resident_activation_mb=...)"
             )
-        self.device = _normalise(resolve_device(device))
-        self.engine = TransferEngine(self.device)
+        self.device = _normalise(resolve_device(device if engine is None else engine.device))
+        if engine is not None and _normalise(engine.device) != self.device:
+            raise ValueError(
+                f"OffloadSession: engine moves bytes of {engine.device}, but the session manages "
+                f"{self.device}; pass an engine for the session's device"
+            )
+        self.engine = engine if engine is not None else TransferEngine(self.device)
         self.pool = PinnedMemoryPool(self.config.max_host_bytes)
         self.manager = ResidencyManager(self.engine, self.pool)
         self._plan: WarmupResult | None = None
@@ -175,12 +188,12 @@ class OffloadSession:
         finally:
             self._leave()
         if exc_type is not None:
-            self._abort(executor)
+            self._abort(executor, exc)
             return None  # propagate unchanged
         try:
             result = executor.finish()
-        except BaseException:
-            self._abort(executor)
+        except BaseException as error:
+            self._abort(executor, error)
             raise
         if isinstance(result, WarmupResult):
             self._plan = result
@@ -225,9 +238,22 @@ class OffloadSession:
         self._mode = None
         self._executor = None
 
-    def _abort(self, executor: BaseExecutor) -> None:
-        executor.abort()
-        self._close_stats(executor)
+    def _abort(self, executor: BaseExecutor, error: BaseException | None) -> None:
+        """Clean up after ``error``; a failure of the cleanup itself (e.g. a storage that
+        cannot be paged back: ``DataLostError``) never replaces ``error``, it is attached
+        to it as a note."""
+        try:
+            executor.abort()
+        except Exception as cleanup_error:
+            if error is None:
+                raise
+            if hasattr(error, "add_note"):
+                error.add_note(
+                    f"hyper_offload: cleaning up the session after this error also failed: "
+                    f"{type(cleanup_error).__name__}: {cleanup_error}"
+                )
+        finally:
+            self._close_stats(executor)
 
     def _close_stats(self, executor: BaseExecutor) -> None:
         stats = executor.close_stats(self.pool)
