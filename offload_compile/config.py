@@ -27,6 +27,11 @@ class OffloadConfig:
     planner: ResidencyPlanner | None = None
     """Planner used to build the schedule; ``None`` means ``GreedyResidencyPlanner()``."""
 
+    rewarm_on_mismatch: bool = False
+    """Eager ``OffloadSession`` only: when a replayed step does not match the warmup
+    trace (another branch or shape), re-trace and re-plan transparently instead of
+    raising ``ReplayMismatchError``. Off by default so a changing step is reported."""
+
     def __post_init__(self) -> None:
         for name in ("max_resident_activation_mb", "max_offload_activation_mb"):
             value = getattr(self, name)
@@ -37,6 +42,11 @@ class OffloadConfig:
                 raise ValueError(
                     f"OffloadConfig.{name}: expected a finite number of MiB >= 0, got {value!r}"
                 )
+        if not isinstance(self.rewarm_on_mismatch, bool):
+            raise TypeError(
+                f"OffloadConfig.rewarm_on_mismatch: expected True or False, got "
+                f"{self.rewarm_on_mismatch!r}"
+            )
         if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
             raise TypeError(
                 f"OffloadConfig.planner: {self.planner!r} has no plan(trace) method; pass an "

@@ -1,0 +1,239 @@
+"""``ReplayExecutor``: run the planned ``ResidencySchedule`` around the replayed ops.
+
+Design section 4.3. For op ``i`` of the step::
+
+    check func is the op warmup recorded at i      (identity compare: the hot path)
+    run schedule.pre[i] through the ResidencyManager (COPY_H2D, WAIT_H2D)
+    guard the inputs (an offloaded input is demand-paged; a released one raises)
+    run the op
+    bind each fresh output storage under the id the OpGuide names for (i, leaf)
+    check the output leaves against the OpGuide (count and storage ids)
+    run schedule.post[i] (COPY_D2H, RELEASE_DEVICE, RELEASE_HOST)
+
+Every storage the step creates is bound in the manager, so the schedule can free its
+device bytes right after its last use (``RELEASE_DEVICE`` resizes it to 0 bytes) even
+while autograd still holds tensors on it; the manager keeps the storage objects (not
+their bytes) until the end of the step. The resident-bytes curve after each op is
+therefore exactly what ``check_schedule`` predicts for the plan.
+
+A structural mismatch raises :class:`~hyper_offload.passes.ReplayMismatchError` naming
+the op index, the expected and found op and their output leaf counts. The offending
+op has already run by then (its inputs were guarded, so it never read released bytes)
+so that its leaf count can be reported; no schedule action runs for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hyper_offload.passes.op_guide import OpGuide, ReplayMismatchError
+from hyper_offload.runtime import BufferState, ResidencyManager
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .dispatch_mode import flat_tensors, result_tensors, tensor_leaves
+from .executor_base import BaseExecutor, OffloadSessionError
+from .warmup import WarmupExecutor, WarmupResult
+
+__all__ = ["ReplayExecutor"]
+
+
+class ReplayExecutor(BaseExecutor):
+    phase = "replay"
+
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        device: torch.device,
+        plan: WarmupResult,
+        *,
+        rewarm: Callable[[], WarmupExecutor] | None = None,
+    ) -> None:
+        """``rewarm``: on a structural mismatch, build a warmup executor that takes the
+        step over (``OffloadConfig.rewarm_on_mismatch``); ``None`` raises instead."""
+        super().__init__(manager, device)
+        self.plan = plan
+        self.rewarm = rewarm
+        self.successor: WarmupExecutor | None = None
+        """The warmup executor that took the step over after a mismatch, if any."""
+        self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
+        self.guide = OpGuide.from_trace(plan.trace)
+        self._entries = self.guide.entries
+        self._funcs = plan.funcs
+        self._pre = plan.schedule.pre
+        self._post = plan.schedule.post
+        self._num_ops = len(self._funcs)
+        self._sizes = plan.trace.storage_sizes
+        self._keys: Any = set()
+        self._mismatched: Any = None  # the unexpected func, while it runs
+
+    def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        i = self.index
+        if i >= self._num_ops or (func is not self._funcs[i] and func != self._funcs[i]):
+            self._mismatched = func  # run it (guarded), then report its leaf count too
+        else:
+            pre = self._pre[i]
+            if pre:
+                self.apply_actions(pre)
+        if self.rewarm is not None:
+            self._call = (func, args, kwargs)
+        inputs = flat_tensors(args, kwargs)
+        self._keys = self.guard(func, inputs)
+        if isinstance(func, str):  # a virtual op: inputs may die inside the region
+            self._keys = self.live_inputs(inputs, self.device)
+
+    def on_op_end(self, result: Any) -> Any:
+        if self.rewarm is None:
+            return self._end_op(result)
+        try:
+            return self._end_op(result)
+        except ReplayMismatchError:
+            if self.opaque_depth or self.backward_regions or self._call is None:
+                raise  # inside an opaque region: no safe point to hand the step over
+            return self._hand_over(result)
+
+    def _hand_over(self, result: Any) -> Any:
+        """Let a warmup executor record the rest of the step (re-warm on mismatch)."""
+        assert self.rewarm is not None and self._call is not None
+        successor = self.rewarm()
+        successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+        successor.stats.demand_loads = self.stats.demand_loads
+        self.successor = successor
+        self.closed = True
+        func, args, kwargs = self._call
+        self._call = None
+        successor.on_op_begin(func, args, kwargs)
+        return successor.on_op_end(result)
+
+    def _end_op(self, result: Any) -> Any:
+        i = self.index
+        if self._mismatched is not None:
+            func, self._mismatched = self._mismatched, None
+            self._raise_mismatch(func, self._count_leaves(result))
+        expected = self._entries[i].leaf_storages
+        bound = self.bound
+        keys = self._keys
+        on_device = self.on_device
+        strided = torch.strided
+        found = 0
+        for tensor in result_tensors(result):
+            if not on_device(tensor) or tensor.layout is not strided:
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            sid = bound.get(key)
+            if sid is None:
+                if self.is_input_alias(storage, keys):
+                    continue  # alias of a storage that existed before the step
+                if found >= len(expected) or expected[found] in self.manager:
+                    self._raise_mismatch(self._funcs[i], self._count_leaves(result))
+                sid = expected[found]
+                if storage.nbytes() != self._sizes[sid]:
+                    self._raise_size_mismatch(sid, storage.nbytes())
+                self.manager.bind(sid, tensor)
+                bound[key] = sid
+                self._resident += storage.nbytes()
+            elif found >= len(expected) or expected[found] != sid:
+                self._raise_mismatch(self._funcs[i], self._count_leaves(result))
+            found += 1
+        if found != len(expected):
+            self._raise_mismatch(self._funcs[i], found)
+        self.sample()
+        post = self._post[i]
+        if post:
+            self.apply_actions(post)
+        self.index = i + 1
+        return result
+
+    def storage_ids(self, tensors: Any) -> tuple[int, ...]:
+        sids: dict[int, None] = {}
+        for tensor in tensors:
+            if tensor.device == self.device and tensor.layout is torch.strided:
+                sid = self.bound.get(tensor.untyped_storage()._cdata)
+                if sid is not None:
+                    sids[sid] = None
+        return tuple(sids)
+
+    def storage_of(self, sid: int) -> torch.UntypedStorage | None:
+        # A RELEASED storage was dead at this point of the warmup step (the plan freed it
+        # after its last recorded use), so a region's backward cannot be reading it.
+        if sid not in self.manager or self.manager.state(sid) is BufferState.RELEASED:
+            return None
+        return self.manager.buffer(sid).storage
+
+    # ------------------------------------------------------------------ checks
+
+    def _count_leaves(self, result: Any) -> int:
+        """Output leaves as warmup counted them: tracked or fresh storages."""
+        count = 0
+        for tensor in tensor_leaves(result):
+            if tensor.device != self.device or tensor.layout is not torch.strided:
+                continue
+            storage = tensor.untyped_storage()
+            if storage._cdata in self.bound or not self.is_input_alias(storage, self._keys):
+                count += 1
+        return count
+
+    def _raise_mismatch(self, func: Any, found_leaves: int) -> None:
+        i = self.index
+        name = func if isinstance(func, str) else str(func)
+        if i >= self._num_ops:
+            raise ReplayMismatchError(
+                f"replay op {i}: the warmup step recorded only {self._num_ops} ops, but the "
+                f"step ran {name} ({found_leaves} output leaves) as op {i}; the model must run "
+                "the same ops every step (wrap data-dependent code in @skip_offload, call "
+                "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True))"
+            )
+        entry = self._entries[i]
+        raise ReplayMismatchError(
+            f"replay op {i}: warmup recorded {entry.name} with {entry.output_leaf_count} output "
+            f"leaves, replay ran {name} with {found_leaves}; the step's op sequence changed "
+            "(another branch or shape). Wrap data-dependent code in @skip_offload, call "
+            "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
+        )
+
+    def _raise_size_mismatch(self, sid: int, found_bytes: int) -> None:
+        i = self.index
+        raise ReplayMismatchError(
+            f"replay op {i} ({self._entries[i].name}): output storage {sid} has {found_bytes} "
+            f"bytes, warmup recorded {self._sizes[sid]}; the step runs the same ops on other "
+            "shapes, so the plan's sizes and budget no longer hold. Call session.reset() to "
+            "re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
+        )
+
+    # ------------------------------------------------------------------ end of step
+
+    def finish(self) -> Any:
+        self.closed = True
+        if self.index != self._num_ops and self.rewarm is not None and not self.opaque_depth:
+            successor = self.rewarm()  # the step ran fewer ops: re-plan what it did run
+            successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+            self.successor = successor
+            return successor.finish()
+        if self.index != self._num_ops:
+            raise ReplayMismatchError(
+                f"replay: the step ended after {self.index} ops, but the warmup step recorded "
+                f"{self._num_ops} (next expected: op {self.index}, {self._entries[self.index].name}); "
+                "run the same forward and backward every step, or call session.reset()"
+            )
+        manager = self.manager
+        with _disable_current_modes():
+            manager.wait_for_transfers()
+            stranded = [
+                sid
+                for sid in manager
+                if manager.state(sid) is BufferState.RELEASED
+                and torch._C._storage_Use_Count(manager.buffer(sid).storage._cdata) > 1
+            ]
+            manager.reset(restore_offloaded=True)
+        self.bound.clear()
+        if stranded:
+            shown = ", ".join(str(s) for s in stranded[:10])
+            raise OffloadSessionError(
+                f"replay: storages [{shown}] are still referenced after the step, but the "
+                "warmup step saw them freed, so the schedule released their bytes after their "
+                "last recorded use; do not read those tensors. Keep the same references in "
+                "every step (or call session.reset() to re-warm with the new ones)"
+            )

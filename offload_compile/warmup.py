@@ -1,0 +1,340 @@
+"""``WarmupExecutor``: record the step as an ``ActivationTrace``, evicting online.
+
+Design section 4.3. Step 1 runs the model for real; for every op the executor records
+which tracked storages it READs or WRITEs (WRITE for arguments the op schema marks
+``Tensor(a!)``, and for the storages it creates), the storage of each output leaf, and
+the op's wall time. Storages are tracked by :class:`ActivationTracker`.
+
+Online eviction ("step 1 already fits"): before an op runs, the executor estimates the
+bytes of the storages the op will create (running it on ``meta`` tensors), and while
+resident bytes plus that estimate exceed the budget it offloads resident storages the op
+does not touch: the earliest-produced first, the larger first among one op's outputs
+(``copy_d2h`` + ``release_device`` through the ``ResidencyManager``). An op that needs an
+evicted storage pages it back first (``BaseExecutor.guard``), after which the storage is
+unbound again so that its bytes are freed when its last tensor dies.
+
+``finish`` pages back what is still referenced, reads which storages survive the step
+(``retained``), profiles transfer bandwidth, builds the trace, plans it with the
+configured planner and checks the plan with ``check_schedule``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map_only
+
+from hyper_offload.passes.planner_protocol import ResidencyPlanner
+from hyper_offload.passes.schedule import ResidencySchedule
+from hyper_offload.passes.trace import AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp
+from hyper_offload.passes.validator import ScheduleReport, check_schedule
+from hyper_offload.runtime import BufferState, ResidencyManager, profile_transfer_bandwidth
+from hyper_offload.runtime.physical_buffer import byte_view
+
+from .dispatch_mode import tensor_leaves, written_arguments
+from .executor_base import BaseExecutor, OffloadSessionError
+from .tracker import ActivationTracker
+
+__all__ = ["WarmupExecutor", "WarmupResult"]
+
+
+class WarmupResult:
+    """What a warmup step produced: the trace, the plan, its report, and the callables
+    of every op (identity-compared on replay's hot path)."""
+
+    def __init__(
+        self,
+        trace: ActivationTrace,
+        schedule: ResidencySchedule,
+        report: ScheduleReport,
+        funcs: list[Any],
+    ) -> None:
+        self.trace = trace
+        self.schedule = schedule
+        self.report = report
+        self.funcs = funcs
+
+
+class WarmupExecutor(BaseExecutor):
+    phase = "warmup"
+
+    def __init__(
+        self,
+        manager: ResidencyManager,
+        device: torch.device,
+        *,
+        budget_bytes: int,
+        planner: ResidencyPlanner,
+        profile_bandwidth: bool = True,
+    ) -> None:
+        super().__init__(manager, device)
+        self.budget_bytes = budget_bytes
+        self.planner = planner
+        self.profile_bandwidth = profile_bandwidth
+        self.tracker = ActivationTracker(on_free=self._on_free)
+        self.ops: list[TraceOp] = []
+        self.funcs: list[Any] = []
+        self._resident_sids: dict[StorageId, None] = {}  # insertion-ordered set
+        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+        self._current: tuple[Any, str, dict[StorageId, AccessKind], Any, float] | None = None
+
+    # ------------------------------------------------------------------ op hooks
+
+    def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = func if isinstance(func, str) else str(func)
+        writes = self._writes.get(func)
+        if writes is None:
+            writes = self._writes[func] = written_arguments(func)
+        written_pos = {p for p, _ in writes}
+        written_names = {n for _, n in writes}
+        tensors: list[tuple[torch.Tensor, bool]] = []
+        for position, value in enumerate(args):
+            tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
+        for key, value in kwargs.items():
+            tensors.extend((t, key in written_names) for t in tensor_leaves(value))
+        keys: Any = self.guard(name, (t for t, _ in tensors))
+        if isinstance(func, str):
+            keys = self.live_inputs((t for t, _ in tensors), self.device)
+        accesses: dict[StorageId, AccessKind] = {}
+        for tensor, written in tensors:
+            if tensor.device != self.device or tensor.layout is not torch.strided:
+                continue
+            sid = self.tracker.sid_of(tensor.untyped_storage())
+            if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
+                accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
+        incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
+        self._evict(set(accesses), incoming)
+        self._current = (func, name, accesses, keys, time.perf_counter())
+
+    def on_op_end(self, result: Any) -> Any:
+        assert self._current is not None, "on_op_end without on_op_begin"
+        func, name, accesses, keys, started = self._current
+        self._current = None
+        duration = time.perf_counter() - started
+        outputs: list[StorageId] = []
+        for tensor in tensor_leaves(result):
+            if tensor.device != self.device or tensor.layout is not torch.strided:
+                continue
+            storage = tensor.untyped_storage()
+            sid = self.tracker.sid_of(storage)
+            if sid is None:
+                if self.is_input_alias(storage, keys):
+                    continue  # a view of (or in-place result on) a pre-existing storage
+                sid = self.tracker.adopt(storage, self.index)
+                self._resident += storage.nbytes()
+                self._resident_sids[sid] = None
+                accesses[sid] = AccessKind.WRITE
+            else:
+                self._note_growth(sid, storage.nbytes())
+                accesses.setdefault(sid, AccessKind.READ)
+            outputs.append(sid)
+        self.ops.append(
+            TraceOp(
+                name=name,
+                accesses=tuple(StorageAccess(s, k) for s, k in sorted(accesses.items())),
+                outputs=tuple(outputs),
+                duration_s=duration,
+            )
+        )
+        self.funcs.append(func)
+        self.sample()
+        self.index += 1
+        return result
+
+    def storage_ids(self, tensors: Any) -> tuple[StorageId, ...]:
+        sids: dict[StorageId, None] = {}
+        for tensor in tensors:
+            if tensor.device == self.device and tensor.layout is torch.strided:
+                sid = self.tracker.sid_of(tensor.untyped_storage())
+                if sid is not None:
+                    sids[sid] = None
+        return tuple(sids)
+
+    def storage_of(self, sid: StorageId) -> torch.UntypedStorage | None:
+        return self.tracker.storage(sid)
+
+    # ------------------------------------------------------------------ eviction
+
+    def _on_free(self, sid: StorageId) -> None:
+        if sid in self._resident_sids:
+            del self._resident_sids[sid]
+            self._resident -= self.tracker.entry(sid).nbytes
+
+    def _note_growth(self, sid: StorageId, nbytes: int) -> None:
+        entry = self.tracker.entry(sid)
+        if nbytes > entry.nbytes:
+            if sid in self._resident_sids:
+                self._resident += nbytes - entry.nbytes
+            self.tracker.grow(sid, nbytes)
+
+    def _evict(self, protect: set[StorageId], incoming: int) -> None:
+        excess = self._resident + incoming - self.budget_bytes
+        if excess <= 0:
+            return
+        tracker = self.tracker
+        victims = sorted(
+            (s for s in self._resident_sids if s not in protect),
+            key=lambda s: (tracker.entry(s).producer, -tracker.entry(s).nbytes, s),
+        )
+        for sid in victims:
+            if excess <= 0:
+                break
+            storage = tracker.storage(sid)
+            if storage is None or storage.nbytes() == 0:
+                continue
+            excess -= self._offload(sid, storage)
+
+    def _offload(self, sid: StorageId, storage: torch.UntypedStorage) -> int:
+        nbytes = storage.nbytes()
+        with _disable_current_modes():
+            self.manager.bind(sid, byte_view(storage, nbytes))
+            self.manager.copy_d2h(sid)
+            self.manager.release_device(sid)
+        self.bound[storage._cdata] = sid
+        del self._resident_sids[sid]
+        self._resident -= nbytes
+        self.stats.evictions += 1
+        self.stats.bytes_d2h += nbytes
+        self.stats.transfers += 1
+        return nbytes
+
+    def after_page_in(self, sid: StorageId) -> None:
+        # Unbind again: the manager would otherwise keep the storage (and its device
+        # bytes) alive after its last tensor died.
+        storage = self.manager.buffer(sid).storage
+        with _disable_current_modes():
+            self.manager.unbind(sid)
+        del self.bound[storage._cdata]
+        self._resident_sids[sid] = None
+
+    # ------------------------------------------------------------------ re-warm
+
+    def continue_from(self, trace: ActivationTrace, funcs: list[Any], num_ops: int, bound: dict[int, StorageId]) -> None:
+        """Take over a replayed step after its first ``num_ops`` ops (which matched
+        ``trace``): keep those ops, and adopt every storage the replay bound, in the
+        state the schedule left it (``bound``: the replay's ``_cdata`` -> id map).
+
+        Resident storages become tracked activations; offloaded ones stay bound (an op
+        that needs one pages it back); storages the schedule released for good stay
+        bound too, so that a read of one raises instead of touching 0 bytes."""
+        manager = self.manager
+        self.ops = list(trace.ops[:num_ops])
+        self.funcs = list(funcs[:num_ops])
+        self.index = num_ops
+        bound_sids = {sid: key for key, sid in bound.items()}
+        seen = sorted({a.storage for op in self.ops for a in op.accesses})
+        for sid in seen:
+            size = trace.storage_sizes[sid]
+            producer = trace.accesses_of(sid)[0][0]
+            if sid not in manager:
+                self.tracker.add_dead(sid, size, producer)
+                continue
+            buffer = manager.buffer(sid)
+            storage, state = buffer.storage, buffer.state
+            if state is BufferState.RELEASED:
+                self.tracker.add_dead(sid, size, producer)
+                self.bound[bound_sids[sid]] = sid
+            elif state is BufferState.HOST:
+                self.tracker.adopt_as(storage, sid, size, producer)
+                self.bound[bound_sids[sid]] = sid
+            else:
+                with _disable_current_modes():
+                    buffer.synchronize()
+                    if buffer.has_host_copy:
+                        manager.release_host(sid)
+                    manager.unbind(sid)
+                self.tracker.adopt_as(storage, sid, size, producer)
+                self._resident_sids[sid] = None
+                self._resident += size
+        with _disable_current_modes():
+            for sid in list(manager):  # bound by the mismatched op itself: it records anew
+                if sid not in self.tracker.sizes():
+                    manager.unbind(sid)
+
+    # ------------------------------------------------------------------ end of step
+
+    def finish(self) -> WarmupResult:
+        """Page back live offloaded storages, build the trace and plan it."""
+        self.closed = True
+        manager = self.manager
+        stranded = []
+        with _disable_current_modes():
+            manager.wait_for_transfers()
+            for sid in list(manager):
+                if manager.state(sid) is BufferState.RELEASED:  # only after a re-warm
+                    if torch._C._storage_Use_Count(manager.buffer(sid).storage._cdata) > 1:
+                        stranded.append(sid)
+                    manager.unbind(sid)
+                elif not self.tracker.referenced_elsewhere(sid):
+                    manager.release_host(sid)  # dead while offloaded: drop both copies
+                    manager.unbind(sid)
+            manager.reset(restore_offloaded=True)
+        self.bound.clear()
+        if stranded:
+            raise OffloadSessionError(
+                f"warmup (re-warmed after a mismatch): storages {stranded[:10]} are still "
+                "referenced after the step, but the previous plan released their bytes; do "
+                "not read those tensors, and call session.reset() before the next step"
+            )
+        retained = frozenset(e.sid for e in self.tracker if e.alive)
+        bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
+        trace = ActivationTrace(
+            ops=tuple(self.ops),
+            storage_sizes=self.tracker.sizes(),
+            budget_bytes=self.budget_bytes,
+            retained=retained,
+            **(
+                {}
+                if bandwidth is None
+                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps, "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
+            ),
+        )
+        schedule = self.planner.plan(trace)
+        report = check_schedule(trace, schedule)
+        if not report.ok:
+            shown = "\n  ".join(str(v) for v in report.violations[:10])
+            raise OffloadSessionError(
+                f"warmup: planner {self.planner!r} produced a schedule that check_schedule "
+                f"rejects ({len(report.violations)} violation(s)); the session stays in warmup. "
+                f"First violations:\n  {shown}\nFix the planner or use the default one"
+            )
+        self.tracker.clear()
+        return WarmupResult(trace, schedule, report, self.funcs)
+
+
+def _estimate_new_bytes(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> int:
+    """Bytes of the storages ``func`` will allocate, from a run on meta tensors; 0 when the
+    op has no meta kernel (data-dependent shapes, ops with side effects)."""
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        if t.device != device or t.layout is not torch.strided:
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    with _disable_current_modes():
+        try:
+            meta_args, meta_kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+            if "device" in meta_kwargs:  # factory ops (randn, empty, ...) allocate on meta
+                meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
+            meta_inputs = {t.untyped_storage()._cdata for t in tensor_leaves((meta_args, meta_kwargs)) if t.is_meta}
+            if not meta_inputs and "device" not in meta_kwargs:
+                return 0  # nothing would run on meta: never run the real kernel (RNG, cost)
+            result = func(*meta_args, **meta_kwargs)
+        except Exception:
+            return 0
+        seen: set[int] = set()
+        total = 0
+        for tensor in tensor_leaves(result):
+            if not tensor.is_meta:
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in meta_inputs or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+    return total

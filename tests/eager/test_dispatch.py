@@ -1,0 +1,90 @@
+"""ActivationDispatchMode + BaseExecutor: the dispatch template and its helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hyper_offload import OffloadConfig, OffloadSession
+from hyper_offload.dispatch_mode import (
+    ActivationDispatchMode,
+    flat_tensors,
+    result_tensors,
+    tensor_leaves,
+    written_arguments,
+)
+from hyper_offload.executor_base import BaseExecutor
+from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine
+from hyper_offload.shadow_tensor import ShadowTensor
+
+
+class Recording(BaseExecutor):
+    def __init__(self) -> None:
+        super().__init__(ResidencyManager(TransferEngine("cpu"), PinnedMemoryPool(1 << 20)), torch.device("cpu"))
+        self.events: list[tuple[str, str]] = []
+
+    def on_op_begin(self, func: Any, args: Any, kwargs: Any) -> None:
+        self.events.append(("begin", str(func)))
+
+    def on_op_end(self, result: Any) -> Any:
+        self.events.append(("end", type(result).__name__))
+        self.index += 1
+        return result
+
+    def storage_ids(self, tensors: Any) -> tuple[int, ...]:
+        return ()
+
+
+def test_mode_forwards_every_op_to_the_executor() -> None:
+    executor = Recording()
+    x = torch.randn(3, requires_grad=True)
+    with ActivationDispatchMode(executor):
+        y = (x * 2).sum()
+        y.backward()
+    names = [name for kind, name in executor.events if kind == "begin"]
+    assert names[:2] == ["aten.mul.Tensor", "aten.sum.default"]
+    assert any("ones_like" in n or "expand" in n for n in names[2:])  # backward ops too
+    assert executor.index == len(names) and torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_opaque_depth_bypasses_the_hooks() -> None:
+    executor = Recording()
+    executor.opaque_depth = 1
+    with ActivationDispatchMode(executor):
+        torch.ones(2) + 1
+    assert executor.events == [] and executor.index == 0
+
+
+def test_execute_opaque_op_is_one_begin_and_one_end() -> None:
+    executor = Recording()
+    a, b = torch.randn(2, 2), torch.randn(2, 2)
+    with ActivationDispatchMode(executor):
+        out = executor.execute_opaque_op(lambda a, b: (a @ b).relu(), (a, b), {}, "opaque:f")
+    assert executor.events == [("begin", "opaque:f"), ("end", "Tensor")] and out.shape == (2, 2)
+
+
+def test_helpers() -> None:
+    a, b = torch.zeros(1), torch.zeros(2)
+    assert list(tensor_leaves({"x": [a, (b, 3)], "y": None})) == [a, b]
+    assert flat_tensors((a, [b, 1], 2), {"out": a}) == [a, b, a]
+    assert result_tensors(a) == (a,) and list(result_tensors((a, None, b))) == [a, b]
+    writes = written_arguments(torch.ops.aten.add_.Tensor)
+    assert writes == ((0, "self"),)
+    assert written_arguments(torch.ops.aten.add.out) == ((3, "out"),) or written_arguments(
+        torch.ops.aten.add.out
+    )[0][1] == "out"
+    assert written_arguments("opaque:f") == ()
+
+
+def test_shadow_tensor_inside_a_session() -> None:
+    """A tensor subclass unwraps itself first; its inner ops come back as plain ops."""
+    manager = ResidencyManager(TransferEngine("cpu"), PinnedMemoryPool(1 << 20))
+    x = torch.randn(6)
+    shadow = ShadowTensor(manager.bind(0, x))
+    session = OffloadSession(OffloadConfig())
+    with session:
+        y = shadow * 3
+    assert type(y) is torch.Tensor and torch.equal(y, x * 3)
+    assert any("mul" in op.name for op in session.trace.ops)
+    manager.reset()
