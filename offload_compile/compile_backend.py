@@ -64,6 +64,7 @@ class _Region:
         self.index = index
         self.runtime = TransferRuntime(pool=PinnedMemoryPool(options.config.max_host_bytes))
         self.planned: PlannedRegion | None = None
+        self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
         self.fw_symbol_hints: dict[int, tuple[str, int]] = {}
         self.hint_warned = False
 
@@ -132,6 +133,7 @@ class _OffloadPartitioner(_partitioner_base()):  # type: ignore[misc]
             options=self._backend.options, bandwidth=self._backend.bandwidth(fw),
             region=region.index,
         )
+        region.graphs = (fw, bw)
         log_region_report(region.planned.report)
         return fw, bw
 

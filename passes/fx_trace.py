@@ -297,13 +297,17 @@ def _device_of(outputs: Iterable[Any]) -> torch.device:
 def _classify_saved(
     builder: _Builder, saved_nodes: Sequence[fx.Node], model_outputs: set[StorageId]
 ) -> list[SavedActivation]:
+    # A lowered forward returns a wait node in place of the activation; classify the
+    # activation itself (found by its saved name), so a lowering's trace is unchanged.
+    by_name = {n.name: n for n in saved_nodes[0].graph.nodes} if saved_nodes else {}
+    originals = [by_name.get(saved_name(node), node) for node in saved_nodes]
     per_storage: dict[StorageId, int] = {}
-    for node in saved_nodes:
+    for node in originals:
         sid = builder.storage.get(f"fw:{node.name}", [None])[0]
         if sid is not None:
             per_storage[sid] = per_storage.get(sid, 0) + 1
     result = []
-    for node in saved_nodes:
+    for node in originals:
         qualified = f"fw:{node.name}"
         sid = builder.storage.get(qualified, [None])[0]
         value = node.meta["val"]
@@ -315,10 +319,16 @@ def _classify_saved(
             reason = "also a model output"
         elif per_storage[sid] > 1:
             reason = "several saved tensors share its storage"
+        elif builder.fresh[sid] != f"fw:{_producer(node).name}":
+            reason = "a view (its base is not saved as itself)"
         elif builder.sizes[sid] != nbytes or not _dense(value):
-            reason = "a view that does not cover its storage"
-        result.append(SavedActivation(saved_name(node), sid, nbytes, not reason, reason))
+            reason = "does not cover its storage densely"
+        result.append(SavedActivation(node.name, sid, nbytes, not reason, reason))
     return result
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    return node.args[0] if node.target is operator.getitem else node  # type: ignore[return-value]
 
 
 def _dense(value: torch.Tensor) -> bool:
