@@ -97,6 +97,9 @@ class _WithRuntime:
     def __call__(self, args: list[Any]) -> Any:
         if self._forward:
             self._region.check_hints(args)
+            # Host copies of a step whose backward never ran (no backward, or a backward
+            # that raised elsewhere) are unreachable now: give their buffers back.
+            self._region.runtime.release_orphans()
         with self._region.runtime:
             if getattr(self._compiled, "_boxed_call", False):
                 return self._compiled(args)

@@ -67,7 +67,7 @@ def plan_region(
     fx_trace = dataclasses.replace(fx_trace, trace=trace)
     schedule = options.config.resolved_planner().plan(trace)
     _require_ok(check_schedule(trace, schedule), "the planner's schedule", region)
-    schedule = hoist_prefetches(trace, schedule)
+    schedule = hoist_prefetches(trace, schedule, earliest_op=fx_trace.num_fw_ops)
     check = check_schedule(trace, schedule)
     _require_ok(check, "the hoisted schedule", region)
     lowered_check = None
