@@ -1,7 +1,9 @@
 """Loss and every gradient of ``backend="hyper_offload"`` equal plain ``torch.compile``
-with the same inner compiler, bit for bit: a two-region model (attention, LayerNorm,
-GELU, dropout, in-place ops and views, checkpoint, a graph break), fp32 and bf16, both
-inner compilers, budgets from "everything fits" to "as tight as feasible".
+with the same inner compiler, bit for bit: Transformer blocks (attention, LayerNorm,
+GELU, dropout, in-place ops and views, checkpoint), fp32 and bf16, both inner
+compilers, budgets from "everything fits" to "as tight as feasible". Under aot_eager
+the model has a graph break (two regions); under Inductor, whose compiles cost seconds
+on CI's two cores, one block with the checkpointed MLP.
 
 Plain Inductor on CPU is only run-to-run deterministic under
 ``torch.use_deterministic_algorithms(True)``; the comparisons run under it.
@@ -12,14 +14,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile_models import TwoRegions, compile_step, mlp, offload_backend, transfer_ops_in
+from compile_models import Block, TwoRegions, compile_step, mlp, offload_backend, transfer_ops_in
 
 CASES = [
-    (inner, dtype, budget)
-    for inner in ("aot_eager", "inductor")
-    for dtype in (torch.float32, torch.bfloat16)
-    for budget in ("fits", "tight")
-] + [("aot_eager", torch.float32, "half"), ("inductor", torch.bfloat16, "half")]
+    ("aot_eager", torch.float32, "fits"),
+    ("aot_eager", torch.float32, "half"),
+    ("aot_eager", torch.float32, "tight"),
+    ("aot_eager", torch.bfloat16, "tight"),
+    ("inductor", torch.float32, "fits"),
+    ("inductor", torch.float32, "tight"),
+    # bf16 under Inductor catches a copy placed late (Inductor then inlines the value
+    # unrounded into its consumers: results change at bf16 rounding, fp32 stays equal)
+    ("inductor", torch.bfloat16, "half"),
+    ("inductor", torch.bfloat16, "tight"),
+]
+
+
+def model_for(inner: str):
+    return TwoRegions if inner == "aot_eager" else (lambda: Block(ckpt=True))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,7 +48,7 @@ def baselines():
 
     def get(inner: str, dtype: torch.dtype):
         if (inner, dtype) not in cache:
-            losses, grads, _ = compile_step(TwoRegions, inner, dtype)
+            losses, grads, _ = compile_step(model_for(inner), inner, dtype)
             cache[(inner, dtype)] = (losses, grads)
         return cache[(inner, dtype)]
 
@@ -46,14 +58,14 @@ def baselines():
 @pytest.mark.parametrize("inner,dtype,budget", CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_loss_and_gradients_equal_plain_compile(baselines, inner, dtype, budget):
     backend = offload_backend(inner, budget)
-    losses, grads, _ = compile_step(TwoRegions, backend, dtype)
+    losses, grads, _ = compile_step(model_for(inner), backend, dtype)
     want_losses, want_grads = baselines(inner, dtype)
     assert torch.equal(losses[0], want_losses[0])
     assert len(grads) == len(want_grads)
     for got, want in zip(grads, want_grads):
         assert torch.equal(got, want)
     reports = backend.reports
-    assert len(reports) == 2  # the graph break: each region planned on its own
+    assert len(reports) == (2 if inner == "aot_eager" else 1)  # a region per graph
     offloaded = sum(len(r.offloaded) for r in reports)
     if budget == "fits":
         assert offloaded == 0
