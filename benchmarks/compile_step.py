@@ -3,7 +3,8 @@ torch's own ``enable_activation_offloading`` with every saved activation marked.
 
 One JSON object per line, all measured in the same run on the same small GPT:
 
-* ``compile_step`` — per inner compiler and variant: first-call seconds (compile +
+* ``compile_step`` — per inner compiler and variant, each in its own process with an
+  empty Inductor cache: first-call seconds (compile +
   one step), median step seconds over ``--steps`` steps, their ratios to plain
   ``torch.compile`` with the same inner compiler, device bytes of saved activations the
   compiled backward holds (``compiled_memory.saved_device_bytes``; on CUDA also
@@ -108,8 +109,30 @@ def _torch_offload_backend(partitioner: Any) -> Callable[..., Any]:
     return compile_fn
 
 
-def measure(args: argparse.Namespace, inner: str, variant: str, backend: Any) -> dict[str, Any]:
-    torch._dynamo.reset()
+def _digest(tensors: Sequence[torch.Tensor]) -> str:
+    """Bit-exact fingerprint of tensors (compared across worker processes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _backend(inner: str, variant: str) -> tuple[Any, Any]:
+    if variant == "plain":
+        return inner, None
+    if variant.startswith("hyper_offload@"):
+        fraction = float(variant.split("@", 1)[1])
+        return hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=fraction), None
+    partitioner = _mark_all_partitioner()
+    return _torch_offload_backend(partitioner), partitioner
+
+
+def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any]:
+    """One variant, in this (fresh) process."""
+    torch.use_deterministic_algorithms(True)
+    backend, partitioner = _backend(inner, variant)
     torch.manual_seed(0)
     device = torch.device(args.device)
     model = TinyGPT(args.vocab, args.d, args.layers, args.heads, args.seq).to(device)
@@ -138,9 +161,9 @@ def measure(args: argparse.Namespace, inner: str, variant: str, backend: Any) ->
         times.append(time.perf_counter() - started)
     result: dict[str, Any] = {
         "bench": "compile_step", "inner": inner, "variant": variant, "device": device.type,
-        "first_call_s": first, "step_s": statistics.median(times),
+        "layers": args.layers, "first_call_s": first, "step_s": statistics.median(times),
         "saved_device_bytes": saved, "loss": loss.item(),
-        "_grads": [p.grad.clone() for p in model.parameters()], "_loss": loss,
+        "digest": _digest([loss, *(p.grad for p in model.parameters())]),
     }
     if device.type == "cuda":
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
@@ -151,7 +174,31 @@ def measure(args: argparse.Namespace, inner: str, variant: str, backend: Any) ->
         result["predicted_peak_after"] = sum(r.predicted_peak_after for r in reports)
         result["predicted_exposed_transfer_s"] = sum(r.exposed_transfer_s for r in reports)
         result["feasible"] = all(r.feasible for r in reports)
+    if partitioner is not None:
+        result["bytes_moved"] = type(partitioner).moved
     return result
+
+
+def _run_worker(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any]:
+    """Each variant in its own process with an empty Inductor cache, so that no variant's
+    compile time profits from kernels another one compiled."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        argv = [sys.executable, __file__, "--worker", inner, variant, "--device", args.device,
+                "--layers", str(args.layers), "--d", str(args.d), "--heads", str(args.heads),
+                "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
+                "--steps", str(args.steps)]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"bench": "compile_step", "inner": inner, "variant": variant,
+                "error": done.stderr.strip().splitlines()[-1:] or ["no output"]}
+    return json.loads(lines[-1])
 
 
 def main() -> None:
@@ -166,38 +213,26 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="2 layers, 4 steps")
+    parser.add_argument("--worker", nargs=2, metavar=("INNER", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.layers, args.steps = 2, 4
-    torch.use_deterministic_algorithms(True)
+    if args.worker:
+        print(json.dumps(measure(args, *args.worker)), flush=True)
+        return
     for inner in args.inner.split(","):
-        variants: list[tuple[str, Any]] = [
-            ("plain", inner),
-            ("hyper_offload@1.0", hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=1.0)),
-            ("hyper_offload@0.5", hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=0.5)),
-        ]
-        partitioner = None
+        variants = ["plain", "hyper_offload@1.0", "hyper_offload@0.5"]
         if inner == "inductor":
-            partitioner = _mark_all_partitioner()
-            variants.append(("torch_offload_all", _torch_offload_backend(partitioner)))
+            variants.append("torch_offload_all")
         base = None
-        for variant, backend in variants:
-            try:
-                result = measure(args, inner, variant, backend)
-            except Exception as error:  # report, keep measuring the others
-                print(json.dumps({"bench": "compile_step", "inner": inner, "variant": variant,
-                                  "error": f"{type(error).__name__}: {str(error)[:300]}"}), flush=True)
-                continue
-            if variant == "torch_offload_all" and partitioner is not None:
-                result["bytes_moved"] = type(partitioner).moved
-            if base is None:
-                base = result
-            result["step_ratio"] = result["step_s"] / base["step_s"]
-            result["first_call_ratio"] = result["first_call_s"] / base["first_call_s"]
-            result["exact"] = bool(torch.equal(result["_loss"], base["_loss"]) and all(
-                torch.equal(a, b) for a, b in zip(result["_grads"], base["_grads"])
-            ))
-            print(json.dumps({k: v for k, v in result.items() if not k.startswith("_")}), flush=True)
+        for variant in variants:
+            result = _run_worker(args, inner, variant)
+            if "error" not in result:
+                base = base or result
+                result["step_ratio"] = result["step_s"] / base["step_s"]
+                result["first_call_ratio"] = result["first_call_s"] / base["first_call_s"]
+                result["exact"] = result.pop("digest") == base["digest"]
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,14 @@ def test_plain_compile_in_the_same_process_is_unaffected():
     model.zero_grad()
     _, codes = run_and_get_code(lambda: _step(torch.compile(model, backend="inductor"), x))
     assert codes and not any("hyper_offload" in c for c in codes)
+    # with the budget >= peak nothing is inserted: Inductor compiles the plain graphs
+    torch._dynamo.reset()
+    _, fits = run_and_get_code(lambda: _step(torch.compile(model, backend=offload_backend("inductor", "fits")), x))
+
+    def strip(code: str) -> str:
+        return "\n".join(l for l in code.splitlines() if not l.startswith("# AOT ID"))
+
+    assert [strip(c) for c in fits] == [strip(c) for c in codes]
     # and a second offload compile of the same graph re-plans (no cache hit skips us)
     torch._dynamo.reset()
     backend = offload_backend("inductor", "tight")
