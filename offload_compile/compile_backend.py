@@ -173,9 +173,9 @@ class HyperOffloadBackend:
 
     def bandwidth(self, fw: fx.GraphModule) -> TransferBandwidth:
         """Measured copy bandwidth of the region's device (once per device)."""
-        from hyper_offload.passes.fx_trace import _device_of, fw_outputs
+        from hyper_offload.passes.fx_trace import device_of, fw_outputs
 
-        device = _device_of(fw_outputs(fw))
+        device = device_of(fw_outputs(fw))
         if device not in self._bandwidth:
             self._bandwidth[device] = profile_transfer_bandwidth(device)
         return self._bandwidth[device]

@@ -45,7 +45,7 @@ from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput
 from .liveness import resident_bytes_without_offload
 from .trace import AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp
 
-__all__ = ["FxTrace", "SavedActivation", "build_fx_trace", "fw_outputs", "saved_name"]
+__all__ = ["FxTrace", "SavedActivation", "build_fx_trace", "device_of", "fw_outputs", "saved_name"]
 
 SAVED_NAME_META = "hyper_offload_saved"
 """``node.meta`` key: on a forward wait node, the name of the saved activation it
@@ -234,7 +234,7 @@ def build_fx_trace(
     transfer ops are not ops and alias their source, so a correct lowering yields the
     same trace as the graphs it came from."""
     outputs = fw_outputs(fw)
-    device = _device_of(outputs)
+    device = device_of(outputs)
     builder = _Builder(throughput or throughput_for(device))
     builder.add_graph("fw", fw.graph, {})
     num_fw_ops = len(builder.ops)
@@ -286,7 +286,7 @@ def build_fx_trace(
     return FxTrace(trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device)
 
 
-def _device_of(outputs: Iterable[Any]) -> torch.device:
+def device_of(outputs: Iterable[Any]) -> torch.device:
     for node in outputs:
         value = node.meta.get("val") if isinstance(node, fx.Node) else None
         if isinstance(value, torch.Tensor):

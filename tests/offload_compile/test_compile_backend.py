@@ -268,6 +268,68 @@ def test_exception_in_forward_leaves_nothing_in_flight():
     assert runtime.pool.stats().buffers_in_use == 0
 
 
+_FAIL = {"on": False}
+
+
+@torch.library.custom_op("hyper_offload_test::check", mutates_args=())
+def _check(grad: torch.Tensor) -> torch.Tensor:
+    # Opaque at compile time: raises at run time, inside the compiled backward.
+    if _FAIL["on"]:
+        raise RuntimeError("boom inside the compiled backward")
+    return grad.clone()
+
+
+@_check.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("hyper_offload_test::identity", mutates_args=())
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_identity.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_identity.register_autograd(lambda ctx, grad: torch.ops.hyper_offload_test.check(grad))
+
+
+class _FailsInBackward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = mlp(layers=2, d=D), mlp(layers=2, d=D)
+
+    def forward(self, x):
+        return self.b(torch.ops.hyper_offload_test.identity(self.a(x)))
+
+
+def test_exception_inside_the_compiled_backward_leaves_nothing_in_flight():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _FailsInBackward()
+    backend = offload_backend("aot_eager", "tight")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(16, D)
+    runtime = None
+    _FAIL["on"] = True
+    try:
+        with pytest.raises(RuntimeError, match="boom inside the compiled backward"):
+            _step(compiled, x)
+    finally:
+        _FAIL["on"] = False
+    runtime = backend.regions[0].runtime
+    assert len(backend.reports) == 1 and backend.reports[0].offloaded  # one region, offloading
+    gc.collect()
+    assert runtime.transfers_pending == 0
+    assert runtime.pool.stats().buffers_in_use == 0  # the host copies of layers a went back
+    model.zero_grad()
+    _step(compiled, x)  # and the next step runs normally
+    assert runtime.pool.stats().buffers_in_use == 0
+
+
 def test_exception_in_backward_and_forward_without_backward_lose_no_host_buffer():
     torch._dynamo.reset()
     model = _model()
