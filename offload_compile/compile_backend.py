@@ -25,16 +25,15 @@ installs the runtime wrappers.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import uuid
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
@@ -106,13 +105,7 @@ class _WithRuntime:
             return self._compiled(*args)
 
 
-def _partitioner_base() -> type:
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    return CustomPartitionerFn
-
-
-class _OffloadPartitioner(_partitioner_base()):  # type: ignore[misc]
+class _OffloadPartitioner(CustomPartitionerFn):
     """Stock min-cut partition, then :func:`plan_region` on the two graphs."""
 
     def __init__(self, backend: HyperOffloadBackend, region: _Region) -> None:
