@@ -12,6 +12,9 @@ One JSON object per line, all measured in the same run on the same small GPT:
   gradient equal plain compile bit for bit. On CPU, torch's offloading copies to the
   same device, so its ``saved_device_bytes`` cannot drop there; compare it on CUDA.
 
+* ``compile_memory_curve`` — aot_eager, budgets 1.0 / 0.75 / 0.5 / 0.25 of the peak
+  and 0 MiB: saved device bytes, predicted peak before/after, bytes moved.
+
 Variants: ``plain``; ``hyper_offload@1.0`` (budget >= peak: nothing moves; targets: step
 ratio <= 1.03, compile ratio <= 1.5); ``hyper_offload@0.5`` (half the region's
 activation peak); ``torch_offload_all`` (AOTAutograd's ``enable_activation_offloading``
@@ -182,6 +185,33 @@ def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any
     return result
 
 
+def memory_curve(args: argparse.Namespace, inner: str) -> None:
+    """``compile_memory_curve`` lines: saved device bytes and the plan at several budgets."""
+    torch.use_deterministic_algorithms(True)
+    for fraction in (1.0, 0.75, 0.5, 0.25, 0.0):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TinyGPT(args.vocab, args.d, args.layers, args.heads, args.seq)
+        idx = torch.randint(0, args.vocab, (args.batch, args.seq))
+        options: dict[str, Any] = (
+            {"max_resident_activation_mb": 0} if fraction == 0.0
+            else {"max_resident_activation_fraction": fraction}
+        )
+        backend = hyper_offload.backend(inner_compiler=inner, **options)
+        loss = torch.compile(model, backend=backend)(idx).float().pow(2).mean()
+        saved = saved_device_bytes(loss, exclude=[*model.parameters(), idx])
+        loss.backward()
+        reports = backend.reports
+        print(json.dumps({
+            "bench": "compile_memory_curve", "inner": inner, "layers": args.layers,
+            "budget_fraction": fraction, "saved_device_bytes": saved,
+            "predicted_peak_before": sum(r.predicted_peak_before for r in reports),
+            "predicted_peak_after": sum(r.predicted_peak_after for r in reports),
+            "bytes_moved": sum(r.bytes_d2h + r.bytes_h2d for r in reports),
+            "feasible": all(r.feasible for r in reports),
+        }), flush=True)
+
+
 def _run_worker(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any]:
     """Each variant in its own process with an empty Inductor cache, so that no variant's
     compile time profits from kernels another one compiled."""
@@ -223,6 +253,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(measure(args, *args.worker)), flush=True)
         return
+    memory_curve(args, "aot_eager")
     for inner in args.inner.split(","):
         variants = ["plain", "hyper_offload@1.0", "hyper_offload@0.5"]
         if inner == "inductor":
