@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench gpu-check mutation-check clean
+.PHONY: setup demo test bench bench-compile gpu-check mutation-check clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/planner.py
+
+# torch.compile backend vs plain compile and torch's activation offloading (minutes).
+bench-compile: setup
+	$(PY) benchmarks/compile_step.py --quick
 
 # On a machine with CUDA: the GPU-marked tests, with that machine's own torch.
 gpu-check:

@@ -1,20 +1,48 @@
 """hyper-offload: budget-aware activation offloading for PyTorch training."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from .config import OffloadConfig
-from .executor_base import OffloadSessionError, StepStats
-from .session import OffloadSession, current_session
-from .skip import skip_offload
-from hyper_offload.passes.op_guide import ReplayMismatchError
 
 __version__ = "0.1.0"
 
+# The front doors import torch; the CLI and the pure passes must not pay for it, so
+# these names are loaded on first access.
+_LAZY = {
+    "HyperOffloadBackend": "compile_backend",
+    "backend": "compile_backend",
+    "RegionReport": "region_report",
+    "skip_offload": "skip",
+    "OffloadSession": "session",
+    "current_session": "session",
+    "OffloadSessionError": "executor_base",
+    "StepStats": "executor_base",
+}
+
 __all__ = [
+    "HyperOffloadBackend",
     "OffloadConfig",
     "OffloadSession",
     "OffloadSessionError",
+    "RegionReport",
     "ReplayMismatchError",
     "StepStats",
     "__version__",
+    "backend",
     "current_session",
     "skip_offload",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    if name == "ReplayMismatchError":
+        from hyper_offload.passes.op_guide import ReplayMismatchError
+
+        return ReplayMismatchError
+    raise AttributeError(f"module 'hyper_offload' has no attribute {name!r}")

@@ -36,12 +36,15 @@ def prefetch_slots(
     *,
     default_op_duration_s: float | None = None,
     max_lead_ops: int = DEFAULT_MAX_LEAD_OPS,
+    earliest_op: int = 0,
 ) -> dict[tuple[StorageId, int], int]:
     """``{(storage, wait_op): start_op}`` for every reload of ``schedule``.
 
     Ops without ``duration_s`` count ``default_op_duration_s``; when that is ``None``
-    too, the lead is one op (the copy overlaps the op before its wait). ``schedule``
-    must pass ``check_schedule`` without violations.
+    too, the lead is one op (the copy overlaps the op before its wait). No reload
+    starts before ``earliest_op`` (the compile path cannot start a backward reload in
+    the forward graph), nor before its wait if that is earlier. ``schedule`` must pass
+    ``check_schedule`` without violations.
     """
     report = check_schedule(trace, schedule)
     if report.violations:
@@ -66,7 +69,8 @@ def prefetch_slots(
     slots = {}
     for wait_op, storage, release_op in sorted(reloads):
         start = _earliest_start(
-            trace, room, storage, wait_op, release_op, default_op_duration_s, max_lead_ops
+            trace, room, storage, wait_op, max(release_op, earliest_op - 1),
+            default_op_duration_s, max_lead_ops,
         )
         for op in range(start, wait_op):
             room[op] -= trace.storage_sizes[storage]
@@ -108,6 +112,7 @@ def hoist_prefetches(
     *,
     default_op_duration_s: float | None = None,
     max_lead_ops: int = DEFAULT_MAX_LEAD_OPS,
+    earliest_op: int = 0,
 ) -> ResidencySchedule:
     """``schedule`` with every COPY_H2D moved to its :func:`prefetch_slots` start.
 
@@ -115,7 +120,8 @@ def hoist_prefetches(
     and never raises the resident bytes of an op above its allowance.
     """
     slots = prefetch_slots(
-        trace, schedule, default_op_duration_s=default_op_duration_s, max_lead_ops=max_lead_ops
+        trace, schedule, default_op_duration_s=default_op_duration_s,
+        max_lead_ops=max_lead_ops, earliest_op=earliest_op,
     )
     pre = [list(actions) for actions in schedule.pre]
     for (storage, wait_op), start in slots.items():

@@ -356,6 +356,28 @@ class TransferRuntime:
             self.pool.release(buffer, gate)
         return len(to_release)
 
+    def release_orphans(self) -> int:
+        """Release every host copy that nothing can reach any more; returns how many.
+
+        A host copy whose every handed-out tensor has died (the autograd graph holding
+        it was freed without running its backward, e.g. a forward without backward or a
+        backward that raised before this region's part) can never be released by a
+        ``release_host``; without this its pool buffer would stay lost for the
+        runtime's lifetime. Copies with a transfer still pending are left alone.
+        """
+        with self._lock:
+            pending_hosts = {p.host_key for p in self._pending.values()}
+            to_release = [
+                self._mark_released_locked(record, key)
+                for key, record in list(self._hosts.items())
+                if record.state is not HostCopyState.RELEASED
+                and key not in pending_hosts
+                and all(view() is None for view in record.views)
+            ]
+        for buffer, gate in to_release:
+            self.pool.release(buffer, gate)
+        return len(to_release)
+
     def _drain_pending(self) -> list[_Pending]:
         """Synchronize and forget every started transfer; returns them. A drained D2H's
         host copy is complete, hence VALID."""

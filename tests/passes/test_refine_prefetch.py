@@ -107,3 +107,16 @@ def test_hoisted_schedules_stay_valid_and_within_budget(
     assert all(r <= max(trace.budget_bytes, n) for r, n in zip(after.resident_bytes, need))
     assert hoisted.count(ActionKind.COPY_H2D) == schedule.count(ActionKind.COPY_H2D)
     assert hoisted.post == schedule.post
+
+
+def test_no_reload_starts_before_earliest_op() -> None:
+    # The compile path cannot start a backward reload inside the forward graph: with
+    # earliest_op at 8 the copy that would start at 6 starts at 8 and is still valid.
+    trace = long_gap_trace(budget=1100, durations=[4e-7] * 10)
+    schedule = GreedyResidencyPlanner().plan(trace.with_budget(1000))
+    free = prefetch_slots(trace.with_budget(1100), schedule)
+    clamped = prefetch_slots(trace.with_budget(1100), schedule, earliest_op=8)
+    assert min(free.values()) < 8 and set(clamped.values()) == {8}
+    hoisted = hoist_prefetches(trace.with_budget(1100), schedule, earliest_op=8)
+    assert check_schedule(trace.with_budget(1100), hoisted).ok
+    assert slot(hoisted.pre[8]) == ["COPY_H2D 0"]

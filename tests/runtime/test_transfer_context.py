@@ -187,3 +187,26 @@ def test_transfers_drained_at_a_faulty_exit_can_still_be_released(cuda_like) -> 
         ops.release_host(host)
     del host
     assert pool.stats().buffers_in_use == 0 and pool.stats().pinned_bytes_cached == 1024
+
+
+def test_release_orphans_returns_unreachable_host_copies_only() -> None:
+    # A forward whose backward never runs (a later backward raised, or no backward at
+    # all) leaves host copies no release_host will ever reach; they must not stay lost.
+    pool = PinnedMemoryPool(1 << 20, pin=False)
+    runtime = TransferRuntime(pool=pool)
+    with runtime:
+        act = torch.randn(256)
+        kept = ops.wait_transfer(ops.copy_d2h(act), act)
+        orphan = ops.wait_transfer(ops.copy_d2h(torch.randn(128)))
+        done = ops.wait_transfer(ops.copy_d2h(torch.randn(64)))
+        ops.release_host(done)
+    del orphan, done
+    gc.collect()
+    assert pool.stats().buffers_in_use == 2
+    assert runtime.release_orphans() == 1  # the live one stays, the released one is done
+    assert pool.stats().buffers_in_use == 1
+    assert runtime.host_state(kept) is HostCopyState.VALID
+    assert runtime.release_orphans() == 0
+    with runtime:
+        ops.release_host(kept)
+    assert pool.stats().buffers_in_use == 0

@@ -1,0 +1,67 @@
+"""Measure the device bytes a compiled step keeps for its backward.
+
+A dispatch-mode meter cannot see compiled code (while a ``TorchDispatchMode`` is active
+``torch.compile`` runs the original Python instead), and the CPU allocator keeps no
+counters the profiler reports for Inductor's allocations. What the compiled autograd
+graph keeps alive between forward and backward can be read exactly, though: AOTAutograd
+stores the forward's saved values on the ``CompiledFunctionBackward`` node
+(``saved_tensors`` and ``_tensors_no_vc_check``). :func:`saved_device_bytes` sums the
+distinct storages among them that are on the device (host copies made by the transfer
+ops carry the runtime's host label and are not counted), which is the part of
+activation memory offloading changes. On an accelerator,
+``torch.cuda.max_memory_allocated`` measures the whole step as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hyper_offload.runtime.memory_meter import is_host_labelled
+
+__all__ = ["saved_device_bytes", "saved_tensors_of"]
+
+
+def _nodes(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+def saved_tensors_of(*outputs: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors saved for backward by compiled regions reachable from ``outputs``."""
+    saved: list[torch.Tensor] = []
+    for node in _nodes(outputs):
+        if "CompiledFunction" not in type(node).__name__:
+            continue
+        saved.extend(t for t in node.saved_tensors if isinstance(t, torch.Tensor))
+        saved.extend(
+            t for t in getattr(node, "_tensors_no_vc_check", ()) if isinstance(t, torch.Tensor)
+        )
+    return saved
+
+
+def saved_device_bytes(
+    *outputs: torch.Tensor, exclude: Iterable[torch.Tensor] = ()
+) -> int:
+    """Bytes of distinct device storages the compiled backward of ``outputs`` holds.
+
+    ``exclude`` (parameters, inputs) are not activations and are not counted; host
+    copies (host-labelled storages) are not device bytes.
+    """
+    skip = {id(t.untyped_storage()) for t in exclude}
+    storages = {}
+    for tensor in saved_tensors_of(*outputs):
+        storage = tensor.untyped_storage()
+        if id(storage) in skip or is_host_labelled(tensor):
+            continue
+        storages[id(storage)] = storage.nbytes()
+    return sum(storages.values())

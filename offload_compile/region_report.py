@@ -1,0 +1,91 @@
+"""What the backend did to one compiled region, from Python and through ``logging``.
+
+Logger ``hyper_offload`` (quiet by default: the report is logged at INFO, and the one
+WARNING per region whose budget is infeasible reaches stderr through Python's
+last-resort handler unless the application configures logging).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+LOGGER = logging.getLogger("hyper_offload")
+
+__all__ = ["LOGGER", "InfeasibleOpReport", "RegionReport", "log_region_report"]
+
+
+@dataclass(frozen=True)
+class InfeasibleOpReport:
+    """An op whose non-offloadable live bytes exceed the budget, by ``excess_bytes``."""
+
+    op: str
+    required_bytes: int
+    excess_bytes: int
+
+
+@dataclass(frozen=True)
+class RegionReport:
+    """Per compiled region: sizes, the plan's predicted effect, and its feasibility.
+
+    ``predicted_peak_before`` / ``after`` are the activation bytes resident at the
+    region's peak without and with the plan (``check_schedule``'s curve);
+    ``exposed_transfer_s`` is the copy time compute is not predicted to hide.
+    """
+
+    region: int
+    inner_compiler: str
+    fw_nodes: int
+    bw_nodes: int
+    saved_activation_bytes: int
+    budget_bytes: int
+    predicted_peak_before: int
+    predicted_peak_after: int
+    bytes_d2h: int
+    bytes_h2d: int
+    transfers: int
+    offloaded: tuple[str, ...]
+    d2h_s: float
+    h2d_s: float
+    exposed_transfer_s: float
+    infeasible_ops: tuple[InfeasibleOpReport, ...]
+    plan_seconds: float
+
+    @property
+    def feasible(self) -> bool:
+        return not self.infeasible_ops
+
+    def summary(self) -> dict[str, object]:
+        data = dict(self.__dict__)
+        data["infeasible_ops"] = [op.__dict__ for op in self.infeasible_ops]
+        data["offloaded"] = list(self.offloaded)
+        data["feasible"] = self.feasible
+        return data
+
+    def __str__(self) -> str:
+        return (
+            f"hyper_offload region {self.region} ({self.inner_compiler}): "
+            f"{self.fw_nodes}+{self.bw_nodes} nodes, saved activations "
+            f"{self.saved_activation_bytes} B, budget {self.budget_bytes} B, predicted peak "
+            f"{self.predicted_peak_before} -> {self.predicted_peak_after} B, "
+            f"{len(self.offloaded)} offloaded ({self.bytes_d2h} B D2H, {self.bytes_h2d} B H2D, "
+            f"{self.transfers} transfers), predicted exposed transfer "
+            f"{self.exposed_transfer_s * 1e6:.1f} us, planned in {self.plan_seconds * 1e3:.1f} ms"
+        )
+
+    def infeasible_message(self) -> str:
+        worst = sorted(self.infeasible_ops, key=lambda o: -o.excess_bytes)[:5]
+        ops = ", ".join(f"{o.op} needs {o.required_bytes} B (+{o.excess_bytes} B)" for o in worst)
+        return (
+            f"hyper_offload region {self.region}: the budget of {self.budget_bytes} B is "
+            f"infeasible at {len(self.infeasible_ops)} op(s) whose own live activations do "
+            f"not fit ({ops}). The step runs correctly at the best feasible peak, "
+            f"{self.predicted_peak_after} B. Fix: raise max_resident_activation_mb (or the "
+            "fraction), or split the region (e.g. hyper_offload.skip_offload)"
+        )
+
+
+def log_region_report(report: RegionReport) -> None:
+    LOGGER.info("%s", report)
+    if not report.feasible:
+        LOGGER.warning("%s", report.infeasible_message())
