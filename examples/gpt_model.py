@@ -72,6 +72,11 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, config.vocab, bias=False)
         self.head.weight = self.tok.weight  # tied embeddings, as in GPT-2
+        for module in self.modules():  # GPT-2's initialisation: small logits at step 0
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
