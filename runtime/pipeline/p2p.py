@@ -10,6 +10,12 @@
   that completes a batch only when the peer has posted the matching ops of *its* next
   batch (see docs/architecture.md). Where the backend coalesces the batch into a single
   request (NCCL), that one request covers the sends too and is waited as a whole.
+* Every op carries a tag unique to its ``(direction, sending stage, micro)``. Gloo (and
+  NCCL) match messages between two ranks in posting order per tag; with one tag for all,
+  a rank whose order receives ``RECV_F 3 m`` before ``RECV_B 1 m'`` while its peer sends
+  the other way round would silently swap two same-shaped tensors (it happens for
+  interleaved zero-bubble and ZBV orders). With tags each message can only land in the
+  buffer of its own leaf, which is what ``check_execution`` assumes.
 * Every wait takes the schedule's ``timeout``, so a rank whose peer died raises instead
   of hanging forever.
 """
@@ -35,8 +41,9 @@ class PipelineCommError(RuntimeError):
 class P2PTracker:
     """Posts the P2P ops of one step and remembers what is still to be waited for."""
 
-    def __init__(self, stages: dict[int, object], timeout: timedelta | None) -> None:
+    def __init__(self, stages: dict[int, object], timeout: timedelta | None, num_stages: int) -> None:
         self._stages = stages
+        self._num_stages = num_stages
         self._timeout = timeout
         self._sends: list[tuple[MetaStep, dist.Work]] = []
         self.received: set[tuple[StepKind, int, int]] = set()
@@ -81,14 +88,17 @@ class P2PTracker:
         stage = self._stages[leaf.stage]  # type: ignore[index]
         micro = leaf.micro
         if leaf.kind is StepKind.SEND_F:
-            return stage.get_fwd_send_ops(micro)  # type: ignore[attr-defined]
-        if leaf.kind is StepKind.RECV_F:
-            return stage.get_fwd_recv_ops(micro)  # type: ignore[attr-defined]
-        if leaf.kind is StepKind.SEND_B:
-            return stage.get_bwd_send_ops(micro)  # type: ignore[attr-defined]
-        if leaf.kind is StepKind.RECV_B:
-            return stage.get_bwd_recv_ops(micro)  # type: ignore[attr-defined]
-        raise ValueError(f"{leaf!r} is not a P2P leaf")
+            ops = stage.get_fwd_send_ops(micro)  # type: ignore[attr-defined]
+        elif leaf.kind is StepKind.RECV_F:
+            ops = stage.get_fwd_recv_ops(micro)  # type: ignore[attr-defined]
+        elif leaf.kind is StepKind.SEND_B:
+            ops = stage.get_bwd_send_ops(micro)  # type: ignore[attr-defined]
+        elif leaf.kind is StepKind.RECV_B:
+            ops = stage.get_bwd_recv_ops(micro)  # type: ignore[attr-defined]
+        else:
+            raise ValueError(f"{leaf!r} is not a P2P leaf")
+        tag = p2p_tag(leaf, self._num_stages)
+        return [dist.P2POp(op.op, op.tensor, group=op.group, tag=tag, group_peer=op.group_peer) for op in ops]
 
     def _post(self, step: MetaStep, ops: Sequence[dist.P2POp]) -> list[dist.Work]:
         try:
@@ -121,3 +131,24 @@ def _post_one(op: dist.P2POp) -> dist.Work:
     if op.op is dist.isend:
         return dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
     return dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+
+
+def p2p_tag(leaf: MetaStep, num_stages: int) -> int:
+    """Tag shared by a P2P leaf and its matching leaf on the peer rank.
+
+    Both name the *sending* stage: ``SEND_F s m`` ↔ ``RECV_F s+1 m`` use stage ``s``,
+    ``SEND_B s m`` ↔ ``RECV_B s-1 m`` use stage ``s``; forward and backward differ in the
+    lowest bit. Tag 0 stays free for other traffic.
+    """
+    assert leaf.stage is not None and leaf.micro is not None
+    if leaf.kind is StepKind.SEND_F:
+        sender, backward = leaf.stage, 0
+    elif leaf.kind is StepKind.RECV_F:
+        sender, backward = leaf.stage - 1, 0
+    elif leaf.kind is StepKind.SEND_B:
+        sender, backward = leaf.stage, 1
+    elif leaf.kind is StepKind.RECV_B:
+        sender, backward = leaf.stage + 1, 1
+    else:
+        raise ValueError(f"{leaf!r} is not a P2P leaf")
+    return 1 + 2 * (leaf.micro * num_stages + sender) + backward

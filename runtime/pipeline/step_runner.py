@@ -69,7 +69,7 @@ class StepRun:
         self.target_mbs = target_mbs
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
-        self.p2p = P2PTracker(self.stages, schedule.timeout)
+        self.p2p = P2PTracker(self.stages, schedule.timeout, schedule.layout.num_stages)
         self.unshard_handles: dict[int, list[Any]] = {}
         self.unsharded: set[int] = set()
         self.backward_count: Counter[int] = Counter()

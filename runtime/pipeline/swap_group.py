@@ -13,9 +13,11 @@ SWAP_LAUNCH_OFFLOAD   ``copy_d2h`` of every storage               ``OFFLOADING``
 SWAP_WAIT_OFFLOAD     ``release_device``: storages shrink to 0    ``OFFLOADED``
 SWAP_LAUNCH_LOAD      ``copy_h2d``: storages grow back, H2D runs  ``LOADING``
 SWAP_WAIT_LOAD        ``wait_h2d`` (stream wait), host copies     ``LOADED``
-                      returned to the pool (gated by the copies)
-(last backward leaf)  ``close``: bindings dropped, so the bytes   ``CLOSED``
-                      die with autograd's saved tensors
+                      returned to the pool (gated by the copies),
+                      bindings dropped: from here the bytes die
+                      with autograd's saved tensors, one by one
+                      as the backward frees them
+(last backward leaf)  ``close``                                   ``CLOSED``
 ====================  ==========================================  ================
 
 Invariants:
@@ -37,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+
+import weakref
 
 import torch
 
@@ -88,7 +92,9 @@ def storage_key(tensor: torch.Tensor) -> int:
 class _Member:
     sid: int
     nbytes: int
+    ref: weakref.ref[torch.UntypedStorage]
     tags: list[str] = field(default_factory=list)
+    bound: bool = True
 
 
 class SwapGroup:
@@ -137,8 +143,9 @@ class SwapGroup:
         member = self._members.get(key)
         if member is None:
             sid = next(self._sids)
+            storage = tensor.untyped_storage()
             self.manager.bind(sid, _whole_storage(tensor))
-            member = self._members[key] = _Member(sid, tensor.untyped_storage().nbytes())
+            member = self._members[key] = _Member(sid, storage.nbytes(), weakref.ref(storage))
         if tag is not None and tag not in member.tags:
             member.tags.append(tag)
         return True
@@ -172,8 +179,13 @@ class SwapGroup:
         return len(self._members)
 
     def resident_bytes(self) -> int:
-        """Bytes the member storages hold on the device right now (real storage sizes)."""
-        return sum(self.manager.buffer(m.sid).storage.nbytes() for m in self._members.values())
+        """Bytes the member storages hold on the device right now (real storage sizes of
+        the storages still alive)."""
+        total = 0
+        for member in self._members.values():
+            storage = member.ref()
+            total += 0 if storage is None else storage.nbytes()
+        return total
 
     def tags(self) -> list[str]:
         return [tag for m in self._members.values() for tag in m.tags]
@@ -207,6 +219,10 @@ class SwapGroup:
         for member in self._ordered():
             self.manager.wait_h2d(member.sid)
             self.manager.release_host(member.sid)
+            # Holding the storage longer would keep every activation of the chunk alive
+            # until its whole backward finished; autograd frees them one by one instead.
+            self.manager.unbind(member.sid, synchronize=False)
+            member.bound = False
 
     def close(self) -> None:
         """Drop every binding (after the chunk's last backward leaf, or for an unswapped
@@ -218,6 +234,8 @@ class SwapGroup:
                 "before its backward"
             )
         for member in self._ordered():
+            if not member.bound:
+                continue
             if self.manager.has_host_copy(member.sid):
                 self.manager.release_host(member.sid)
             self.manager.unbind(member.sid, synchronize=False)
@@ -228,7 +246,7 @@ class SwapGroup:
         """Exception path: drain this group's copies, page offloaded bytes back, return host
         buffers, forget every binding. Never raises for a storage already unbound."""
         for member in self._ordered():
-            if member.sid not in self.manager:
+            if not member.bound or member.sid not in self.manager:
                 continue
             buffer = self.manager.buffer(member.sid)
             buffer.synchronize()

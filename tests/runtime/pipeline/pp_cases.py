@@ -31,7 +31,7 @@ class Case:
     dxdw_split: bool = False
     overlap: bool = False
     real_overlap: bool = False
-    steps: int = 1
+    steps: int = 2
     measure: bool = True
     reshard_after_forward: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -149,6 +149,7 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
         f"{s}.{name}": _full_grad(p) for s in local for name, p in modules[s].named_parameters()
     }
     result["order"] = [repr(step) for step in sched.order]
+    result["generation"] = sched.session.generation if sched.session is not None else 0
     if recorder is not None:
         result.update(recorder.summary())
     return result
@@ -181,12 +182,16 @@ class _Recorder:
         from hyper_offload.passes.pipeline import ActivationSizes, resident_curve
 
         session = self.sched.session
-        sizes = ActivationSizes(per_chunk=dict(session.group_bytes))
+        swapped_only = ActivationSizes(per_chunk=dict(session.group_bytes))
+        # Every micro-batch of a stage has the same activations: size unswapped chunks too.
+        every_chunk = ActivationSizes(per_stage={s: n for (s, _), n in session.group_bytes.items()})
         order = self.sched.order
         return {
             "measured_curve": [self.measured[p] for p in range(len(order))],
-            "predicted_curve": resident_curve(order, sizes),
-            "predicted_without": resident_curve(order, sizes, swapped=()),
+            "predicted_curve": resident_curve(order, swapped_only),
+            "predicted_without": resident_curve(order, swapped_only, swapped=()),
+            "predicted_peak_all": max(resident_curve(order, every_chunk), default=0),
+            "predicted_peak_all_without": max(resident_curve(order, every_chunk, swapped=()), default=0),
             "group_bytes": dict(session.group_bytes),
         }
 
