@@ -142,7 +142,7 @@ def test_reading_a_swapped_activation_before_wait_load_raises(xs) -> None:
     session.run_swap_step(MetaStep(StepKind.SWAP_LAUNCH_LOAD, 0, 0))
     with pytest.raises(SwapStateError, match="still loading"):
         loss.backward(retain_graph=True)
-    with pytest.raises(SwapStateError, match="needs state LOADING"):
+    with pytest.raises(SwapStateError, match="wait_offload needs state OFFLOADING, found LOADING"):
         session.run_swap_step(MetaStep(StepKind.SWAP_WAIT_OFFLOAD, 0, 0))
     session.run_swap_step(MetaStep(StepKind.SWAP_WAIT_LOAD, 0, 0))
     loss.backward()  # after WAIT_LOAD the same graph runs
