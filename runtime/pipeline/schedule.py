@@ -55,7 +55,10 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
     ``stages`` are this rank's ``PipelineStage`` objects (one for GPipe / 1F1B, several for
     the interleaved schedules, two for the V-shaped ones). ``swap_only`` maps rank →
     chunks to swap (a cost model's choice, e.g. ``plan_rank_swaps(...)[r].chosen``);
-    ranks absent from it swap every eligible chunk. ``timeout`` bounds every P2P wait.
+    ranks absent from it swap every eligible chunk. ``unsharded_load`` is the swap pass's
+    load placement for FSDP stages that stay unsharded (``"cover"``: hidden like a stage
+    without FSDP; ``"delay"``: the design document's rule). ``timeout`` (seconds or a
+    ``timedelta``) bounds every P2P wait.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         overlap: bool = False,
         real_overlap: bool = False,
         swap_only: Mapping[int, Collection[tuple[int, int]]] | None = None,
+        unsharded_load: str = "cover",
         scale_grads: bool = True,
         timeout: timedelta | float | None = None,
         pool: PinnedMemoryPool | None = None,
@@ -105,6 +109,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             dxdw_split=dxdw_split,
             overlap=overlap,
             swap_only=swap_only,
+            unsharded_load=unsharded_load,
         )[self.rank]
         self._check_fsdp(stages, real_overlap)
         self.swap = swap
