@@ -33,7 +33,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from hyper_offload.passes.pipeline import build_rank_orders, layout_for
+from hyper_offload.passes.pipeline import assert_valid_order, build_rank_orders, layout_for
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
@@ -112,6 +112,13 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             unsharded_load=unsharded_load,
         )[self.rank]
         self._check_fsdp(stages, real_overlap)
+        if swap:
+            # The executor trusts the anchors; prove them before the first step.
+            assert_valid_order(
+                self.order, rank=self.rank, min_gap=min_gap,
+                swapped=None if swap_only is None or self.rank not in swap_only else swap_only[self.rank],
+                unsharded_load=unsharded_load,
+            )
         self.swap = swap
         self.session = PipelineSwapSession(self.order, device=stages[0].device, pool=pool) if swap else None
         self.timeout = timeout if timeout is None or isinstance(timeout, timedelta) else timedelta(seconds=timeout)

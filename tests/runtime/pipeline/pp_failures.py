@@ -45,6 +45,26 @@ def refuse_reshard_after_forward(ctx: Any, _: Any) -> str | None:
     return _message(lambda: PipelineSwapSchedule(stages, 4, schedule="zbv", loss_fn=loss_fn, swap=True))
 
 
+def torch_zbv_fsdp_grads(ctx: Any, reshard_after_forward: bool) -> dict[str, Any] | None:
+    """torch's own ScheduleZBVZeroBubble over FSDP2 stages: no swap, no hyper_offload code."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    case = Case("zbv", 2, 4, stages_per_rank=2)
+    group = ctx.group(2)
+    if group is None:
+        return None
+    modules = _stage_modules(case, swap_wrapped=False)
+    local = (ctx.rank, 3 - ctx.rank)
+    _shard(ctx, modules, local, reshard_after_forward)
+    sched = ScheduleZBVZeroBubble(_stages(ctx, case, modules, group), 4, loss_fn=loss_fn)
+    x, y = batch(case)
+    sched.step(x, target=y)
+    return {
+        f"{s}.{name}": None if p.grad is None else p.grad.full_tensor().detach().clone()
+        for s in local for name, p in modules[s].named_parameters()
+    }
+
+
 def misuse_messages(ctx: Any, _: Any) -> dict[str, str] | None:
     from hyper_offload.runtime.pipeline import PipelineSwapSchedule
 

@@ -38,6 +38,11 @@ CASES = [
     Case("zbv", 2, 4, stages_per_rank=2, fsdp=True),
     Case("dualpipev", 2, 4, stages_per_rank=2),
     Case("dualpipev", 2, 4, stages_per_rank=2, transport="batch", real_overlap=True),
+    Case("interleaved-1f1b", 4, 8, stages_per_rank=2),
+    Case("interleaved-zb", 4, 8, stages_per_rank=2, transport="batch"),
+    Case("zbv", 4, 8, stages_per_rank=2),
+    Case("dualpipev", 4, 8, stages_per_rank=2, fsdp=True),
+    Case("gpipe", 2, 8, transport="boundary", fsdp=True),
 ]
 # Orders whose residency differs from the cost model's rule "a chunk is resident from its
 # FWD through its first consumer": under dx/dw split the group lives until BWD_WEIGHT.
@@ -134,6 +139,19 @@ def test_twenty_steps_stay_isolated_without_growth(cluster) -> None:
 def test_fsdp_reshard_after_forward_true_is_refused_on_dxdw_orders(cluster) -> None:
     results = cluster.run(pp_failures.refuse_reshard_after_forward, None)
     assert all("reshard_after_forward=True" in r for r in results[:2])
+
+
+def test_torch_fsdp_reshard_after_forward_true_breaks_iw_split(cluster) -> None:
+    """Pins the torch 2.13 bug behind the refusal above, on torch's own ZBV schedule (no
+    swap, no hyper_offload code): with reshard_after_forward=True some weight gradients
+    are wrong or missing; with False they all equal the single-process reference."""
+    _, ref = reference(Case("zbv", 2, 4, stages_per_rank=2))
+    good = {k: v for r in cluster.run(pp_failures.torch_zbv_fsdp_grads, False) if r for k, v in r.items()}
+    bad = {k: v for r in cluster.run(pp_failures.torch_zbv_fsdp_grads, True) if r for k, v in r.items()}
+    assert good.keys() == bad.keys() == ref.keys()
+    assert all(torch.equal(good[k], ref[k]) for k in ref)
+    broken = [k for k in ref if bad[k] is None or not torch.equal(bad[k], ref[k])]
+    assert broken, "torch now gets FSDP reshard_after_forward=True + I/W right: lift the refusal"
 
 
 def test_misuse_is_refused_clearly(cluster) -> None:
