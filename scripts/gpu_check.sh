@@ -11,7 +11,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 # Install without dependencies or build isolation: the image already has torch.
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 export PYTHONUNBUFFERED=1
-files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py)
+files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/runtime/pipeline/test_swap_session_gpu.py)
 # The meter's CUDA test lives beside hypothesis-based tests; include it where hypothesis is.
 python3 -c "import hypothesis" 2>/dev/null && files+=(tests/runtime/test_memory_meter.py)
 python3 -m pytest -q -p no:cacheprovider -m gpu "${files[@]}" 2>&1 | tee "$out/gpu_tests.log"
