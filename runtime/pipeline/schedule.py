@@ -33,7 +33,15 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from hyper_offload.passes.pipeline import assert_valid_order, build_rank_orders, layout_for
+from hyper_offload.passes.pipeline import (
+    ActivationSizes,
+    SwapCostModel,
+    SwapCostReport,
+    assert_valid_order,
+    build_rank_orders,
+    layout_for,
+    plan_rank_swaps,
+)
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
@@ -57,8 +65,11 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
     chunks to swap (a cost model's choice, e.g. ``plan_rank_swaps(...)[r].chosen``);
     ranks absent from it swap every eligible chunk. ``unsharded_load`` is the swap pass's
     load placement for FSDP stages that stay unsharded (``"cover"``: hidden like a stage
-    without FSDP; ``"delay"``: the design document's rule). ``timeout`` (seconds or a
-    ``timedelta``) bounds every P2P wait.
+    without FSDP; ``"delay"``: the design document's rule). ``swap_cost`` with
+    ``activation_sizes`` turns on the cost-aware eligibility: every rank's chunks are
+    chosen by :func:`~hyper_offload.passes.pipeline.plan_rank_swaps` (the decision for this
+    rank is kept in ``swap_report``). ``timeout`` (seconds or a ``timedelta``) bounds
+    every P2P wait.
     """
 
     def __init__(
@@ -76,6 +87,9 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         real_overlap: bool = False,
         swap_only: Mapping[int, Collection[tuple[int, int]]] | None = None,
         unsharded_load: str = "cover",
+        swap_cost: SwapCostModel | None = None,
+        activation_sizes: ActivationSizes | None = None,
+        target_peak_bytes: int | None = None,
         scale_grads: bool = True,
         timeout: timedelta | float | None = None,
         pool: PinnedMemoryPool | None = None,
@@ -97,6 +111,23 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank
         self.stage_by_index = {stage.stage_index: stage for stage in stages}
         fsdp = any(isinstance(stage.submod, FSDPModule) for stage in stages)
+        self.swap_report: SwapCostReport | None = None
+        if swap and swap_cost is not None:
+            if activation_sizes is None or swap_only is not None:
+                raise UnsupportedScheduleError(
+                    "swap_cost needs activation_sizes (bytes per chunk) and excludes swap_only "
+                    "(it computes the chosen chunks itself)"
+                )
+            plain = build_rank_orders(
+                schedule, num_ranks=self.pp_group_size, stages_per_rank=len(stages),
+                num_microbatches=n_microbatches, fsdp=fsdp, transport=transport,
+                dxdw_split=dxdw_split, overlap=overlap,
+            )
+            reports = plan_rank_swaps(
+                plain, sizes=activation_sizes, cost=swap_cost, min_gap=min_gap, target_peak_bytes=target_peak_bytes
+            )
+            swap_only = {rank: report.chosen for rank, report in reports.items()}
+            self.swap_report = reports[self.rank]
         self.order: list[MetaStep] = build_rank_orders(
             schedule,
             num_ranks=self.pp_group_size,

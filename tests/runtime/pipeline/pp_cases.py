@@ -121,13 +121,23 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
     if case.fsdp:
         _shard(ctx, modules, local, case.reshard_after_forward)
     stages = [PipelineStage(modules[s], s, case.num_stages, torch.device("cpu"), group=group) for s in local]
+    extra = dict(case.extra)
+    if extra.pop("cost_aware", False):
+        from hyper_offload.passes.pipeline import ActivationSizes, SwapCostModel
+
+        # One chunk = what a stage's swap_wrapper'd blocks save per micro-batch (fp32).
+        per_chunk = BLOCKS_PER_STAGE * (ROWS_PER_MICRO * (4 * HIDDEN * 2 + HIDDEN) * 4)
+        extra.update(swap_cost=SwapCostModel(), activation_sizes=ActivationSizes(default_bytes=per_chunk))
     sched = PipelineSwapSchedule(
         stages, case.micro, schedule=case.schedule, loss_fn=loss_fn, swap=swap, transport=case.transport,
         dxdw_split=case.dxdw_split, overlap=case.overlap, real_overlap=case.real_overlap, timeout=30,
-        **case.extra,
+        **extra,
     )
     x, y = batch(case)
     result: dict[str, Any] = {"losses": [], "peaks": [], "live_groups": [], "pool_bytes": []}
+    if sched.swap_report is not None:
+        result["chosen"] = sorted(sched.swap_report.chosen)
+        result["eligible"] = sorted(sched.session.eligible)
     recorder = _Recorder(sched) if swap and case.measure else None
     sched.observer = recorder
     try:

@@ -120,6 +120,19 @@ def test_gpipe_4_ranks_8_micro_memory_drop(cluster) -> None:
         assert drop >= 0.45, f"rank {rank}: measured peak dropped only {drop:.0%}"
 
 
+def test_cost_aware_eligibility_swaps_only_the_chosen_chunks(cluster) -> None:
+    case = Case("gpipe", 2, 8, extra={"cost_aware": True})
+    base = cluster.run(run_case, (case, False))
+    swapped = cluster.run(run_case, (case, True))
+    for rank in range(2):
+        s = swapped[rank]
+        assert s["eligible"] == s["chosen"] and 0 < len(s["chosen"]) < 8
+        assert sorted(s["group_bytes"]) == s["chosen"]
+        assert s["measured_curve"] == s["predicted_curve"]
+        assert s["peaks"][-1] < base[rank]["peaks"][-1]
+    assert all(torch.equal(a, b) for a, b in zip(_losses(base), _losses(swapped)))
+
+
 def test_twenty_steps_stay_isolated_without_growth(cluster) -> None:
     case = Case("gpipe", 2, 4, steps=20)
     results = cluster.run(run_case, (case, True))
