@@ -121,9 +121,14 @@ def test_policy_fn_filters_and_protect_removes(xs) -> None:
     session.begin()
     with session.forward_scope(MetaStep(StepKind.FWD, 0, 0), [*net.parameters(), xs[0]]) as group:
         out = net(xs[0])
-    assert group.num_storages >= 1
-    assert all(s == 16 * 32 * 4 for s in [group.nbytes // group.num_storages])
-    session.protect((0, 0), [out])
+        swap_tensor_wrapper(out, tag="out")
+    # Saved: x (an input: protected; also filtered), a's weight (a parameter), relu's
+    # output, which b saves as its input too (one storage). Only relu's output joins.
+    relu_bytes = 16 * 32 * 4
+    assert group.nbytes - out.untyped_storage().nbytes() == relu_bytes and group.num_storages == 2
+    assert group.is_member(out)
+    session.protect((0, 0), [out])  # the FWD output is never released
+    assert not group.is_member(out) and group.num_storages == 1 and group.nbytes == relu_bytes
     session.abort()
 
 
