@@ -107,6 +107,10 @@ def saved_tensor_hooks(
             return tensor
         if collect and (policy_fn is None or policy_fn(tensor)):
             group.add(tensor)
-        return SavedRef(tensor, group)
+        # Detached: an op's *output* arrives here with its grad_fn, which owns this saved
+        # value; keeping the grad_fn would form a reference cycle (node → SavedRef →
+        # tensor → node) that only the cyclic GC frees, so a chunk's activations would
+        # outlive its backward. Autograd re-attaches the graph edge on unpack.
+        return SavedRef(tensor.detach(), group)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)

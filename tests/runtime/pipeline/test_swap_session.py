@@ -227,3 +227,34 @@ def test_nested_scopes_restore_the_outer_group(xs) -> None:
             assert current_group() is inner
         assert current_group() is outer
     session.abort()
+
+
+def test_saved_outputs_die_with_the_backward_without_the_cyclic_gc() -> None:
+    """sigmoid saves its *output*; holding it with its grad_fn in the pack hook would form a
+    reference cycle, and the chunk's activations would outlive its backward (seen as a
+    higher peak with dx/dw-split schedules on a GPT)."""
+    import gc
+
+    session = PipelineSwapSession(_order(), device="cpu")
+    fn = swap_wrapper(lambda t: torch.sigmoid(t * 2).sum())
+    x = torch.randn(64, 64, requires_grad=True)
+    gc.disable()
+    try:
+        session.begin()
+        with session.forward_scope(MetaStep(StepKind.FWD, 0, 0), [x]) as group:
+            loss = fn(x)
+        session.protect((0, 0), [loss])
+        refs = [m.ref for m in group._members.values()]
+        assert refs and all(r() is not None for r in refs)
+        for kind in (StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_WAIT_OFFLOAD,
+                     StepKind.SWAP_LAUNCH_LOAD, StepKind.SWAP_WAIT_LOAD):
+            session.run_swap_step(MetaStep(kind, 0, 0))
+        # Keep the graph through the backward, as dx/dw split does (BWD_INPUT retains it
+        # for BWD_WEIGHT); dropping it afterwards must free the activations at once.
+        loss.backward(retain_graph=True)
+        session.after_compute(MetaStep(StepKind.BWD, 0, 0))
+        del loss
+        assert all(r() is None for r in refs), "a saved activation outlived its graph"
+        session.abort()
+    finally:
+        gc.enable()
