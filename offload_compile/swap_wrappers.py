@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from hyper_offload.runtime.pipeline.hooks import current_group, in_pipeline_forward, saved_tensor_hooks
 
-__all__ = ["SwapOutsideGroupWarning", "swap_tensor_wrapper", "swap_wrapper"]
+__all__ = ["SwapOutsideGroupWarning", "SwapWrapped", "swap_tensor_wrapper", "swap_wrapper"]
 
 T = TypeVar("T")
 Policy = Callable[[torch.Tensor], bool]
@@ -47,8 +47,10 @@ def swap_wrapper(
 ) -> T:
     """Make the saved activations of ``module_or_callable``'s forward swappable.
 
-    A module is wrapped in place (its ``forward`` gets the hooks; the module is returned,
-    so ``layers[i] = swap_wrapper(layers[i])`` keeps parameter names); a plain callable
+    A module is wrapped in place, the way ``fully_shard`` does it: its class becomes a
+    subclass whose ``forward`` runs the original one under the collecting hooks. The
+    module keeps its parameters and names (``layers[i] = swap_wrapper(layers[i])``), and a
+    ``copy.deepcopy`` of it stays wrapped and runs *its own* parameters. A plain callable
     is returned wrapped. ``policy_fn(tensor)`` returning False keeps that tensor on the
     device.
     """
@@ -57,27 +59,38 @@ def swap_wrapper(
         raise TypeError(f"swap_wrapper: policy_fn must be callable (tensor -> bool) or None, got {policy_fn!r}")
     if isinstance(module_or_callable, torch.nn.Module):
         module = module_or_callable
-        inner = module.forward
-        module.forward = _hooked(inner, policy_fn, group_swap)  # type: ignore[method-assign]
+        if not isinstance(module, SwapWrapped):
+            cls = type(module)
+            module.__class__ = type(f"Swap{cls.__name__}", (SwapWrapped, cls), {})
+        module._swap_policy_fn = policy_fn  # type: ignore[attr-defined]
         return module  # type: ignore[return-value]
     if not callable(module_or_callable):
         raise TypeError(
             f"swap_wrapper: expected an nn.Module or a callable, got {type(module_or_callable).__name__}"
         )
-    return _hooked(module_or_callable, policy_fn, group_swap)  # type: ignore[return-value]
+    fn = module_or_callable
 
-
-def _hooked(fn: Callable[..., Any], policy_fn: Policy | None, group_swap: bool) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        group = current_group()
-        if group is None:
-            return fn(*args, **kwargs)
-        with saved_tensor_hooks(collect=True, policy_fn=policy_fn):
-            return fn(*args, **kwargs)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return _run_collecting(policy_fn, fn, *args, **kwargs)
 
-    forward.__hyper_offload_swap__ = True  # type: ignore[attr-defined]
-    return forward
+    return wrapped  # type: ignore[return-value]
+
+
+class SwapWrapped:
+    """Mixin put in front of a wrapped module's class by :func:`swap_wrapper`."""
+
+    _swap_policy_fn: Policy | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _run_collecting(self._swap_policy_fn, super().forward, *args, **kwargs)  # type: ignore[misc]
+
+
+def _run_collecting(policy_fn: Policy | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if current_group() is None:
+        return fn(*args, **kwargs)
+    with saved_tensor_hooks(collect=True, policy_fn=policy_fn):
+        return fn(*args, **kwargs)
 
 
 def swap_tensor_wrapper(tensor_or_nested: T, tag: str | None = None, group_swap: bool = False) -> T:

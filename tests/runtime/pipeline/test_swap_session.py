@@ -258,3 +258,26 @@ def test_saved_outputs_die_with_the_backward_without_the_cyclic_gc() -> None:
         session.abort()
     finally:
         gc.enable()
+
+
+def test_wrapped_module_keeps_names_and_survives_deepcopy(xs) -> None:
+    import copy
+
+    from hyper_offload.swap_wrappers import SwapWrapped
+
+    net = Net()
+    names = [n for n, _ in net.named_parameters()]
+    wrapped = swap_wrapper(net)
+    assert wrapped is net and isinstance(net, (SwapWrapped, Net))
+    assert [n for n, _ in net.named_parameters()] == names
+    clone = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(2)
+    assert not torch.equal(clone(xs[0]), net(xs[0]))  # the copy runs its own parameters
+    session = PipelineSwapSession(_order(), device="cpu")
+    session.begin()
+    with session.forward_scope(MetaStep(StepKind.FWD, 0, 0), [*clone.parameters(), xs[0]]) as group:
+        clone(xs[0])
+    assert group.num_storages == 1  # relu's output (b's input): the copy still collects
+    session.abort()
