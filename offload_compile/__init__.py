@@ -19,6 +19,9 @@ _LAZY = {
     "current_session": "session",
     "OffloadSessionError": "executor_base",
     "StepStats": "executor_base",
+    "SwapOutsideGroupWarning": "swap_wrappers",
+    "swap_tensor_wrapper": "swap_wrappers",
+    "swap_wrapper": "swap_wrappers",
 }
 
 __all__ = [
@@ -29,10 +32,13 @@ __all__ = [
     "RegionReport",
     "ReplayMismatchError",
     "StepStats",
+    "SwapOutsideGroupWarning",
     "__version__",
     "backend",
     "current_session",
     "skip_offload",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
 ]
 
 

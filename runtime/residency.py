@@ -82,9 +82,15 @@ class ResidencyManager:
         self._sid_of_storage[key] = sid
         return buffer
 
-    def unbind(self, sid: StorageId) -> None:
+    def unbind(self, sid: StorageId, *, synchronize: bool = True) -> None:
         """Forget ``sid``: wait for its transfers, return its host buffer. The device
-        storage is left as it is; an offloaded storage (only a host copy) is refused."""
+        storage is left as it is; an offloaded storage (only a host copy) is refused.
+
+        ``synchronize=False`` skips the host wait (the normal path of a pipeline swap,
+        where the compute stream already waited for the load): it needs the storage
+        resident with no host copy left, and its transfers stay tracked in flight (the
+        engine protects their device bytes, the pool's release gate their host bytes).
+        """
         buffer = self.buffer(sid, action="unbind")
         if buffer.state is BufferState.HOST:
             raise ResidencyMisuseError(
@@ -92,7 +98,14 @@ class ResidencyManager:
                 "unbinding would drop the data silently: copy_h2d it first, or release_host to "
                 "drop it on purpose"
             )
-        buffer.synchronize()
+        if synchronize:
+            buffer.synchronize()
+        elif buffer.has_host_copy:
+            raise ResidencyMisuseError(
+                f"unbind({sid}, synchronize=False): storage {sid} still has a host copy; "
+                "release_host it first (the pool then waits for its copies), or unbind with "
+                "synchronize=True"
+            )
         if buffer.has_host_copy:
             buffer.release_host()
         del self._buffers[sid]

@@ -50,6 +50,7 @@ def build_rank_orders(
     dxdw_split: bool = False,
     overlap: bool = False,
     swap_only: Mapping[int, Collection[tuple[int, int]]] | None = None,
+    unsharded_load: str = "cover",
 ) -> dict[int, list[MetaStep]]:
     """Every rank's finalized order for ``schedule`` (see the module docstring).
 
@@ -73,7 +74,7 @@ def build_rank_orders(
         chosen = {} if swap_only is None else dict(swap_only)
         passes.append((
             f"inject_swap_steps[min_gap={min_gap}]",
-            lambda o, r: inject_swap_steps(o, min_gap=min_gap, only=chosen.get(r)),
+            lambda o, r: inject_swap_steps(o, min_gap=min_gap, only=chosen.get(r), unsharded_load=unsharded_load),
         ))
     logger.debug("%s: pass order %s", schedule, " -> ".join(name for name, _ in passes))
     return {rank: _run_passes(order, rank, passes) for rank, order in orders.items()}

@@ -23,8 +23,9 @@ judges the pass rather than repeating it. Rules (:class:`OrderRule`):
 * with FSDP on the stage: when an FSDP_UNSHARD of the stage after SWAP_WAIT_OFFLOAD feeds the
   consumer (no compute of the stage in between), the order is SWAP_LAUNCH_LOAD →
   FSDP_UNSHARD → SWAP_WAIT_LOAD → consumer, with only swap steps between the launch and
-  that UNSHARD; when the stage stays unsharded, no compute slot lies between
-  SWAP_LAUNCH_LOAD and SWAP_WAIT_LOAD (the load is not brought back early);
+  that UNSHARD; when the stage stays unsharded, the load sits at the cover point of a
+  stage without FSDP (``unsharded_load="cover"``, default) or no compute slot lies between
+  SWAP_LAUNCH_LOAD and SWAP_WAIT_LOAD (``"delay"``, the design document's rule);
 * given the ``reference`` order the swap pass started from: the P2P send/recv sequence
   (containers included) is unchanged, and removing the swap steps gives ``reference`` back.
 """
@@ -113,6 +114,7 @@ def check_order(
     min_gap: int = MIN_SWAP_GAP,
     swapped: Collection[tuple[int, int]] | None = None,
     reference: Sequence[MetaStep] | None = None,
+    unsharded_load: str = "cover",
 ) -> list[OrderViolation]:
     """Every violation of the rules in the module docstring, in step order."""
     out: list[OrderViolation] = []
@@ -145,7 +147,8 @@ def check_order(
             why = "eligible but not in the chosen set" if key in eligible else "not eligible (gap < min_gap)"
             report(first, key, rule, f"chunk has swap steps but is {why}; it must stay resident")
     for key in sorted(chosen & set(chunks)):
-        _check_chunk(order, key, chunks[key], steps_of.get(key, {}), weights.get(key, []), slot_of, report)
+        _check_chunk(order, key, chunks[key], steps_of.get(key, {}), weights.get(key, []), slot_of, report,
+                     unsharded_load)
     if reference is not None:
         _check_reference(order, reference, report)
     return sorted(out, key=lambda v: v.step)
@@ -158,9 +161,12 @@ def assert_valid_order(
     min_gap: int = MIN_SWAP_GAP,
     swapped: Collection[tuple[int, int]] | None = None,
     reference: Sequence[MetaStep] | None = None,
+    unsharded_load: str = "cover",
 ) -> None:
     """Raise :class:`OrderError` listing every violation, with the order printed as a table."""
-    violations = check_order(order, rank=rank, min_gap=min_gap, swapped=swapped, reference=reference)
+    violations = check_order(
+        order, rank=rank, min_gap=min_gap, swapped=swapped, reference=reference, unsharded_load=unsharded_load
+    )
     if not violations:
         return
     lines = [f"rank {rank}: {len(violations)} pipeline-order violation(s):"]
@@ -243,6 +249,7 @@ def _check_chunk(
     weight_positions: list[int],
     slot_of: dict[int, int],
     report: _Report,
+    unsharded_load: str = "cover",
 ) -> None:
     positions: dict[StepKind, int] = {}
     for kind in SWAP_SEQUENCE:
@@ -278,7 +285,7 @@ def _check_chunk(
                    f"the next compute after SWAP_WAIT_LOAD is step {next_slot}, not the consumer at "
                    f"step {chunk.consumer_pos}; move the wait right before the consumer")
     if any(s.is_fsdp and s.stage == key[0] for s in order):
-        _check_fsdp_load(order, key, chunk, (wait_off, launch_load, wait_load), slot_of, report)
+        _check_fsdp_load(order, key, chunk, (wait_off, launch_load, wait_load), slot_of, report, unsharded_load)
     elif wait_off < launch_load < wait_load:
         _check_load_cover(order, key, (wait_off, launch_load, wait_load), slot_of, report)
 
@@ -350,6 +357,7 @@ def _check_fsdp_load(
     positions: tuple[int, int, int],
     slot_of: dict[int, int],
     report: _Report,
+    unsharded_load: str,
 ) -> None:
     wait_off, launch_load, wait_load = positions
     stage = key[0]
@@ -368,7 +376,10 @@ def _check_fsdp_load(
         report(launch_load, key, OrderRule.FSDP_LOAD_ORDER,
                f"SWAP_LAUNCH_LOAD is not right before the lookahead FSDP_UNSHARD at step {feeding}; "
                "launch the load there so the activation comes back with the parameters, not earlier")
-    if feeding is None and any(launch_load < p < wait_load for p in slot_of):
+    if feeding is None and unsharded_load == "cover":
+        if wait_off < launch_load < wait_load:
+            _check_load_cover(order, key, positions, slot_of, report)
+    elif feeding is None and any(launch_load < p < wait_load for p in slot_of):
         report(launch_load, key, OrderRule.FSDP_LOAD_ORDER,
                "stage stays unsharded: SWAP_LAUNCH_LOAD must follow the last compute before the consumer")
 

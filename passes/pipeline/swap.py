@@ -30,9 +30,12 @@ sit between top-level steps, so none ever enters a ``BATCH_SEND_RECV``)::
                            SWAP_WAIT_OFFLOAD and no compute of the stage between it and b:
                            right before that UNSHARD, giving
                            LAUNCH_LOAD → UNSHARD → WAIT_LOAD → BWD;
-                         - FSDP but the stage stays unsharded (no such UNSHARD): delayed to
-                           the start of the comm block before b, so the activation does not
-                           come back early;
+                         - FSDP but the stage stays unsharded (no such UNSHARD): with
+                           ``unsharded_load="cover"`` (default) the same cover point as
+                           without FSDP; with ``"delay"`` (the design document's rule) at
+                           the start of the comm block before b, where no compute hides
+                           the H2D (one stage per rank: every load exposed, measured in
+                           benchmarks/pp_swap.py and docs/architecture.md);
     SWAP_WAIT_LOAD       right before slot b (after its receives).
 
 Several swap steps at one place are ordered LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD,
@@ -52,6 +55,8 @@ from .meta_step import SWAP_SEQUENCE, MetaStep, StepKind
 
 #: Default threshold: a chunk is swapped only if its window spans at least this many slots.
 MIN_SWAP_GAP = 4
+#: Where SWAP_LAUNCH_LOAD goes when the chunk's stage stays unsharded under FSDP.
+UNSHARDED_LOAD_PLACEMENTS = ("cover", "delay")
 _CONSUMER_KINDS = (StepKind.BWD, StepKind.BWD_INPUT)
 
 
@@ -118,7 +123,9 @@ class SwapAnchor(NamedTuple):
     step: MetaStep
 
 
-def swap_anchors(order: Sequence[MetaStep], chunks: Iterable[SwapChunk]) -> list[SwapAnchor]:
+def swap_anchors(
+    order: Sequence[MetaStep], chunks: Iterable[SwapChunk], *, unsharded_load: str = "cover"
+) -> list[SwapAnchor]:
     """Analysis: where the four swap steps of each chunk go (rules in the module docstring).
 
     ``chunks`` come from :func:`find_swap_chunks` on the same ``order`` and need
@@ -135,7 +142,7 @@ def swap_anchors(order: Sequence[MetaStep], chunks: Iterable[SwapChunk]) -> list
         positions = (
             chunk.forward_step + 1,
             wait_offload,
-            _launch_load_position(order, chunk, slot_positions, wait_offload, fsdp_stages),
+            _launch_load_position(order, chunk, slot_positions, wait_offload, fsdp_stages, unsharded_load),
             chunk.backward_step,
         )
         for kind_order, (kind, position) in enumerate(zip(SWAP_SEQUENCE, positions)):
@@ -165,8 +172,12 @@ def inject_swap_steps(
     *,
     min_gap: int = MIN_SWAP_GAP,
     only: Collection[tuple[int, int]] | None = None,
+    unsharded_load: str = "cover",
 ) -> list[MetaStep]:
     """Insert the four swap steps for each eligible chunk (or each chunk of ``only``).
+
+    ``unsharded_load`` places the load of a chunk whose stage stays unsharded under FSDP
+    (see the module docstring): ``"cover"`` or ``"delay"``.
 
     ``only`` restricts injection to a subset of the eligible ``(stage, micro)`` chunks (a
     cost model's choice); naming a chunk that is unknown or ineligible raises ValueError.
@@ -178,8 +189,12 @@ def inject_swap_steps(
                 f"step {pos} ({step!r}): order already holds swap steps; "
                 "inject_swap_steps runs once, as the last pass"
             )
+    if unsharded_load not in UNSHARDED_LOAD_PLACEMENTS:
+        raise ValueError(
+            f"unsharded_load must be one of {', '.join(UNSHARDED_LOAD_PLACEMENTS)}, got {unsharded_load!r}"
+        )
     chosen = _choose(find_swap_chunks(order, min_gap=min_gap), only, min_gap)
-    return apply_swap_anchors(order, swap_anchors(order, chosen))
+    return apply_swap_anchors(order, swap_anchors(order, chosen, unsharded_load=unsharded_load))
 
 
 def strip_swap_steps(order: Sequence[MetaStep]) -> list[MetaStep]:
@@ -193,14 +208,17 @@ def _launch_load_position(
     slot_positions: list[int],
     wait_offload: int,
     fsdp_stages: set[int | None],
+    unsharded_load: str,
 ) -> int:
+    cover = max(slot_positions[chunk.backward_index - 1], wait_offload)
     if chunk.stage not in fsdp_stages:
-        cover = slot_positions[chunk.backward_index - 1]
-        return max(cover, wait_offload)
+        return cover
     lookahead = lookahead_unshard_position(order, chunk.stage, chunk.backward_step, wait_offload)
     if lookahead is not None:
         return lookahead
-    # The stage stays unsharded: start the load at the comm block right before the backward.
+    if unsharded_load == "cover":
+        return cover  # the stage stays unsharded: hide the load like a stage without FSDP
+    # "delay": start the load at the comm block right before the backward (not hidden).
     return max(slot_positions[chunk.backward_index - 1] + 1, wait_offload)
 
 

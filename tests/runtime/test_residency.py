@@ -240,6 +240,25 @@ def test_unbinding_a_resident_storage_keeps_its_bytes(manager) -> None:
     assert manager.pool.stats().buffers_in_use == 0
 
 
+def test_unbind_without_synchronize_leaves_the_load_in_flight(pool, deferred_engine_cls) -> None:
+    engine = deferred_engine_cls(records_streams=True, stream_waits=True)
+    manager = ResidencyManager(engine, pool)
+    tensor = torch.arange(10.0)
+    manager.bind(0, tensor)
+    manager.copy_d2h(0)
+    engine.fire_all()
+    manager.release_device(0)
+    manager.copy_h2d(0)
+    with pytest.raises(ResidencyMisuseError, match="still has a host copy"):
+        manager.unbind(0, synchronize=False)
+    manager.release_host(0)
+    manager.unbind(0, synchronize=False)
+    assert 0 not in manager and manager.transfers_in_flight() == 1  # no host wait happened
+    engine.fire_all()
+    assert manager.transfers_in_flight() == 0
+    assert torch.equal(tensor, torch.arange(10.0))
+
+
 # ---------------------------------------------------------------- misuse
 
 

@@ -177,9 +177,18 @@ def test_fsdp_load_order() -> None:
     broken = _without(good, "0SWAP_LAUNCH_LOAD0")
     broken.insert(unshard, MetaStep(StepKind.SWAP_LAUNCH_LOAD, 0, 0))
     assert {v.rule for v in check_order(broken, rank=0, reference=ref)} == {OrderRule.FSDP_LOAD_ORDER}
-    # chunk (0,3) stays unsharded: its load must not start before the compute preceding 0B3.
-    early = _move(good, "0SWAP_LAUNCH_LOAD3", "0B2")
-    assert {v.rule for v in check_order(early, rank=0, reference=ref)} == {OrderRule.FSDP_LOAD_ORDER}
+    # chunk (0,3) stays unsharded. Default ("cover"): its load is hidden by the compute
+    # preceding 0B3, like a stage without FSDP, and not started any earlier.
+    early = _move(good, "0SWAP_LAUNCH_LOAD3", "2B3")
+    assert {v.rule for v in check_order(early, rank=0, reference=ref)} == {OrderRule.LOAD_NOT_AT_COVER_POINT}
+    # "delay" (the design document's rule): no compute between the launch and the wait.
+    delayed = build_rank_orders("interleaved-1f1b", swap=True, unsharded_load="delay", **kw)[0]
+    assert check_order(delayed, rank=0, reference=ref, unsharded_load="delay") == []
+    assert check_order(delayed, rank=0, reference=ref) != []  # not at the cover point
+    early = _move(delayed, "0SWAP_LAUNCH_LOAD3", "0B2")
+    assert {v.rule for v in check_order(early, rank=0, reference=ref, unsharded_load="delay")} == {
+        OrderRule.FSDP_LOAD_ORDER
+    }
 
 
 def test_malformed_step_reported_not_raised() -> None:

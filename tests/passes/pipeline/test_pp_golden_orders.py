@@ -177,9 +177,15 @@ def test_interleaved_compute_order_is_megatron() -> None:
 
 def test_interleaved_fsdp_swap() -> None:
     kw = dict(num_ranks=2, stages_per_rank=2, num_microbatches=4, fsdp=True)
-    got = _build("interleaved-1f1b", 0, swap=True, **kw)
+    got = _build("interleaved-1f1b", 0, swap=True, unsharded_load="delay", **kw)
     assert got == _words(INTERLEAVED_FSDP_SWAP_R0)
-    assert_valid_order(parse_order(got), rank=0, reference=parse_order(_build("interleaved-1f1b", 0, **kw)))
+    reference = parse_order(_build("interleaved-1f1b", 0, **kw))
+    assert_valid_order(parse_order(got), rank=0, reference=reference, unsharded_load="delay")
+    # The default places the loads of the stays-unsharded chunks one compute slot earlier.
+    cover = parse_order(_build("interleaved-1f1b", 0, swap=True, **kw))
+    assert_valid_order(cover, rank=0, reference=reference)
+    moved = [s for s, d in zip(cover, parse_order(got)) if s != d]
+    assert moved and all(s.kind.name.startswith("SWAP") or s.is_compute_slot or s.is_comm for s in moved)
 
 
 def test_interleaved_fsdp_batch_keeps_swap_outside_containers() -> None:
@@ -213,8 +219,9 @@ def test_strip_gives_back_golden_inputs() -> None:
 
 
 # GPipe + FSDP + batch, 2 ranks × 3 micro-batches, rank 0, min_gap 3. One stage per rank:
-# it stays unsharded (UNSHARD at the top, REDUCE_GRAD + RESHARD at the bottom), so every
-# load is delayed to the comm block right before its backward.
+# it stays unsharded (UNSHARD at the top, REDUCE_GRAD + RESHARD at the bottom). With
+# unsharded_load="delay" (the design document's rule) every load is delayed to the comm
+# block right before its backward, where no compute hides it.
 GPIPE_FSDP_BATCH_R0 = """
 0UNSHARD 0F0 0SWAP_LAUNCH_OFFLOAD0 (0SEND_F0)BATCH_SEND_RECV
 0F1 0SWAP_LAUNCH_OFFLOAD1 (0SEND_F1)BATCH_SEND_RECV 0SWAP_WAIT_OFFLOAD0
@@ -225,9 +232,23 @@ GPIPE_FSDP_BATCH_R0 = """
 """
 
 
+# The default, unsharded_load="cover": each load starts before the compute slot ahead of
+# its backward, exactly as on a stage without FSDP, so that slot hides the H2D.
+GPIPE_FSDP_BATCH_COVER_R0 = """
+0UNSHARD 0F0 0SWAP_LAUNCH_OFFLOAD0 (0SEND_F0)BATCH_SEND_RECV
+0F1 0SWAP_LAUNCH_OFFLOAD1 (0SEND_F1)BATCH_SEND_RECV 0SWAP_WAIT_OFFLOAD0 0SWAP_LAUNCH_LOAD0
+0F2 0SWAP_LAUNCH_OFFLOAD2 (0SEND_F2;0RECV_B0)BATCH_SEND_RECV 0SWAP_WAIT_OFFLOAD1 0SWAP_LAUNCH_LOAD1 0SWAP_WAIT_LOAD0
+0B0 (0RECV_B1)BATCH_SEND_RECV 0SWAP_WAIT_OFFLOAD2 0SWAP_LAUNCH_LOAD2 0SWAP_WAIT_LOAD1
+0B1 (0RECV_B2)BATCH_SEND_RECV 0SWAP_WAIT_LOAD2
+0B2 0REDUCE_GRAD 0RESHARD
+"""
+
+
 def test_gpipe_fsdp_batch_swap() -> None:
     kw = dict(num_ranks=2, stages_per_rank=1, num_microbatches=3, fsdp=True, transport="batch")
-    assert _build("gpipe", 0, swap=True, min_gap=3, **kw) == _words(GPIPE_FSDP_BATCH_R0)
+    delayed = _build("gpipe", 0, swap=True, min_gap=3, unsharded_load="delay", **kw)
+    assert delayed == _words(GPIPE_FSDP_BATCH_R0)
+    assert _build("gpipe", 0, swap=True, min_gap=3, **kw) == _words(GPIPE_FSDP_BATCH_COVER_R0)
 
 
 # Interleaved 1F1B with 3 virtual stages: 2 ranks × 3 × 2 micro-batches. Rank 0 holds stages

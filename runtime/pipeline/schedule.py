@@ -1,0 +1,259 @@
+"""``PipelineSwapSchedule``: torch-style pipeline schedule that runs our finalized orders.
+
+It is a ``torch.distributed.pipelining.schedules.PipelineScheduleMulti`` (so ``step(*args,
+target=..., losses=...)``, micro-batch splitting, loss handling and stage initialisation
+are torch's own) whose step executes the rank-local order built by
+:func:`~hyper_offload.passes.pipeline.build_rank_orders` — compute order → [overlap]
+→ [dx/dw split] → P2P → [FSDP] → transport → [swap] — with
+:class:`~.step_runner.StepRun`. ``PipelineStage`` does the stage compute and builds the
+P2P ops; FSDP2 (``fully_shard``) modules are unsharded, resharded and reduced by the
+order's FSDP steps.
+
+``swap=True`` only injects the four swap steps and creates a
+:class:`~.session.PipelineSwapSession`; which activations move is decided by
+``swap_wrapper`` / ``swap_tensor_wrapper`` in the model. Without any wrapper, ``swap=True``
+changes nothing but bookkeeping.
+
+Unsupported combinations raise at construction, naming the fix:
+
+* ``swap=True`` without ``loss_fn`` (forward only: nothing consumes the activations);
+* FSDP2 stages with ``reshard_after_forward=True`` on orders that split backward into
+  dx/dw (torch 2.13 computes wrong weight gradients there, even without swap);
+* ``real_overlap=True`` with FSDP2 stages (FSDP's hooks are not thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+from hyper_offload.passes.pipeline import (
+    ActivationSizes,
+    SwapCostModel,
+    SwapCostReport,
+    assert_valid_order,
+    build_rank_orders,
+    layout_for,
+    plan_rank_swaps,
+)
+from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
+from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
+
+from ..pinned_pool import PinnedMemoryPool
+from .hooks import group_scope
+from .session import PipelineSwapSession
+from .step_runner import StepObserver, StepRun
+
+__all__ = ["PipelineSwapSchedule", "UnsupportedScheduleError"]
+
+
+class UnsupportedScheduleError(ValueError):
+    """The schedule cannot run this combination of options and stages (message says why)."""
+
+
+class PipelineSwapSchedule(PipelineScheduleMulti):
+    """Runs one rank's finalized order (see the module docstring).
+
+    ``stages`` are this rank's ``PipelineStage`` objects (one for GPipe / 1F1B, several for
+    the interleaved schedules, two for the V-shaped ones). ``swap_only`` maps rank →
+    chunks to swap (a cost model's choice, e.g. ``plan_rank_swaps(...)[r].chosen``);
+    ranks absent from it swap every eligible chunk. ``unsharded_load`` is the swap pass's
+    load placement for FSDP stages that stay unsharded (``"cover"``: hidden like a stage
+    without FSDP; ``"delay"``: the design document's rule). ``swap_cost`` with
+    ``activation_sizes`` turns on the cost-aware eligibility: every rank's chunks are
+    chosen by :func:`~hyper_offload.passes.pipeline.plan_rank_swaps` (the decision for this
+    rank is kept in ``swap_report``). ``timeout`` (seconds or a ``timedelta``) bounds
+    every P2P wait.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Any],
+        n_microbatches: int,
+        *,
+        schedule: str,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        swap: bool = False,
+        transport: str = "plain",
+        min_gap: int = MIN_SWAP_GAP,
+        dxdw_split: bool = False,
+        overlap: bool = False,
+        real_overlap: bool = False,
+        swap_only: Mapping[int, Collection[tuple[int, int]]] | None = None,
+        unsharded_load: str = "cover",
+        swap_cost: SwapCostModel | None = None,
+        activation_sizes: ActivationSizes | None = None,
+        target_peak_bytes: int | None = None,
+        scale_grads: bool = True,
+        timeout: timedelta | float | None = None,
+        pool: PinnedMemoryPool | None = None,
+    ) -> None:
+        stages = list(stages)
+        if not stages:
+            raise UnsupportedScheduleError("PipelineSwapSchedule needs at least one stage on this rank")
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        if swap and loss_fn is None:
+            raise UnsupportedScheduleError(
+                "swap=True without loss_fn: a forward-only schedule has no backward to consume "
+                "swapped activations. Pass loss_fn, or drop swap=True"
+            )
+        self.schedule_name = schedule
+        self.layout = layout_for(schedule, num_ranks=self.pp_group_size, stages_per_rank=len(stages))
+        self._check_stages(stages)
+        self.stage_index_to_group_rank = {s: self.layout.rank_of(s) for s in range(self.layout.num_stages)}
+        for stage in stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        self.stage_by_index = {stage.stage_index: stage for stage in stages}
+        fsdp = any(isinstance(stage.submod, FSDPModule) for stage in stages)
+        self.swap_report: SwapCostReport | None = None
+        if swap and swap_cost is not None:
+            if activation_sizes is None or swap_only is not None:
+                raise UnsupportedScheduleError(
+                    "swap_cost needs activation_sizes (bytes per chunk) and excludes swap_only "
+                    "(it computes the chosen chunks itself)"
+                )
+            plain = build_rank_orders(
+                schedule, num_ranks=self.pp_group_size, stages_per_rank=len(stages),
+                num_microbatches=n_microbatches, fsdp=fsdp, transport=transport,
+                dxdw_split=dxdw_split, overlap=overlap,
+            )
+            reports = plan_rank_swaps(
+                plain, sizes=activation_sizes, cost=swap_cost, min_gap=min_gap, target_peak_bytes=target_peak_bytes
+            )
+            swap_only = {rank: report.chosen for rank, report in reports.items()}
+            self.swap_report = reports[self.rank]
+        self.order: list[MetaStep] = build_rank_orders(
+            schedule,
+            num_ranks=self.pp_group_size,
+            stages_per_rank=len(stages),
+            num_microbatches=n_microbatches,
+            fsdp=fsdp,
+            transport=transport,
+            swap=swap,
+            min_gap=min_gap,
+            dxdw_split=dxdw_split,
+            overlap=overlap,
+            swap_only=swap_only,
+            unsharded_load=unsharded_load,
+        )[self.rank]
+        self._check_fsdp(stages, real_overlap)
+        if swap:
+            # The executor trusts the anchors; prove them before the first step.
+            assert_valid_order(
+                self.order, rank=self.rank, min_gap=min_gap,
+                swapped=None if swap_only is None or self.rank not in swap_only else swap_only[self.rank],
+                unsharded_load=unsharded_load,
+            )
+        self.swap = swap
+        self.session = PipelineSwapSession(self.order, device=stages[0].device, pool=pool) if swap else None
+        self.timeout = timeout if timeout is None or isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+        self.real_overlap = real_overlap
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="pp-overlap") if real_overlap else None
+        self.observer: StepObserver | None = None
+        """Optional callbacks around each top-level step (memory sampling)."""
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_stages(self, stages: list[Any]) -> None:
+        expected = self.layout.stages_of(self.rank)
+        got = tuple(sorted(stage.stage_index for stage in stages))
+        if got != expected:
+            raise UnsupportedScheduleError(
+                f"rank {self.rank}: schedule {self.schedule_name!r} places stages {list(expected)} on this "
+                f"rank ({self.layout.style.value} layout over {self.pp_group_size} ranks), got stages "
+                f"{list(got)}; build the PipelineStage objects for exactly those stage indices"
+            )
+        for stage in stages:
+            if stage.num_stages != self.layout.num_stages:
+                raise UnsupportedScheduleError(
+                    f"stage {stage.stage_index} was built with num_stages={stage.num_stages}, but "
+                    f"{self.pp_group_size} ranks x {len(stages)} stages per rank = {self.layout.num_stages}"
+                )
+
+    def _check_fsdp(self, stages: list[Any], real_overlap: bool) -> None:
+        fsdp_stages = [s.stage_index for s in stages if isinstance(s.submod, FSDPModule)]
+        if not fsdp_stages:
+            return
+        if real_overlap:
+            raise UnsupportedScheduleError(
+                f"real_overlap=True with FSDP2 stages {fsdp_stages}: FSDP's forward/backward hooks "
+                "are not thread-safe. Use real_overlap=False (OVERLAP composites then run in order)"
+            )
+        splits = any(leaf.kind is StepKind.BWD_INPUT for step in self.order for leaf in step.leaves())
+        if not splits:
+            return
+        for stage in stages:
+            for module in stage.submod.modules():
+                if isinstance(module, FSDPModule) and reshards_after_forward(module):
+                    raise UnsupportedScheduleError(
+                        f"stage {stage.stage_index}: an FSDP2 module with reshard_after_forward=True "
+                        f"in an order that splits backward into dx/dw ({self.schedule_name}); torch "
+                        "2.13 computes wrong weight gradients there even without swap. Apply "
+                        "fully_shard(..., reshard_after_forward=False)"
+                    )
+
+    # ------------------------------------------------------------------ execution
+
+    def _initialize_stages(self, args: tuple[Any, ...], kwargs: Any, target: Any = None, loss_kwargs: Any = None) -> None:
+        # Stage initialisation runs real forwards (shape inference) outside any step: mark
+        # them as pipeline forwards without a swap window so wrappers stay silent.
+        with group_scope(None):
+            super()._initialize_stages(args, kwargs, target, loss_kwargs)
+
+    def _step_microbatches(
+        self,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not self._has_backward:
+            raise UnsupportedScheduleError(
+                "PipelineSwapSchedule runs training steps (forward and backward); forward-only "
+                "evaluation is not supported: use torch's own schedules for eval()"
+            )
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        first_target = target_mbs[0] if target_mbs is not None else None
+        self._initialize_stages(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        run = StepRun(self, arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs)
+        if self.session is not None:
+            self.session.begin()
+        try:
+            run.run(self.order, self.observer, self._worker)
+            if self.session is not None:
+                self.session.end()
+        except BaseException as exc:
+            run.abort()
+            if self.session is not None:
+                for error in self.session.abort():
+                    exc.add_note(f"cleanup after the failure also raised: {error!r}")
+            self._internal_losses.clear()
+            raise
+        self._update_losses(self._stages, losses)
+
+    def close(self) -> None:
+        """Stop the overlap worker thread (if any)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def reshards_after_forward(module: FSDPModule) -> bool:
+    """Whether an FSDP2 module frees its unsharded parameters after forward.
+
+    FSDP2 keeps the mesh to reshard to after forward on each parameter group
+    (``post_forward_mesh_info``): ``None`` means the parameters stay unsharded.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    group = getattr(state, "_fsdp_param_group", None)
+    return group is not None and group.post_forward_mesh_info is not None

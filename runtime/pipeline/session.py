@@ -1,0 +1,222 @@
+"""``PipelineSwapSession``: the run-scoped swap state of one rank's finalized order.
+
+One session serves one schedule (one rank-local order). Each ``step()`` of the schedule
+is one *generation*: :meth:`begin` starts it, :meth:`end` (normal exit) or :meth:`abort`
+(exception) finishes it, and after either no group of that generation is left.
+
+* **Eligible chunks** are the ``(stage, micro)`` keys that have a ``SWAP_LAUNCH_OFFLOAD``
+  in the order. Only their FWD leaves get a group (:meth:`forward_scope`); every other
+  FWD leaf runs with the no-window marker, so wrappers pass its tensors through and no
+  group exists for it.
+* **Group names** are ``pp_swap_run{generation}_s{stage}_m{micro}``.
+* **Protection.** Before the FWD runs, the stage's parameters (sharded or FSDP-unsharded,
+  by storage), buffers and the leaf's inputs (first-stage inputs, receive buffers, a
+  same-rank predecessor's output) are protected; right after it, the FWD output and the
+  loss root (:meth:`protect`). Protected storages are never released.
+* **Lifetime.** A group is closed right after its chunk's last backward leaf (BWD, or
+  BWD_WEIGHT under dx/dw split), so its bytes die with autograd's saved tensors.
+* **Bytes** move through one :class:`ResidencyManager` (copy engine + host pool) owned by
+  the session for all generations; its pool is reused from step to step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from itertools import count
+
+import torch
+
+from hyper_offload.passes.pipeline.meta_step import BACKWARD_KINDS, MetaStep, StepKind
+
+from ..device import TransferEngine, resolve_device
+from ..pinned_pool import PinnedMemoryPool
+from ..residency import ResidencyManager
+from .hooks import group_scope
+from .swap_group import GroupState, SwapGroup, SwapStateError, group_name
+
+__all__ = ["PipelineSwapSession"]
+
+ChunkKey = tuple[int, int]
+_DEFAULT_HOST_BYTES = 8 << 30
+
+
+class PipelineSwapSession:
+    """Swap groups of one rank's order across ``step()`` calls (see the module docstring)."""
+
+    def __init__(
+        self,
+        order: Sequence[MetaStep],
+        *,
+        device: torch.device | str | None = None,
+        pool: PinnedMemoryPool | None = None,
+        engine: TransferEngine | None = None,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.order = list(order)
+        self.eligible: frozenset[ChunkKey] = frozenset(
+            leaf.chunk for step in self.order for leaf in step.leaves()
+            if leaf.kind is StepKind.SWAP_LAUNCH_OFFLOAD and leaf.chunk is not None
+        )
+        self._last_backward = _last_backward_leaves(self.order)
+        missing = sorted(self.eligible - set(self._last_backward))
+        if missing:
+            raise ValueError(
+                f"PipelineSwapSession: chunks {missing} have swap steps but no backward leaf in "
+                "this order; swap needs a backward consumer (forward-only orders cannot swap)"
+            )
+        engine = engine if engine is not None else TransferEngine(self.device)
+        pool = pool if pool is not None else PinnedMemoryPool(_DEFAULT_HOST_BYTES)
+        self.manager = ResidencyManager(engine, pool)
+        self.generation = 0
+        self._groups: dict[ChunkKey, SwapGroup] = {}
+        self._active = False
+        self._sids = count()
+        self.group_bytes: dict[ChunkKey, int] = {}
+        """Bytes collected per chunk in the latest generation (what the cost model sizes)."""
+
+    # ------------------------------------------------------------------ generations
+
+    def begin(self) -> int:
+        """Start a new generation (one ``step()``); returns its number."""
+        if self._active:
+            raise SwapStateError(
+                f"PipelineSwapSession: generation {self.generation} is still running; "
+                "step() calls must not nest or overlap (finish or abort the previous one)"
+            )
+        if self._groups:
+            raise SwapStateError(f"PipelineSwapSession: groups {self.live_groups()} outlived their step")
+        self.generation += 1
+        self._active = True
+        self.group_bytes = {}
+        return self.generation
+
+    def end(self) -> None:
+        """Normal end of a generation: every group must have been consumed and closed."""
+        leftover = [g for g in self._groups.values()]
+        self._active = False
+        if leftover:
+            for group in leftover:
+                group.abort()
+            self._groups.clear()
+            raise SwapStateError(
+                f"PipelineSwapSession: groups {[g.name for g in leftover]} were still open at the "
+                "end of the step (their backward never ran); they were restored and dropped"
+            )
+
+    def abort(self) -> list[BaseException]:
+        """Exception path: restore and drop every group of this generation (best effort).
+
+        Returns the errors met while cleaning up, so the caller can attach them to the
+        original exception instead of masking it."""
+        errors: list[BaseException] = []
+        for group in list(self._groups.values()):
+            try:
+                group.abort()
+            except BaseException as exc:  # keep cleaning the others
+                errors.append(exc)
+        self._groups.clear()
+        try:
+            self.manager.sync_all_transfers()
+            self.manager.reset()
+        except BaseException as exc:
+            errors.append(exc)
+        self._active = False
+        return errors
+
+    # ------------------------------------------------------------------ FWD leaves
+
+    @contextmanager
+    def forward_scope(self, leaf: MetaStep, protected: Iterable[torch.Tensor]) -> Iterator[SwapGroup | None]:
+        """Run a FWD leaf: its chunk's group is current if the chunk is eligible (the
+        ``protected`` tensors never join it), else the no-window marker is."""
+        self._require_active("forward_scope")
+        key = leaf.chunk
+        if leaf.kind is not StepKind.FWD or key is None:
+            raise ValueError(f"forward_scope: {leaf!r} is not a FWD leaf")
+        if key not in self.eligible:
+            with group_scope(None):
+                yield None
+            return
+        if key in self._groups:
+            raise SwapStateError(f"{self._groups[key].name}: FWD of this chunk ran twice in one step")
+        keys = {_storage_key(t) for t in protected if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+        group = SwapGroup(
+            group_name(self.generation, *key), key, self.manager, self._sids,
+            device=self.device, protected=keys,
+        )
+        self._groups[key] = group
+        with group_scope(group):
+            yield group
+        self.group_bytes[key] = group.nbytes
+
+    def protect(self, key: ChunkKey, tensors: Iterable[torch.Tensor]) -> None:
+        """Protect the FWD output / loss root of chunk ``key`` (no-op for unswapped chunks)."""
+        group = self._groups.get(key)
+        if group is not None:
+            group.protect(tensors)
+            self.group_bytes[key] = group.nbytes
+
+    # ------------------------------------------------------------------ swap steps
+
+    def run_swap_step(self, step: MetaStep) -> None:
+        """Execute one of the four swap steps for its chunk."""
+        self._require_active(repr(step))
+        group = self._groups.get(step.chunk)  # type: ignore[arg-type]
+        if group is None:
+            raise SwapStateError(
+                f"{step!r}: chunk (stage {step.stage}, micro {step.micro}) has no live group in "
+                f"generation {self.generation}; its FWD must run before its swap steps"
+            )
+        if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD:
+            group.launch_offload()
+        elif step.kind is StepKind.SWAP_WAIT_OFFLOAD:
+            group.wait_offload()
+        elif step.kind is StepKind.SWAP_LAUNCH_LOAD:
+            group.launch_load()
+        elif step.kind is StepKind.SWAP_WAIT_LOAD:
+            group.wait_load()
+        else:
+            raise ValueError(f"run_swap_step: {step!r} is not a swap step")
+
+    def after_compute(self, leaf: MetaStep) -> None:
+        """Close the chunk's group once its last backward leaf has run."""
+        key = leaf.chunk
+        if key is None or self._last_backward.get(key) != leaf.kind:
+            return
+        group = self._groups.pop(key, None)
+        if group is not None:
+            group.close()
+
+    # ------------------------------------------------------------------ inspection
+
+    def live_groups(self) -> list[str]:
+        return [g.name for g in self._groups.values()]
+
+    def group(self, key: ChunkKey) -> SwapGroup | None:
+        return self._groups.get(key)
+
+    def resident_bytes(self) -> int:
+        """Device bytes held by the storages of every live group (real storage sizes)."""
+        return sum(g.resident_bytes() for g in self._groups.values())
+
+    def offloaded_states(self) -> dict[str, GroupState]:
+        return {g.name: g.state for g in self._groups.values()}
+
+    def _require_active(self, what: str) -> None:
+        if not self._active:
+            raise SwapStateError(f"{what}: no step is running (call begin() first)")
+
+
+def _last_backward_leaves(order: Sequence[MetaStep]) -> dict[ChunkKey, StepKind]:
+    """chunk -> kind of its last backward leaf (BWD_WEIGHT after BWD_INPUT, else BWD/I)."""
+    last: dict[ChunkKey, StepKind] = {}
+    for step in order:
+        for leaf in step.leaves():
+            if leaf.kind in BACKWARD_KINDS and leaf.chunk is not None:
+                last[leaf.chunk] = leaf.kind
+    return last
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata

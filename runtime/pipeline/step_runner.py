@@ -1,0 +1,287 @@
+"""One ``step()`` of a :class:`~.schedule.PipelineSwapSchedule`: the rank's order, top to bottom.
+
+Each top-level step is dispatched by kind:
+
+* compute leaves (FWD / BWD / BWD_INPUT / BWD_WEIGHT) through :meth:`StepRun.forward_leaf`
+  and :meth:`StepRun.backward_leaf` — the only two entry points, used by the main thread
+  and by the overlap worker alike. A FWD of an eligible chunk runs inside its swap group
+  (:meth:`PipelineSwapSession.forward_scope`); its output and loss are protected right
+  after. A same-rank neighbour stage (V schedules) gets its input or output gradient
+  directly, without P2P, as in torch's runtime;
+* ``OVERLAP_B_F`` / ``OVERLAP_F_B``: leaves in order, or — with ``real_overlap`` — the
+  forward leaves on the calling thread and the backward leaves on a worker thread, joined
+  before the next step; a worker's exception is re-raised here;
+* P2P leaves and ``BATCH_SEND_RECV`` through :class:`~.p2p.P2PTracker`;
+* ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` on the stage's FSDP2 modules;
+* the four swap kinds through the session.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
+
+from hyper_offload.passes.pipeline.meta_step import OVERLAP_KINDS, MetaStep, StepKind
+
+from .p2p import P2PTracker
+
+if TYPE_CHECKING:
+    from .schedule import PipelineSwapSchedule
+
+__all__ = ["StepObserver", "StepRun"]
+
+_BWD_LEAVES = (StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT)
+
+
+class StepObserver(Protocol):
+    """Called around every top-level step (tests and benchmarks sample memory here)."""
+
+    def before_step(self, position: int, step: MetaStep) -> None: ...
+
+    def after_step(self, position: int, step: MetaStep) -> None: ...
+
+
+class StepRun:
+    """State of one ``step()``: P2P requests, FSDP handles, backward counters."""
+
+    def __init__(
+        self,
+        schedule: PipelineSwapSchedule,
+        arg_mbs: list[Any],
+        kwarg_mbs: list[Any],
+        target_mbs: list[Any] | None,
+        return_outputs: bool,
+        loss_kwargs: dict[str, Any] | None,
+    ) -> None:
+        self.schedule = schedule
+        self.stages = schedule.stage_by_index
+        self.session = schedule.session
+        self.arg_mbs = arg_mbs
+        self.kwarg_mbs = kwarg_mbs
+        self.target_mbs = target_mbs
+        self.return_outputs = return_outputs
+        self.loss_kwargs = loss_kwargs
+        self.p2p = P2PTracker(self.stages, schedule.timeout, schedule.layout.num_stages)
+        self.unshard_handles: dict[int, list[Any]] = {}
+        self.unsharded: set[int] = set()
+        self.backward_count: Counter[int] = Counter()
+        self.reduced: set[int] = set()
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self, order: list[MetaStep], observer: StepObserver | None, pool: ThreadPoolExecutor | None) -> None:
+        for position, step in enumerate(order):
+            if observer is not None:
+                observer.before_step(position, step)
+            try:
+                self._dispatch(step, pool)
+            except Exception as exc:
+                exc.add_note(f"rank {self.schedule.rank}: while running step {position} ({step!r}) of its order")
+                raise
+            if observer is not None:
+                observer.after_step(position, step)
+        self.p2p.wait_sends()
+        if self.unshard_handles:
+            raise RuntimeError(
+                f"rank {self.schedule.rank}: UNSHARD of stages {sorted(self.unshard_handles)} was "
+                "never consumed by a compute step; the FSDP pass placed an unused unshard"
+            )
+        for index, stage in self.stages.items():
+            if index not in self.reduced and self.schedule.scale_grads:
+                stage.scale_grads(self.schedule._n_microbatches)
+
+    def abort(self) -> None:
+        """Exception path: drop P2P bookkeeping and wait for outstanding unshards."""
+        self.p2p.drop()
+        for handles in self.unshard_handles.values():
+            for handle in handles:
+                try:
+                    handle.wait()
+                except Exception:  # best effort: the original error matters more
+                    pass
+        self.unshard_handles.clear()
+
+    def _dispatch(self, step: MetaStep, pool: ThreadPoolExecutor | None) -> None:
+        kind = step.kind
+        if step.is_swap:
+            assert self.session is not None, "swap steps exist only when the schedule has a session"
+            self.session.run_swap_step(step)
+        elif step.is_p2p:
+            self.p2p.run(step)
+        elif kind is StepKind.FSDP_UNSHARD:
+            self._unshard(step.stage)  # type: ignore[arg-type]
+        elif kind is StepKind.FSDP_RESHARD:
+            self._reshard(step.stage)  # type: ignore[arg-type]
+        elif kind is StepKind.REDUCE_GRAD:
+            self._reduce_grad(step.stage)  # type: ignore[arg-type]
+        elif kind in OVERLAP_KINDS:
+            self._overlap(step, pool)
+        elif kind is StepKind.FWD:
+            self.forward_leaf(step)
+        elif kind in _BWD_LEAVES:
+            self.backward_leaf(step)
+        else:  # pragma: no cover - StepKind is closed
+            raise ValueError(f"{step!r}: unknown step kind {kind.name}")
+
+    # ------------------------------------------------------------------ compute leaves
+
+    def forward_leaf(self, leaf: MetaStep) -> None:
+        s, m = leaf.stage, leaf.micro
+        assert s is not None and m is not None
+        stage = self.stages[s]
+        self._ensure_unsharded(stage)
+        prev_local = s - 1 in self.stages
+        if not stage.is_first and not prev_local:
+            self._require_received(leaf, StepKind.RECV_F)
+        inputs = self._stage_inputs(stage, m)
+        scope = (
+            self.session.forward_scope(leaf, _protected(stage.submod, inputs))
+            if self.session is not None else nullcontext()
+        )
+        with scope:
+            output = stage.forward_one_chunk(
+                m, self.arg_mbs[m], self.kwarg_mbs[m], save_forward_output=self.return_outputs
+            )
+            self.schedule._maybe_compute_loss(stage, output, self.target_mbs, m, self.loss_kwargs)
+        if self.session is not None:
+            roots = list(_tensors(output))
+            if stage.is_last and self.schedule._has_backward:
+                roots.append(self.schedule._internal_losses[-1])
+            self.session.protect((s, m), roots)
+        if s + 1 in self.stages:
+            self.stages[s + 1].set_local_fwd_input(output, m)
+
+    def backward_leaf(self, leaf: MetaStep) -> None:
+        s, m = leaf.stage, leaf.micro
+        assert s is not None and m is not None
+        stage = self.stages[s]
+        self._ensure_unsharded(stage)
+        next_local = s + 1 in self.stages
+        if leaf.kind is StepKind.BWD_WEIGHT:
+            self.backward_count[s] += 1
+            stage.backward_weight_one_chunk(m, last_backward=self._is_last_backward(s))
+        else:
+            if not stage.is_last and not next_local:
+                self._require_received(leaf, StepKind.RECV_B)
+            loss = self.schedule._maybe_get_loss(stage, m)
+            full = leaf.kind is StepKind.BWD
+            if full:
+                self.backward_count[s] += 1
+            stage.backward_one_chunk(
+                m, loss=loss, full_backward=full, last_backward=full and self._is_last_backward(s)
+            )
+            if s - 1 in self.stages:
+                self.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(m), m)
+        if self.session is not None:
+            self.session.after_compute(leaf)
+
+    def _overlap(self, step: MetaStep, pool: ThreadPoolExecutor | None) -> None:
+        forwards = [leaf for leaf in step.sub_steps if leaf.kind is StepKind.FWD]
+        backwards = [leaf for leaf in step.sub_steps if leaf.kind is not StepKind.FWD]
+        if pool is None or not forwards or not backwards:
+            for leaf in step.sub_steps:
+                self._dispatch(leaf, None)
+            return
+        context = contextvars.copy_context()
+        future = pool.submit(context.run, self._run_leaves, backwards)
+        try:
+            self._run_leaves(forwards)
+        finally:
+            # Join before anything else runs, even when the forward failed: the worker must
+            # not keep touching the stages while the caller unwinds.
+            worker_error = future.exception()
+        if worker_error is not None:
+            worker_error.add_note(f"raised on the overlap worker thread running {backwards!r} of {step!r}")
+            raise worker_error
+
+    def _run_leaves(self, leaves: list[MetaStep]) -> None:
+        for leaf in leaves:
+            if leaf.kind is StepKind.FWD:
+                self.forward_leaf(leaf)
+            else:
+                self.backward_leaf(leaf)
+
+    # ------------------------------------------------------------------ FSDP
+
+    def _unshard(self, index: int) -> None:
+        stage = self.stages[index]
+        if not isinstance(stage.submod, FSDPModule):
+            return
+        if index in self.unsharded or index in self.unshard_handles:
+            raise RuntimeError(f"UNSHARD of stage {index} twice without a RESHARD in between")
+        self.unshard_handles[index] = [
+            module.unshard(async_op=True) for module in stage.submod.modules() if isinstance(module, FSDPModule)
+        ]
+
+    def _reshard(self, index: int) -> None:
+        stage = self.stages[index]
+        if not isinstance(stage.submod, FSDPModule):
+            return
+        if index in self.unshard_handles:
+            self._ensure_unsharded(stage)
+        if index not in self.unsharded:
+            raise RuntimeError(f"RESHARD of stage {index}, which is not unsharded")
+        for module in stage.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        self.unsharded.discard(index)
+
+    def _reduce_grad(self, index: int) -> None:
+        factor = self.schedule._n_microbatches if self.schedule.scale_grads else 1
+        self.stages[index].perform_reduce_grad(factor)
+        self.reduced.add(index)
+
+    def _ensure_unsharded(self, stage: Any) -> None:
+        """Wait for the stage's pending UNSHARD (if any); refuse to compute while sharded."""
+        if not isinstance(stage.submod, FSDPModule):
+            return
+        index = stage.stage_index
+        if index in self.unshard_handles:
+            for handle in self.unshard_handles.pop(index):
+                if handle is not None:  # None: the module was unsharded already
+                    handle.wait()
+            self.unsharded.add(index)
+        if index not in self.unsharded:
+            raise RuntimeError(
+                f"stage {index} computes while sharded: its order has no FSDP_UNSHARD before this step"
+            )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_received(self, leaf: MetaStep, recv: StepKind) -> None:
+        key = (recv, leaf.stage, leaf.micro)
+        if key not in self.p2p.received:
+            raise RuntimeError(
+                f"{leaf!r} runs before its {MetaStep(recv, leaf.stage, leaf.micro)!r}; the order must "
+                "receive a chunk's input before computing it (check_execution finds this statically)"
+            )
+        self.p2p.received.discard(key)  # type: ignore[arg-type]
+
+    def _is_last_backward(self, stage_index: int) -> bool:
+        return self.backward_count[stage_index] == self.schedule._n_microbatches
+
+    def _stage_inputs(self, stage: Any, micro: int) -> list[torch.Tensor]:
+        if stage.is_first:
+            return list(_tensors((self.arg_mbs[micro], self.kwarg_mbs[micro])))
+        infos = stage.args_recv_info[micro]
+        return [info.buffer for info in infos if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+def _protected(module: torch.nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Storages a FWD leaf must never release: the stage's parameters as they are now
+    (FSDP-unsharded during compute) and buffers, plus the leaf's inputs."""
+    return [*module.parameters(), *module.buffers(), *inputs]
