@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _example() -> Any:
+    sys.path.insert(0, str(ROOT / "examples"))  # the example imports the shared gpt_model
     spec = importlib.util.spec_from_file_location("pipeline_swap_example", ROOT / "examples" / "pipeline_swap.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

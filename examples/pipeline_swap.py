@@ -27,30 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gpt_model import Block, GPTConfig  # the examples' shared GPT block
 from hyper_offload import swap_wrapper
 from hyper_offload.passes.pipeline import SCHEDULES, build_rank_orders, build_timeline, layout_for
 from hyper_offload.runtime import DeviceMemoryMeter
 from hyper_offload.runtime.pipeline import PipelineSwapSchedule
 
 V_OR_INTERLEAVED = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a 4x MLP."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
 class GPTStage(nn.Module):
@@ -61,7 +44,8 @@ class GPTStage(nn.Module):
         self.embed = nn.Embedding(args.vocab, args.dim) if first else None
         self.pos = nn.Parameter(torch.zeros(args.seq, args.dim)) if first else None
         # The blocks' saved activations may be swapped; which ones move is the schedule's call.
-        self.blocks = nn.ModuleList(swap_wrapper(Block(args.dim, args.heads)) for _ in range(args.blocks))
+        block_shape = GPTConfig(vocab=args.vocab, seq_len=args.seq, dim=args.dim, heads=args.heads)
+        self.blocks = nn.ModuleList(swap_wrapper(Block(block_shape)) for _ in range(args.blocks))
         self.head = nn.Sequential(nn.LayerNorm(args.dim), nn.Linear(args.dim, args.vocab)) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
