@@ -157,6 +157,8 @@ def _reachable(record: _HostCopy) -> bool:
     """
     if any(view() is not None for view in record.views):
         return True
+    for transfer in record.transfers:
+        transfer.query()  # a completed transfer drops the tensors it kept alive
     return record.buffer is not None and _storage_refs(record.buffer) > record.own_refs
 
 
