@@ -26,7 +26,10 @@ from torch import nn
 
 import hyper_offload
 
-DIM, BATCH, LAYERS = 256, 8, 2
+DIM, BATCH = 256, 8
+LAYERS = {"ddp": 2, "fsdp": 3}
+"""FSDP2 gets a third layer: Dynamo then runs one compiled region for two layers
+(several forwards of one region before its first backward)."""
 CASES = (("ddp", "aot_eager"), ("fsdp", "aot_eager"), ("ddp", "inductor"), ("fsdp", "inductor"))
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -45,9 +48,9 @@ class Layer(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Layer() for _ in range(layers))
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +100,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 def _step(kind: str, backend: Any, rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _wrap(kind, Net())
+    model = _wrap(kind, Net(LAYERS[kind]))
     compiled = torch.compile(model, backend=backend)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     x = torch.randn(BATCH, DIM, generator=generator)
