@@ -105,6 +105,9 @@ class _HostCopy:
     """Every tensor object on the buffer that the ops handed out or were given."""
     storage: weakref.ref[torch.UntypedStorage] | None = None
     """Set once released: drops the record when the storage dies (its id may be reused)."""
+    own_refs: int = 0
+    """References to the buffer's storage that the runtime and the pool hold themselves:
+    more than that means some tensor outside the runtime still reaches the host copy."""
 
 
 @dataclass(eq=False)
@@ -138,6 +141,25 @@ def _watch(record: _HostCopy, tensor: torch.Tensor) -> None:
     """Add ``tensor`` to the objects whose death opens the record's release gate."""
     if not any(ref() is tensor for ref in record.views):
         record.views.append(weakref.ref(tensor))
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def _reachable(record: _HostCopy) -> bool:
+    """Whether a tensor outside the runtime still reaches the record's host copy.
+
+    Tensor objects are not enough: Inductor hands the backward a fresh alias of the
+    host tensor (``reinterpret_tensor``), so the object the op returned can die while
+    the autograd graph still holds the bytes. Every tensor on the buffer's storage
+    holds a reference to it, so the storage's use count decides.
+    """
+    if any(view() is not None for view in record.views):
+        return True
+    for transfer in record.transfers:
+        transfer.query()  # a completed transfer drops the tensors it kept alive
+    return record.buffer is not None and _storage_refs(record.buffer) > record.own_refs
 
 
 def _key(tensor: torch.Tensor) -> int:
@@ -223,7 +245,8 @@ class TransferRuntime:
         key = _key(host)
         with self._lock:
             self._hosts[key] = _HostCopy(
-                buffer, HostCopyState.FILLING, [transfer], [weakref.ref(host)]
+                buffer, HostCopyState.FILLING, [transfer], [weakref.ref(host)],
+                own_refs=_storage_refs(buffer) - 1,  # all but ``host`` itself
             )
             self._pending[key] = _Pending("copy_d2h", transfer, src, host, key)
         return host
@@ -372,7 +395,7 @@ class TransferRuntime:
                 for key, record in list(self._hosts.items())
                 if record.state is not HostCopyState.RELEASED
                 and key not in pending_hosts
-                and all(view() is None for view in record.views)
+                and not _reachable(record)
             ]
         for buffer, gate in to_release:
             self.pool.release(buffer, gate)

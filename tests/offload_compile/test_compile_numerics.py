@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile_models import Block, TwoRegions, compile_step, mlp, offload_backend, transfer_ops_in
+from compile_models import (
+    BATCH, SEQ, Block, TwoRegions, compile_step, mlp, offload_backend, transfer_ops_in,
+)
 
 CASES = [
     ("aot_eager", torch.float32, "fits"),
@@ -101,3 +103,34 @@ def test_several_optimizer_steps_equal_plain_compile(inner):
     assert runtime.transfers_pending == 0
     stats = runtime.pool.stats()
     assert stats.buffers_in_use == 0  # every host copy went back after each step
+
+
+class _BrokenLayer(torch.nn.Module):
+    """Identical layers with a graph break after each: Dynamo compiles one region and
+    runs it for several layers, so its forward runs again before the first backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc = torch.nn.LayerNorm(32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.nn.functional.gelu(self.fc(self.ln(x)))
+        torch._dynamo.graph_break()
+        return y
+
+
+def test_a_region_run_for_several_layers_keeps_every_host_copy_until_its_backward():
+    # Under Inductor the backward receives a fresh alias of each host copy; the next
+    # forward of the same region must not take those copies for orphans (it did:
+    # "copy_h2d: the host copy ... was already released").
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(*[_BrokenLayer() for _ in range(3)])
+
+    x = torch.randn(BATCH, SEQ, 32)
+    want_losses, want_grads, _ = compile_step(model, "inductor", torch.float32, x=x)
+    backend = offload_backend("inductor", "tight")
+    losses, grads, _ = compile_step(model, backend, torch.float32, x=x)
+    assert len(backend.regions) < 3  # the compiled code is shared between layers
+    assert sum(len(r.offloaded) for r in backend.reports) > 0
+    assert torch.equal(losses[0], want_losses[0])
+    assert all(torch.equal(got, want) for got, want in zip(grads, want_grads))

@@ -210,3 +210,27 @@ def test_release_orphans_returns_unreachable_host_copies_only() -> None:
     with runtime:
         ops.release_host(kept)
     assert pool.stats().buffers_in_use == 0
+
+
+def test_a_host_copy_reached_only_through_a_fresh_alias_is_not_an_orphan() -> None:
+    # Inductor hands the backward a new tensor object on the host copy's storage
+    # (reinterpret_tensor); the object the op returned dies. A forward of the same region
+    # that runs again before that backward (one compiled layer reused by several layers)
+    # calls release_orphans: the copy is still reachable and must survive it.
+    pool = PinnedMemoryPool(1 << 20, pin=False)
+    runtime = TransferRuntime(pool=pool)
+    with runtime:
+        returned = ops.wait_transfer(ops.copy_d2h(torch.randn(8, 4)))
+    alias = torch.as_strided(returned, (4, 8), (8, 1))  # another object, same storage
+    del returned
+    gc.collect()
+    assert runtime.release_orphans() == 0
+    assert runtime.host_state(alias) is HostCopyState.VALID
+    with runtime:
+        back = ops.wait_transfer(ops.copy_h2d(alias, torch.device("cpu")))
+        ops.release_host(alias)
+    assert back.shape == (4, 8)
+    del alias
+    gc.collect()
+    assert runtime.release_orphans() == 0  # released by release_host, not an orphan
+    assert pool.stats().buffers_in_use == 0
