@@ -19,9 +19,12 @@ _LAZY = {
     "current_session": "session",
     "OffloadSessionError": "executor_base",
     "StepStats": "executor_base",
+    "estimate": "fit_estimate",
+    "EstimateReport": "fit_estimate",
 }
 
 __all__ = [
+    "EstimateReport",
     "HyperOffloadBackend",
     "OffloadConfig",
     "OffloadSession",
@@ -32,6 +35,7 @@ __all__ = [
     "__version__",
     "backend",
     "current_session",
+    "estimate",
     "skip_offload",
 ]
 
