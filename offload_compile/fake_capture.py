@@ -46,14 +46,15 @@ class _FlatOutputs(nn.Module):
     """The model as AOTAutograd on a module needs it, and as Dynamo hands it over.
 
     * The output (a loss, logits, a dict ...) is flattened into a tuple of leaves.
-    * Each distinct parameter / buffer is one input, in the model's order: a tied
+    * Each distinct parameter / buffer is one input (a fake twin: the model keeps its
+      own tensors), in the model's order: a tied
       weight (GPT's embedding and head) is one primal whose gradient sums both uses,
       as in Dynamo's graph. The model is not a submodule (its names would list tied
       weights twice); the forward binds every name to its distinct tensor with
       ``torch.func.functional_call``.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, fake: Callable[[torch.Tensor], Any]) -> None:
         super().__init__()
         object.__setattr__(self, "_model", model)
         self._names: dict[str, tuple[str, int]] = {}
@@ -66,7 +67,7 @@ class _FlatOutputs(nn.Module):
             if id(tensor) not in seen:
                 bucket = params if kind == "p" else buffers
                 seen[id(tensor)] = (kind, len(bucket))
-                bucket.append(tensor)
+                bucket.append(fake(tensor))
             self._names[name] = seen[id(tensor)]
         self.params = nn.ParameterList(params)
         for index, buffer in enumerate(buffers):
@@ -83,29 +84,76 @@ class _FlatOutputs(nn.Module):
         return tuple(leaves)
 
 
-def _fake_inputs(mode: Any, example_inputs: Sequence[Any]) -> list[Any]:
-    return [
-        mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
-        for x in example_inputs
-    ]
+def resolve_trace_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """The device the step is traced on: ``device``, else the parameters' device, and
+    for a model on the meta device the current accelerator (CPU when there is none).
+
+    Raises ``ValueError`` for the meta device (kernels there are not the ones a real
+    step runs) and for an accelerator this torch build cannot use (a fake CUDA tensor
+    on a CPU-only build aborts the process inside torch).
+    """
+    if device is None:
+        first = next(iter((*model.parameters(), *model.buffers())), None)
+        device = first.device if first is not None else torch.device("cpu")
+        if device.type == "meta":
+            accelerator = torch.accelerator.current_accelerator(check_available=True)
+            device = accelerator if accelerator is not None else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError(
+            "hyper_offload.estimate: cannot trace on the meta device (its kernels are not "
+            "the ones a training step runs). Fix: pass device='cuda' (or 'cpu') to trace the "
+            "meta model as that device"
+        )
+    if device.type != "cpu":
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None or accelerator.type != device.type:
+            raise ValueError(
+                f"hyper_offload.estimate: cannot trace on {device}: this torch build or "
+                f"machine has no {device.type} device, and fake {device.type} tensors need "
+                "one. Fix: trace on device='cpu' (the step's shapes and saved tensors are "
+                "the same for most models; pass throughput= to price ops as an accelerator)"
+            )
+    return device
+
+
+def _fake(mode: Any, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake twin of ``tensor`` on ``device``: same shape, strides, dtype; no bytes
+    (strides matter: a non-contiguous input changes which copies the graph makes)."""
+    if tensor.device == device:
+        fake = mode.from_tensor(tensor.detach(), static_shapes=True)
+    else:
+        meta = tensor.detach()
+        if meta.device.type != "meta":
+            meta = torch.empty_strided(
+                tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta"
+            )
+        fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake
 
 
 def capture_graphs(
-    model: nn.Module, example_inputs: Sequence[Any], *, inner_compiler: str = "inductor"
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    device: torch.device,
+    inner_compiler: str = "inductor",
 ) -> CapturedGraphs:
-    """Trace forward + backward of ``model(*example_inputs)`` on fake tensors and
-    partition it (see the module docstring). Raises ``ValueError`` when nothing in the
-    step requires grad (no backward: nothing to offload)."""
+    """Trace forward + backward of ``model(*example_inputs)`` on fake tensors on
+    ``device`` and partition it (see the module docstring). The model is not modified.
+    Raises ``ValueError`` when nothing in the step requires grad (no backward)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     captured: dict[str, Any] = {}
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    inputs = _fake_inputs(mode, example_inputs)
+    wrapper = _FlatOutputs(model, lambda t: _fake(mode, t, device))
+    inputs = [_fake(mode, x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     # Parameters and buffers come first among the joint graph's primals. Under Dynamo
     # the backend's partitioner learns they are static-lifetime inputs (so min-cut
     # saves the parameter, not a transpose of it); tell it the same here.
-    wrapper = _FlatOutputs(model)
     partition, decompositions, context = _partitioner(inner_compiler, captured, wrapper.num_static)
 
     def keep(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -25,13 +25,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from hyper_offload.passes import required_bytes
+from hyper_offload.passes.cost_model import DeviceThroughput, throughput_for
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .backend_options import parse_backend_options
-from .fake_capture import capture_graphs
+from .fake_capture import capture_graphs, resolve_trace_device
 from .region_plan import build_region_report, plan_graphs
 from .region_report import RegionReport
 
@@ -57,6 +59,8 @@ class EstimateReport:
     min_feasible_budget_bytes: int
     d2h_bandwidth_gbps: float
     h2d_bandwidth_gbps: float
+    flops_per_s: float
+    memory_bytes_per_s: float
     trace_seconds: float
 
     @property
@@ -128,7 +132,8 @@ class EstimateReport:
             f"({r.transfers} transfers)",
             f"transfer time at {self.d2h_bandwidth_gbps:g}/{self.h2d_bandwidth_gbps:g} GB/s "
             f"(D2H/H2D): {r.d2h_s * 1e3:.1f} + {r.h2d_s * 1e3:.1f} ms, predicted exposed "
-            f"{r.exposed_transfer_s * 1e3:.1f} ms",
+            f"{r.exposed_transfer_s * 1e3:.1f} ms (ops priced at {self.flops_per_s / 1e12:g} "
+            f"TFLOP/s, {self.memory_bytes_per_s / 1e9:g} GB/s)",
             f"traced in {self.trace_seconds:.1f} s, planned in {r.plan_seconds:.1f} s",
         ]
         if not self.fits:
@@ -164,7 +169,9 @@ def estimate(
     example_inputs: Sequence[Any],
     budget: float | None = None,
     *,
+    device: torch.device | str | None = None,
     bandwidth: TransferBandwidth | float | None = None,
+    throughput: DeviceThroughput | None = None,
     **options: Any,
 ) -> EstimateReport:
     """Trace, plan and report one training step of ``model(*example_inputs)``.
@@ -173,9 +180,13 @@ def estimate(
     keys of the compile backend's ``options=`` are accepted and validated the same way
     (``max_resident_activation_fraction`` for a fraction of the peak, ``planner``,
     ``inner_compiler`` = which graphs to model, default ``"inductor"``).
-    ``bandwidth`` (GB/s each way, or a :class:`TransferBandwidth`) prices the copies;
-    default ``DEFAULT_TRANSFER_BANDWIDTH``. Inputs may be real, meta or fake tensors;
-    only their shapes, dtypes and devices are used.
+    ``device``: the device the step is traced on (its kernels decide what is saved);
+    default the parameters' device, for a meta model the current accelerator or CPU.
+    ``bandwidth`` (GB/s each way, or a :class:`TransferBandwidth`) prices the copies,
+    default ``DEFAULT_TRANSFER_BANDWIDTH``; ``throughput`` prices the ops (default the
+    roofline of ``device``). Inputs may be real, meta or fake tensors; only their
+    shapes, dtypes and strides are used. Nothing is allocated and the model is not
+    modified.
     """
     if budget is not None:
         if "max_resident_activation_mb" in options:
@@ -186,23 +197,29 @@ def estimate(
         options["max_resident_activation_mb"] = budget
     parsed = parse_backend_options(options)
     link = _bandwidth(bandwidth)
+    target = resolve_trace_device(model, device)
+    prices = throughput or throughput_for(target)
     started = time.perf_counter()
-    graphs = capture_graphs(model, example_inputs, inner_compiler=parsed.inner_compiler)
+    graphs = capture_graphs(
+        model, example_inputs, device=target, inner_compiler=parsed.inner_compiler
+    )
     traced = time.perf_counter()
     fx_trace, schedule, check = plan_graphs(
         graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, options=parsed,
-        bandwidth=link, region=0,
+        bandwidth=link, region=0, throughput=prices,
     )
     report = build_region_report(
         fx_trace, schedule, check, parsed, 0, time.perf_counter() - traced
     )
     return EstimateReport(
         model=type(model).__name__,
-        device=str(fx_trace.device),
+        device=str(target),
         inner_compiler=parsed.inner_compiler,
         region=report,
         min_feasible_budget_bytes=max(required_bytes(fx_trace.trace), default=0),
         d2h_bandwidth_gbps=link.d2h_gbps,
         h2d_bandwidth_gbps=link.h2d_gbps,
+        flops_per_s=prices.flops_per_s,
+        memory_bytes_per_s=prices.bytes_per_s,
         trace_seconds=traced - started,
     )

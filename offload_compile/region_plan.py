@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport, check_schedule
-from hyper_offload.passes.cost_model import exposed_transfer_time
+from hyper_offload.passes.cost_model import DeviceThroughput, exposed_transfer_time
 from hyper_offload.passes.fx_lowering import lower_schedule
 from hyper_offload.passes.fx_schedule import check_lowering
 from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace
@@ -81,12 +81,14 @@ def plan_graphs(
     options: BackendOptions,
     bandwidth: TransferBandwidth,
     region: int,
+    throughput: DeviceThroughput | None = None,
 ) -> tuple[FxTrace, ResidencySchedule, ScheduleReport]:
     """The analysis half of :func:`plan_region` (graphs untouched): trace, plan under
     the budget, check, hoist prefetches, check again. ``hyper_offload.estimate`` calls
-    this on graphs captured on fake tensors, so its figures are the backend's."""
+    this on graphs captured on fake tensors, so its figures are the backend's.
+    ``throughput`` prices ops (default: the graphs' device's)."""
     fx_trace = build_fx_trace(
-        fw, bw, num_fwd_outputs=num_fwd_outputs,
+        fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
         d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,
     )
     trace = fx_trace.trace.with_budget(options.budget_bytes(fx_trace.peak_without_offload))
