@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Llama", "LlamaConfig", "llama_7b", "llama_7b_2_layers", "llama_tiny"]
+__all__ = ["LLAMA_7B", "Llama", "LlamaConfig", "llama_7b", "llama_7b_2_layers", "llama_tiny"]
 
 
 @dataclass(frozen=True, kw_only=True)

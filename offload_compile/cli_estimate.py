@@ -61,6 +61,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                         default=DEFAULT_TRANSFER_BANDWIDTH.d2h_gbps,
                         help="host<->device copy bandwidth in GB/s, each way (default "
                         f"{DEFAULT_TRANSFER_BANDWIDTH.d2h_gbps:g})")
+    parser.add_argument("--compute-tflops", type=float, default=None,
+                        help="price ops at this many TFLOP/s, with --memory-gbps (default: the "
+                        "traced device's roofline: 0.05 and 20 for CPU, 50 and 1000 for an "
+                        "accelerator)")
+    parser.add_argument("--memory-gbps", type=float, default=None,
+                        help="price ops at this memory bandwidth in GB/s, with --compute-tflops")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -140,6 +146,25 @@ def _inputs(args: argparse.Namespace) -> list[Any]:
     return [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(shapes, dtypes)]
 
 
+def _throughput(args: argparse.Namespace) -> Any:
+    """``--compute-tflops`` + ``--memory-gbps`` (together), or None: the traced
+    device's roofline."""
+    given = (args.compute_tflops, args.memory_gbps)
+    if given == (None, None):
+        return None
+    if None in given:
+        raise _BadInput("give --compute-tflops and --memory-gbps together (or neither, to price "
+                        "ops with the traced device's roofline)")
+    import math
+
+    from hyper_offload.passes.cost_model import DeviceThroughput
+
+    for flag, value in zip(("--compute-tflops", "--memory-gbps"), given):
+        if not 0 < value < math.inf:
+            raise _BadInput(f"{flag} must be a finite number > 0, got {value:g}")
+    return DeviceThroughput(flops_per_s=given[0] * 1e12, bytes_per_s=given[1] * 1e9)
+
+
 def _estimate(args: argparse.Namespace) -> Any:
     from hyper_offload.fit_estimate import estimate
 
@@ -149,13 +174,15 @@ def _estimate(args: argparse.Namespace) -> Any:
     else:
         options["max_resident_activation_mb"] = args.budget_mb
     inputs = _inputs(args)
+    throughput = _throughput(args)
     factory = load_factory(args.target)
     try:
         model = factory()
     except Exception as error:
         raise _BadInput(f"{args.target}() raised {type(error).__name__}: {error}") from None
     try:
-        return estimate(model, inputs, device=args.device, bandwidth=args.bandwidth_gbps, **options)
+        return estimate(model, inputs, device=args.device, bandwidth=args.bandwidth_gbps,
+                        throughput=throughput, **options)
     except ValueError as error:  # our own validation: bad budget, device, no backward
         raise _BadInput(str(error)) from None
     except Exception as error:

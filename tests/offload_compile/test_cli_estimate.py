@@ -94,9 +94,11 @@ def test_file_and_module_targets_give_the_python_apis_figures(factories, monkeyp
 
 def test_human_summary_and_exit_code_0(factories, capsys) -> None:
     code = main(["estimate", f"{factories}:small", "--input-shape", "4,16", "--budget-mb", "64",
-                 "--inner-compiler", "aot_eager"])
+                 "--inner-compiler", "aot_eager", "--compute-tflops", "400", "--memory-gbps",
+                 "3000"])
     out = capsys.readouterr().out
     assert code == 0
+    assert "ops priced at 400 TFLOP/s, 3000 GB/s" in out
     assert out.splitlines()[0].startswith("Sequential on cpu (aot_eager graphs")
     assert "fits in a budget of 64.0 MiB" in out and "smallest feasible budget" in out
 
@@ -118,6 +120,8 @@ def test_human_summary_and_exit_code_0(factories, capsys) -> None:
         ("{f}:small", ["--budget-fraction", "2"], "(0, 1]"),
         ("{f}:small", ["--bandwidth-gbps", "0"], "bandwidth"),
         ("{f}:small", ["--device", "meta"], "meta device"),
+        ("{f}:small", ["--compute-tflops", "100"], "together"),
+        ("{f}:small", ["--compute-tflops", "0", "--memory-gbps", "10"], "finite number > 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(factories, capsys, target, extra, message) -> None:
