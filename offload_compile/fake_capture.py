@@ -47,9 +47,8 @@ class _FlatOutputs(nn.Module):
 
     * The output (a loss, logits, a dict ...) is flattened into a tuple of leaves.
     * Each distinct parameter / buffer is one input (a fake twin: the model keeps its
-      own tensors), in the model's order: a tied
-      weight (GPT's embedding and head) is one primal whose gradient sums both uses,
-      as in Dynamo's graph. The model is not a submodule (its names would list tied
+      own tensors), in the model's order: a tied weight (GPT's embedding and head) is
+      one primal whose gradient sums both uses, as in Dynamo's graph. The model is not a submodule (its names would list tied
       weights twice); the forward binds every name to its distinct tensor with
       ``torch.func.functional_call``.
     """
