@@ -22,9 +22,12 @@ _LAZY = {
     "SwapOutsideGroupWarning": "swap_wrappers",
     "swap_tensor_wrapper": "swap_wrappers",
     "swap_wrapper": "swap_wrappers",
+    "estimate": "fit_estimate",
+    "EstimateReport": "fit_estimate",
 }
 
 __all__ = [
+    "EstimateReport",
     "HyperOffloadBackend",
     "OffloadConfig",
     "OffloadSession",
@@ -36,6 +39,7 @@ __all__ = [
     "__version__",
     "backend",
     "current_session",
+    "estimate",
     "skip_offload",
     "swap_tensor_wrapper",
     "swap_wrapper",

@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import cli_plan, cli_pp_order
+from . import cli_estimate, cli_plan, cli_pp_order
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyper-offload",
-        description="Activation offloading for PyTorch: plan, inspect and validate schedules.",
+        description="Activation offloading for PyTorch: plan, inspect and validate schedules, "
+        "and estimate whether a model's training step fits.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cli_plan.register(commands)
     cli_pp_order.register(commands)
+    cli_estimate.register(commands)
     return parser
 
 

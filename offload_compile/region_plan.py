@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport, check_schedule
-from hyper_offload.passes.cost_model import exposed_transfer_time
+from hyper_offload.passes.cost_model import DeviceThroughput, exposed_transfer_time
 from hyper_offload.passes.fx_lowering import lower_schedule
 from hyper_offload.passes.fx_schedule import check_lowering
 from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace
@@ -26,7 +26,7 @@ from hyper_offload.runtime.bandwidth import TransferBandwidth
 from .backend_options import BackendOptions
 from .region_report import InfeasibleOpReport, RegionReport
 
-__all__ = ["PlannedRegion", "plan_region"]
+__all__ = ["PlannedRegion", "build_region_report", "plan_graphs", "plan_region"]
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,36 @@ def plan_region(
 ) -> PlannedRegion:
     """Plan ``fw``/``bw`` under the options' budget and rewrite them in place."""
     started = time.perf_counter()
+    fx_trace, schedule, check = plan_graphs(
+        fw, bw, num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
+        region=region,
+    )
+    lowered_check = None
+    if check.num_transfers:
+        lower_schedule(fw, bw, fx_trace, schedule)
+        lowered_check = check_lowering(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)
+        _require_ok(lowered_check, "the schedule re-derived from the lowered graphs", region)
+    seconds = time.perf_counter() - started
+    report = build_region_report(fx_trace, schedule, check, options, region, seconds)
+    return PlannedRegion(fx_trace, schedule, check, lowered_check, report)
+
+
+def plan_graphs(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    options: BackendOptions,
+    bandwidth: TransferBandwidth,
+    region: int,
+    throughput: DeviceThroughput | None = None,
+) -> tuple[FxTrace, ResidencySchedule, ScheduleReport]:
+    """The analysis half of :func:`plan_region` (graphs untouched): trace, plan under
+    the budget, check, hoist prefetches, check again. ``hyper_offload.estimate`` calls
+    this on graphs captured on fake tensors, so its figures are the backend's.
+    ``throughput`` prices ops (default: the graphs' device's)."""
     fx_trace = build_fx_trace(
-        fw, bw, num_fwd_outputs=num_fwd_outputs,
+        fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
         d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,
     )
     trace = fx_trace.trace.with_budget(options.budget_bytes(fx_trace.peak_without_offload))
@@ -70,16 +98,10 @@ def plan_region(
     schedule = hoist_prefetches(trace, schedule, earliest_op=fx_trace.num_fw_ops)
     check = check_schedule(trace, schedule)
     _require_ok(check, "the hoisted schedule", region)
-    lowered_check = None
-    if check.num_transfers:
-        lower_schedule(fw, bw, fx_trace, schedule)
-        lowered_check = check_lowering(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)
-        _require_ok(lowered_check, "the schedule re-derived from the lowered graphs", region)
-    report = _report(fx_trace, schedule, check, options, region, time.perf_counter() - started)
-    return PlannedRegion(fx_trace, schedule, check, lowered_check, report)
+    return fx_trace, schedule, check
 
 
-def _report(
+def build_region_report(
     fx_trace: FxTrace,
     schedule: ResidencySchedule,
     check: ScheduleReport,

@@ -1,0 +1,176 @@
+"""A Llama-style decoder in plain PyTorch, for "will it fit?" estimates and examples.
+
+RMSNorm, rotary position embeddings, grouped-query attention through
+``scaled_dot_product_attention``, a SwiGLU MLP, untied input/output embeddings; the
+forward returns the mean next-token cross-entropy. Nothing is downloaded.
+
+    from llama_model import Llama, llama_7b, llama_tiny
+    model = llama_7b()              # 6.7 B parameters on the meta device: no memory spent
+    report = hyper_offload.estimate(model, (tokens, targets), budget=16384)
+
+Factories take no required argument, so the CLI can call them:
+``hyper-offload estimate examples/llama_model.py:llama_7b --input-shape 1,4096 ...``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LLAMA_7B", "Llama", "LlamaConfig", "llama_7b", "llama_7b_2_layers", "llama_tiny"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shape of the model. ``dim`` must divide by ``heads``, ``heads`` by ``kv_heads``
+    (``kv_heads < heads`` is grouped-query attention)."""
+
+    vocab: int = 32000
+    dim: int = 4096
+    layers: int = 32
+    heads: int = 32
+    kv_heads: int = 32
+    hidden: int = 11008
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.dim % self.heads:
+            raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"LlamaConfig: heads={self.heads} is not divisible by kv_heads={self.kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(config: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim // 2), computed on the fly (no buffer, so
+    a meta model needs no materialised table)."""
+    half = config.head_dim // 2
+    inv_freq = config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x1, x2) of the last dimension; x: (batch, heads, seq, head_dim)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        kv_dim = config.kv_heads * config.head_dim
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(config.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, c.heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads
+        )
+        return self.wo(y.transpose(1, 2).reshape(b, t, c.dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.hidden, bias=False)
+        self.w3 = nn.Linear(config.dim, config.hidden, bias=False)
+        self.w2 = nn.Linear(config.hidden, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only LM; ``forward(tokens, targets)`` returns the mean cross-entropy."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(f"Llama: sequence length {t} > max_seq_len {self.config.max_seq_len}")
+        cos, sin = rotary_tables(self.config, t, tokens.device)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.output(self.norm(x)).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+LLAMA_7B = LlamaConfig()
+"""Llama-2-7B's shape: 32 layers, d=4096, 32 heads, SwiGLU hidden 11008, vocab 32000."""
+
+
+def _on_meta(config: LlamaConfig, dtype: torch.dtype) -> Llama:
+    with torch.device("meta"):
+        return Llama(config).to(dtype)
+
+
+def llama_7b(dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """The 7B model on the meta device (no memory spent), bf16 by default."""
+    return _on_meta(LLAMA_7B, dtype)
+
+
+def llama_7b_2_layers(dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """7B width, 2 layers, on the meta device: a huge but quick estimate (tests)."""
+    return _on_meta(replace(LLAMA_7B, layers=2), dtype)
+
+
+def llama_tiny(dtype: torch.dtype = torch.float32) -> Llama:
+    """A real (CPU) model small enough to train in a test: d=32, 2 layers, GQA."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, max_seq_len=64)
+    return Llama(config).to(dtype)

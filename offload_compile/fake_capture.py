@@ -1,0 +1,206 @@
+"""Capture a model's partitioned forward/backward graphs on fake tensors.
+
+:func:`capture_graphs` runs AOTAutograd directly on the module (no Dynamo: no guards,
+no graph breaks, one region for the whole model) inside a ``FakeTensorMode``, so no
+parameter, input or activation is ever allocated. Parameters may be real tensors or
+meta tensors (a model built under ``torch.device("meta")``); either way AOTAutograd
+sees fake tensors of the same device, shape and dtype.
+
+The joint graph is partitioned exactly as the ``hyper_offload`` backend's
+partitioner sees it for the same inner compiler:
+
+* ``"inductor"``: Inductor's decomposition table, Inductor's joint-graph passes, then
+  the stock ``min_cut_rematerialization_partition(compiler="inductor")`` (the backend's
+  ``custom_partitioner_fn`` is called by the same ``compile_fx.partition_fn``);
+* ``"aot_eager"``: no decompositions, the stock min-cut partition.
+
+Nothing is compiled: the forward/backward "compilers" only keep the graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CapturedGraphs", "capture_graphs"]
+
+
+@dataclass(frozen=True)
+class CapturedGraphs:
+    """The min-cut forward and backward graphs of one model, and how many of the
+    forward's outputs are the model's (the rest are saved activations)."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    num_fwd_outputs: int
+
+
+class _FlatOutputs(nn.Module):
+    """The model as AOTAutograd on a module needs it, and as Dynamo hands it over.
+
+    * The output (a loss, logits, a dict ...) is flattened into a tuple of leaves.
+    * Each distinct parameter / buffer is one input (a fake twin: the model keeps its
+      own tensors), in the model's order: a tied weight (GPT's embedding and head) is
+      one primal whose gradient sums both uses, as in Dynamo's graph. The model is not a submodule (its names would list tied
+      weights twice); the forward binds every name to its distinct tensor with
+      ``torch.func.functional_call``.
+    """
+
+    def __init__(self, model: nn.Module, fake: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self._names: dict[str, tuple[str, int]] = {}
+        params: list[nn.Parameter] = []
+        buffers: list[torch.Tensor] = []
+        seen: dict[int, tuple[str, int]] = {}
+        named = [("p", n, t) for n, t in model.named_parameters(remove_duplicate=False)]
+        named += [("b", n, t) for n, t in model.named_buffers(remove_duplicate=False)]
+        for kind, name, tensor in named:
+            if id(tensor) not in seen:
+                bucket = params if kind == "p" else buffers
+                seen[id(tensor)] = (kind, len(bucket))
+                bucket.append(fake(tensor))
+            self._names[name] = seen[id(tensor)]
+        self.params = nn.ParameterList(params)
+        for index, buffer in enumerate(buffers):
+            self.register_buffer(f"buffer{index}", buffer)
+        self.num_static = len(params) + len(buffers)
+
+    def forward(self, *args: Any) -> tuple[Any, ...]:
+        bound = {
+            name: self.params[i] if kind == "p" else getattr(self, f"buffer{i}")
+            for name, (kind, i) in self._names.items()
+        }
+        output = torch.func.functional_call(self._model, bound, args)
+        leaves, _ = tree_flatten(output)
+        return tuple(leaves)
+
+
+def resolve_trace_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """The device the step is traced on: ``device``, else the parameters' device, and
+    for a model on the meta device the current accelerator (CPU when there is none).
+
+    Raises ``ValueError`` for the meta device (kernels there are not the ones a real
+    step runs) and for an accelerator this torch build cannot use (a fake CUDA tensor
+    on a CPU-only build aborts the process inside torch).
+    """
+    if device is None:
+        first = next(iter((*model.parameters(), *model.buffers())), None)
+        device = first.device if first is not None else torch.device("cpu")
+        if device.type == "meta":
+            accelerator = torch.accelerator.current_accelerator(check_available=True)
+            device = accelerator if accelerator is not None else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError(
+            "hyper_offload.estimate: cannot trace on the meta device (its kernels are not "
+            "the ones a training step runs). Fix: pass device='cuda' (or 'cpu') to trace the "
+            "meta model as that device"
+        )
+    if device.type != "cpu":
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None or accelerator.type != device.type:
+            raise ValueError(
+                f"hyper_offload.estimate: cannot trace on {device}: this torch build or "
+                f"machine has no {device.type} device, and fake {device.type} tensors need "
+                "one. Fix: trace on device='cpu' (the step's shapes and saved tensors are "
+                "the same for most models; pass throughput= to price ops as an accelerator)"
+            )
+    return device
+
+
+def _fake(mode: Any, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake twin of ``tensor`` on ``device``: same shape, strides, dtype; no bytes
+    (strides matter: a non-contiguous input changes which copies the graph makes)."""
+    if tensor.device == device:
+        fake = mode.from_tensor(tensor.detach(), static_shapes=True)
+    else:
+        meta = tensor.detach()
+        if meta.device.type != "meta":
+            meta = torch.empty_strided(
+                tensor.size(), tensor.stride(), dtype=tensor.dtype, device="meta"
+            )
+        fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(fake, requires_grad=tensor.requires_grad)
+    return fake.requires_grad_(tensor.requires_grad) if tensor.is_leaf else fake
+
+
+def capture_graphs(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    device: torch.device,
+    inner_compiler: str = "inductor",
+) -> CapturedGraphs:
+    """Trace forward + backward of ``model(*example_inputs)`` on fake tensors on
+    ``device`` and partition it (see the module docstring). The model is not modified.
+    Raises ``ValueError`` when nothing in the step requires grad (no backward)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    captured: dict[str, Any] = {}
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    wrapper = _FlatOutputs(model, lambda t: _fake(mode, t, device))
+    inputs = [_fake(mode, x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    # Parameters and buffers come first among the joint graph's primals. Under Dynamo
+    # the backend's partitioner learns they are static-lifetime inputs (so min-cut
+    # saves the parameter, not a transpose of it); tell it the same here.
+    partition, decompositions, context = _partitioner(inner_compiler, captured, wrapper.num_static)
+
+    def keep(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+        return gm
+
+    with context(mode), mode, torch.enable_grad():
+        aot_module_simplified(
+            wrapper, inputs, fw_compiler=keep, bw_compiler=keep, inference_compiler=keep,
+            partition_fn=partition, decompositions=decompositions,
+            keep_inference_input_mutations=True,
+        )
+    if "fw" not in captured:
+        raise ValueError(
+            f"hyper_offload.estimate: {type(model).__name__}'s step has no backward (no "
+            "parameter or input requires grad), so there are no saved activations to plan. "
+            "Fix: estimate a training step (parameters with requires_grad=True)"
+        )
+    return CapturedGraphs(captured["fw"], captured["bw"], captured["num_fwd_outputs"])
+
+
+def _partitioner(
+    inner_compiler: str, captured: dict[str, Any], num_static: int
+) -> tuple[Callable[..., Any], Any, Callable[[Any], Any]]:
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def min_cut(gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        if inner_compiler == "inductor":
+            kwargs.setdefault("compiler", "inductor")
+        given = kwargs.get("static_lifetime_input_indices") or []
+        kwargs["static_lifetime_input_indices"] = sorted({*given, *range(num_static)})
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        captured.update(fw=fw, bw=bw, num_fwd_outputs=kwargs["num_fwd_outputs"])
+        return fw, bw
+
+    if inner_compiler != "inductor":
+        return min_cut, None, lambda _mode: contextlib.nullcontext()
+
+    from torch._functorch import config as functorch_config
+    from torch._inductor import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
+
+    def inductor_partition(gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        return compile_fx.partition_fn(gm, joint_inputs, partitioner_fn_override=min_cut, **kwargs)
+
+    @contextlib.contextmanager
+    def context(mode: Any) -> Any:
+        with V.set_fake_mode(mode), functorch_config.patch(unlift_effect_tokens=True):
+            yield
+
+    return inductor_partition, select_decomp_table(), context

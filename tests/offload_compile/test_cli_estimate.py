@@ -1,0 +1,161 @@
+"""``hyper-offload estimate``: a 7B-wide Llama on meta without allocating, exit codes,
+one-line errors. Runs in-process (the CLI's ``main``) to save the interpreter start."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import hyper_offload
+from hyper_offload.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+MIB = 1 << 20
+
+FACTORIES = '''
+import torch
+from torch import nn
+
+
+def small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.GELU())
+
+
+def broken():
+    raise RuntimeError("no weights here")
+
+
+def frozen():
+    return nn.Linear(16, 16).requires_grad_(False)
+'''
+
+
+def _rss_bytes() -> int:
+    """Current resident set size (Linux /proc)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * resource.getpagesize()
+
+
+class _PeakRss:
+    """The largest RSS seen while the block runs, sampled every 5 ms by a thread
+    (``ru_maxrss`` is the whole process's maximum, which earlier tests may have set)."""
+
+    def __enter__(self) -> _PeakRss:
+        self.before = self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def grown(self) -> int:
+        return self.peak - self.before
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
+def test_a_7b_wide_llama_on_meta_is_estimated_without_allocating(capsys) -> None:
+    with _PeakRss() as rss:
+        code = main([
+            "estimate", str(EXAMPLES / "llama_model.py") + ":llama_7b_2_layers",
+            "--input-shape", "1,4096", "--input-shape", "1,4096", "--input-dtype", "int64",
+            "--budget-mb", "1024", "--json",
+        ])
+    grown = rss.grown
+    result = json.loads(capsys.readouterr().out)
+    parameters_bytes = 2 * (2 * 32000 * 4096 + 2 * (4 * 4096 * 4096 + 3 * 4096 * 11008))
+    # Real tensors would take the parameters (1.3 GB bf16) plus the activations (2.6 GiB).
+    assert grown < parameters_bytes / 3, f"RSS grew by {grown / MIB:.0f} MiB"
+    assert result["peak_without_offload_bytes"] > 2 * 1024 * MIB
+    assert result["min_feasible_budget_bytes"] > result["budget_bytes"] == 1024 * MIB
+    assert code == 1 and result["fits"] is False  # infeasible: exit code 1, best plan reported
+    assert result["peak_with_plan_bytes"] == result["min_feasible_budget_bytes"]
+    assert result["bytes_d2h"] == result["bytes_h2d"] > 0
+    assert result["fw_ops"] > 100 and result["device"] == "cpu"
+
+
+@pytest.fixture
+def factories(tmp_path: Path) -> Path:
+    path = tmp_path / "my_models.py"
+    path.write_text(FACTORIES)
+    return path
+
+
+def test_file_and_module_targets_give_the_python_apis_figures(factories, monkeypatch, capsys) -> None:
+    args = ["--input-shape", "4,16", "--budget-fraction", "0.5", "--inner-compiler",
+            "aot_eager", "--bandwidth-gbps", "4", "--json"]
+    code_file = main(["estimate", f"{factories}:small", *args])
+    by_file = json.loads(capsys.readouterr().out)
+    monkeypatch.syspath_prepend(str(factories.parent))
+    code_module = main(["estimate", "my_models:small", *args])
+    by_module = json.loads(capsys.readouterr().out)
+    assert code_file == code_module == (0 if by_file["fits"] else 1)
+    sys.modules.pop("my_models", None)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16),
+                                torch.nn.GELU())
+    api = hyper_offload.estimate(model, (torch.randn(4, 16),), max_resident_activation_fraction=0.5,
+                                 inner_compiler="aot_eager", bandwidth=4.0)
+    for result in (by_file, by_module):
+        for key in ("peak_without_offload_bytes", "peak_with_plan_bytes", "bytes_d2h",
+                    "min_feasible_budget_bytes", "budget_bytes", "exposed_transfer_s"):
+            assert result[key] == api.to_dict()[key], key
+        assert result["d2h_bandwidth_gbps"] == 4.0 and result["bytes_d2h"] > 0
+
+
+def test_human_summary_and_exit_code_0(factories, capsys) -> None:
+    code = main(["estimate", f"{factories}:small", "--input-shape", "4,16", "--budget-mb", "64",
+                 "--inner-compiler", "aot_eager", "--compute-tflops", "400", "--memory-gbps",
+                 "3000"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "ops priced at 400 TFLOP/s, 3000 GB/s" in out
+    assert out.splitlines()[0].startswith("Sequential on cpu (aot_eager graphs")
+    assert "fits in a budget of 64.0 MiB" in out and "smallest feasible budget" in out
+
+
+@pytest.mark.parametrize(
+    ("target", "extra", "message"),
+    [
+        ("{f}", [], "is not MODULE:FACTORY"),
+        ("{d}/missing.py:small", [], "no such file"),
+        ("{f}:nope", [], "no callable 'nope'"),
+        ("no_such_module_xyz:small", [], "cannot import no_such_module_xyz"),
+        ("{f}:broken", [], "raised RuntimeError: no weights here"),
+        ("{f}:frozen", [], "no backward"),
+        ("{f}:small", ["--input-shape", "4,x"], "expected integers"),
+        ("{f}:small", ["--input-dtype", "int99"], "not a torch dtype"),
+        ("{f}:small", ["--input-dtype", "float32", "--input-dtype", "int64"], "one per input"),
+        ("{f}:small", ["--input-shape", "4,17"], "tracing"),
+        ("{f}:small", ["--budget-mb", "-3"], "max_resident_activation_mb"),
+        ("{f}:small", ["--budget-fraction", "2"], "(0, 1]"),
+        ("{f}:small", ["--bandwidth-gbps", "0"], "bandwidth"),
+        ("{f}:small", ["--device", "meta"], "meta device"),
+        ("{f}:small", ["--compute-tflops", "100"], "together"),
+        ("{f}:small", ["--compute-tflops", "0", "--memory-gbps", "10"], "finite number > 0"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(factories, capsys, target, extra, message) -> None:
+    argv = ["estimate", target.format(f=factories, d=factories.parent)]
+    argv += extra if "--input-shape" in extra else ["--input-shape", "4,16", *extra]
+    if not any(flag in extra for flag in ("--budget-mb", "--budget-fraction")):
+        argv += ["--budget-mb", "1"]
+    argv += ["--inner-compiler", "aot_eager"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyper-offload estimate: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
