@@ -1,0 +1,395 @@
+"""Train a small GPT under a device-memory budget, and prove it changed nothing but memory.
+
+For each mode the same model (same seed, same batches) is trained twice: once plainly
+(the baseline) and once with hyper-offload, and every step's loss and every parameter's
+gradient are compared with ``torch.equal``.
+
+* ``--mode compile`` (default): ``torch.compile(model, backend="hyper_offload",
+  options={...})`` against plain ``torch.compile`` with the same inner compiler, under
+  ``torch.use_deterministic_algorithms(True)`` (plain Inductor on CPU is not run-to-run
+  deterministic without it). Memory: ``torch.profiler``'s allocator events (host
+  buffers told apart), bytes moved read from the transfer ops that ran, and the device
+  bytes the compiled backward holds (``hyper_offload.compiled_memory``).
+* ``--mode eager``: ``with OffloadSession(...)`` against the plain eager loop. Memory:
+  ``DeviceMemoryMeter`` op by op (the session's own figures in ``session.last_stats``).
+* ``--mode both``: compile, then eager (what ``make demo`` runs).
+
+On CUDA (the default device when present) each step also reports
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``.
+
+Output: one line per step (time, measured peak), a table per mode, and a PNG of device
+bytes over the step for baseline and offload (needs matplotlib: ``pip install .[plot]``;
+without it the plot is skipped with a note).
+
+    python examples/train_gpt.py --mode both
+    python examples/train_gpt.py --mode eager --budget-fraction 0.4 --layers 8
+    python examples/train_gpt.py --inner-compiler inductor   # slow to compile on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt_model, step_memory
+
+from gpt_model import GPT, GPTConfig, random_batch  # noqa: E402
+from step_memory import StepMemory, metered_step, profiled_step, timed_step  # noqa: E402
+
+import hyper_offload  # noqa: E402
+from hyper_offload.compiled_memory import saved_device_bytes  # noqa: E402
+
+MIB = 1 << 20
+
+
+@dataclass
+class Run:
+    """One training run: measured steps, timed steps, and what was compared."""
+
+    name: str
+    memory: list[StepMemory] = field(default_factory=list)
+    timed_s: list[float] = field(default_factory=list)
+    saved_bytes: list[int] = field(default_factory=list)
+    results: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
+    equal: bool | None = None
+    """Loss and every gradient of every step ``torch.equal`` to the baseline's."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(m.peak_bytes for m in self.memory)
+
+    @property
+    def step_s(self) -> float:
+        """Fastest uninstrumented step (a shared machine's median mostly measures load)."""
+        return min(self.timed_s) if self.timed_s else min(m.seconds for m in self.memory[1:] or self.memory)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    baseline: Run
+    offload: Run
+    budget_bytes: int
+    rows: list[tuple[str, str, str]]
+    reports: list[Any] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class DemoResult:
+    modes: list[ModeResult]
+    table: str
+    plot: Path | None
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def _batches(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> list[Any]:
+    total = args.steps + args.timed_steps
+    return [random_batch(config, args.batch, seed=args.seed + 1 + i, device=device) for i in range(total)]
+
+
+def _model(config: GPTConfig, seed: int, device: torch.device) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(config).to(device)
+
+
+def _record(run: Run, model: GPT, loss: torch.Tensor, reference: Run | None) -> None:
+    """Keep (baseline) or compare (offload) this step's loss and gradients."""
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    got = (loss.detach().clone(), grads)
+    if reference is None:
+        run.results.append(got)
+        return
+    want = reference.results[len(run.results)]
+    run.results.append(got)
+    same = torch.equal(got[0], want[0]) and len(got[1]) == len(want[1]) and all(
+        torch.equal(a, b) for a, b in zip(got[1], want[1])
+    )
+    run.equal = same if run.equal is None else run.equal and same
+
+
+def _train(
+    run: Run, model: GPT, step_fn: Callable[[Any], torch.Tensor], measure: Callable[..., Any],
+    batches: Sequence[Any], args: argparse.Namespace, device: torch.device, reference: Run | None,
+    first: str,
+) -> None:
+    """``args.steps`` measured steps then ``args.timed_steps`` uninstrumented ones; AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i, batch in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        if i < args.steps:
+            loss, memory = measure(lambda: step_fn(batch), device)
+            run.memory.append(memory)
+            extra = f" ({first})" if i == 0 else ""
+            cuda = (f", max_memory_allocated +{memory.allocator_peak_bytes / MIB:.2f} MiB"
+                    if memory.allocator_peak_bytes is not None else "")
+            print(f"  {run.name:>9} step {i}: {memory.seconds:7.3f} s, peak {memory.peak_bytes / MIB:7.2f} MiB"
+                  f"{cuda}{extra}", flush=True)
+        else:
+            loss, seconds = timed_step(lambda: step_fn(batch), device)
+            run.timed_s.append(seconds)
+            print(f"  {run.name:>9} step {i}: {seconds:7.3f} s (timing step: no memory instrument)", flush=True)
+        _record(run, model, loss, reference)
+        opt.step()
+
+
+# ---------------------------------------------------------------------------- compile mode
+
+
+@contextmanager
+def _deterministic() -> Iterator[None]:
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+class _ReportCollector(logging.Handler):
+    """Collects the ``RegionReport`` the backend logs (INFO, ``hyper_offload`` logger)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reports: list[Any] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:  # e.g. an infeasible budget: say so
+            print(f"  warning: {record.getMessage()}", file=sys.stderr, flush=True)
+        if record.args and isinstance(record.args, tuple) and isinstance(record.args[0], hyper_offload.RegionReport):
+            self.reports.append(record.args[0])
+
+
+@contextmanager
+def _collect_reports() -> Iterator[_ReportCollector]:
+    logger = logging.getLogger("hyper_offload")
+    handler, level = _ReportCollector(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _compile_run(name: str, backend: str, options: dict[str, Any] | None, config: GPTConfig,
+                 args: argparse.Namespace, device: torch.device, reference: Run | None) -> Run:
+    torch._dynamo.reset()
+    model = _model(config, args.seed, device)
+    compiled = torch.compile(model, backend=backend, options=options)
+    run = Run(name)
+    params = list(model.parameters())
+
+    def step(batch: Any) -> torch.Tensor:
+        idx, targets = batch
+        loss = compiled(idx, targets)
+        run.saved_bytes.append(saved_device_bytes(loss, exclude=[*params, idx, targets]))
+        loss.backward()
+        return loss
+
+    _train(run, model, step, profiled_step, _batches(config, args, device), args, device, reference,
+           "compile + first step")
+    return run
+
+
+def run_compile(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> ModeResult:
+    options: dict[str, Any] = {"inner_compiler": args.inner_compiler}
+    if args.budget_mb is not None:
+        options["max_resident_activation_mb"] = args.budget_mb
+    else:
+        options["max_resident_activation_fraction"] = args.budget_fraction
+    print(f"compile mode: torch.compile(model, backend='hyper_offload', options={options})")
+    with _deterministic():
+        baseline = _compile_run("baseline", args.inner_compiler, None, config, args, device, None)
+        with _collect_reports() as collected:
+            offload = _compile_run("offload", "hyper_offload", options, config, args, device, baseline)
+        torch._dynamo.reset()
+    reports = collected.reports
+    budget = sum(r.budget_bytes for r in reports)
+    rows = _common_rows(baseline, offload, budget)
+    rows.insert(2, ("predicted peak (plan)", _mib(sum(r.predicted_peak_before for r in reports)),
+                    _mib(sum(r.predicted_peak_after for r in reports))))
+    rows.insert(3, ("saved for backward (device)", _mib(max(baseline.saved_bytes)), _mib(max(offload.saved_bytes))))
+    rows.insert(4, ("host buffers (peak)", "-", _mib(max(m.host_peak_bytes for m in offload.memory))))
+    moved = offload.memory[-1].bytes_d2h + offload.memory[-1].bytes_h2d
+    rows.insert(5, ("bytes moved per step", "-", f"{_mib(moved)} (D2H {_mib(offload.memory[-1].bytes_d2h)})"))
+    rows.insert(6, ("budget feasible", "-", "yes" if all(r.feasible for r in reports) else "no (best feasible peak)"))
+    return ModeResult("compile", baseline, offload, budget, rows, reports)
+
+
+# ---------------------------------------------------------------------------- eager mode
+
+
+def run_eager(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> ModeResult:
+    batches = _batches(config, args, device)
+
+    def plain_step(model: GPT) -> Callable[[Any], torch.Tensor]:
+        def step(batch: Any) -> torch.Tensor:
+            loss = model(*batch)
+            loss.backward()
+            return loss
+        return step
+
+    with _deterministic():
+        model = _model(config, args.seed, device)
+        baseline = Run("baseline")
+        _train(baseline, model, plain_step(model), metered_step, batches, args, device, None, "plain eager")
+        budget = (int(args.budget_mb * MIB) if args.budget_mb is not None
+                  else int(args.budget_fraction * baseline.peak_bytes))
+        print(f"eager mode: OffloadSession(OffloadConfig(max_resident_activation_mb={budget / MIB:.2f}))")
+        session = hyper_offload.OffloadSession(
+            hyper_offload.OffloadConfig(max_resident_activation_mb=budget / MIB), device=device)
+        model = _model(config, args.seed, device)
+        offload = Run("offload")
+        inner = plain_step(model)
+        stats: list[Any] = []
+
+        def session_step(batch: Any) -> torch.Tensor:
+            with session:
+                loss = inner(batch)
+            stats.append(session.last_stats)
+            return loss
+
+        _train(offload, model, session_step, metered_step, batches, args, device, baseline,
+               "warmup: trace + online eviction, then plan")
+    report = session.report
+    rows = _common_rows(baseline, offload, budget)
+    if report is not None:
+        rows.insert(2, ("predicted peak (plan)", "-", _mib(report.peak_resident_bytes)))
+    last = stats[-1]
+    rows.insert(3, ("host buffers (peak)", "-", _mib(last.pool.pinned_bytes_peak) if last.pool else "-"))
+    rows.insert(4, ("bytes moved per step", "-", f"{_mib(last.bytes_d2h + last.bytes_h2d)} (D2H {_mib(last.bytes_d2h)})"))
+    rows.insert(5, ("budget feasible", "-", "yes" if report is None or report.feasible else "no (best feasible peak)"))
+    return ModeResult("eager", baseline, offload, budget, rows, [report])
+
+
+# ---------------------------------------------------------------------------- table, plot
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MIB:.2f} MiB"
+
+
+def _common_rows(baseline: Run, offload: Run, budget: int) -> list[tuple[str, str, str]]:
+    rows = [
+        ("peak activation memory (measured)", _mib(baseline.peak_bytes), _mib(offload.peak_bytes)),
+        ("budget", "-", _mib(budget)),
+        ("step time (fastest timing step)", f"{baseline.step_s:.3f} s",
+         f"{offload.step_s:.3f} s (x{offload.step_s / baseline.step_s:.2f})"),
+        ("loss and gradients equal to baseline", "-", "yes" if offload.equal else "no"),
+    ]
+    cuda = [m.allocator_peak_bytes for m in offload.memory]
+    if all(c is not None for c in cuda):
+        rows.insert(1, ("max_memory_allocated (step delta)",
+                        _mib(max(m.allocator_peak_bytes for m in baseline.memory)), _mib(max(cuda))))
+    return rows
+
+
+def format_table(result: ModeResult) -> str:
+    head = ("", "baseline", "hyper-offload")
+    rows = [head, *result.rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{result.mode} mode"]
+    for i, row in enumerate(rows):
+        lines.append("  " + " | ".join(c.ljust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            lines.append("  " + "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_plot(results: Sequence[ModeResult], path: Path) -> Path | None:
+    """Device bytes over the last measured step, baseline vs offload, budget dashed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("matplotlib is not installed (pip install .[plot]): plot skipped")
+        return None
+    figure = Figure(figsize=(6.5 * len(results), 4.2), layout="constrained")
+    axes = figure.subplots(1, len(results), squeeze=False)[0]
+    for ax, result in zip(axes, results):
+        for run, colour in ((result.baseline, "grey"), (result.offload, "tab:blue")):
+            xs, ys = zip(*run.memory[-1].curve)
+            ax.step(xs, [y / MIB for y in ys], where="post", color=colour,
+                    label=f"{'plain' if run is result.baseline else 'hyper-offload'} "
+                          f"(peak {run.memory[-1].peak_bytes / MIB:.1f} MiB)")
+        ax.axhline(result.budget_bytes / MIB, color="red", linestyle="--", label="budget")
+        profiler = result.mode == "compile"
+        ax.set_xlabel("time in the step (ms, torch.profiler)" if profiler else "op (execution order)")
+        ax.set_ylabel("device bytes allocated by the step (MiB)")
+        ax.set_title(f"{result.mode}: last measured step")
+        ax.legend(loc="upper left", fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("compile", "eager", "both"), default="compile")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-fraction", type=float, default=0.7,
+                        help="budget as a fraction of the activation peak without offload (default 0.7)")
+    budget.add_argument("--budget-mb", type=float, default=None, help="budget in MiB instead")
+    p.add_argument("--inner-compiler", choices=("aot_eager", "inductor"), default="aot_eager",
+                   help="compile mode's inner compiler (Inductor compiles take minutes on 2 cores)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run (the first compiles / warms up)")
+    p.add_argument("--timed-steps", type=int, default=2, help="extra uninstrumented steps for the step time")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", type=Path, default=Path("out/train_gpt_memory.png"))
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first step compiles or warms up)")
+    if args.timed_steps < 0:
+        p.error("--timed-steps must be >= 0")
+    if args.budget_mb is None and not (0 < args.budget_fraction <= 1) or math.isnan(args.budget_fraction):
+        p.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
+    if args.budget_mb is not None and not (0 <= args.budget_mb < math.inf):
+        p.error(f"--budget-mb must be a finite number >= 0, got {args.budget_mb}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> DemoResult:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    try:
+        config = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, layers=args.layers,
+                           dim=args.dim, heads=args.heads)
+    except ValueError as error:
+        raise SystemExit(f"train_gpt.py: {error}") from None
+    print(f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq_len}, "
+          f"batch {args.batch}, vocab {args.vocab} on {device}")
+    modes = ("compile", "eager") if args.mode == "both" else (args.mode,)
+    results = [(run_compile if mode == "compile" else run_eager)(config, args, device) for mode in modes]
+    table = "\n\n".join(format_table(r) for r in results)
+    print("\n" + table)
+    plot = None if args.no_plot else write_plot(results, args.plot)
+    if plot is not None:
+        print(f"\nmemory over the step: {plot}")
+    return DemoResult(results, table, plot)
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.exit(0 if all(m.offload.equal for m in result.modes) else 1)
