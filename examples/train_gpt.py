@@ -118,29 +118,48 @@ def _record(run: Run, model: GPT, loss: torch.Tensor, reference: Run | None) -> 
     run.equal = same if run.equal is None else run.equal and same
 
 
-def _train(
-    run: Run, model: GPT, step_fn: Callable[[Any], torch.Tensor], measure: Callable[..., Any],
-    batches: Sequence[Any], args: argparse.Namespace, device: torch.device, reference: Run | None,
-    first: str,
-) -> None:
-    """``args.steps`` measured steps then ``args.timed_steps`` uninstrumented ones; AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+@dataclass
+class _Trainer:
+    """One of the two runs of a mode: its model, optimizer, step and instrument."""
+
+    run: Run
+    model: GPT
+    step_fn: Callable[[Any], torch.Tensor]
+    measure: Callable[..., Any]
+    reference: Run | None
+    first: str
+    opt: torch.optim.Optimizer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+
+def _one_step(t: _Trainer, i: int, batch: Any, args: argparse.Namespace, device: torch.device) -> None:
+    """Step ``i``: measured while ``i < args.steps``, then uninstrumented (timing)."""
+    t.opt.zero_grad(set_to_none=True)
+    if i < args.steps:
+        loss, memory = t.measure(lambda: t.step_fn(batch), device)
+        t.run.memory.append(memory)
+        extra = f" ({t.first})" if i == 0 else ""
+        cuda = (f", max_memory_allocated +{memory.allocator_peak_bytes / MIB:.2f} MiB"
+                if memory.allocator_peak_bytes is not None else "")
+        print(f"  {t.run.name:>9} step {i}: {memory.seconds:7.3f} s, peak {memory.peak_bytes / MIB:7.2f} MiB"
+              f"{cuda}{extra}", flush=True)
+    else:
+        loss, seconds = timed_step(lambda: t.step_fn(batch), device)
+        t.run.timed_s.append(seconds)
+        print(f"  {t.run.name:>9} step {i}: {seconds:7.3f} s (timing step: no memory instrument)", flush=True)
+    _record(t.run, t.model, loss, t.reference)
+    t.opt.step()
+
+
+def _lockstep(trainers: Sequence[_Trainer], batches: Sequence[Any], args: argparse.Namespace,
+              device: torch.device) -> None:
+    """Baseline step i, then offload step i: the two runs are timed in alternation, so load
+    from other work on a shared machine hits both alike."""
     for i, batch in enumerate(batches):
-        opt.zero_grad(set_to_none=True)
-        if i < args.steps:
-            loss, memory = measure(lambda: step_fn(batch), device)
-            run.memory.append(memory)
-            extra = f" ({first})" if i == 0 else ""
-            cuda = (f", max_memory_allocated +{memory.allocator_peak_bytes / MIB:.2f} MiB"
-                    if memory.allocator_peak_bytes is not None else "")
-            print(f"  {run.name:>9} step {i}: {memory.seconds:7.3f} s, peak {memory.peak_bytes / MIB:7.2f} MiB"
-                  f"{cuda}{extra}", flush=True)
-        else:
-            loss, seconds = timed_step(lambda: step_fn(batch), device)
-            run.timed_s.append(seconds)
-            print(f"  {run.name:>9} step {i}: {seconds:7.3f} s (timing step: no memory instrument)", flush=True)
-        _record(run, model, loss, reference)
-        opt.step()
+        for trainer in trainers:
+            _one_step(trainer, i, batch, args, device)
 
 
 # ---------------------------------------------------------------------------- compile mode
@@ -183,10 +202,10 @@ def _collect_reports() -> Iterator[_ReportCollector]:
         logger.setLevel(level)
 
 
-def _compile_run(name: str, backend: str, options: dict[str, Any] | None, config: GPTConfig,
-                 args: argparse.Namespace, device: torch.device, reference: Run | None) -> Run:
-    torch._dynamo.reset()
+def _compile_trainer(name: str, backend: str, options: dict[str, Any] | None, config: GPTConfig,
+                     args: argparse.Namespace, device: torch.device, reference: Run | None) -> _Trainer:
     model = _model(config, args.seed, device)
+    # Two compiled models live side by side: Dynamo guards each cache entry on its backend.
     compiled = torch.compile(model, backend=backend, options=options)
     run = Run(name)
     params = list(model.parameters())
@@ -198,9 +217,7 @@ def _compile_run(name: str, backend: str, options: dict[str, Any] | None, config
         loss.backward()
         return loss
 
-    _train(run, model, step, profiled_step, _batches(config, args, device), args, device, reference,
-           "compile + first step")
-    return run
+    return _Trainer(run, model, step, profiled_step, reference, "compile + first step")
 
 
 def run_compile(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> ModeResult:
@@ -210,11 +227,13 @@ def run_compile(config: GPTConfig, args: argparse.Namespace, device: torch.devic
     else:
         options["max_resident_activation_fraction"] = args.budget_fraction
     print(f"compile mode: torch.compile(model, backend='hyper_offload', options={options})")
-    with _deterministic():
-        baseline = _compile_run("baseline", args.inner_compiler, None, config, args, device, None)
-        with _collect_reports() as collected:
-            offload = _compile_run("offload", "hyper_offload", options, config, args, device, baseline)
-        torch._dynamo.reset()
+    torch._dynamo.reset()
+    with _deterministic(), _collect_reports() as collected:
+        base = _compile_trainer("baseline", args.inner_compiler, None, config, args, device, None)
+        off = _compile_trainer("offload", "hyper_offload", options, config, args, device, base.run)
+        _lockstep([base, off], _batches(config, args, device), args, device)
+    torch._dynamo.reset()
+    baseline, offload = base.run, off.run
     reports = collected.reports
     budget = sum(r.budget_bytes for r in reports)
     rows = _common_rows(baseline, offload, budget)
@@ -241,28 +260,36 @@ def run_eager(config: GPTConfig, args: argparse.Namespace, device: torch.device)
             return loss
         return step
 
-    with _deterministic():
-        model = _model(config, args.seed, device)
-        baseline = Run("baseline")
-        _train(baseline, model, plain_step(model), metered_step, batches, args, device, None, "plain eager")
-        budget = (int(args.budget_mb * MIB) if args.budget_mb is not None
-                  else int(args.budget_fraction * baseline.peak_bytes))
-        print(f"eager mode: OffloadSession(OffloadConfig(max_resident_activation_mb={budget / MIB:.2f}))")
-        session = hyper_offload.OffloadSession(
-            hyper_offload.OffloadConfig(max_resident_activation_mb=budget / MIB), device=device)
-        model = _model(config, args.seed, device)
-        offload = Run("offload")
-        inner = plain_step(model)
-        stats: list[Any] = []
+    baseline, offload = Run("baseline"), Run("offload")
+    stats: list[Any] = []
+    sessions: list[Any] = []
 
-        def session_step(batch: Any) -> torch.Tensor:
-            with session:
+    def budget_bytes() -> int:  # known once the baseline's step 0 was measured
+        if args.budget_mb is not None:
+            return int(args.budget_mb * MIB)
+        return int(args.budget_fraction * baseline.peak_bytes)
+
+    def session_step(inner: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+        def step(batch: Any) -> torch.Tensor:
+            if not sessions:
+                print(f"eager mode: OffloadSession(OffloadConfig(max_resident_activation_mb="
+                      f"{budget_bytes() / MIB:.2f}))")
+                sessions.append(hyper_offload.OffloadSession(
+                    hyper_offload.OffloadConfig(max_resident_activation_mb=budget_bytes() / MIB),
+                    device=device))
+            with sessions[0]:
                 loss = inner(batch)
-            stats.append(session.last_stats)
+            stats.append(sessions[0].last_stats)
             return loss
+        return step
 
-        _train(offload, model, session_step, metered_step, batches, args, device, baseline,
-               "warmup: trace + online eviction, then plan")
+    with _deterministic():
+        base_model, off_model = _model(config, args.seed, device), _model(config, args.seed, device)
+        base = _Trainer(baseline, base_model, plain_step(base_model), metered_step, None, "plain eager")
+        off = _Trainer(offload, off_model, session_step(plain_step(off_model)), metered_step, baseline,
+                       "warmup: trace + online eviction, then plan")
+        _lockstep([base, off], batches, args, device)
+    session, budget = sessions[0], budget_bytes()
     report = session.report
     rows = _common_rows(baseline, offload, budget)
     if report is not None:
@@ -296,8 +323,8 @@ def _common_rows(baseline: Run, offload: Run, budget: int) -> list[tuple[str, st
     return rows
 
 
-TIMING_NOTE = ("* uninstrumented steps, baseline and offload run one after the other: on a "
-               "machine shared with other work the ratio is noisy (benchmarks/ time in alternation)")
+TIMING_NOTE = ("* fastest of the uninstrumented steps; baseline and offload steps alternate, yet on a "
+               "machine shared with other work the ratio stays noisy")
 
 
 def format_table(result: ModeResult) -> str:

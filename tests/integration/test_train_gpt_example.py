@@ -58,6 +58,8 @@ def test_memory_is_measured_and_lower_with_offload(demo) -> None:
     report = compile_mode.reports[0]
     assert last.bytes_d2h == report.bytes_d2h > 0 and last.bytes_h2d == report.bytes_h2d
     assert max(compile_mode.offload.saved_bytes) < max(compile_mode.baseline.saved_bytes)
+    # the two compiled models ran side by side: the baseline never ran offloaded code
+    assert all(m.bytes_d2h == m.bytes_h2d == m.host_peak_bytes == 0 for m in compile_mode.baseline.memory)
     assert last.host_peak_bytes > 0 or compile_mode.offload.memory[0].host_peak_bytes > 0
     # eager: the meter's peak (outside the session) stays within the budget
     assert eager_mode.offload.peak_bytes <= eager_mode.budget_bytes
