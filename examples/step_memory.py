@@ -5,10 +5,11 @@ Two instruments, both measurements (never the plan restated):
 * :func:`profiled_step` runs a step under ``torch.profiler`` with ``profile_memory=True``
   and rebuilds the bytes the step allocated over time from the allocator's own events.
   It sees compiled code (Inductor's and aot_eager's buffers are allocator events like any
-  other), which a ``TorchDispatchMode`` meter cannot. Host buffers are told apart: on an
-  accelerator by the event's device; on CPU (where host and "device" share one
-  allocator) an allocation made inside ``hyper_offload::copy_d2h`` is the host pool's
-  buffer (the op acquires it there), and a later free of that address is too. Bytes moved
+  other), which a ``TorchDispatchMode`` meter cannot. Host buffers are told apart: an
+  allocation made inside ``hyper_offload::copy_d2h`` on the host is the host pool's
+  buffer (the op acquires it there), and a later free of that address is too; on CPU,
+  where host and "device" share one allocator, every other allocation is device memory,
+  on an accelerator the event's device decides and other host allocations are ignored. Bytes moved
   are read from the transfer ops that ran (``copy_d2h`` source, ``copy_h2d`` host copy).
 * :func:`metered_step` runs an eager step under ``DeviceMemoryMeter`` (op by op, host
   buffers excluded by their label), entered *outside* an ``OffloadSession`` so that it
@@ -99,7 +100,11 @@ def _timeline(prof: profile, device: torch.device) -> StepMemory:
         on_device = fields.device.type == device.type
         size, ptr = int(fields.alloc_size), int(fields.ptr)
         if size > 0:
-            is_host = not on_device or (device.type == "cpu" and _inside(node, _HOST_OP))
+            # the pool's buffers are acquired inside copy_d2h; on an accelerator other CPU
+            # allocations (the host side of unrelated work) are neither device nor ours
+            is_host = _inside(node, _HOST_OP) and (device.type == "cpu" or not on_device)
+            if not is_host and not on_device:
+                continue
             (host if is_host else live)[ptr] = size
             if is_host:
                 host_bytes += size
