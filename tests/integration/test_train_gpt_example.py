@@ -82,3 +82,25 @@ def test_without_matplotlib_the_plot_is_skipped_with_a_note(example, demo, monke
     assert example.write_plot(result.modes, tmp_path / "none.png") is None
     assert "matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_allocator_peak_drops_too(example, tmp_path) -> None:
+    """On CUDA: per-step ``max_memory_allocated`` deltas, profiler curves on the device,
+    only pinned pool buffers counted as host; equality holds as on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    argv = ["--mode", "both", "--device", "cuda", "--layers", "2", "--dim", "128", "--heads", "4",
+            "--seq-len", "256", "--batch", "8", "--steps", "2", "--timed-steps", "1",
+            "--budget-fraction", "0.8", "--no-plot"]
+    result = example.main(argv)
+    for mode in result.modes:
+        assert mode.offload.equal is True, mode.mode
+        base = max(m.allocator_peak_bytes for m in mode.baseline.memory)
+        off = max(m.allocator_peak_bytes for m in mode.offload.memory)
+        assert off < base, (mode.mode, off, base)
+        assert mode.offload.peak_bytes < mode.baseline.peak_bytes
+    last = result.modes[0].offload.memory[-1]
+    assert last.bytes_d2h == result.modes[0].reports[0].bytes_d2h > 0
