@@ -47,6 +47,7 @@ from step_memory import StepMemory, metered_step, profiled_step, timed_step  # n
 
 import hyper_offload  # noqa: E402
 from hyper_offload.compiled_memory import saved_device_bytes  # noqa: E402
+from hyper_offload.passes import resident_bytes_without_offload  # noqa: E402
 
 MIB = 1 << 20
 
@@ -292,8 +293,9 @@ def run_eager(config: GPTConfig, args: argparse.Namespace, device: torch.device)
     session, budget = sessions[0], budget_bytes()
     report = session.report
     rows = _common_rows(baseline, offload, budget)
-    if report is not None:
-        rows.insert(2, ("predicted peak (plan)", "-", _mib(report.peak_resident_bytes)))
+    if report is not None and session.trace is not None:
+        plain = max(resident_bytes_without_offload(session.trace), default=0)
+        rows.insert(2, ("predicted peak (plan)", _mib(plain), _mib(report.peak_resident_bytes)))
     last = stats[-1]
     rows.insert(3, ("host buffers (peak)", "-", _mib(last.pool.pinned_bytes_peak) if last.pool else "-"))
     rows.insert(4, ("bytes moved per step", "-", f"{_mib(last.bytes_d2h + last.bytes_h2d)} (D2H {_mib(last.bytes_d2h)})"))
