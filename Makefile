@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench bench-compile gpu-check mutation-check clean
+.PHONY: setup demo demo-plan test bench bench-compile gpu-check mutation-check clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,13 @@ $(VENV)/.ready: pyproject.toml
 
 setup: $(VENV)/.ready
 
+# Train a small GPT with the compile backend and the eager session against their
+# baselines; prints per-step lines and a table, writes out/train_gpt_memory.png.
 demo: setup
+	$(PY) examples/train_gpt.py --mode both --plot out/train_gpt_memory.png
+
+# Plan a 24-layer decoder step's activation trace under 30% of its peak (no training).
+demo-plan: setup
 	$(PY) examples/plan_transformer_trace.py
 
 test: setup
