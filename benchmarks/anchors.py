@@ -416,6 +416,8 @@ def measure(args: argparse.Namespace, method: str) -> dict[str, Any]:
             steps["compile"] = reference.run
     setup.run()  # one more warm step (first replay / allocator warm-up)
     result.update(measure_memory(setup, device, bench.exclude(setup)))
+    if reference is not None and setup.compiled:
+        result["compile_saved_bytes"] = measure_memory(reference, device, bench.exclude(reference))["saved_bytes"]
     if method != "no_offload":
         steps[method] = setup.run
     medians = time_alternating(steps, args.steps, device)
