@@ -462,7 +462,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per method")
     parser.add_argument("--shared-cache", default=None, metavar="DIR",
                         help="one Inductor cache for every method (faster; first_call_s is then not cold)")
-    parser.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    parser.add_argument("--out", default=None, help="also write the JSON lines to this file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner is None:
@@ -478,6 +478,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(measure(args, args.worker)), flush=True)
         return
+    if args.out:  # one run per file: start it empty
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("")
     for method in args.methods.split(","):
         if method not in METHODS:
             raise SystemExit(f"anchors: unknown method {method!r}; choose from {', '.join(METHODS)}")
