@@ -478,14 +478,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(measure(args, args.worker)), flush=True)
         return
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"anchors: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if args.out:  # one run per file: start it empty
         from pathlib import Path
 
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("")
     for method in args.methods.split(","):
-        if method not in METHODS:
-            raise SystemExit(f"anchors: unknown method {method!r}; choose from {', '.join(METHODS)}")
         result = run_isolated(__file__, _worker_argv(args, method), timeout_s=args.timeout,
                               cache_dir=args.shared_cache)
         if "error" in result:
