@@ -63,7 +63,7 @@ stage compile_step $((100 * scale)) sh -c "$PY benchmarks/compile_step.py ${devi
 {
   echo "=== summary ($(date -u +%FT%TZ), ${SECONDS}s total)"
   printf '%s\n' "${summary[@]}"
-  grep -hE '(passed|failed|error)' "$out/gpu_tests.log" | tail -1 || true
+  grep -hE '[0-9]+ (passed|failed|skipped|errors?|deselected)' "$out/gpu_tests.log" | tail -1 || true
   for f in "$out"/*.jsonl; do [[ -s $f ]] && echo "$(basename "$f"): $(wc -l < "$f") lines, $(grep -c '"error"' "$f" || true) with errors"; done || true
   if [[ -s $out/anchors.md ]]; then cat "$out/anchors.md"; fi
 } | tee "$out/summary.txt"
