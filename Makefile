@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo demo-plan test bench bench-compile gpu-check mutation-check clean
+.PHONY: setup demo demo-plan test bench bench-compile bench-anchors gpu-check mutation-check clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,13 @@ bench: setup
 bench-compile: setup
 	$(PY) benchmarks/compile_step.py --quick
 
-# On a machine with CUDA: the GPU-marked tests, with that machine's own torch.
+# Anchor benchmark: every method at the same budget, JSON lines + Markdown table (~3 min idle CPU).
+bench-anchors: setup
+	$(PY) benchmarks/anchors.py --out out/anchors.jsonl
+	$(PY) benchmarks/anchors_table.py out/anchors.jsonl
+
+# On a machine with CUDA: the GPU-marked tests, then the eager/anchor/compile benchmarks at
+# GPT-2-small size (scripts/gpu_check.sh; JSON and a summary under $$OUT or out/gpu).
 gpu-check:
 	bash scripts/gpu_check.sh
 

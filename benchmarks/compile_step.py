@@ -30,97 +30,22 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hyper_offload
+from bench_common import digest, gpt_module, mark_all_partitioner, run_isolated, torch_offload_backend
 from hyper_offload.compiled_memory import saved_device_bytes
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def _mark_all_partitioner() -> Any:
-    """A partitioner that marks every joint node ``should_offload`` and runs the stock
-    min-cut partition with torch's activation offloading on (scoped to the compile)."""
-    from torch._functorch import config as functorch_config
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    class MarkAll(CustomPartitionerFn):
-        moved = 0
-
-        def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-            for node in gm.graph.nodes:
-                if node.op == "call_function":
-                    node.meta["should_offload"] = True
-            with functorch_config.patch(enable_activation_offloading=True):
-                fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-            for node in fw.graph.nodes:
-                if node.name.startswith("cpu_offload_") and isinstance(node.meta.get("val"), torch.Tensor):
-                    val = node.meta["val"]
-                    MarkAll.moved += 2 * val.numel() * val.element_size()
-            return fw, bw
-
-        def uuid(self) -> Any:
-            return "benchmark-mark-all"
-
-        def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-            return self
-
-    return MarkAll()
-
-
-def _torch_offload_backend(partitioner: Any) -> Callable[..., Any]:
-    def compile_fn(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
-
-        with inductor_config.patch(custom_partitioner_fn=partitioner):
-            return compile_fx(gm, example_inputs)
-
-    return compile_fn
-
-
-def _digest(tensors: Sequence[torch.Tensor]) -> str:
-    """Bit-exact fingerprint of tensors (compared across worker processes)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+def _model_and_batch(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The GPT of ``examples/gpt_model.py`` (seed 0) and a seeded batch."""
+    gm = gpt_module()
+    config = gm.GPTConfig(vocab=args.vocab, seq_len=args.seq, layers=args.layers, dim=args.d, heads=args.heads)
+    torch.manual_seed(0)
+    return gm.GPT(config).to(device=device, dtype=getattr(torch, args.dtype)), gm.random_batch(config, args.batch, device=device)
 
 
 def _backend(inner: str, variant: str) -> tuple[Any, Any]:
@@ -129,25 +54,22 @@ def _backend(inner: str, variant: str) -> tuple[Any, Any]:
     if variant.startswith("hyper_offload@"):
         fraction = float(variant.split("@", 1)[1])
         return hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=fraction), None
-    partitioner = _mark_all_partitioner()
-    return _torch_offload_backend(partitioner), partitioner
+    partitioner = mark_all_partitioner()
+    return torch_offload_backend(partitioner), partitioner
 
 
 def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any]:
     """One variant, in this (fresh) process."""
     torch.use_deterministic_algorithms(True)
     backend, partitioner = _backend(inner, variant)
-    torch.manual_seed(0)
     device = torch.device(args.device)
-    model = TinyGPT(args.vocab, args.d, args.layers, args.heads, args.seq).to(device)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    target = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    model, (idx, target) = _model_and_batch(args, device)
     compiled = torch.compile(model, backend=backend)
 
     def step() -> tuple[torch.Tensor, int]:
         model.zero_grad(set_to_none=False)
-        loss = F.cross_entropy(compiled(idx).flatten(0, 1), target.flatten())
-        saved = saved_device_bytes(loss, exclude=[*model.parameters(), idx])
+        loss = compiled(idx, target)
+        saved = saved_device_bytes(loss, exclude=[*model.parameters(), idx, target])
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -165,11 +87,12 @@ def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any
         times.append(time.perf_counter() - started)
     result: dict[str, Any] = {
         "bench": "compile_step", "inner": inner, "variant": variant, "device": device.type,
-        "layers": args.layers, "first_call_s": first,
+        "layers": args.layers, "dtype": args.dtype, "seq": args.seq, "batch": args.batch,
+        "first_call_s": first,
         # the fastest step: on a shared machine the median mostly measures other load
         "step_s": min(times), "step_median_s": statistics.median(times),
         "saved_device_bytes": saved, "loss": loss.item(),
-        "digest": _digest([loss, *(p.grad for p in model.parameters())]),
+        "digest": digest([loss, *(p.grad for p in model.parameters())]),
     }
     if device.type == "cuda":
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
@@ -190,16 +113,14 @@ def memory_curve(args: argparse.Namespace, inner: str) -> None:
     torch.use_deterministic_algorithms(True)
     for fraction in (1.0, 0.75, 0.5, 0.25, 0.0):
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = TinyGPT(args.vocab, args.d, args.layers, args.heads, args.seq)
-        idx = torch.randint(0, args.vocab, (args.batch, args.seq))
+        model, (idx, target) = _model_and_batch(args, torch.device(args.device))
         options: dict[str, Any] = (
             {"max_resident_activation_mb": 0} if fraction == 0.0
             else {"max_resident_activation_fraction": fraction}
         )
         backend = hyper_offload.backend(inner_compiler=inner, **options)
-        loss = torch.compile(model, backend=backend)(idx).float().pow(2).mean()
-        saved = saved_device_bytes(loss, exclude=[*model.parameters(), idx])
+        loss = torch.compile(model, backend=backend)(idx, target)
+        saved = saved_device_bytes(loss, exclude=[*model.parameters(), idx, target])
         loss.backward()
         reports = backend.reports
         print(json.dumps({
@@ -215,23 +136,14 @@ def memory_curve(args: argparse.Namespace, inner: str) -> None:
 def _run_worker(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any]:
     """Each variant in its own process with an empty Inductor cache, so that no variant's
     compile time profits from kernels another one compiled."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        argv = [sys.executable, __file__, "--worker", inner, variant, "--device", args.device,
-                "--layers", str(args.layers), "--d", str(args.d), "--heads", str(args.heads),
-                "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
-                "--steps", str(args.steps)]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return {"bench": "compile_step", "inner": inner, "variant": variant,
-                "error": done.stderr.strip().splitlines()[-1:] or ["no output"]}
-    return json.loads(lines[-1])
+    argv = ["--worker", inner, variant, "--device", args.device,
+            "--layers", str(args.layers), "--d", str(args.d), "--heads", str(args.heads),
+            "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
+            "--steps", str(args.steps), "--dtype", args.dtype]
+    result = run_isolated(__file__, argv)
+    if "error" in result:
+        return {"bench": "compile_step", "inner": inner, "variant": variant, **result}
+    return result
 
 
 def main() -> None:
@@ -245,6 +157,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--variants", default="plain,hyper_offload@1.0,hyper_offload@0.5,torch_offload_all",
+                        help="comma-separated; torch_offload_all runs under inductor only")
+    parser.add_argument("--no-curve", action="store_true", help="skip the compile_memory_curve lines")
     parser.add_argument("--quick", action="store_true", help="2 layers, 4 steps")
     parser.add_argument("--worker", nargs=2, metavar=("INNER", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -253,11 +169,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(measure(args, *args.worker)), flush=True)
         return
-    memory_curve(args, "aot_eager")
+    if not args.no_curve:
+        memory_curve(args, "aot_eager")
     for inner in args.inner.split(","):
-        variants = ["plain", "hyper_offload@1.0", "hyper_offload@0.5"]
-        if inner == "inductor":
-            variants.append("torch_offload_all")
+        variants = [v for v in args.variants.split(",") if inner == "inductor" or v != "torch_offload_all"]
         base = None
         for variant in variants:
             result = _run_worker(args, inner, variant)

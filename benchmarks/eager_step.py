@@ -24,46 +24,18 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from bench_common import gpt_module
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.config import MIB
 from hyper_offload.passes import resident_bytes_without_offload
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def make_gpt(vocab: int, dim: int, layers: int, heads: int, seq: int) -> nn.Module:
+    """The GPT of ``examples/gpt_model.py``; ``forward(idx, targets)`` returns the loss."""
+    gm = gpt_module()
+    return gm.GPT(gm.GPTConfig(vocab=vocab, dim=dim, layers=layers, heads=heads, seq_len=seq))
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -72,11 +44,18 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tenso
     opt.step()
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _time(fn: Any, steps: int) -> float:
     times = []
     for _ in range(steps):
+        _sync()
         start = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -145,6 +124,12 @@ def main() -> None:
         "--threads", type=int, default=1,
         help="intra-op threads (default 1: on a shared CPU, OpenMP spin-waits swamp the timing)",
     )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    for name in ("layers", "dim", "heads", "seq", "batch", "vocab"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="override the preset size")
+    parser.add_argument("--no-tiny-model", action="store_true",
+                        help="skip the per-op overhead run on the model of tiny ops")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -154,12 +139,17 @@ def main() -> None:
         vocab=1024, dim=256, layers=4, heads=4, seq=128
     )
     batch_size = 2 if args.quick else 4
-    gpt = GPT(**sizes)
-    idx = torch.randint(0, sizes["vocab"], (batch_size, sizes["seq"]))
+    sizes.update({k: getattr(args, k) for k in sizes if getattr(args, k) is not None})
+    batch_size = args.batch or batch_size
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    gpt = make_gpt(**sizes).to(device=device, dtype=dtype)
+    idx = torch.randint(0, sizes["vocab"], (batch_size, sizes["seq"])).to(device)
     run("gpt", gpt, (idx, torch.roll(idx, -1, dims=1)), steps)
+    if args.no_tiny_model:
+        return
     # Dispatch overhead on a model of tiny ops (mean op a few us): the per-op cost.
-    tiny = GPT(vocab=64, dim=32, layers=2, heads=2, seq=16)
-    tidx = torch.randint(0, 64, (2, 16))
+    tiny = make_gpt(vocab=64, dim=32, layers=2, heads=2, seq=16).to(device=device, dtype=dtype)
+    tidx = torch.randint(0, 64, (2, 16)).to(device)
     run("tiny_gpt", tiny, (tidx, torch.roll(tidx, -1, dims=1)), steps * 4)
 
 

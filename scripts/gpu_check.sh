@@ -1,19 +1,71 @@
 #!/usr/bin/env bash
-# The project's prepared GPU check: the tests marked `gpu`, in one call on a machine with
-# CUDA (it uses that machine's own python3 and CUDA build of torch; nothing is downloaded).
-# CPU-only work (planner benchmarks, the rest of the suite) does not belong here.
-# Writes logs under ${OUT:-out/gpu}.
+# The project's prepared GPU run, in one call on a machine with CUDA (it uses that machine's
+# own python3 and CUDA build of torch; nothing is downloaded):
+#   1. the tests marked `gpu`;
+#   2. benchmarks/eager_step.py, benchmarks/compile_step.py and benchmarks/anchors.py at a
+#      GPT-2-small-like size (12 layers, dim 768, 12 heads, bf16, sequence 2048).
+# Every stage has its own timeout (100 + 50 + 210 + 100 s: the run stays under 8 minutes); a failing stage is
+# recorded and the next one still runs. JSON lines and logs go to ${OUT:-out/gpu}; the
+# summary (summary.txt there, and the end of stdout) says what passed, failed or timed out.
+#
+#   CPU_SMOKE=1 bash scripts/gpu_check.sh   # the same stages on CPU at tiny sizes (checks
+#                                           # this script and the benchmarks' flags; no GPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu}
 mkdir -p "$out"
-python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
-# Install without dependencies or build isolation: the image already has torch.
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
-# cuBLAS is deterministic only with a fixed workspace (the compile tests compare bit for bit).
+# cuBLAS is deterministic only with a fixed workspace (the numerics compare bit for bit).
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
-files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/offload_compile/test_compile_gpu.py tests/eager/test_gpu_session.py tests/runtime/pipeline/test_swap_session_gpu.py)
+summary=()
+failed=0
+
+# stage NAME SECONDS COMMAND...: run with a timeout, tee the log, record the outcome.
+stage() {
+  local name=$1 limit=$2; shift 2
+  local started=$SECONDS rc=0
+  echo "=== $name (timeout ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@" > >(tee "$out/$name.log") 2>&1 || rc=$?
+  local took=$((SECONDS - started)) outcome=ok
+  if [[ $rc -eq 124 || $rc -eq 137 ]]; then outcome="TIMED OUT"; elif [[ $rc -ne 0 ]]; then outcome="FAILED (rc=$rc)"; fi
+  [[ $outcome == ok ]] || failed=1
+  summary+=("$(printf '%-14s %-16s %4ss' "$name" "$outcome" "$took")")
+}
+
+if [[ ${CPU_SMOKE:-0} == 1 ]]; then
+  device=(--device cpu); gpt=(--layers 2 --heads 2 --seq 32 --batch 2 --vocab 128)
+  dim=64; dtype=float32; inner=aot_eager; scale=4  # a shared CPU is slow: longer limits
+else
+  $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
+  # Install without dependencies or build isolation: the image already has torch.
+  $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+  device=(--device cuda); gpt=(--layers 12 --heads 12 --seq 2048 --batch 8 --vocab 50304)
+  dim=768; dtype=bfloat16; inner=inductor; scale=1
+fi
+
+files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/offload_compile/test_compile_gpu.py tests/eager/test_gpu_session.py tests/runtime/pipeline/test_swap_session_gpu.py
+       tests/offload_compile/test_estimate_gpu.py tests/integration/test_train_gpt_example.py)
 # The meter's CUDA test lives beside hypothesis-based tests; include it where hypothesis is.
-python3 -c "import hypothesis" 2>/dev/null && files+=(tests/runtime/test_memory_meter.py)
-python3 -m pytest -q -p no:cacheprovider -m gpu "${files[@]}" 2>&1 | tee "$out/gpu_tests.log"
+$PY -c "import hypothesis" 2>/dev/null && files+=(tests/runtime/test_memory_meter.py)
+stage gpu_tests $((100 * scale)) $PY -m pytest -q -p no:cacheprovider -m gpu "${files[@]}"
+
+stage eager_step $((50 * scale)) sh -c "$PY benchmarks/eager_step.py ${device[*]} --dtype $dtype ${gpt[*]} --dim $dim --steps 5 --no-tiny-model > '$out/eager_step.jsonl'"
+# One shared Inductor cache for the anchor workers: plain compile is then compiled once,
+# not once per compile method (first_call_s is not a cold compile there; hyper_offload's
+# and the mark-all partitioner's regions are never served from a cache).
+anchor_cache=$(mktemp -d)
+stage anchors $((210 * scale)) $PY benchmarks/anchors.py "${device[@]}" --dtype $dtype "${gpt[@]}" --dim $dim --steps 5 \
+  --inner $inner --timeout $((75 * scale)) --shared-cache "$anchor_cache" --out "$out/anchors.jsonl"
+rm -rf "$anchor_cache"
+[[ -s $out/anchors.jsonl ]] && $PY benchmarks/anchors_table.py "$out/anchors.jsonl" > "$out/anchors.md" || true
+stage compile_step $((100 * scale)) sh -c "$PY benchmarks/compile_step.py ${device[*]} --dtype $dtype ${gpt[*]} --d $dim --steps 5 --inner $inner --variants plain,hyper_offload@0.5 --no-curve > '$out/compile_step.jsonl'"
+
+{
+  echo "=== summary ($(date -u +%FT%TZ), ${SECONDS}s total)"
+  printf '%s\n' "${summary[@]}"
+  grep -hE '[0-9]+ (passed|failed|skipped|errors?|deselected)' "$out/gpu_tests.log" | tail -1 || true
+  for f in "$out"/*.jsonl; do [[ -s $f ]] && echo "$(basename "$f"): $(wc -l < "$f") lines, $(grep -c '"error"' "$f" || true) with errors"; done || true
+  if [[ -s $out/anchors.md ]]; then cat "$out/anchors.md"; fi
+} | tee "$out/summary.txt"
+exit $failed
