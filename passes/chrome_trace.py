@@ -130,7 +130,8 @@ def _compute_events(timeline: PredictedTimeline, resident: tuple[int, ...]) -> l
                        "args": {"bytes": resident[op.index]}})
     for wait in timeline.waits:
         args = {"storage": wait.storage, "before_op": wait.op_index, "slot": wait.slot}
-        events.append(_slice(f"wait H2D s{wait.storage}", "wait", TRACK_COMPUTE,
+        direction = "D2H" if wait.kind is ActionKind.COPY_D2H else "H2D"
+        events.append(_slice(f"wait {direction} s{wait.storage}", "wait", TRACK_COMPUTE,
                              wait.start_s, wait.end_s, args))
     return events
 

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from .predicted_timeline import predict_timeline
 from .schedule import ActionKind, ResidencySchedule
 from .trace import ActivationTrace
 
@@ -113,32 +114,14 @@ class TransferTime(NamedTuple):
 def exposed_transfer_time(trace: ActivationTrace, schedule: ResidencySchedule) -> TransferTime:
     """Copy seconds of ``schedule`` and how many of them compute cannot hide.
 
-    A D2H issued after op ``i`` overlaps the ops up to the ``RELEASE_DEVICE`` that ends
-    its gap (the lowering waits there); an H2D issued before op ``j`` overlaps ops
-    ``j .. k-1`` where ``k`` carries its ``WAIT_H2D``. What is not covered is exposed.
-    Copies on one link run one after another; this estimate treats them independently,
-    so it is a lower bound when copies overlap each other.
+    The compile lowering's timeline (:func:`~.predicted_timeline.predict_timeline` with
+    ``release_waits_for_d2h=True``, ops without a duration taking none): one serial copy
+    stream; a D2H is waited for where its device bytes are released, an H2D at its
+    ``WAIT_H2D``. Exposed is the compute time those waits stall.
     """
-    d2h_bw = trace.d2h_bandwidth_gbps * 1e9
-    h2d_bw = trace.h2d_bandwidth_gbps * 1e9
-    duration = [op.duration_s or 0.0 for op in trace.ops]
-    started_d2h: dict[int, int] = {}
-    started_h2d: dict[int, int] = {}
-    d2h_s = h2d_s = exposed = 0.0
-    for op, where, action in schedule.actions():
-        size = trace.storage_sizes[action.storage]
-        if action.kind is ActionKind.COPY_D2H:
-            started_d2h[action.storage] = op + 1
-        elif action.kind is ActionKind.RELEASE_DEVICE and action.storage in started_d2h:
-            start = started_d2h.pop(action.storage)
-            copy = size / d2h_bw
-            d2h_s += copy
-            exposed += max(0.0, copy - sum(duration[start : op + 1]))
-        elif action.kind is ActionKind.COPY_H2D:
-            started_h2d[action.storage] = op if where == "pre" else op + 1
-        elif action.kind is ActionKind.WAIT_H2D and action.storage in started_h2d:
-            start = started_h2d.pop(action.storage)
-            copy = size / h2d_bw
-            h2d_s += copy
-            exposed += max(0.0, copy - sum(duration[start:op]))
-    return TransferTime(d2h_s, h2d_s, exposed)
+    timeline = predict_timeline(
+        trace, schedule, default_op_duration_s=0.0, release_waits_for_d2h=True
+    )
+    d2h_s = sum(t.end_s - t.start_s for t in timeline.transfers if t.kind is ActionKind.COPY_D2H)
+    h2d_s = sum(t.end_s - t.start_s for t in timeline.transfers if t.kind is ActionKind.COPY_H2D)
+    return TransferTime(d2h_s, h2d_s, timeline.exposed_transfer_s)

@@ -10,8 +10,11 @@ The model is the runtime's (``runtime/device.py``, ``runtime/physical_buffer.py`
   *starts* when it is issued **and** the copy stream is free; it lasts
   ``bytes / bandwidth`` (GB/s = 1e9 bytes per second). D2H and H2D share the stream.
 * **WAIT_H2D blocks compute.** The compute stream stops until the storage's latest H2D
-  has finished: that stall is the *exposed* transfer time. Nothing else waits for a
-  copy (RELEASE_DEVICE frees under ``record_stream``; RELEASE_HOST is deferred by events).
+  has finished: that stall is the *exposed* transfer time. By default nothing else waits
+  for a copy (the residency manager's RELEASE_DEVICE frees under ``record_stream``;
+  RELEASE_HOST is deferred by events). With ``release_waits_for_d2h=True`` a
+  RELEASE_DEVICE also stalls compute until that storage's D2H has finished: the compile
+  lowering's ``wait_transfer`` sits there (passes/fx_lowering.py).
 * Actions of a slot run in slot order at the slot's time: ``pre[i]`` before op ``i``,
   ``post[i]`` after it.
 
@@ -76,16 +79,18 @@ class TransferSpan(NamedTuple):
 
 class WaitSpan(NamedTuple):
     """Compute stalled over ``[start_s, end_s)`` at op ``op_index``'s slot, waiting for
-    ``storage``'s H2D."""
+    ``storage``'s copy (its H2D; its D2H only with ``release_waits_for_d2h``)."""
 
     storage: StorageId
     op_index: int
     slot: str
     start_s: float
     end_s: float
+    kind: ActionKind = ActionKind.COPY_H2D  # the copy waited for
 
     def __repr__(self) -> str:
-        return f"wait H2D s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
+        direction = "D2H" if self.kind is ActionKind.COPY_D2H else "H2D"
+        return f"wait {direction} s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
 
 
 class InstantMark(NamedTuple):
@@ -121,7 +126,7 @@ class PredictedTimeline:
 
     @property
     def exposed_transfer_s(self) -> float:
-        """Compute time lost waiting for H2D copies."""
+        """Compute time lost waiting for copies."""
         return sum(w.end_s - w.start_s for w in self.waits)
 
     @property
@@ -144,11 +149,14 @@ def predict_timeline(
     schedule: ResidencySchedule,
     *,
     default_op_duration_s: float | None = None,
+    release_waits_for_d2h: bool = False,
 ) -> PredictedTimeline:
     """Predict when every op, copy and wait of ``schedule`` runs (see module docstring).
 
     ``default_op_duration_s`` is the duration of ops without one; ``None`` means the mean
     of the trace's known durations, or :data:`DEFAULT_OP_DURATION_S` if none is known.
+    ``release_waits_for_d2h`` models a lowering that waits for a D2H where it frees the
+    device bytes (the compile path); the default models the residency manager.
     Raises ``ValueError`` naming the op when the schedule does not fit the trace or a
     WAIT_H2D has no COPY_H2D before it (run ``check_schedule`` for the full diagnosis).
     """
@@ -158,7 +166,7 @@ def predict_timeline(
             f"{trace.num_ops} ops; plan this trace, or load the schedule made for it"
         )
     default = _default_duration(trace, default_op_duration_s)
-    builder = _Builder(trace)
+    builder = _Builder(trace, release_waits_for_d2h)
     ops: list[OpSpan] = []
     for index, op in enumerate(trace.ops):
         builder.run_slot(schedule.pre[index], index, "pre")
@@ -185,14 +193,16 @@ def _default_duration(trace: ActivationTrace, given: float | None) -> float:
 class _Builder:
     """The two stream clocks while walking the schedule."""
 
-    def __init__(self, trace: ActivationTrace) -> None:
+    def __init__(self, trace: ActivationTrace, release_waits_for_d2h: bool) -> None:
         self.trace = trace
+        self.release_waits_for_d2h = release_waits_for_d2h
         self.clock = 0.0  # compute stream
         self.copy_free = 0.0  # copy stream
         self.transfers: list[TransferSpan] = []
         self.waits: list[WaitSpan] = []
         self.releases: list[InstantMark] = []
         self.last_h2d: dict[StorageId, TransferSpan] = {}
+        self.pending_d2h: dict[StorageId, TransferSpan] = {}
 
     def run_slot(self, actions: tuple, index: int, slot: str) -> None:  # noqa: ANN001
         for action in actions:
@@ -202,6 +212,9 @@ class _Builder:
             elif kind is ActionKind.WAIT_H2D:
                 self._wait(storage, index, slot)
             else:
+                d2h = self.pending_d2h.pop(storage, None)
+                if kind is ActionKind.RELEASE_DEVICE and d2h is not None and self.release_waits_for_d2h:
+                    self._stall_until(d2h, index, slot)
                 self.releases.append(InstantMark(kind, storage, index, slot, self.clock))
 
     def _issue(self, kind: ActionKind, storage: StorageId, index: int, slot: str) -> None:
@@ -217,6 +230,8 @@ class _Builder:
         self.transfers.append(span)
         if kind is ActionKind.COPY_H2D:
             self.last_h2d[storage] = span
+        else:
+            self.pending_d2h[storage] = span
 
     def _wait(self, storage: StorageId, index: int, slot: str) -> None:
         h2d = self.last_h2d.get(storage)
@@ -225,6 +240,10 @@ class _Builder:
                 f"predict_timeline: {slot}[{index}] WAIT_H2D {storage} has no COPY_H2D of "
                 f"storage {storage} before it; check the schedule with check_schedule"
             )
-        if h2d.end_s > self.clock:
-            self.waits.append(WaitSpan(storage, index, slot, self.clock, h2d.end_s))
-            self.clock = h2d.end_s
+        self._stall_until(h2d, index, slot)
+
+    def _stall_until(self, copy: TransferSpan, index: int, slot: str) -> None:
+        """Compute waits for ``copy``; a wait is recorded only when it stalls."""
+        if copy.end_s > self.clock:
+            self.waits.append(WaitSpan(copy.storage, index, slot, self.clock, copy.end_s, copy.kind))
+            self.clock = copy.end_s

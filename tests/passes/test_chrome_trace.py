@@ -22,6 +22,7 @@ from hyper_offload.passes import (
     predict_timeline,
     write_chrome_trace,
 )
+from hyper_offload.passes.cost_model import exposed_transfer_time
 from hyper_offload.passes.chrome_trace import TRACK_COMPUTE, TRACK_D2H, TRACK_H2D, TRACK_RELEASES
 
 from planner_strategies import traces
@@ -123,6 +124,21 @@ def test_the_json_is_valid_trace_event_format(tmp_path: Path) -> None:
             assert isinstance(event["ts"], (int, float)) and event["ts"] >= 0
             assert isinstance(event["dur"], (int, float)) and event["dur"] >= 0
         assert event["ph"] in {"M", "X", "C", "i"}
+
+
+def test_the_compile_lowering_waits_for_a_d2h_where_it_releases_the_device_bytes() -> None:
+    # op0 0-10 µs; D2H of s0 issued at 10, 20 µs long; H2D issued at pre[3], 10 µs long.
+    residency = predict_timeline(TRACE, LATE_PREFETCH)
+    assert [(w.kind, w.start_s, w.end_s) for w in residency.waits] == [
+        (H2D, pytest.approx(30 * US), pytest.approx(40 * US))]  # RELEASE_DEVICE frees, no wait
+    lowered = predict_timeline(TRACE, LATE_PREFETCH, release_waits_for_d2h=True)
+    assert [(w.kind, w.start_s, w.end_s) for w in lowered.waits] == [
+        (D2H, pytest.approx(10 * US), pytest.approx(30 * US)),
+        (H2D, pytest.approx(50 * US), pytest.approx(60 * US))]
+    assert lowered.exposed_transfer_s == pytest.approx(30 * US)
+    # The compile path's figure is this timeline, not a second model of it.
+    timing = exposed_transfer_time(TRACE, LATE_PREFETCH)
+    assert timing == pytest.approx((20 * US, 10 * US, 30 * US))
 
 
 def test_missing_durations_default_to_the_mean_of_the_known_ones() -> None:
