@@ -185,7 +185,7 @@ def _sync(device: torch.device) -> None:
 
 def measure_memory(setup: Setup, device: torch.device, exclude: list[torch.Tensor]) -> dict[str, Any]:
     """``peak_step_bytes`` and ``saved_bytes`` of one step (module docstring)."""
-    from hyper_offload.compiled_memory import saved_device_bytes
+    from hyper_offload.compiler.saved_bytes import saved_device_bytes
     from hyper_offload.runtime import DeviceMemoryMeter
 
     setup.model.zero_grad(set_to_none=True)

@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 import hyper_offload
+import hyper_offload.compiler
 from bench_common import digest, gpt_module, mark_all_partitioner, run_isolated, torch_offload_backend
-from hyper_offload.compiled_memory import saved_device_bytes
+from hyper_offload.compiler.saved_bytes import saved_device_bytes
 
 
 def _model_and_batch(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -96,7 +97,7 @@ def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any
     }
     if device.type == "cuda":
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
-    if isinstance(backend, hyper_offload.HyperOffloadBackend):
+    if isinstance(backend, hyper_offload.compiler.HyperOffloadBackend):
         reports = backend.reports
         result["bytes_moved"] = sum(r.bytes_d2h + r.bytes_h2d for r in reports)
         result["predicted_peak_before"] = sum(r.predicted_peak_before for r in reports)

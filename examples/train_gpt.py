@@ -9,7 +9,7 @@ gradient are compared with ``torch.equal``.
   ``torch.use_deterministic_algorithms(True)`` (plain Inductor on CPU is not run-to-run
   deterministic without it). Memory: ``torch.profiler``'s allocator events (host
   buffers told apart), bytes moved read from the transfer ops that ran, and the device
-  bytes the compiled backward holds (``hyper_offload.compiled_memory``).
+  bytes the compiled backward holds (``hyper_offload.compiler.saved_bytes``).
 * ``--mode eager``: ``with OffloadSession(...)`` against the plain eager loop. Memory:
   ``DeviceMemoryMeter`` op by op (the session's own figures in ``session.last_stats``).
 * ``--mode both``: compile, then eager (what ``make demo`` runs).
@@ -46,7 +46,8 @@ from gpt_model import GPT, GPTConfig, random_batch  # noqa: E402
 from step_memory import StepMemory, metered_step, profiled_step, timed_step  # noqa: E402
 
 import hyper_offload  # noqa: E402
-from hyper_offload.compiled_memory import saved_device_bytes  # noqa: E402
+import hyper_offload.compiler  # noqa: E402
+from hyper_offload.compiler.saved_bytes import saved_device_bytes  # noqa: E402
 from hyper_offload.passes import resident_bytes_without_offload  # noqa: E402
 
 MIB = 1 << 20
@@ -186,7 +187,7 @@ class _ReportCollector(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING:  # e.g. an infeasible budget: say so
             print(f"  warning: {record.getMessage()}", file=sys.stderr, flush=True)
-        if record.args and isinstance(record.args, tuple) and isinstance(record.args[0], hyper_offload.RegionReport):
+        if record.args and isinstance(record.args, tuple) and isinstance(record.args[0], hyper_offload.compiler.RegionReport):
             self.reports.append(record.args[0])
 
 

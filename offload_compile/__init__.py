@@ -1,58 +1,41 @@
-"""hyper-offload: budget-aware activation offloading for PyTorch training."""
+"""hyper-offload: budget-aware activation offloading for PyTorch training.
+
+One subpackage per front door; the root holds only the names a first user needs:
+
+* :mod:`hyper_offload.compiler` — ``torch.compile(backend="hyper_offload")``, its options,
+  region planning and report, and :func:`estimate` (will a step fit?) on fake tensors;
+* :mod:`hyper_offload.eager` — :class:`OffloadSession` for code ``torch.compile`` cannot take;
+* :mod:`hyper_offload.pipeline` — ``swap_wrapper`` and ``PipelineSwapSchedule`` for
+  pipeline-parallel training;
+* :mod:`hyper_offload.cli` — the ``hyper-offload`` command;
+* :mod:`hyper_offload.viz` — plan and pipeline plots (matplotlib, optional).
+
+Every door plans through :func:`hyper_offload.passes.plan_residency`; the bytes move in
+:mod:`hyper_offload.runtime`.
+"""
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import Any
 
 from .config import OffloadConfig
 
 __version__ = "0.1.0"
 
-# The front doors import torch; the CLI and the pure passes must not pay for it, so
-# these names are loaded on first access.
+# The doors import torch; the CLI and the pure passes must not pay for it, so these
+# names are loaded on first access.
 _LAZY = {
-    "HyperOffloadBackend": "compile_backend",
-    "backend": "compile_backend",
-    "RegionReport": "region_report",
-    "skip_offload": "skip",
-    "OffloadSession": "session",
-    "current_session": "session",
-    "OffloadSessionError": "executor_base",
-    "StepStats": "executor_base",
-    "SwapOutsideGroupWarning": "swap_wrappers",
-    "swap_tensor_wrapper": "swap_wrappers",
-    "swap_wrapper": "swap_wrappers",
-    "estimate": "fit_estimate",
-    "EstimateReport": "fit_estimate",
+    "backend": ".compiler.dynamo_backend",
+    "estimate": ".compiler.fit_estimate",
+    "OffloadSession": ".eager.session",
+    "skip_offload": ".eager.skip",
 }
 
-__all__ = [
-    "EstimateReport",
-    "HyperOffloadBackend",
-    "OffloadConfig",
-    "OffloadSession",
-    "OffloadSessionError",
-    "RegionReport",
-    "ReplayMismatchError",
-    "StepStats",
-    "SwapOutsideGroupWarning",
-    "__version__",
-    "backend",
-    "current_session",
-    "estimate",
-    "skip_offload",
-    "swap_tensor_wrapper",
-    "swap_wrapper",
-]
+__all__ = ["OffloadConfig", "OffloadSession", "__version__", "backend", "estimate", "skip_offload"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from importlib import import_module
-
-        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
-    if name == "ReplayMismatchError":
-        from hyper_offload.passes.op_guide import ReplayMismatchError
-
-        return ReplayMismatchError
-    raise AttributeError(f"module 'hyper_offload' has no attribute {name!r}")
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,10 +3,6 @@ transfers that fail: nothing is left in flight, no host buffer is lost."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,17 +10,10 @@ from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.config import MIB
 from hyper_offload.runtime import TransferFailedError
 
+from tests.runtime import doubles
+
 from .models import CASES, assert_same_state, make_pair, train_step
 
-# The runtime tests' scripted engines (DeferredEngine, FailingEngine); their module may
-# import siblings from tests/runtime, so that folder must be importable while it loads.
-_RUNTIME_TESTS = Path(__file__).parents[1] / "runtime"
-if str(_RUNTIME_TESTS) not in sys.path:
-    sys.path.append(str(_RUNTIME_TESTS))
-_spec = importlib.util.spec_from_file_location("runtime_test_doubles", _RUNTIME_TESTS / "conftest.py")
-assert _spec is not None and _spec.loader is not None
-doubles = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(doubles)
 
 TIGHT = OffloadConfig(max_resident_activation_mb=24 * 1024 / MIB)
 

@@ -7,16 +7,17 @@ from typing import Any
 import torch
 
 from hyper_offload import OffloadConfig, OffloadSession
-from hyper_offload.dispatch_mode import (
+from hyper_offload.eager.dispatch_mode import (
     ActivationDispatchMode,
     flat_tensors,
     result_tensors,
     tensor_leaves,
     written_arguments,
 )
-from hyper_offload.executor_base import BaseExecutor
+from hyper_offload.eager.executor_base import BaseExecutor
+from hyper_offload.eager.opaque import run_opaque_region
 from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine
-from hyper_offload.shadow_tensor import ShadowTensor
+from hyper_offload.eager.shadow_tensor import ShadowTensor
 
 
 class Recording(BaseExecutor):
@@ -56,11 +57,11 @@ def test_opaque_depth_bypasses_the_hooks() -> None:
     assert executor.events == [] and executor.index == 0
 
 
-def test_execute_opaque_op_is_one_begin_and_one_end() -> None:
+def test_an_opaque_region_is_one_begin_and_one_end() -> None:
     executor = Recording()
     a, b = torch.randn(2, 2), torch.randn(2, 2)
     with ActivationDispatchMode(executor):
-        out = executor.execute_opaque_op(lambda a, b: (a @ b).relu(), (a, b), {}, "opaque:f")
+        out = run_opaque_region(executor, lambda a, b: (a @ b).relu(), (a, b), {}, "opaque:f", compiled=False)
     assert executor.events == [("begin", "opaque:f"), ("end", "Tensor")] and out.shape == (2, 2)
 
 

@@ -13,7 +13,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from hyper_offload import OffloadConfig, OffloadSession, skip_offload
 from hyper_offload.config import MIB
-from hyper_offload.opaque import is_compiled, opaque_name
+from hyper_offload.eager.opaque import is_compiled, opaque_name
 
 _no_op = contextlib.nullcontext
 TIGHT = OffloadConfig(max_resident_activation_mb=8 * 1024 / MIB)

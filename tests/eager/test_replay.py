@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_offload import OffloadConfig, OffloadSession, OffloadSessionError, ReplayMismatchError
+from hyper_offload import OffloadConfig, OffloadSession
+from hyper_offload.eager import OffloadSessionError, ReplayMismatchError
 from hyper_offload.config import MIB
 from hyper_offload.passes import ActionKind
 

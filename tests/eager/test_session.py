@@ -8,13 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from hyper_offload import (
-    OffloadConfig,
-    OffloadSession,
-    OffloadSessionError,
-    ReplayMismatchError,
-    current_session,
-)
+from hyper_offload import OffloadConfig, OffloadSession
+from hyper_offload.eager import OffloadSessionError, ReplayMismatchError, current_session
 from hyper_offload.config import MIB
 from hyper_offload.runtime import DeviceMemoryMeter
 

@@ -11,7 +11,7 @@ from hyper_offload.runtime import (
     ResidencyManager,
     TransferEngine,
 )
-from hyper_offload.shadow_tensor import ShadowTensor
+from hyper_offload.eager.shadow_tensor import ShadowTensor
 
 
 @pytest.fixture()

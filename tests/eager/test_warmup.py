@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from hyper_offload import OffloadConfig, OffloadSession, OffloadSessionError
+from hyper_offload import OffloadConfig, OffloadSession
+from hyper_offload.eager import OffloadSessionError
 from hyper_offload.config import MIB
 from hyper_offload.passes import AccessKind, ResidencySchedule
 from hyper_offload.runtime import DeviceMemoryMeter

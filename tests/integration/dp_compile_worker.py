@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 import hyper_offload
+import hyper_offload.compiler
 
 DIM, BATCH = 256, 8
 LAYERS = {"ddp": 2, "fsdp": 3}
@@ -116,7 +117,7 @@ def _collectives(graph: fx.Graph) -> tuple[str, ...]:
     )
 
 
-def _region_facts(backend: hyper_offload.HyperOffloadBackend) -> list[RegionFacts]:
+def _region_facts(backend: hyper_offload.compiler.HyperOffloadBackend) -> list[RegionFacts]:
     facts = []
     for region in backend.regions:
         planned = region.planned

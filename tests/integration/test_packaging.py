@@ -8,8 +8,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 REPO = Path(__file__).resolve().parents[2]
-IMPORTS = "import hyper_offload, hyper_offload.passes, hyper_offload.runtime, hyper_offload.passes.pipeline; print(hyper_offload.__file__)"
+ROOTS = {"offload_compile": "hyper_offload", "passes": "hyper_offload.passes", "runtime": "hyper_offload.runtime"}
+
+
+def _source_packages() -> dict[str, str]:
+    """Every package folder of the source tree (one with an ``__init__.py``) -> import name."""
+    found = {}
+    for root, package in ROOTS.items():
+        for init in sorted((REPO / root).rglob("__init__.py")):
+            folder = init.parent.relative_to(REPO)
+            found[folder.as_posix()] = ".".join([package, *folder.parts[1:]])
+    return found
+
+
+PACKAGES = _source_packages()
+IMPORTS = "import " + ", ".join(PACKAGES.values()) + "; print(hyper_offload.__file__)"
+
+
+def test_pyproject_lists_every_package_folder() -> None:
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert sorted(setuptools["packages"]) == sorted(PACKAGES.values()), (
+        "pyproject.toml [tool.setuptools] packages must list every package folder; "
+        "a missing one is left out of the wheel"
+    )
 
 
 def _python(code: str, *, cwd: Path, extra_path: Path | None = None) -> str:
@@ -38,7 +62,7 @@ def _source_copy(destination: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         destination.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, destination / name)
-    for folder in ("offload_compile", "passes", "runtime"):
+    for folder in ROOTS:
         shutil.copytree(REPO / folder, destination / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return destination
@@ -55,10 +79,10 @@ def test_non_editable_install_works_without_the_source_tree(tmp_path: Path) -> N
     assert build.returncode == 0, build.stderr
     installed = target / "hyper_offload"
     # Exactly the source modules, no more (a stale build would add some) and no fewer.
-    for folder, package in (("offload_compile", ""), ("passes", "passes"), ("runtime", "runtime"),
-                            ("passes/pipeline", "passes/pipeline")):
+    for folder, package in PACKAGES.items():
         expected = {p.name for p in (REPO / folder).glob("*.py")}
-        assert {p.name for p in (installed / package).glob("*.py")} == expected, folder
+        installed_folder = target.joinpath(*package.split("."))
+        assert {p.name for p in installed_folder.glob("*.py")} == expected, folder
     # Run with the installed copy first on the path and the repo nowhere on it.
     code = "import sys; sys.path.insert(0, %r); " % str(target) + IMPORTS
     location = Path(_python(code, cwd=tmp_path))

@@ -25,7 +25,7 @@ from hyper_offload.passes import (
 from hyper_offload.passes.cost_model import exposed_transfer_time
 from hyper_offload.passes.chrome_trace import TRACK_COMPUTE, TRACK_D2H, TRACK_H2D, TRACK_RELEASES
 
-from planner_strategies import traces
+from .planner_strategies import traces
 
 D2H, REL, H2D, WAIT, HREL = (
     ActionKind.COPY_D2H, ActionKind.RELEASE_DEVICE, ActionKind.COPY_H2D, ActionKind.WAIT_H2D,

@@ -13,7 +13,7 @@ from hyper_offload.passes import ActivationTrace, Rule, check_schedule
 from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner
 from hyper_offload.passes.ilp import OptimalResidencyPlanner, solve_optimal_choice
 from hyper_offload.passes.planner_candidates import budget_excess, offload_candidates
-from planner_strategies import pressured_traces
+from .planner_strategies import pressured_traces
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = sorted((ROOT / "benchmarks" / "data").glob("irregular_*.json"))

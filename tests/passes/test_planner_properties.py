@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 
-import reference_planner
-from planner_strategies import pressured_traces, traces
+from . import reference_planner
+from .planner_strategies import pressured_traces, traces
 from hyper_offload.passes import (
     ActionKind,
     ActivationTrace,

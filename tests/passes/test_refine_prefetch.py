@@ -16,7 +16,7 @@ from hyper_offload.passes import (
 )
 from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner
 from hyper_offload.passes.refine_prefetch import PrefetchError, hoist_prefetches, prefetch_slots
-from planner_strategies import traces
+from .planner_strategies import traces
 
 
 def with_durations(trace: ActivationTrace, durations: list[float | None]) -> ActivationTrace:

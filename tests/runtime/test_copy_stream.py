@@ -24,8 +24,8 @@ from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.residency import ResidencyManager
 from hyper_offload.runtime.transfer_context import TransferRuntime
 
-from conftest import random_tensor, same_bits
-from scripted_cuda import JUNK, ScriptedCudaEngine
+from .doubles import random_tensor, same_bits
+from .scripted_cuda import JUNK, ScriptedCudaEngine
 
 
 @pytest.fixture

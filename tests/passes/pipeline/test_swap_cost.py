@@ -24,7 +24,7 @@ from hyper_offload.passes.pipeline.swap_cost import (
     resident_curve,
 )
 
-from swap_order_text import order
+from .swap_order_text import order
 
 MB = 10**6
 # Default model: FWD 10 ms, BWD 20 ms, 20 GB/s each way -> 100 MB copy in 5 ms.

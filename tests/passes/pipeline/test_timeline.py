@@ -13,7 +13,7 @@ from hyper_offload.passes.pipeline.timeline import (
     build_timeline,
 )
 
-from swap_order_text import order
+from .swap_order_text import order
 
 # GPipe, 2 ranks x 2 micro-batches, as torch.distributed.pipelining runs it (P2P included).
 GPIPE_2X2 = {

@@ -89,7 +89,7 @@ def reference(case: Case) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
 
 
 def _stage_modules(case: Case, swap_wrapped: bool) -> dict[int, nn.Module]:
-    from hyper_offload import swap_wrapper
+    from hyper_offload.pipeline import swap_wrapper
 
     model = full_model(case.num_stages)
     modules = {}

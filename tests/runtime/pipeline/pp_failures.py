@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pp_cases import BLOCKS_PER_STAGE, Block, Case, _shard, _stage_modules, batch, loss_fn
+from .pp_cases import BLOCKS_PER_STAGE, Block, Case, _shard, _stage_modules, batch, loss_fn
 
 
 def _stages(ctx: Any, case: Case, modules: dict[int, nn.Module], group: Any, indices: Any = None) -> list[Any]:
@@ -79,7 +79,7 @@ def misuse_messages(ctx: Any, _: Any) -> dict[str, str] | None:
     wrong = _stages(ctx, case, _stage_modules(case, swap_wrapped=True), group, indices=(1 - ctx.rank,))
     out["wrong_stages"] = _message(lambda: PipelineSwapSchedule(wrong, 4, schedule="gpipe", loss_fn=loss_fn))
     fsdp_modules = _stage_modules(case, swap_wrapped=True)
-    from pp_cases import _shard
+    from .pp_cases import _shard
 
     _shard(ctx, fsdp_modules, (ctx.rank,), reshard_after_forward=False)
     fsdp_stages = _stages(ctx, case, fsdp_modules, group)

@@ -10,17 +10,13 @@ peak (``DeviceMemoryMeter``) drops wherever the pass predicts a drop.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from dist_harness import Cluster  # noqa: E402
-from pp_cases import Case, reference, run_case  # noqa: E402
-import pp_failures  # noqa: E402
+from . import pp_failures
+from .dist_harness import Cluster
+from .pp_cases import Case, reference, run_case
 
 pytestmark = pytest.mark.slow
 

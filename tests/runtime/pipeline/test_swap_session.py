@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hyper_offload import SwapOutsideGroupWarning, swap_tensor_wrapper, swap_wrapper
+from hyper_offload.pipeline import SwapOutsideGroupWarning, swap_tensor_wrapper, swap_wrapper
 from hyper_offload.passes.pipeline import MetaStep, StepKind, build_rank_orders
 from hyper_offload.runtime.pipeline import GroupState, PipelineSwapSession, SwapStateError, current_group
 
@@ -263,7 +263,7 @@ def test_saved_outputs_die_with_the_backward_without_the_cyclic_gc() -> None:
 def test_wrapped_module_keeps_names_and_survives_deepcopy(xs) -> None:
     import copy
 
-    from hyper_offload.swap_wrappers import SwapWrapped
+    from hyper_offload.pipeline.wrappers import SwapWrapped
 
     net = Net()
     names = [n for n, _ in net.named_parameters()]

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hyper_offload import swap_wrapper
+from hyper_offload.pipeline import swap_wrapper
 from hyper_offload.passes.pipeline import StepKind, build_rank_orders
 from hyper_offload.runtime.pipeline import PipelineSwapSession, SwapStateError
 

@@ -1,0 +1,211 @@
+"""``hyper-offload estimate MODULE:FACTORY --input-shape 1,4096 --budget-mb X``.
+
+Builds the model with ``FACTORY()`` (no arguments; build it on the meta device to spend
+no memory), makes meta example inputs of the given shapes and dtypes, and prints
+:func:`hyper_offload.estimate`'s report: will one training step fit under the budget?
+
+``MODULE`` is a Python file (``examples/llama_model.py``: any argument ending in ``.py``
+or containing a path separator; its folder is importable while it loads) or an
+importable module name (``mypkg.models``).
+
+Exit codes (as ``plan``): 0 the plan fits the budget; 1 the budget is infeasible (some
+op's own live activations exceed it; the report says the smallest feasible budget);
+2 bad input (an unloadable target, a factory or forward that raises, a malformed shape
+or dtype, a bad budget) with one line on stderr, never a traceback; 3 the planner
+produced a schedule the validator rejects (a bug: please report it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH
+
+EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "estimate",
+        help="will a training step fit? trace a model on fake tensors and plan it",
+        description="Trace one training step (forward + backward) of MODULE:FACTORY() on fake "
+        "tensors (nothing is allocated), plan it under the budget like the compile backend, "
+        "and report peaks, bytes moved, predicted exposed transfer time and the smallest "
+        "feasible budget.",
+    )
+    parser.add_argument("target", metavar="MODULE:FACTORY",
+                        help="a .py file or importable module, and a function of no arguments "
+                        "returning the nn.Module (e.g. examples/llama_model.py:llama_7b)")
+    parser.add_argument("--input-shape", action="append", required=True, metavar="D0,D1,...",
+                        help="shape of one positional input; repeat for several inputs")
+    parser.add_argument("--input-dtype", action="append", default=None, metavar="DTYPE",
+                        help="torch dtype of the inputs (e.g. int64, bfloat16): once for all "
+                        "inputs or once per --input-shape; default float32")
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget-mb", type=float, help="device budget for activations, MiB")
+    budget.add_argument("--budget-fraction", type=float,
+                        help="budget as a fraction in (0, 1] of the peak without offload")
+    parser.add_argument("--inner-compiler", choices=("inductor", "aot_eager"), default="inductor",
+                        help="whose graphs to model (default inductor, as the backend)")
+    parser.add_argument("--device", default=None,
+                        help="device to trace on (default: the model's; cuda or cpu for a "
+                        "meta model, whichever this machine has)")
+    parser.add_argument("--bandwidth-gbps", type=float,
+                        default=DEFAULT_TRANSFER_BANDWIDTH.d2h_gbps,
+                        help="host<->device copy bandwidth in GB/s, each way (default "
+                        f"{DEFAULT_TRANSFER_BANDWIDTH.d2h_gbps:g})")
+    parser.add_argument("--compute-tflops", type=float, default=None,
+                        help="price ops at this many TFLOP/s, with --memory-gbps (default: the "
+                        "traced device's roofline: 0.05 and 20 for CPU, 50 and 1000 for an "
+                        "accelerator)")
+    parser.add_argument("--memory-gbps", type=float, default=None,
+                        help="price ops at this memory bandwidth in GB/s, with --compute-tflops")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+class _BadInput(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def load_factory(target: str) -> Any:
+    """``MODULE:FACTORY`` -> the callable (see the module docstring)."""
+    module_part, sep, name = target.rpartition(":")
+    if not sep or not module_part or not name:
+        raise _BadInput(f"{target!r} is not MODULE:FACTORY (e.g. examples/llama_model.py:llama_7b)")
+    if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
+        module = _load_file(Path(module_part))
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except Exception as error:
+            raise _BadInput(f"cannot import {module_part}: {type(error).__name__}: {error}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise _BadInput(f"{module_part} has no callable {name!r}")
+    return factory
+
+
+def _load_file(path: Path) -> Any:
+    if not path.is_file():
+        raise _BadInput(f"cannot read {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"_hyper_offload_target_{uuid.uuid4().hex}", path)
+    if spec is None or spec.loader is None:
+        raise _BadInput(f"{path} is not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)  # sibling imports of the file work while it loads
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        raise _BadInput(f"cannot load {path}: {type(error).__name__}: {error}") from None
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise _BadInput(f"--input-shape {text!r}: expected integers separated by commas, "
+                        "e.g. 1,4096") from None
+    if any(d < 0 for d in shape):
+        raise _BadInput(f"--input-shape {text!r}: sizes must be >= 0")
+    return shape
+
+
+def parse_dtype(text: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, text.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise _BadInput(f"--input-dtype {text!r} is not a torch dtype (e.g. int64, float32, bfloat16)")
+    return dtype
+
+
+def _inputs(args: argparse.Namespace) -> list[Any]:
+    import torch
+
+    shapes = [parse_shape(s) for s in args.input_shape]
+    dtypes = [parse_dtype(d) for d in (args.input_dtype or ["float32"])]
+    if len(dtypes) == 1:
+        dtypes = dtypes * len(shapes)
+    if len(dtypes) != len(shapes):
+        raise _BadInput(f"{len(dtypes)} --input-dtype for {len(shapes)} --input-shape; give one "
+                        "dtype for all inputs or one per input")
+    return [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(shapes, dtypes)]
+
+
+def _throughput(args: argparse.Namespace) -> Any:
+    """``--compute-tflops`` + ``--memory-gbps`` (together), or None: the traced
+    device's roofline."""
+    given = (args.compute_tflops, args.memory_gbps)
+    if given == (None, None):
+        return None
+    if None in given:
+        raise _BadInput("give --compute-tflops and --memory-gbps together (or neither, to price "
+                        "ops with the traced device's roofline)")
+    import math
+
+    from hyper_offload.passes.cost_model import DeviceThroughput
+
+    for flag, value in zip(("--compute-tflops", "--memory-gbps"), given):
+        if not 0 < value < math.inf:
+            raise _BadInput(f"{flag} must be a finite number > 0, got {value:g}")
+    return DeviceThroughput(flops_per_s=given[0] * 1e12, bytes_per_s=given[1] * 1e9)
+
+
+def _estimate(args: argparse.Namespace) -> Any:
+    from hyper_offload.compiler.fit_estimate import estimate
+
+    options: dict[str, Any] = {"inner_compiler": args.inner_compiler}
+    if args.budget_fraction is not None:
+        options["max_resident_activation_fraction"] = args.budget_fraction
+    else:
+        options["max_resident_activation_mb"] = args.budget_mb
+    inputs = _inputs(args)
+    throughput = _throughput(args)
+    factory = load_factory(args.target)
+    try:
+        model = factory()
+    except Exception as error:
+        raise _BadInput(f"{args.target}() raised {type(error).__name__}: {error}") from None
+    try:
+        return estimate(model, inputs, device=args.device, bandwidth=args.bandwidth_gbps,
+                        throughput=throughput, **options)
+    except ValueError as error:  # our own validation: bad budget, device, no backward
+        raise _BadInput(str(error)) from None
+    except Exception as error:
+        from hyper_offload.passes import ScheduleError
+
+        if isinstance(error, ScheduleError):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise _BadInput(f"tracing {args.target} on inputs {args.input_shape} failed: "
+                        f"{type(error).__name__}: {first}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from hyper_offload.passes import ScheduleError
+
+    try:
+        report = _estimate(args)
+    except _BadInput as error:
+        print(f"hyper-offload estimate: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ScheduleError as error:
+        print(f"hyper-offload estimate: error: the planner's schedule is invalid ({error}); "
+              "this is a bug, please report it", file=sys.stderr)
+        return EXIT_INVALID_SCHEDULE
+    print(report.to_json() if args.json else report.summary())
+    return EXIT_OK if report.fits else EXIT_INFEASIBLE

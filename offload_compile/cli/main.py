@@ -1,0 +1,26 @@
+"""``hyper-offload`` command line: one subcommand per job, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from . import estimate, plan, pp_order
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyper-offload",
+        description="Activation offloading for PyTorch: plan, inspect and validate schedules, "
+        "and estimate whether a model's training step fits.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plan.register(commands)
+    pp_order.register(commands)
+    estimate.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))

@@ -1,0 +1,204 @@
+"""``hyper-offload plan TRACE.json --budget-mb X``: plan a trace and summarise the result.
+
+Exit codes: 0 when the schedule is valid and meets the budget, 1 when the budget is
+infeasible (some op's own operands exceed it; the best schedule is still reported),
+2 for bad input (missing file, malformed trace, negative or non-finite budget, an option
+the chosen planner does not take, an unwritable ``--schedule-out``) or a planner that
+gives up (the exact planner without scipy or past its time limit), or ``--plot``
+without matplotlib / an unwritable ``--plot`` or ``--chrome-trace`` path, 3 if the planner
+produced a schedule the validator rejects (a bug: please report it). Every error is one
+line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from hyper_offload.passes import (
+    ActivationTrace,
+    ResidencyPlanner,
+    ResidencySchedule,
+    ScheduleReport,
+    TraceFormatError,
+    check_schedule,
+    resident_bytes_without_offload,
+)
+
+MIB = 1 << 20
+EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
+
+
+def _planners() -> dict[str, type]:
+    from hyper_offload.passes import GreedyResidencyPlanner, OptimalResidencyPlanner
+
+    # "optimal" solves the exact integer program (needs scipy; small traces only).
+    return {"greedy": GreedyResidencyPlanner, "optimal": OptimalResidencyPlanner}
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="plan a JSON activation trace under a device budget",
+        description="Plan an activation trace (JSON, see hyper_offload.passes.trace) under a "
+        "device budget and print what the schedule moves.",
+    )
+    parser.add_argument("trace", type=Path, help="trace file written by ActivationTrace.to_json")
+    parser.add_argument("--budget-mb", type=float, required=True,
+                        help="device budget for resident activation bytes, in MiB")
+    parser.add_argument("--planner", choices=sorted(_planners()), default="greedy")
+    parser.add_argument("--no-refine", action="store_true",
+                        help="greedy only: the design's plain greedy, without the refinement pass")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--schedule-out", type=Path, help="also write the schedule as JSON here")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="draw resident bytes per op before/after the plan, the budget and "
+                        "the copies to this image (needs the plot extra: matplotlib)")
+    parser.add_argument("--chrome-trace", type=Path, default=None,
+                        help="write the plan's predicted timeline (compute and copy-stream "
+                        "tracks) as a Chrome/Perfetto trace JSON here")
+    parser.set_defaults(run=run)
+
+
+class _BadInput(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _load(path: Path, budget_mb: float) -> ActivationTrace:
+    if not 0 <= budget_mb < math.inf:  # also false for NaN
+        raise _BadInput(f"--budget-mb must be a finite number >= 0, got {budget_mb:g}")
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise _BadInput(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise _BadInput(f"{path}: not a UTF-8 text file; expected a JSON trace") from None
+    try:
+        trace = ActivationTrace.from_json(text)
+    except TraceFormatError as error:
+        raise _BadInput(f"{path}: {error}") from None
+    return trace.with_budget(int(budget_mb * MIB))
+
+
+def _make_planner(name: str, no_refine: bool) -> ResidencyPlanner:
+    planner_type = _planners()[name]
+    if name == "greedy":
+        return planner_type(refine=not no_refine)
+    if no_refine:
+        raise _BadInput(f"--no-refine applies to --planner greedy only, not {name!r}; drop it")
+    return planner_type()
+
+
+def _plan(planner: ResidencyPlanner, trace: ActivationTrace) -> ResidencySchedule:
+    from hyper_offload.passes import OptimalPlannerError
+
+    try:
+        return planner.plan(trace)
+    except (OptimalPlannerError, ImportError) as error:  # the exact planner gave up
+        raise _BadInput(f"{planner!r}: {error}") from None
+
+
+def _write_schedule(path: Path, schedule: ResidencySchedule) -> None:
+    try:
+        path.write_text(schedule.to_json(indent=1))
+    except OSError as error:
+        raise _BadInput(f"cannot write --schedule-out {path}: {error.strerror or error}") from None
+
+
+def _write_views(args: argparse.Namespace, trace: ActivationTrace, schedule: ResidencySchedule) -> None:
+    """``--chrome-trace`` and ``--plot``: one-line errors for missing matplotlib or paths."""
+    title = f"{args.trace.name}: {args.planner} plan, budget {args.budget_mb:g} MiB"
+    if args.chrome_trace is not None:
+        from hyper_offload.passes import write_chrome_trace
+
+        try:
+            document = write_chrome_trace(args.chrome_trace, trace, schedule, title=title)
+        except OSError as error:
+            raise _BadInput(f"cannot write --chrome-trace {args.chrome_trace}: "
+                            f"{error.strerror or error}") from None
+        missing = sum(op.duration_s is None for op in trace.ops)
+        if missing:  # predicted times are only as good as the durations behind them
+            print(f"hyper-offload plan: note: {missing} of {trace.num_ops} ops have no "
+                  f"duration_s; {document.name} gives them the mean of the known durations "
+                  "(1 µs when none is known)", file=sys.stderr)
+    if args.plot is not None:
+        from hyper_offload.viz.plan_plot import PlotDependencyError, plot_plan
+
+        try:
+            plot_plan(trace, schedule, args.plot, title=title)
+        except PlotDependencyError as error:
+            raise _BadInput(str(error)) from None
+        except (OSError, ValueError) as error:  # unwritable path, unknown image suffix
+            raise _BadInput(f"cannot write --plot {args.plot}: {error}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        trace = _load(args.trace, args.budget_mb)
+        schedule = _plan(_make_planner(args.planner, args.no_refine), trace)
+        if args.schedule_out is not None:
+            _write_schedule(args.schedule_out, schedule)
+        _write_views(args, trace, schedule)
+    except _BadInput as error:
+        print(f"hyper-offload plan: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    report = check_schedule(trace, schedule)
+    baseline_peak = max(resident_bytes_without_offload(trace), default=0)
+    result = _result(trace, report, baseline_peak)
+    print(json.dumps(result) if args.json else _human(result, report))
+    if not report.ok:
+        return EXIT_INVALID_SCHEDULE
+    return EXIT_OK if report.feasible else EXIT_INFEASIBLE
+
+
+def _result(trace: ActivationTrace, report: ScheduleReport, baseline_peak: int) -> dict[str, Any]:
+    return {
+        "num_ops": trace.num_ops,
+        "num_storages": len(trace.storage_sizes),
+        "peak_resident_bytes_without_offload": baseline_peak,
+        **report.summary(),
+    }
+
+
+def _mib(nbytes: int) -> str:
+    """Human-readable bytes: MiB for anything from 1 MiB on, KiB or B below."""
+    if nbytes >= MIB:
+        return f"{nbytes / MIB:,.2f} MiB"
+    return f"{nbytes / 1024:,.2f} KiB" if nbytes >= 1024 else f"{nbytes} B"
+
+
+def _mib_flag_at_least(nbytes: int) -> str:
+    """A ``--budget-mb`` value (2 decimals, rounded up) whose budget holds ``nbytes``."""
+    hundredths = -(-nbytes * 100 // MIB)  # ceil without float rounding
+    while int(hundredths / 100 * MIB) < nbytes:  # the CLI's own MiB -> bytes conversion
+        hundredths += 1
+    return f"{hundredths / 100:.2f}"
+
+
+def _human(result: dict[str, Any], report: ScheduleReport) -> str:
+    lines = [
+        f"ops: {result['num_ops']}   storages: {result['num_storages']}   "
+        f"budget: {_mib(result['budget_bytes'])}",
+        f"peak resident: {_mib(result['peak_resident_bytes_without_offload'])} without offload"
+        f" -> {_mib(result['peak_resident_bytes'])} with the schedule",
+        f"moved: D2H {_mib(result['bytes_d2h'])}, H2D {_mib(result['bytes_h2d'])} "
+        f"in {result['num_transfers']} transfers; peak host {_mib(result['peak_host_bytes'])}",
+        f"ops over budget: {result['ops_over_budget']}",
+    ]
+    if report.infeasible_ops:
+        worst = max(report.infeasible_ops, key=lambda op: op.excess_bytes)
+        lines.append(
+            f"INFEASIBLE: {len(report.infeasible_ops)} op(s) need more than the budget on their own "
+            f"(worst: op {worst.op_index} needs {_mib(worst.required_bytes)}, "
+            f"{_mib(worst.excess_bytes)} over); raise the budget to at least "
+            f"--budget-mb {_mib_flag_at_least(worst.required_bytes)}"
+        )
+        shown = ", ".join(f"op {op.op_index} (+{op.excess_bytes} B)" for op in report.infeasible_ops[:10])
+        lines.append(f"  ops that cannot fit: {shown}" + (" ..." if len(report.infeasible_ops) > 10 else ""))
+    if report.violations:
+        lines.append(f"INVALID schedule ({len(report.violations)} violations), first: {report.violations[0]}")
+    return "\n".join(lines)

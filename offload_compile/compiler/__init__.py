@@ -1,0 +1,34 @@
+"""The compile door: ``torch.compile(model, backend="hyper_offload")``.
+
+* :mod:`.dynamo_backend` — the Dynamo backend (:class:`HyperOffloadBackend`, :func:`backend`);
+* :mod:`.options` — the ``options={...}`` the backend accepts;
+* :mod:`.region_plan` / :mod:`.region_report` — plan one compiled region's graphs and
+  report it (:class:`RegionReport`);
+* :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
+  autograd's graph (:func:`saved_device_bytes`);
+* :mod:`.fake_capture` / :mod:`.fit_estimate` — the same graphs on fake tensors, and
+  :func:`estimate` (does a step fit under a budget?) built on them.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+# Inductor's imports take seconds; nothing loads until a name is used.
+_LAZY = {
+    "HyperOffloadBackend": ".dynamo_backend",
+    "backend": ".dynamo_backend",
+    "RegionReport": ".region_report",
+    "EstimateReport": ".fit_estimate",
+    "estimate": ".fit_estimate",
+    "saved_device_bytes": ".saved_bytes",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

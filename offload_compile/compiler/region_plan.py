@@ -1,0 +1,139 @@
+"""Trace, plan, check, hoist, lower and re-check one region's forward/backward graphs.
+
+The wiring between the pure passes; :mod:`.compile_backend` calls it from the custom
+partitioner after the stock min-cut partition. Every schedule passes ``check_schedule``
+before lowering, and the lowered graphs are checked again through the schedule
+re-derived from them; either failure raises ``ScheduleError`` (a bug, never silently
+ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport, check_schedule
+from hyper_offload.passes.cost_model import DeviceThroughput, exposed_transfer_time
+from hyper_offload.passes.fx_lowering import lower_schedule
+from hyper_offload.passes.fx_schedule import check_lowering
+from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace
+from hyper_offload.passes.refine_prefetch import hoist_prefetches
+from hyper_offload.runtime.bandwidth import TransferBandwidth
+
+from .options import BackendOptions
+from .region_report import InfeasibleOpReport, RegionReport
+
+__all__ = ["PlannedRegion", "build_region_report", "plan_graphs", "plan_region"]
+
+
+@dataclass(frozen=True)
+class PlannedRegion:
+    """Everything decided for one region (kept for reports and tests)."""
+
+    fx_trace: FxTrace
+    schedule: ResidencySchedule
+    check: ScheduleReport
+    lowered_check: ScheduleReport | None
+    report: RegionReport
+
+
+def _require_ok(report: ScheduleReport, what: str, region: int) -> None:
+    if report.violations:
+        try:
+            report.raise_if_invalid()
+        except ScheduleError as error:
+            raise ScheduleError(f"hyper_offload region {region}: {what}: {error}") from None
+
+
+def plan_region(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    options: BackendOptions,
+    bandwidth: TransferBandwidth,
+    region: int,
+) -> PlannedRegion:
+    """Plan ``fw``/``bw`` under the options' budget and rewrite them in place."""
+    started = time.perf_counter()
+    fx_trace, schedule, check = plan_graphs(
+        fw, bw, num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
+        region=region,
+    )
+    lowered_check = None
+    if check.num_transfers:
+        lower_schedule(fw, bw, fx_trace, schedule)
+        lowered_check = check_lowering(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)
+        _require_ok(lowered_check, "the schedule re-derived from the lowered graphs", region)
+    seconds = time.perf_counter() - started
+    report = build_region_report(fx_trace, schedule, check, options, region, seconds)
+    return PlannedRegion(fx_trace, schedule, check, lowered_check, report)
+
+
+def plan_graphs(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    options: BackendOptions,
+    bandwidth: TransferBandwidth,
+    region: int,
+    throughput: DeviceThroughput | None = None,
+) -> tuple[FxTrace, ResidencySchedule, ScheduleReport]:
+    """The analysis half of :func:`plan_region` (graphs untouched): trace, plan under
+    the budget, check, hoist prefetches, check again. ``hyper_offload.estimate`` calls
+    this on graphs captured on fake tensors, so its figures are the backend's.
+    ``throughput`` prices ops (default: the graphs' device's)."""
+    fx_trace = build_fx_trace(
+        fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
+        d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,
+    )
+    trace = fx_trace.trace.with_budget(options.budget_bytes(fx_trace.peak_without_offload))
+    fx_trace = dataclasses.replace(fx_trace, trace=trace)
+    schedule = options.config.resolved_planner().plan(trace)
+    _require_ok(check_schedule(trace, schedule), "the planner's schedule", region)
+    schedule = hoist_prefetches(trace, schedule, earliest_op=fx_trace.num_fw_ops)
+    check = check_schedule(trace, schedule)
+    _require_ok(check, "the hoisted schedule", region)
+    return fx_trace, schedule, check
+
+
+def build_region_report(
+    fx_trace: FxTrace,
+    schedule: ResidencySchedule,
+    check: ScheduleReport,
+    options: BackendOptions,
+    region: int,
+    seconds: float,
+) -> RegionReport:
+    timing = exposed_transfer_time(fx_trace.trace, schedule)
+    saved = fx_trace.saved_by_storage()
+    offloaded = tuple(
+        saved[a.storage].name for _, _, a in schedule.actions()
+        if a.kind.value == "COPY_D2H" and a.storage in saved
+    )
+    return RegionReport(
+        region=region,
+        inner_compiler=options.inner_compiler,
+        fw_nodes=fx_trace.num_fw_ops,
+        bw_nodes=fx_trace.trace.num_ops - fx_trace.num_fw_ops,
+        saved_activation_bytes=fx_trace.saved_bytes,
+        budget_bytes=fx_trace.trace.budget_bytes,
+        predicted_peak_before=fx_trace.peak_without_offload,
+        predicted_peak_after=check.peak_resident_bytes,
+        bytes_d2h=check.bytes_d2h,
+        bytes_h2d=check.bytes_h2d,
+        transfers=check.num_transfers,
+        offloaded=offloaded,
+        d2h_s=timing.d2h_s,
+        h2d_s=timing.h2d_s,
+        exposed_transfer_s=timing.exposed_s,
+        infeasible_ops=tuple(
+            InfeasibleOpReport(fx_trace.op_nodes[op.op_index], op.required_bytes, op.excess_bytes)
+            for op in check.infeasible_ops
+        ),
+        plan_seconds=seconds,
+    )

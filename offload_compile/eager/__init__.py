@@ -1,0 +1,36 @@
+"""The eager door: ``with OffloadSession(OffloadConfig(...)):`` around a training step.
+
+Step 0 (warmup) records the step through a ``TorchDispatchMode`` with online eviction,
+then plans it with the one planning pipeline of :mod:`hyper_offload.passes`; later steps
+replay that schedule through the runtime's ``ResidencyManager``.
+
+* :mod:`.session` — :class:`OffloadSession`, phase and reports;
+* :mod:`.active` — the active session and executor (a ``ContextVar``; a leaf module);
+* :mod:`.dispatch_mode`, :mod:`.tracker` — recording ops and storages;
+* :mod:`.executor_base`, :mod:`.warmup`, :mod:`.replay` — the two executors;
+* :mod:`.opaque`, :mod:`.skip`, :mod:`.compiled_modules` — regions run as one op
+  (``@skip_offload``, compiled submodules);
+* :mod:`.shadow_tensor` — a tensor whose bytes the runtime may move.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "OffloadSession": ".session",
+    "OffloadSessionError": ".executor_base",
+    "ReplayMismatchError": "hyper_offload.passes.op_guide",
+    "StepStats": ".executor_base",
+    "current_session": ".active",
+    "skip_offload": ".skip",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,123 @@
+"""``ActivationDispatchMode`` and the small, allocation-light helpers of the op hot path.
+
+The mode is deliberately thin: every aten op that runs while an ``OffloadSession`` is
+active goes to the current executor's :meth:`dispatch`, which decides what to record or
+which residency actions to run around the op. Inside ``__torch_dispatch__`` the mode is
+already popped from the mode stack, so the executor's ``func(*args)`` runs the real
+kernel (and any mode entered *before* the session, such as a ``DeviceMemoryMeter``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "ActivationDispatchMode",
+    "OpDispatcher",
+    "device_test",
+    "flat_tensors",
+    "result_tensors",
+    "tensor_leaves",
+    "written_arguments",
+]
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+class OpDispatcher(Protocol):
+    """What the mode forwards ops to (the executors of :mod:`.executor_base`)."""
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``func(*args, **kwargs)`` with whatever the step does around it."""
+        ...
+
+
+class ActivationDispatchMode(TorchDispatchMode):
+    """Forwards every op to ``executor.dispatch`` (design section 5.1)."""
+
+    def __init__(self, executor: OpDispatcher) -> None:
+        super().__init__()
+        self.executor = executor
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for tensor_type in types:
+            if tensor_type.__torch_dispatch__ is not _PLAIN_DISPATCH:
+                # A tensor subclass (e.g. ShadowTensor) unwraps itself first; its inner
+                # ops come back here with plain tensors.
+                return NotImplemented
+        return self.executor.dispatch(func, args, kwargs or {})
+
+
+def tensor_leaves(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's arguments or result, in pytree leaf order.
+
+    Aten arguments nest at most lists/tuples of tensors (``cat``, ``_foreach_*``) and
+    results are a tensor, a tuple or a list, so a short recursion beats ``tree_flatten``
+    on the hot path and allocates nothing but the generator.
+    """
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list, dict)):
+                yield from tensor_leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensor_leaves(item)
+
+
+def flat_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensor arguments of an aten op (top level and one list level), as a list: the
+    replay hot path's cheaper :func:`tensor_leaves` (aten schemas nest no deeper)."""
+    out: list[torch.Tensor] = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif type(value) is list or type(value) is tuple:
+            out.extend(item for item in value if isinstance(item, torch.Tensor))
+    if kwargs:
+        for value in kwargs.values():
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif type(value) is list or type(value) is tuple:
+                out.extend(item for item in value if isinstance(item, torch.Tensor))
+    return out
+
+
+def result_tensors(result: Any) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """Tensor leaves of an op result (a tensor, or a flat tuple/list of them)."""
+    if isinstance(result, torch.Tensor):
+        return (result,)
+    if type(result) is tuple or type(result) is list:
+        if all(isinstance(item, torch.Tensor) for item in result):
+            return result
+    return list(tensor_leaves(result))
+
+
+def device_test(device: torch.device) -> Any:
+    """A fast ``tensor -> bool`` "is on ``device``" for the hot path (``tensor.device``
+    builds a new ``torch.device`` per call)."""
+    if device.type == "cpu":
+        return lambda t: t.is_cpu
+    if device.type == "cuda" and torch.cuda.device_count() == 1:
+        return lambda t: t.is_cuda
+    return lambda t: t.device == device
+
+
+def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of every argument the op's schema marks as mutated
+    (``Tensor(a!)``): the op WRITEs their storages. Non-aten callables write nothing."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(
+        (position, argument.name)
+        for position, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )

@@ -1,0 +1,238 @@
+"""``BaseExecutor``: the per-op lifecycle shared by the warmup and replay executors.
+
+Design section 4.3. ``dispatch`` is the template every aten op goes through::
+
+    outside an opaque region:  on_op_begin(func, args, kwargs) -> func(...) -> on_op_end(out)
+    inside an opaque region:   guard inputs (residency check only)    -> func(...)
+
+and :func:`.opaque.run_opaque_region` runs a whole Python callable as one *virtual* op. Subclasses implement ``on_op_begin`` / ``on_op_end`` and
+``finish`` / ``abort``.
+
+Memory safety (TORCH_NOTES: a kernel reading a storage resized to 0 bytes crashes the
+process): every op, traced or not, first passes its tensor arguments through
+:meth:`BaseExecutor.guard`. A 0-byte storage that the executor offloaded is paged back
+(demand paging, the fallback path, counted in ``StepStats.demand_loads``); one whose
+bytes were released for good raises :class:`OffloadSessionError` naming the op and
+the storage. Nothing else ever reads an offloaded storage while the session is active.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from hyper_offload.passes.schedule import ActionKind, ResidencyAction
+from hyper_offload.passes.trace import StorageId
+from hyper_offload.runtime import BufferState, PinnedMemoryPool, PoolStats, ResidencyManager
+
+from .dispatch_mode import device_test, flat_tensors
+
+__all__ = ["BaseExecutor", "OffloadSessionError", "StepStats"]
+
+
+class OffloadSessionError(RuntimeError):
+    """Misuse of an ``OffloadSession`` or an unsafe access it refused to run."""
+
+
+@dataclass
+class StepStats:
+    """What one ``with session:`` step did. Bytes are storage bytes (``nbytes``)."""
+
+    phase: str
+    ops: int = 0
+    peak_resident_bytes: int = 0
+    """Highest device-resident bytes of tracked activation storages, measured right
+    after each op ran (before its post actions): the quantity ``check_schedule``'s
+    ``resident_bytes`` predicts."""
+    resident_curve: list[int] = field(default_factory=list, repr=False)
+    """Device-resident activation bytes after each traced op (same point as above)."""
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    transfers: int = 0
+    demand_loads: int = 0
+    """Storages paged back synchronously because an op needed them before any planned
+    prefetch (warmup: after an online eviction; replay: should stay 0)."""
+    evictions: int = 0
+    """Online evictions (warmup only)."""
+    step_seconds: float = 0.0
+    pool: PoolStats | None = None
+    """Host pool snapshot at the end of the step."""
+
+
+class BaseExecutor:
+    """State of one step: op index, opaque-region depth, the residency manager.
+
+    ``bound`` maps ``UntypedStorage._cdata`` -> storage id for every storage currently
+    bound in ``manager`` (the executor binds and unbinds; the manager holds the storage
+    objects, the executor only the ids).
+    """
+
+    phase = "base"
+
+    def __init__(self, manager: ResidencyManager, device: torch.device) -> None:
+        self.manager = manager
+        self.device = device
+        self.on_device = device_test(device)
+        """``tensor -> bool``: whether a tensor lives on the session's device."""
+        self.index = 0
+        self.opaque_depth = 0
+        self.bound: dict[int, StorageId] = {}
+        self.stats = StepStats(self.phase)
+        self._resident = 0
+        self.closed = False
+        """Set once the step finished or aborted; late autograd callbacks then no-op."""
+        self.backward_regions: list[Any] = []
+        """Opaque regions whose backward virtual op is in progress (innermost last)."""
+
+    # ------------------------------------------------------------------ template
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.opaque_depth:
+            self.guard(func, flat_tensors(args, kwargs))
+            return func(*args, **kwargs)
+        self.on_op_begin(func, args, kwargs)
+        return self.on_op_end(func(*args, **kwargs))
+
+    def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def on_op_end(self, result: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self) -> Any:
+        """Normal end of the step (``__exit__`` without an exception)."""
+        raise NotImplementedError
+
+    def storage_ids(self, tensors: Iterable[torch.Tensor]) -> tuple[StorageId, ...]:
+        """Ids of the tracked storages among ``tensors`` (each once, in order)."""
+        raise NotImplementedError
+
+    def storage_of(self, sid: StorageId) -> torch.UntypedStorage | None:
+        """The storage object of a tracked id while the step still has it."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Exception path: no transfer in flight, every host buffer back in the pool, no
+        tensor left over missing bytes that can still be paged back."""
+        self.closed = True
+        try:
+            self.manager.sync_all_transfers()
+        finally:
+            self.bound.clear()
+            self.manager.reset(restore_offloaded=True)
+
+    # ------------------------------------------------------------------ residency
+
+    def guard(self, where: Any, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """Page back offloaded storages among ``tensors``; returns their storage keys.
+
+        Only a 0-byte storage can be offloaded, so the common case costs one
+        ``nbytes()`` per tensor.
+        """
+        keys = set()
+        strided = torch.strided
+        for tensor in tensors:
+            # Any device: only storages this executor bound can be paged in, and a key of
+            # another device's storage never matches an output here.
+            if tensor.layout is not strided:
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            keys.add(key)
+            if storage.nbytes() == 0:
+                sid = self.bound.get(key)
+                if sid is not None:
+                    self.page_in(sid, where)
+        return keys
+
+    @staticmethod
+    def live_inputs(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, Any]:
+        """``_cdata`` -> weak reference of the input storages of a *virtual* op.
+
+        A region runs many ops; an input may die inside it and a new storage may reuse
+        its address, so "is this output an alias of an input" must compare identity,
+        not the address alone (see :meth:`is_input_alias`)."""
+        refs: dict[int, Any] = {}
+        for tensor in tensors:
+            if tensor.device == device and tensor.layout is torch.strided:
+                storage = tensor.untyped_storage()
+                refs[storage._cdata] = weakref.ref(storage)
+        return refs
+
+    @staticmethod
+    def is_input_alias(storage: torch.UntypedStorage, keys: Any) -> bool:
+        """Whether ``storage`` is one of the op's input storages (``keys`` from
+        :meth:`guard` for aten ops, whose inputs stay alive, or :meth:`live_inputs`)."""
+        key = storage._cdata
+        if isinstance(keys, dict):
+            ref = keys.get(key)
+            return ref is not None and ref() is storage
+        return key in keys
+
+    def page_in(self, sid: StorageId, where: Any) -> None:
+        """Make ``sid`` resident now (synchronously) or refuse if its bytes are gone."""
+        state = self.manager.state(sid)
+        if state is BufferState.HOST:
+            with _disable_current_modes():
+                self.manager.device_storage(sid)
+            nbytes = self.manager.buffer(sid).nbytes
+            self._resident += nbytes
+            self.stats.demand_loads += 1
+            self.stats.bytes_h2d += nbytes
+            self.stats.transfers += 1
+            self.after_page_in(sid)
+        elif state is BufferState.RELEASED:
+            raise OffloadSessionError(
+                f"op {self.index} ({where}): reads storage {sid}, whose device and host copies "
+                "were both released after what the warmup step recorded as its last use; the "
+                "step no longer matches the recorded trace. Call session.reset() to re-warm "
+                "(or set OffloadConfig(rewarm_on_mismatch=True))"
+            )
+
+    def after_page_in(self, sid: StorageId) -> None:
+        """Hook: a storage was demand-paged back (warmup unbinds it again)."""
+
+    def apply_actions(self, actions: tuple[ResidencyAction, ...]) -> None:
+        """Run schedule actions through the manager, keeping the byte counters."""
+        manager = self.manager
+        stats = self.stats
+        # Runtime copies are not ops of the model: hide them from modes entered before
+        # the session (a meter); with none on the stack there is nothing to switch off.
+        modes_off = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else nullcontext()
+        with modes_off:
+            for action in actions:
+                kind = action.kind
+                if kind is ActionKind.COPY_H2D and manager.is_resident(action.storage):
+                    # Demand-paged earlier (a read the trace could not see, e.g. through a
+                    # closure inside an opaque region): the bytes are already there.
+                    continue
+                manager.apply(action)
+                if kind is ActionKind.RELEASE_DEVICE:
+                    self._resident -= manager.buffer(action.storage).nbytes
+                elif kind is ActionKind.COPY_H2D:
+                    nbytes = manager.buffer(action.storage).nbytes
+                    self._resident += nbytes
+                    stats.bytes_h2d += nbytes
+                    stats.transfers += 1
+                elif kind is ActionKind.COPY_D2H:
+                    stats.bytes_d2h += manager.buffer(action.storage).nbytes
+                    stats.transfers += 1
+
+    def sample(self) -> None:
+        """Record resident bytes right after an op ran (before its post actions)."""
+        resident = self._resident
+        self.stats.resident_curve.append(resident)
+        if resident > self.stats.peak_resident_bytes:
+            self.stats.peak_resident_bytes = resident
+
+    def close_stats(self, pool: PinnedMemoryPool) -> StepStats:
+        self.stats.ops = self.index
+        self.stats.pool = pool.stats()
+        return self.stats
+

@@ -1,0 +1,34 @@
+"""The pipeline-parallel door: activation swap inside ``torch.distributed.pipelining``.
+
+* :func:`swap_wrapper` / :func:`swap_tensor_wrapper` — mark the modules (or tensors) whose
+  saved activations may leave the device between a chunk's forward and backward;
+* :class:`PipelineSwapSchedule` — a torch-style schedule that runs the swap-rewritten
+  rank orders of :mod:`hyper_offload.passes.pipeline` (re-exported from
+  :mod:`hyper_offload.runtime.pipeline`).
+
+Planning orders without running them: ``hyper-offload pp-order`` and
+:mod:`hyper_offload.passes.pipeline`.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+# The executor imports torch.distributed.pipelining (seconds of start-up): load on use.
+_LAZY = {
+    "PipelineSwapSchedule": "hyper_offload.runtime.pipeline.schedule",
+    "StepObserver": "hyper_offload.runtime.pipeline.step_runner",
+    "SwapOutsideGroupWarning": ".wrappers",
+    "UnsupportedScheduleError": "hyper_offload.runtime.pipeline.schedule",
+    "swap_tensor_wrapper": ".wrappers",
+    "swap_wrapper": ".wrappers",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

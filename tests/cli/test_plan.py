@@ -1,0 +1,181 @@
+"""``hyper-offload plan``: summaries, JSON output, and one-line errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyper_offload.cli import main
+from hyper_offload.passes import ActionKind, ActivationTrace
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    # s0 (2 MiB) lives across ops 1..3 without being used there; s1, s2 are 1 MiB each.
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {1: "W"}, {1: "R", 2: "W"}, {2: "R"}, {0: "R"}],
+        {0: 2 * MIB, 1: MIB, 2: MIB},
+        budget_bytes=0,
+    )
+    path = tmp_path / "trace.json"
+    path.write_text(trace.to_json())
+    return path
+
+
+def test_json_summary_reports_the_planned_figures(trace_file: Path, capsys) -> None:
+    assert main(["plan", str(trace_file), "--budget-mb", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["feasible"] is True and result["violations"] == []
+    assert result["budget_bytes"] == 2 * MIB
+    assert result["peak_resident_bytes_without_offload"] == 4 * MIB
+    assert result["peak_resident_bytes"] <= 2 * MIB
+    assert result["bytes_d2h"] == result["bytes_h2d"] == 2 * MIB
+    assert result["num_transfers"] == 2
+    assert result["ops_over_budget"] == 0
+
+
+def test_human_summary(trace_file: Path, capsys) -> None:
+    assert main(["plan", str(trace_file), "--budget-mb", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "peak resident: 4.00 MiB without offload -> 2.00 MiB with the schedule" in out
+    assert "D2H 2.00 MiB, H2D 2.00 MiB in 2 transfers" in out
+
+
+def test_infeasible_budget_lists_the_ops_and_exits_1(trace_file: Path, capsys) -> None:
+    assert main(["plan", str(trace_file), "--budget-mb", "1.5", "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["feasible"] is False
+    assert result["violations"] == []
+    assert {op["op_index"] for op in result["infeasible_ops"]} == {0, 2, 4}
+    assert all(op["excess_bytes"] == MIB // 2 for op in result["infeasible_ops"])
+    assert main(["plan", str(trace_file), "--budget-mb", "1.5"]) == 1
+    assert "INFEASIBLE: 3 op(s)" in capsys.readouterr().out
+
+
+def test_schedule_out_writes_a_loadable_schedule(trace_file: Path, tmp_path: Path) -> None:
+    from hyper_offload.passes import ResidencySchedule, check_schedule
+
+    out = tmp_path / "schedule.json"
+    assert main(["plan", str(trace_file), "--budget-mb", "2", "--schedule-out", str(out)]) == 0
+    trace = ActivationTrace.from_json(trace_file.read_text()).with_budget(2 * MIB)
+    assert check_schedule(trace, ResidencySchedule.from_json(out.read_text())).ok
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hyper_offload", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def bad_inputs(tmp_path: Path, trace_file: Path) -> Path:
+    """Next to ``trace.json``: files that are broken in one way each."""
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    doc = json.loads(trace_file.read_text())
+    doc["ops"][0]["accesses"] = {"0": "maybe"}
+    (tmp_path / "wrong.json").write_text(json.dumps(doc))
+    doc["ops"][0]["accesses"] = {"--0": "W"}
+    (tmp_path / "bad_id.json").write_text(json.dumps(doc))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.json", "--budget-mb", "1"], "cannot read"),
+        (["bad.json", "--budget-mb", "1"], "not valid JSON"),
+        (["deep.json", "--budget-mb", "1"], "nested too deeply"),
+        (["wrong.json", "--budget-mb", "1"], "trace.ops[0].accesses['0']"),
+        (["bad_id.json", "--budget-mb", "1"], "storage id '--0' is not an integer"),
+        (["trace.json", "--budget-mb", "-1"], "--budget-mb must be a finite number >= 0"),
+        (["trace.json", "--budget-mb", "nan"], "--budget-mb must be a finite number >= 0, got nan"),
+        (["trace.json", "--budget-mb", "inf"], "--budget-mb must be a finite number >= 0, got inf"),
+        (["trace.json", "--budget-mb", "2", "--schedule-out", "no/such/dir/s.json"],
+         "cannot write --schedule-out"),
+        (["trace.json", "--budget-mb", "2", "--planner", "optimal", "--no-refine"],
+         "--no-refine applies to --planner greedy only"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(bad_inputs: Path, args, message, capsys) -> None:
+    argv = [str(bad_inputs / a) if a.endswith(".json") else a for a in args]
+    assert main(["plan", *argv]) == 2  # an exception escaping main() fails the test too
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], captured.err
+    assert lines[0].startswith("hyper-offload plan: error: ")
+    assert captured.out == ""
+
+
+def test_exact_planner_giving_up_is_one_line(trace_file: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # as if scipy were missing
+    assert main(["plan", str(trace_file), "--budget-mb", "2", "--planner", "optimal"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "needs scipy" in lines[0]
+
+
+def test_module_entry_point_reports_bad_input_without_traceback(bad_inputs: Path) -> None:
+    # One real process: ``python -m hyper_offload`` exits 2 with one line on stderr.
+    done = _run_cli("plan", str(bad_inputs / "wrong.json"), "--budget-mb", "1")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trace.ops[0].accesses['0']" in lines[0], done.stderr
+
+
+def test_optimal_planner_from_the_cli_moves_no_more_than_greedy(trace_file: Path, capsys) -> None:
+    results = {}
+    for planner in ("greedy", "optimal"):
+        assert main(["plan", str(trace_file), "--budget-mb", "2", "--planner", planner, "--json"]) == 0
+        results[planner] = json.loads(capsys.readouterr().out)
+    assert results["optimal"]["violations"] == []
+    moved = {name: r["bytes_d2h"] + r["bytes_h2d"] for name, r in results.items()}
+    assert moved["optimal"] <= moved["greedy"] == 4 * MIB
+
+
+def test_infeasible_summary_suggests_a_budget_that_fits(tmp_path: Path, capsys) -> None:
+    # One op needs 1.5 MiB + 3 bytes: "1.50" would still be 3 bytes short.
+    path = tmp_path / "tight.json"
+    trace = ActivationTrace.from_accesses([{0: "W", 1: "W"}], {0: MIB, 1: MIB // 2 + 3}, budget_bytes=0)
+    path.write_text(trace.to_json())
+    assert main(["plan", str(path), "--budget-mb", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "raise the budget to at least --budget-mb 1.51" in out
+    assert main(["plan", str(path), "--budget-mb", "1.51"]) == 0
+
+
+class _BrokenPlanner:
+    """A planner with a bug: it releases a storage's device bytes with no host copy."""
+
+    def __init__(self, refine: bool = True) -> None:
+        self.refine = refine
+
+    def plan(self, trace: ActivationTrace):  # noqa: ANN201
+        from hyper_offload.passes import GreedyResidencyPlanner, ResidencyAction, ResidencySchedule
+
+        good = GreedyResidencyPlanner().plan(trace)
+        post = [list(slot) for slot in good.post]
+        post[0] = [ResidencyAction(ActionKind.RELEASE_DEVICE, 0)]  # drops s0's only copy
+        return ResidencySchedule(tuple(tuple(s) for s in good.pre), tuple(tuple(s) for s in post))
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_schedule_the_validator_rejects_exits_3(
+    trace_file: Path, capsys, monkeypatch, as_json: bool  # noqa: ANN001
+) -> None:
+    from hyper_offload.cli import plan as cli_plan
+
+    monkeypatch.setattr(cli_plan, "_planners", lambda: {"greedy": _BrokenPlanner})
+    args = ["plan", str(trace_file), "--budget-mb", "2"] + (["--json"] if as_json else [])
+    assert main(args) == cli_plan.EXIT_INVALID_SCHEDULE == 3
+    out = capsys.readouterr().out
+    if as_json:
+        assert json.loads(out)["violations"]
+    else:
+        assert "INVALID schedule" in out
