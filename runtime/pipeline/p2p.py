@@ -22,7 +22,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -41,7 +41,7 @@ class PipelineCommError(RuntimeError):
 class P2PTracker:
     """Posts the P2P ops of one step and remembers what is still to be waited for."""
 
-    def __init__(self, stages: dict[int, object], timeout: timedelta | None, num_stages: int) -> None:
+    def __init__(self, stages: Mapping[int, object], timeout: timedelta | None, num_stages: int) -> None:
         self._stages = stages
         self._num_stages = num_stages
         self._timeout = timeout

@@ -5,8 +5,9 @@ target=..., losses=...)``, micro-batch splitting, loss handling and stage initia
 are torch's own) whose step executes the rank-local order built by
 :func:`~hyper_offload.passes.pipeline.build_rank_orders` — compute order → [overlap]
 → [dx/dw split] → P2P → [FSDP] → transport → [swap] — with
-:class:`~.step_runner.StepRun`. ``PipelineStage`` does the stage compute and builds the
-P2P ops; FSDP2 (``fully_shard``) modules are unsharded, resharded and reduced by the
+:class:`~.step_runner.StepRun`, which gets a frozen :class:`~.step_runner.StepContext` built
+here for each step, never the schedule itself. ``PipelineStage`` does the stage compute and
+builds the P2P ops; FSDP2 (``fully_shard``) modules are unsharded, resharded and reduced by the
 order's FSDP steps.
 
 ``swap=True`` only injects the four swap steps and creates a
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
@@ -48,7 +50,7 @@ from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 from ..pinned_pool import PinnedMemoryPool
 from .hooks import group_scope
 from .session import PipelineSwapSession
-from .step_runner import StepObserver, StepRun
+from .step_runner import StepContext, StepObserver, StepRun
 
 __all__ = ["PipelineSwapSchedule", "UnsupportedScheduleError"]
 
@@ -223,11 +225,11 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
         self._initialize_stages(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
-        run = StepRun(self, arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs)
+        run = StepRun(self._step_context(), arg_mbs, kwarg_mbs, target_mbs, return_outputs, loss_kwargs)
         if self.session is not None:
             self.session.begin()
         try:
-            run.run(self.order, self.observer, self._worker)
+            run.run()
             if self.session is not None:
                 self.session.end()
         except BaseException as exc:
@@ -238,6 +240,29 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             self._internal_losses.clear()
             raise
         self._update_losses(self._stages, losses)
+
+    def _step_context(self) -> StepContext:
+        """What :class:`StepRun` needs for one step, as data (no reference to ``self``).
+
+        Built per step, so ``observer`` and ``order`` as they are at ``step()`` time apply.
+        ``losses`` is torch's ``_internal_losses`` list itself: ``_update_losses`` reads it.
+        """
+        if self._loss_fn is None:  # pragma: no cover - _step_microbatches refuses it first
+            raise UnsupportedScheduleError("a step needs loss_fn (forward-only runs are refused)")
+        return StepContext(
+            rank=self.rank,
+            num_stages=self.layout.num_stages,
+            n_microbatches=self._n_microbatches,
+            stages=MappingProxyType(dict(self.stage_by_index)),
+            order=tuple(self.order),
+            loss_fn=self._loss_fn,
+            losses=self._internal_losses,
+            scale_grads=self.scale_grads,
+            session=self.session,
+            timeout=self.timeout,
+            observer=self.observer,
+            worker=self._worker,
+        )
 
     def close(self) -> None:
         """Stop the overlap worker thread (if any)."""

@@ -1,4 +1,9 @@
-"""One ``step()`` of a :class:`~.schedule.PipelineSwapSchedule`: the rank's order, top to bottom.
+"""One ``step()`` of a pipeline schedule: the rank's order, top to bottom.
+
+The runner never sees the schedule object: the schedule hands it a frozen
+:class:`StepContext` (stages, finalized order, loss function, counts, session, observer,
+timeout) built for that step, plus the step's micro-batches. This module imports nothing
+of the schedule's, so the dependency runs one way only (schedule → runner).
 
 Each top-level step is dispatched by kind:
 
@@ -14,15 +19,21 @@ Each top-level step is dispatched by kind:
 * P2P leaves and ``BATCH_SEND_RECV`` through :class:`~.p2p.P2PTracker`;
 * ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` on the stage's FSDP2 modules;
 * the four swap kinds through the session.
+
+Losses follow torch's ``PipelineScheduleMulti`` bookkeeping: a last-stage FWD appends its
+micro-batch's loss to :attr:`StepContext.losses` (the schedule's own list, shared), and a
+backward reads it back by micro-batch index.
 """
 
 from __future__ import annotations
 
 import contextvars
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -34,9 +45,9 @@ from hyper_offload.passes.pipeline.meta_step import OVERLAP_KINDS, MetaStep, Ste
 from .p2p import P2PTracker
 
 if TYPE_CHECKING:
-    from .schedule import PipelineSwapSchedule
+    from .session import PipelineSwapSession
 
-__all__ = ["StepObserver", "StepRun"]
+__all__ = ["StepContext", "StepObserver", "StepRun"]
 
 _BWD_LEAVES = (StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT)
 
@@ -49,27 +60,68 @@ class StepObserver(Protocol):
     def after_step(self, position: int, step: MetaStep) -> None: ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepContext:
+    """What one ``step()`` reads from its schedule, as data (built fresh for every step).
+
+    Invariants: it holds no reference to the schedule object; ``stages`` is read-only and
+    maps every stage index this rank owns (and only those) to its ``PipelineStage``;
+    ``order`` is the rank's finalized order, already validated by the schedule; a context
+    exists only for training steps, so ``loss_fn`` is never ``None``. ``losses`` is the one
+    mutable field, shared by reference with the schedule: the runner appends exactly one
+    loss per last-stage FWD, the schedule reads and clears it after the step.
+    """
+
+    rank: int
+    """This rank in the pipeline group (error messages name it)."""
+    num_stages: int
+    """Stages of the whole pipeline, over all ranks (P2P tags depend on it)."""
+    n_microbatches: int
+    """Micro-batches per step: a stage's last backward is its ``n_microbatches``-th."""
+    stages: Mapping[int, Any]
+    """Stage index → this rank's ``PipelineStage``."""
+    order: tuple[MetaStep, ...]
+    """The rank's finalized order, run top to bottom."""
+    loss_fn: Callable[..., torch.Tensor]
+    """``loss_fn(output, target, **loss_kwargs)`` on the last stage's output."""
+    losses: list[torch.Tensor]
+    """Per-micro-batch losses in FWD order (the schedule's list, appended to here)."""
+    scale_grads: bool
+    """Divide gradients by ``n_microbatches`` (at REDUCE_GRAD or at the end of the step)."""
+    session: PipelineSwapSession | None
+    """The swap session, ``None`` when the order has no swap steps."""
+    timeout: timedelta | None
+    """Bound on every P2P wait (``None``: the process group's own)."""
+    observer: StepObserver | None = None
+    """Callbacks around every top-level step."""
+    worker: ThreadPoolExecutor | None = None
+    """The overlap worker thread (``real_overlap``); ``None`` runs OVERLAP leaves in order."""
+
+
 class StepRun:
-    """State of one ``step()``: P2P requests, FSDP handles, backward counters."""
+    """State of one ``step()``: P2P requests, FSDP handles, backward counters.
+
+    Everything it knows of the schedule comes through ``context`` (see :class:`StepContext`).
+    """
 
     def __init__(
         self,
-        schedule: PipelineSwapSchedule,
+        context: StepContext,
         arg_mbs: list[Any],
         kwarg_mbs: list[Any],
         target_mbs: list[Any] | None,
         return_outputs: bool,
         loss_kwargs: dict[str, Any] | None,
     ) -> None:
-        self.schedule = schedule
-        self.stages = schedule.stage_by_index
-        self.session = schedule.session
+        self.context = context
+        self.stages = context.stages
+        self.session = context.session
         self.arg_mbs = arg_mbs
         self.kwarg_mbs = kwarg_mbs
         self.target_mbs = target_mbs
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
-        self.p2p = P2PTracker(self.stages, schedule.timeout, schedule.layout.num_stages)
+        self.p2p = P2PTracker(self.stages, context.timeout, context.num_stages)
         self.unshard_handles: dict[int, list[Any]] = {}
         self.unsharded: set[int] = set()
         self.backward_count: Counter[int] = Counter()
@@ -77,26 +129,29 @@ class StepRun:
 
     # ------------------------------------------------------------------ driver
 
-    def run(self, order: list[MetaStep], observer: StepObserver | None, pool: ThreadPoolExecutor | None) -> None:
-        for position, step in enumerate(order):
+    def run(self) -> None:
+        """Run the context's order; then wait for sends and scale gradients not yet reduced."""
+        context = self.context
+        observer = context.observer
+        for position, step in enumerate(context.order):
             if observer is not None:
                 observer.before_step(position, step)
             try:
-                self._dispatch(step, pool)
+                self._dispatch(step, context.worker)
             except Exception as exc:
-                exc.add_note(f"rank {self.schedule.rank}: while running step {position} ({step!r}) of its order")
+                exc.add_note(f"rank {context.rank}: while running step {position} ({step!r}) of its order")
                 raise
             if observer is not None:
                 observer.after_step(position, step)
         self.p2p.wait_sends()
         if self.unshard_handles:
             raise RuntimeError(
-                f"rank {self.schedule.rank}: UNSHARD of stages {sorted(self.unshard_handles)} was "
+                f"rank {context.rank}: UNSHARD of stages {sorted(self.unshard_handles)} was "
                 "never consumed by a compute step; the FSDP pass placed an unused unshard"
             )
         for index, stage in self.stages.items():
-            if index not in self.reduced and self.schedule.scale_grads:
-                stage.scale_grads(self.schedule._n_microbatches)
+            if index not in self.reduced and context.scale_grads:
+                stage.scale_grads(context.n_microbatches)
 
     def abort(self) -> None:
         """Exception path: drop P2P bookkeeping and wait for outstanding unshards."""
@@ -150,11 +205,11 @@ class StepRun:
             output = stage.forward_one_chunk(
                 m, self.arg_mbs[m], self.kwarg_mbs[m], save_forward_output=self.return_outputs
             )
-            self.schedule._maybe_compute_loss(stage, output, self.target_mbs, m, self.loss_kwargs)
+            self._maybe_compute_loss(stage, output, m)
         if self.session is not None:
             roots = list(_tensors(output))
-            if stage.is_last and self.schedule._has_backward:
-                roots.append(self.schedule._internal_losses[-1])
+            if stage.is_last:
+                roots.append(self.context.losses[-1])
             self.session.protect((s, m), roots)
         if s + 1 in self.stages:
             self.stages[s + 1].set_local_fwd_input(output, m)
@@ -171,7 +226,7 @@ class StepRun:
         else:
             if not stage.is_last and not next_local:
                 self._require_received(leaf, StepKind.RECV_B)
-            loss = self.schedule._maybe_get_loss(stage, m)
+            loss = self._maybe_get_loss(stage, m)
             full = leaf.kind is StepKind.BWD
             if full:
                 self.backward_count[s] += 1
@@ -235,7 +290,7 @@ class StepRun:
         self.unsharded.discard(index)
 
     def _reduce_grad(self, index: int) -> None:
-        factor = self.schedule._n_microbatches if self.schedule.scale_grads else 1
+        factor = self.context.n_microbatches if self.context.scale_grads else 1
         self.stages[index].perform_reduce_grad(factor)
         self.reduced.add(index)
 
@@ -254,6 +309,26 @@ class StepRun:
                 f"stage {index} computes while sharded: its order has no FSDP_UNSHARD before this step"
             )
 
+    # ------------------------------------------------------------------ losses
+
+    def _maybe_compute_loss(self, stage: Any, output: Any, micro: int) -> None:
+        """Last stage only: append ``loss_fn(output, target)`` (torch's ``_maybe_compute_loss``)."""
+        if stage.is_last:
+            target = self.target_mbs[micro]  # type: ignore[index]
+            self.context.losses.append(self.context.loss_fn(output, target, **(self.loss_kwargs or {})))
+
+    def _maybe_get_loss(self, stage: Any, micro: int) -> torch.Tensor | None:
+        """The loss a backward starts from: the last stage's, else ``None`` (torch's ``_maybe_get_loss``)."""
+        losses = self.context.losses
+        valid_index = 0 <= micro < len(losses)
+        if stage.is_last and valid_index:
+            return losses[micro]
+        if losses and not valid_index:
+            raise RuntimeError(
+                f"Loss for microbatch {micro} is not available. Available losses for microbatches: {losses}"
+            )
+        return None
+
     # ------------------------------------------------------------------ helpers
 
     def _require_received(self, leaf: MetaStep, recv: StepKind) -> None:
@@ -266,7 +341,7 @@ class StepRun:
         self.p2p.received.discard(key)  # type: ignore[arg-type]
 
     def _is_last_backward(self, stage_index: int) -> bool:
-        return self.backward_count[stage_index] == self.schedule._n_microbatches
+        return self.backward_count[stage_index] == self.context.n_microbatches
 
     def _stage_inputs(self, stage: Any, micro: int) -> list[torch.Tensor]:
         if stage.is_first:
