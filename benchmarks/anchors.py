@@ -32,7 +32,7 @@ Figures per line:
   counters (docs/architecture.md, "Memory measurement").
 * ``saved_bytes`` — device bytes alive at the end of the forward (what the backward
   holds). CUDA: allocator; CPU eager: the meter; CPU compiled: the tensors AOTAutograd
-  saved (``compiled_memory.saved_device_bytes``).
+  saved (``hyper_offload.compiler.saved_device_bytes``).
 * ``budget_bytes`` — ``--budget`` times the no-offload ``peak_step_bytes`` (eager) or
   the fraction given to the compile methods (``budget_fraction``).
 * ``bytes_moved`` — bytes the method copies per step (device to host plus back).
@@ -185,7 +185,7 @@ def _sync(device: torch.device) -> None:
 
 def measure_memory(setup: Setup, device: torch.device, exclude: list[torch.Tensor]) -> dict[str, Any]:
     """``peak_step_bytes`` and ``saved_bytes`` of one step (module docstring)."""
-    from hyper_offload.compiler.saved_bytes import saved_device_bytes
+    from hyper_offload.compiler import saved_device_bytes
     from hyper_offload.runtime import DeviceMemoryMeter
 
     setup.model.zero_grad(set_to_none=True)

@@ -7,7 +7,7 @@ One JSON object per line, all measured in the same run on the same small GPT:
   empty Inductor cache: first-call seconds (compile +
   one step), the fastest and the median step over ``--steps`` steps, ratios to plain
   ``torch.compile`` with the same inner compiler, device bytes of saved activations the
-  compiled backward holds (``compiled_memory.saved_device_bytes``; on CUDA also
+  compiled backward holds (``hyper_offload.compiler.saved_device_bytes``; on CUDA also
   ``torch.cuda.max_memory_allocated``), bytes moved, and whether loss and every
   gradient equal plain compile bit for bit. On CPU, torch's offloading copies to the
   same device, so its ``saved_device_bytes`` cannot drop there; compare it on CUDA.
@@ -38,7 +38,7 @@ from torch import nn
 import hyper_offload
 import hyper_offload.compiler
 from bench_common import digest, gpt_module, mark_all_partitioner, run_isolated, torch_offload_backend
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.compiler import saved_device_bytes
 
 
 def _model_and_batch(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:

@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_model import Block, GPTConfig  # the examples' shared GPT block
-from hyper_offload.pipeline import swap_wrapper
 from hyper_offload.passes.pipeline import SCHEDULES, build_rank_orders, build_timeline, layout_for
+from hyper_offload.pipeline import PipelineSwapSchedule, swap_wrapper
 from hyper_offload.runtime import DeviceMemoryMeter
-from hyper_offload.runtime.pipeline import PipelineSwapSchedule
 
 V_OR_INTERLEAVED = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
 
@@ -120,7 +119,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def plot(args: argparse.Namespace, world: int) -> None:
-    from hyper_offload.viz.pipeline_plot import plot_timeline
+    from hyper_offload.viz import plot_timeline
 
     orders = build_rank_orders(
         args.schedule, num_ranks=world, stages_per_rank=stages_per_rank(args.schedule),

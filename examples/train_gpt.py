@@ -47,7 +47,7 @@ from step_memory import StepMemory, metered_step, profiled_step, timed_step  # n
 
 import hyper_offload  # noqa: E402
 import hyper_offload.compiler  # noqa: E402
-from hyper_offload.compiler.saved_bytes import saved_device_bytes  # noqa: E402
+from hyper_offload.compiler import saved_device_bytes  # noqa: E402
 from hyper_offload.passes import resident_bytes_without_offload  # noqa: E402
 
 MIB = 1 << 20

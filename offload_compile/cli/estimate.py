@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH
+# The trace IR's default link speed (torch-free), which the runtime's default bandwidth uses.
+from hyper_offload.passes.trace import DEFAULT_BANDWIDTH_GBPS
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
 
@@ -58,9 +59,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="device to trace on (default: the model's; cuda or cpu for a "
                         "meta model, whichever this machine has)")
     parser.add_argument("--bandwidth-gbps", type=float,
-                        default=DEFAULT_TRANSFER_BANDWIDTH.d2h_gbps,
+                        default=DEFAULT_BANDWIDTH_GBPS,
                         help="host<->device copy bandwidth in GB/s, each way (default "
-                        f"{DEFAULT_TRANSFER_BANDWIDTH.d2h_gbps:g})")
+                        f"{DEFAULT_BANDWIDTH_GBPS:g})")
     parser.add_argument("--compute-tflops", type=float, default=None,
                         help="price ops at this many TFLOP/s, with --memory-gbps (default: the "
                         "traced device's roofline: 0.05 and 20 for CPU, 50 and 1000 for an "

@@ -11,8 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import pytest
+
 import hyper_offload
 import hyper_offload.compiler
+
+#: Both inner compilers; Inductor's C++ kernel builds take tens of seconds on two cores, so
+#: its cases are ``slow`` (deselect with ``-m "not slow"`` while developing).
+INDUCTOR = pytest.param("inductor", marks=pytest.mark.slow, id="inductor")
+INNER_COMPILERS = ("aot_eager", INDUCTOR)
 
 HIDDEN, SEQ, BATCH = 32, 8, 4
 

@@ -15,7 +15,7 @@ from torch._inductor.utils import run_and_get_code
 import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 from hyper_offload.passes import offload_candidates
-from .compile_models import mlp, offload_backend
+from .compile_models import INNER_COMPILERS, mlp, offload_backend
 
 D = 32
 
@@ -88,6 +88,7 @@ def _check_backward_code(lines: list[str]) -> int:
     return count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inductor_output_code_keeps_every_transfer_in_order(dtype):
     torch._dynamo.reset()
@@ -104,6 +105,7 @@ def test_inductor_output_code_keeps_every_transfer_in_order(dtype):
     assert _check_backward_code(_call_lines(bw[0])) == offloaded
 
 
+@pytest.mark.slow
 def test_plain_compile_in_the_same_process_is_unaffected():
     from torch._inductor import config as inductor_config
 
@@ -133,7 +135,7 @@ def test_plain_compile_in_the_same_process_is_unaffected():
 # ------------------------------------------------------------------ memory
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", INNER_COMPILERS)
 def test_saved_device_bytes_drop_with_the_budget_and_match_the_plan(inner):
     x = torch.randn(32, D)
     measured = []

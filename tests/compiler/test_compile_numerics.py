@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from .compile_models import (
-    BATCH, SEQ, Block, TwoRegions, compile_step, mlp, offload_backend, transfer_ops_in,
+    BATCH, INNER_COMPILERS, SEQ, Block, TwoRegions, compile_step, mlp, offload_backend,
+    transfer_ops_in,
 )
 
 CASES = [
@@ -23,12 +24,12 @@ CASES = [
     ("aot_eager", torch.float32, "half"),
     ("aot_eager", torch.float32, "tight"),
     ("aot_eager", torch.bfloat16, "tight"),
-    ("inductor", torch.float32, "fits"),
-    ("inductor", torch.float32, "tight"),
+    pytest.param("inductor", torch.float32, "fits", marks=pytest.mark.slow),
+    pytest.param("inductor", torch.float32, "tight", marks=pytest.mark.slow),
     # bf16 under Inductor catches a copy placed late (Inductor then inlines the value
     # unrounded into its consumers: results change at bf16 rounding, fp32 stays equal)
-    ("inductor", torch.bfloat16, "half"),
-    ("inductor", torch.bfloat16, "tight"),
+    pytest.param("inductor", torch.bfloat16, "half", marks=pytest.mark.slow),
+    pytest.param("inductor", torch.bfloat16, "tight", marks=pytest.mark.slow),
 ]
 
 
@@ -87,7 +88,7 @@ def test_loss_and_gradients_equal_plain_compile(baselines, inner, dtype, budget)
                 assert {s.name for s in saved.values()} == set(region.planned.report.offloaded)
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", INNER_COMPILERS)
 def test_several_optimizer_steps_equal_plain_compile(inner):
     def model():
         return mlp(layers=3, d=32)
@@ -119,6 +120,7 @@ class _BrokenLayer(torch.nn.Module):
         return y
 
 
+@pytest.mark.slow
 def test_a_region_run_for_several_layers_keeps_every_host_copy_until_its_backward():
     # Under Inductor the backward receives a fresh alias of each host copy; the next
     # forward of the same region must not take those copies for orphans (it did:

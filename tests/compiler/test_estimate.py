@@ -37,7 +37,8 @@ def _gpt_case() -> tuple[nn.Module, tuple[torch.Tensor, ...], bool]:
 
 @pytest.mark.parametrize(
     ("case", "inner"),
-    [(_mlp_case, "aot_eager"), (_gpt_case, "aot_eager"), (_gpt_case, "inductor")],
+    [(_mlp_case, "aot_eager"), (_gpt_case, "aot_eager"),
+     pytest.param(_gpt_case, "inductor", marks=pytest.mark.slow)],
     ids=["mlp-aot_eager", "gpt-aot_eager", "gpt-inductor"],
 )
 def test_estimate_equals_the_backends_region_report(case, inner: str) -> None:

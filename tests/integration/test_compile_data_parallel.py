@@ -29,7 +29,8 @@ import torch.multiprocessing as mp
 
 from . import dp_compile_worker as worker_module
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+pytestmark = [pytest.mark.slow,  # four gloo processes compiling under DDP / FSDP2
+              pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")]
 
 WORLD = 2
 CASES = [f"{kind}-{inner}" for kind, inner in worker_module.CASES]

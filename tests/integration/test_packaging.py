@@ -10,6 +10,8 @@ from pathlib import Path
 
 import tomllib
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"offload_compile": "hyper_offload", "passes": "hyper_offload.passes", "runtime": "hyper_offload.runtime"}
 
@@ -47,6 +49,7 @@ def _python(code: str, *, cwd: Path, extra_path: Path | None = None) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow
 def test_editable_install_maps_the_three_folders(tmp_path: Path) -> None:
     location = Path(_python(IMPORTS, cwd=tmp_path))
     assert location == REPO / "offload_compile" / "__init__.py"
@@ -68,6 +71,7 @@ def _source_copy(destination: Path) -> Path:
     return destination
 
 
+@pytest.mark.slow
 def test_non_editable_install_works_without_the_source_tree(tmp_path: Path) -> None:
     target = tmp_path / "site"
     source = _source_copy(tmp_path / "src")
@@ -96,6 +100,7 @@ def test_non_editable_install_works_without_the_source_tree(tmp_path: Path) -> N
     assert "plan" in help_text
 
 
+@pytest.mark.slow
 def test_console_script_is_installed_and_runs(tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "hyper-offload"
     assert script.is_file(), f"{script} missing: the [project.scripts] entry was not installed"

@@ -9,15 +9,17 @@ from hyper_offload.passes.pipeline import (
     OrderError,
     OrderRule,
     StepKind,
-    SwapAnchor,
-    apply_swap_anchors,
     assert_valid_order,
     build_rank_orders,
     check_order,
-    find_swap_chunks,
     format_order_table,
-    inject_swap_steps,
     parse_order,
+)
+from hyper_offload.passes.pipeline.swap import (
+    SwapAnchor,
+    apply_swap_anchors,
+    find_swap_chunks,
+    inject_swap_steps,
     strip_swap_steps,
     swap_anchors,
 )

@@ -12,12 +12,12 @@ import pytest
 from hyper_offload.passes.pipeline import (
     assert_valid_order,
     build_rank_orders,
-    compute_orders,
     format_order,
     parse_order,
-    rewrite_transport,
-    strip_swap_steps,
 )
+from hyper_offload.passes.pipeline.orders import compute_orders
+from hyper_offload.passes.pipeline.swap import strip_swap_steps
+from hyper_offload.passes.pipeline.transport import rewrite_transport
 
 
 def _build(schedule: str, rank: int, **kwargs: object) -> list[str]:

@@ -9,16 +9,13 @@ from hyper_offload.passes.pipeline import (
     MetaStep,
     StepKind,
     build_rank_orders,
-    compute_orders,
     format_order,
-    from_torch_actions,
-    fuse_overlap_b_f,
     layout_for,
     parse_order,
-    split_dx_dw,
-    to_torch_actions,
     torch_pipeline_order,
 )
+from hyper_offload.passes.pipeline.orders import compute_orders, fuse_overlap_b_f, split_dx_dw
+from hyper_offload.passes.pipeline.torch_actions import from_torch_actions, to_torch_actions
 
 
 class _RecordingStage:

@@ -13,11 +13,9 @@ from hyper_offload.passes.pipeline import (
     StepKind,
     build_rank_orders,
     check_order,
-    find_swap_chunks,
-    inject_swap_steps,
     layout_for,
-    strip_swap_steps,
 )
+from hyper_offload.passes.pipeline.swap import find_swap_chunks, inject_swap_steps, strip_swap_steps
 from hyper_offload.passes.pipeline.execution import check_execution
 
 _V_CHOICES = {
