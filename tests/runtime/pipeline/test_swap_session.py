@@ -14,7 +14,8 @@ from torch import nn
 
 from hyper_offload.pipeline import SwapOutsideGroupWarning, swap_tensor_wrapper, swap_wrapper
 from hyper_offload.passes.pipeline import MetaStep, StepKind, build_rank_orders
-from hyper_offload.runtime.pipeline import GroupState, PipelineSwapSession, SwapStateError, current_group
+from hyper_offload.runtime.pipeline import GroupState, PipelineSwapSession, SwapStateError
+from hyper_offload.runtime.pipeline.hooks import current_group
 
 MICRO = 5
 
