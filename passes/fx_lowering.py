@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from hyper_offload.runtime.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
+from hyper_offload.runtime.op_declarations import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
 
 from .fx_trace import SAVED_NAME_META, FxTrace, fw_outputs, saved_name
 from .liveness import storage_liveness
@@ -194,7 +194,7 @@ def _rewire_outputs(g: _Graphs, saved: Mapping[StorageId, object]) -> None:
 
 def _host_value(value: torch.Tensor) -> torch.Tensor:
     """Fake value of the host copy: ``dense_layout`` of ``value`` on the CPU."""
-    from hyper_offload.runtime.ops import dense_layout
+    from hyper_offload.runtime.op_declarations import dense_layout
 
     shape, stride = dense_layout(value)
     fake_mode = getattr(value, "fake_mode", None)  # keep the value fake (and its SymInts)

@@ -24,7 +24,7 @@ import operator
 
 import torch.fx as fx
 
-from hyper_offload.runtime.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
+from hyper_offload.runtime.op_declarations import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
 
 from .fx_lowering import LoweringError
 from .fx_trace import FxTrace, build_fx_trace

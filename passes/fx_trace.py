@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from hyper_offload.runtime.ops import TRANSFER_OPS
+from hyper_offload.runtime.op_declarations import TRANSFER_OPS
 
 from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput_for
 from .liveness import resident_bytes_without_offload
@@ -332,7 +332,7 @@ def _producer(node: fx.Node) -> fx.Node:
 
 
 def _dense(value: torch.Tensor) -> bool:
-    from hyper_offload.runtime.ops import dense_layout
+    from hyper_offload.runtime.op_declarations import dense_layout
 
     return value.layout is torch.strided and tuple(value.stride()) == dense_layout(value)[1]
 

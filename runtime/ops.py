@@ -1,57 +1,36 @@
-"""Transfer custom ops (namespace ``hyper_offload``) for the compile path.
+"""Real kernels and Python entry points of the ``hyper_offload`` transfer ops.
 
-An async transfer is an op plus a wait op. The FX lowering emits, for a saved activation
-``act`` that the plan offloads::
+The ops themselves (schemas, op handles, ``dense_layout``, fake kernels, autograd,
+functionalization, ordered effects) are declared in
+:mod:`hyper_offload.runtime.op_declarations`, which imports nothing of the library so
+that the pure passes can use them; its docstring shows the IR the lowering emits. This
+module adds what moves bytes: one real kernel per op on
+``REAL_KERNEL_KEY`` (``CompositeExplicitAutograd``), each a one-liner into the current
+:class:`~hyper_offload.runtime.transfer_context.TransferRuntime`, which owns engines, pool
+and every rule.
 
-    host = hyper_offload.copy_d2h(act)                       # forward, after act's last write
-    host = hyper_offload.wait_transfer(host, keepalive=act)  # act's bytes live until here
-    ...
-    dev  = hyper_offload.copy_h2d(host, device)              # backward, early enough to hide it
-    dev  = hyper_offload.wait_transfer(dev, keepalive=host)  # readers of dev use *this* value
-    hyper_offload.release_host(host, after=dev)              # after the last copy_h2d of host
-
-Schemas::
-
-    copy_d2h(Tensor src) -> Tensor                  new host tensor, dense_layout(src)
-    copy_h2d(Tensor host, Device device) -> Tensor  new device tensor, dense_layout(host)
-    wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)
-    release_host(Tensor host, Tensor? after=None) -> ()
-
-``dense_layout`` keeps the strides of a non-overlapping dense tensor (a transposed
-activation comes back transposed, byte for byte) and packs anything else row-major; fake
-and real kernels both use it, so traced and real layouts agree exactly. No op mutates an
-input. ``wait_transfer`` returns its input, and says so with the alias
-annotation ``(a)``; readers of a transferred tensor consume the wait's *result*, so every
-compiler sees a data edge from the wait to them and cannot hoist a read above it.
-``keepalive`` is the tensor being copied: as an argument of the wait it stays alive (and
-its buffer unreused) in the graph until the copy is known complete. ``after`` orders
-``release_host`` after the wait of the last prefetch.
-
-Dead-code elimination and ordering: all four ops are registered as ordered effects
-(``torch.library._register_effectful_op``), so ``Graph.eliminate_dead_code`` never
-removes them and AOTAutograd threads the non-aliasing three with effect tokens (whose
-order Inductor keeps); on a torch without that API they fall back to
-``torch.fx.has_side_effect``. Ops inserted into graphs after partitioning carry no
-tokens: there the data edges (the wait's result, ``keepalive``, ``after``) order them.
-
-Tracing: fake kernels make the ops traceable under FakeTensor, ``make_fx`` and
-AOTAutograd. Functionalization refuses custom ops whose outputs alias inputs, so
-``wait_transfer`` has its own Functionalize kernel: it runs the wait on the unwrapped
-tensor (recording it in the graph) and returns the functional input, which is exactly
-the op's meaning (an identity on values). Autograd treats the copy ops and the wait as
-identities; gradients go back with a plain synchronous copy.
-
-The real kernels are one-liners into the current
-:class:`~hyper_offload.runtime.transfer_context.TransferRuntime`, which owns engines,
-pool and every rule. Importing this module registers the ops and does nothing else.
+Invariant: importing this module registers the real kernels (replacing the declarations'
+placeholders, which raise "import hyper_offload.runtime.ops") and does nothing else. Any
+code that *runs* a graph holding transfer ops imports it first: the compile backend does.
+The op handles are re-exported, so ``from hyper_offload.runtime.ops import COPY_D2H``
+keeps working for runtime-side code.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from . import op_declarations
+from .op_declarations import (
+    COPY_D2H,
+    COPY_H2D,
+    NAMESPACE,
+    REAL_KERNEL_KEY,
+    RELEASE_HOST,
+    TRANSFER_OPS,
+    WAIT_TRANSFER,
+    dense_layout,
+)
 from .transfer_context import current_transfer_runtime
 
 __all__ = [
@@ -68,68 +47,20 @@ __all__ = [
     "wait_transfer",
 ]
 
-NAMESPACE = "hyper_offload"
-
-# FRAGMENT, not DEF: other modules of the library may add ops to the same namespace.
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-_LIB.define("copy_d2h(Tensor src) -> Tensor")
-_LIB.define("copy_h2d(Tensor host, Device device) -> Tensor")
-_LIB.define("wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)")
-_LIB.define("release_host(Tensor host, Tensor? after=None) -> ()")
-
-COPY_D2H: torch._ops.OpOverload = torch.ops.hyper_offload.copy_d2h.default
-COPY_H2D: torch._ops.OpOverload = torch.ops.hyper_offload.copy_h2d.default
-WAIT_TRANSFER: torch._ops.OpOverload = torch.ops.hyper_offload.wait_transfer.default
-RELEASE_HOST: torch._ops.OpOverload = torch.ops.hyper_offload.release_host.default
-TRANSFER_OPS: tuple[torch._ops.OpOverload, ...] = (COPY_D2H, COPY_H2D, WAIT_TRANSFER, RELEASE_HOST)
-"""Every transfer op (the lowering's vocabulary)."""
-
-# One kernel for every device: copy ops mix a host and a device tensor, and per-device
-# registrations would depend on which dispatch key wins.
-_KERNEL_KEY = "CompositeExplicitAutograd"
-
 
 # ---------------------------------------------------------------- real kernels
 
 
-def dense_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and strides of the dense copy the copy ops make of ``tensor``.
-
-    ``tensor``'s own strides when it is non-overlapping and dense with at least one
-    element (so the copy is a plain memcpy and keeps the layout); otherwise row-major
-    contiguous strides. Used by the fake and the real kernels alike.
-    """
-    shape = tuple(tensor.shape)
-    if tensor.numel() > 0:
-        # Dense: the dims of size > 1, ordered by stride, tile memory without gaps.
-        dims = sorted((d for d in range(tensor.dim()) if shape[d] != 1), key=tensor.stride)
-        expected = 1
-        for d in dims:
-            if tensor.stride(d) != expected:
-                break
-            expected *= shape[d]
-        else:
-            return shape, tuple(tensor.stride())
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return shape, tuple(reversed(strides))
-
-
-@torch.library.impl(_LIB, "copy_d2h", _KERNEL_KEY)
 def _copy_d2h_kernel(src: torch.Tensor) -> torch.Tensor:
     runtime = current_transfer_runtime("hyper_offload::copy_d2h")
     return runtime.copy_d2h(src, *dense_layout(src))
 
 
-@torch.library.impl(_LIB, "copy_h2d", _KERNEL_KEY)
 def _copy_h2d_kernel(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     runtime = current_transfer_runtime("hyper_offload::copy_h2d")
     return runtime.copy_h2d(host, device, *dense_layout(host))
 
 
-@torch.library.impl(_LIB, "wait_transfer", _KERNEL_KEY)
 def _wait_transfer_kernel(
     tensor: torch.Tensor, keepalive: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -137,122 +68,20 @@ def _wait_transfer_kernel(
     return tensor
 
 
-@torch.library.impl(_LIB, "release_host", _KERNEL_KEY)
 def _release_host_kernel(host: torch.Tensor, after: torch.Tensor | None = None) -> None:
     current_transfer_runtime("hyper_offload::release_host").release_host(host)
 
 
-# ---------------------------------------------------------------- fake kernels
-
-
-@torch.library.register_fake(f"{NAMESPACE}::copy_d2h", lib=_LIB)
-def _copy_d2h_fake(src: torch.Tensor) -> torch.Tensor:
-    shape, stride = dense_layout(src)
-    return torch.empty_strided(shape, stride, dtype=src.dtype, device="cpu")
-
-
-@torch.library.register_fake(f"{NAMESPACE}::copy_h2d", lib=_LIB)
-def _copy_h2d_fake(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    shape, stride = dense_layout(host)
-    return torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
-
-
-@torch.library.register_fake(f"{NAMESPACE}::wait_transfer", lib=_LIB)
-def _wait_transfer_fake(
-    tensor: torch.Tensor, keepalive: torch.Tensor | None = None
-) -> torch.Tensor:
-    return tensor
-
-
-@torch.library.register_fake(f"{NAMESPACE}::release_host", lib=_LIB)
-def _release_host_fake(host: torch.Tensor, after: torch.Tensor | None = None) -> None:
-    return None
-
-
-# ---------------------------------------------------------------- autograd: identities
-
-
-def _save_source_device(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.source_device = inputs[0].device
-
-
-def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-    return grad.to(ctx.source_device)
-
-
-def _copy_h2d_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return grad.to(ctx.source_device), None
-
-
-torch.library.register_autograd(
-    f"{NAMESPACE}::copy_d2h", _copy_d2h_backward, setup_context=_save_source_device, lib=_LIB
-)
-torch.library.register_autograd(
-    f"{NAMESPACE}::copy_h2d", _copy_h2d_backward, setup_context=_save_source_device, lib=_LIB
-)
-
-
-class _WaitIdentity(torch.autograd.Function):
-    """Autograd of ``wait_transfer``: identity. (``register_autograd`` only accepts ops
-    without aliasing outputs, hence an explicit Function on the Autograd key.)"""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, keepalive: torch.Tensor | None) -> torch.Tensor:
-        with torch._C._AutoDispatchBelowAutograd():
-            return WAIT_TRANSFER(tensor, keepalive)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def _wait_transfer_autograd(
-    tensor: torch.Tensor, keepalive: torch.Tensor | None = None
-) -> torch.Tensor:
-    if torch.is_grad_enabled() and tensor.requires_grad:
-        return _WaitIdentity.apply(tensor, keepalive)
-    # No graph to record: return the input object itself (no extra view in traced graphs).
-    with torch._C._AutoDispatchBelowAutograd():
-        return WAIT_TRANSFER(tensor, keepalive)
-
-
-def _wait_transfer_functionalize(
-    tensor: torch.Tensor, keepalive: torch.Tensor | None = None
-) -> torch.Tensor:
-    # Run the wait on the unwrapped value (a tracer below records it, and the value's
-    # proxy becomes the wait's output), then hand back the functional input unchanged:
-    # for functionalization the wait is an identity, which is what it is.
-    torch._sync(tensor)
-    inner = torch._from_functional_tensor(tensor)
-    inner_keepalive = None
-    if keepalive is not None:
-        torch._sync(keepalive)
-        inner_keepalive = torch._from_functional_tensor(keepalive)
-    functionalize = torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
-    with torch._C._ExcludeDispatchKeyGuard(functionalize):
-        WAIT_TRANSFER(inner, inner_keepalive)
-    return tensor
-
-
-_LIB.impl("wait_transfer", _wait_transfer_autograd, "Autograd")
-_LIB.impl("wait_transfer", _wait_transfer_functionalize, "Functionalize")
-
-
-# ---------------------------------------------------------------- effects
-
-
-def _mark_ordered_side_effects(op: torch._ops.OpOverload) -> None:
-    register = getattr(torch.library, "_register_effectful_op", None)
-    if register is None:  # older torch: at least keep the op from being eliminated
-        torch.fx.node.has_side_effect(op)
-        return
-    from torch._library.effects import EffectType
-
-    register(op, EffectType.ORDERED, lib=_LIB)
-
-
-for _op in TRANSFER_OPS:
-    _mark_ordered_side_effects(_op)
+# The placeholders go first: registering over them would be an in-place override, which
+# the dispatcher reports with a process-wide, once-only warning.
+op_declarations.drop_placeholder_kernels()
+# IMPL, not FRAGMENT: this library defines nothing, it only adds kernels to the ops
+# op_declarations defined (and torch refuses a definition here, should one creep in).
+_IMPL = torch.library.Library(NAMESPACE, "IMPL")
+_IMPL.impl("copy_d2h", _copy_d2h_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("copy_h2d", _copy_h2d_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("wait_transfer", _wait_transfer_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("release_host", _release_host_kernel, REAL_KERNEL_KEY)
 
 
 # ---------------------------------------------------------------- Python entry points

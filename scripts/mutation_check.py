@@ -52,19 +52,19 @@ COPY = RT + "test_copy_stream.py"
 MUTATIONS = (
     Mutation("report-ok-forced-true", "passes/validator.py",
              "        return not self.violations", "        return True",
-             ("tests/passes/test_validator.py", "tests/offload_compile/test_cli_plan.py"),
+             ("tests/passes/test_validator.py", "tests/cli/test_plan.py"),
              "ScheduleReport.ok ignores violations; the plan CLI never exits 3"),
-    Mutation("d2h-backward-zeros", "runtime/ops.py",
+    Mutation("d2h-backward-zeros", "runtime/op_declarations.py",
              "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:\n"
              "    return grad.to(ctx.source_device)",
              "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:\n"
              "    return torch.zeros_like(grad).to(ctx.source_device)",
              (RT + "test_ops.py",), "copy_d2h's backward returns zeros"),
-    Mutation("h2d-backward-zeros", "runtime/ops.py",
+    Mutation("h2d-backward-zeros", "runtime/op_declarations.py",
              "    return grad.to(ctx.source_device), None",
              "    return torch.zeros_like(grad).to(ctx.source_device), None",
              (RT + "test_ops.py",), "copy_h2d's backward returns zeros"),
-    Mutation("wait-backward-zeros", "runtime/ops.py",
+    Mutation("wait-backward-zeros", "runtime/op_declarations.py",
              "        return grad, None", "        return torch.zeros_like(grad), None",
              (RT + "test_ops.py",), "wait_transfer's backward returns zeros"),
     Mutation("wait_h2d-noop", "runtime/residency.py",

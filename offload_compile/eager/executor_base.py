@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from hyper_offload.passes.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.trace import StorageId
-from hyper_offload.runtime import BufferState, PinnedMemoryPool, PoolStats, ResidencyManager
+from hyper_offload.runtime import PinnedMemoryPool, PoolStats, ResidencyManager
+from hyper_offload.runtime.physical_buffer import BufferState
 
 from .dispatch_mode import device_test, flat_tensors
 

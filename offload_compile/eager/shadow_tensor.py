@@ -35,8 +35,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
-from hyper_offload.runtime import PhysicalBuffer
-from hyper_offload.runtime.physical_buffer import TensorLayout
+from hyper_offload.runtime.physical_buffer import PhysicalBuffer, TensorLayout
 
 __all__ = ["ShadowTensor"]
 
