@@ -18,6 +18,7 @@ from .liveness import (
 )
 from .planner_candidates import OffloadCandidate, budget_excess, offload_candidates
 from .plan_report import PlanReport, plan_by_choice
+from .planning import PlannedSchedule, PlanningError, PlanningStage, backward_start, plan_residency
 from .planner_lowering import lower_offload_choice
 from .refine import refine_choice
 from .refine_prefetch import PrefetchError, hoist_prefetches, prefetch_slots
@@ -56,6 +57,11 @@ __all__ = [
     "select_greedy",
     "solve_optimal_choice",
     "PlanReport",
+    "PlannedSchedule",
+    "PlanningError",
+    "PlanningStage",
+    "backward_start",
+    "plan_residency",
     "AccessKind",
     "ActionKind",
     "ActivationTrace",

@@ -1,13 +1,22 @@
 """``hyper-offload plan TRACE.json --budget-mb X``: plan a trace and summarise the result.
 
+Planning is the pipeline every door shares, :func:`hyper_offload.passes.plan_residency`
+(plan -> check -> place prefetches -> check), so ``--schedule-out`` is the schedule the
+compile backend or the eager session would run for the same trace and planner. Where
+reloads may start: a trace dumped from the compile path (op names ``fw:...`` then
+``bw:...``) gets the backend's rule, no reload before its first backward op; any other
+trace is one timeline (earliest op 0). ``--earliest-prefetch-op`` overrides either.
+
 Exit codes: 0 when the schedule is valid and meets the budget, 1 when the budget is
 infeasible (some op's own operands exceed it; the best schedule is still reported),
 2 for bad input (missing file, malformed trace, negative or non-finite budget, an option
-the chosen planner does not take, an unwritable ``--schedule-out``) or a planner that
-gives up (the exact planner without scipy or past its time limit), or ``--plot``
-without matplotlib / an unwritable ``--plot`` or ``--chrome-trace`` path, 3 if the planner
-produced a schedule the validator rejects (a bug: please report it). Every error is one
-line on stderr, never a traceback.
+the chosen planner does not take, an unwritable ``--schedule-out``, an
+``--earliest-prefetch-op`` outside the trace) or a planner that gives up (the exact
+planner without scipy or past its time limit), or ``--plot`` without matplotlib / an
+unwritable ``--plot`` or ``--chrome-trace`` path, 3 if a stage of the pipeline (the
+planner, or the prefetch placement) produced a schedule the validator rejects (a bug:
+please report it; the stage is named on stderr). Every error is one line on stderr,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -21,11 +30,14 @@ from typing import Any
 
 from hyper_offload.passes import (
     ActivationTrace,
+    PlanningError,
     ResidencyPlanner,
     ResidencySchedule,
     ScheduleReport,
     TraceFormatError,
+    backward_start,
     check_schedule,
+    plan_residency,
     resident_bytes_without_offload,
 )
 
@@ -55,6 +67,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="greedy only: the design's plain greedy, without the refinement pass")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--schedule-out", type=Path, help="also write the schedule as JSON here")
+    parser.add_argument("--earliest-prefetch-op", type=int, default=None, metavar="OP",
+                        help="no reload (COPY_H2D) starts before this op; default: the first "
+                        "backward op of a compile-path trace (op names fw:/bw:), else 0")
     parser.add_argument("--plot", type=Path, default=None,
                         help="draw resident bytes per op before/after the plan, the budget and "
                         "the copies to this image (needs the plot extra: matplotlib)")
@@ -93,13 +108,29 @@ def _make_planner(name: str, no_refine: bool) -> ResidencyPlanner:
     return planner_type()
 
 
-def _plan(planner: ResidencyPlanner, trace: ActivationTrace) -> ResidencySchedule:
+def _earliest_prefetch_op(trace: ActivationTrace, requested: int | None) -> int:
+    if requested is None:
+        return backward_start(trace)
+    if not 0 <= requested <= trace.num_ops:
+        raise _BadInput(f"--earliest-prefetch-op must be between 0 and the trace's "
+                        f"{trace.num_ops} ops, got {requested}")
+    return requested
+
+
+def _plan(
+    planner: ResidencyPlanner, trace: ActivationTrace, earliest: int, where: str
+) -> tuple[ResidencySchedule, PlanningError | None]:
+    """The shared pipeline's schedule, or the schedule a stage got wrong and why (a bug:
+    the caller reports it and exits 3)."""
     from hyper_offload.passes import OptimalPlannerError
 
     try:
-        return planner.plan(trace)
+        planned = plan_residency(trace, planner, earliest_prefetch_op=earliest, where=where)
+    except PlanningError as error:  # a bug in the planner (or the placement pass)
+        return error.schedule, error
     except (OptimalPlannerError, ImportError) as error:  # the exact planner gave up
         raise _BadInput(f"{planner!r}: {error}") from None
+    return planned.schedule, None
 
 
 def _write_schedule(path: Path, schedule: ResidencySchedule) -> None:
@@ -139,7 +170,9 @@ def _write_views(args: argparse.Namespace, trace: ActivationTrace, schedule: Res
 def run(args: argparse.Namespace) -> int:
     try:
         trace = _load(args.trace, args.budget_mb)
-        schedule = _plan(_make_planner(args.planner, args.no_refine), trace)
+        earliest = _earliest_prefetch_op(trace, args.earliest_prefetch_op)
+        planner = _make_planner(args.planner, args.no_refine)
+        schedule, failure = _plan(planner, trace, earliest, args.trace.name)
         if args.schedule_out is not None:
             _write_schedule(args.schedule_out, schedule)
         _write_views(args, trace, schedule)
@@ -150,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
     baseline_peak = max(resident_bytes_without_offload(trace), default=0)
     result = _result(trace, report, baseline_peak)
     print(json.dumps(result) if args.json else _human(result, report))
+    if failure is not None:  # one line naming the stage; the summary shows the violations
+        print(f"hyper-offload plan: error: {str(failure).splitlines()[0]}", file=sys.stderr)
+        return EXIT_INVALID_SCHEDULE
     if not report.ok:
         return EXIT_INVALID_SCHEDULE
     return EXIT_OK if report.feasible else EXIT_INFEASIBLE

@@ -1,10 +1,13 @@
-"""Trace, plan, check, hoist, lower and re-check one region's forward/backward graphs.
+"""Trace, plan, lower and re-check one region's forward/backward graphs.
 
-The wiring between the pure passes; :mod:`.compile_backend` calls it from the custom
-partitioner after the stock min-cut partition. Every schedule passes ``check_schedule``
-before lowering, and the lowered graphs are checked again through the schedule
-re-derived from them; either failure raises ``ScheduleError`` (a bug, never silently
-ignored).
+The wiring between the pure passes; :mod:`.dynamo_backend` calls it from the custom
+partitioner after the stock min-cut partition. Planning is the shared pipeline of every
+door, :func:`hyper_offload.passes.plan_residency` (plan -> check -> place prefetches ->
+check), with ``earliest_prefetch_op`` = the first backward op: a backward reload cannot
+start in the forward graph. So the eager session and ``hyper-offload plan`` give the same
+schedule for the same trace. The lowered graphs are checked again through the schedule
+re-derived from them; either failure raises ``ScheduleError`` naming the region and the
+step (a bug, never silently ignored).
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport, check_schedule
+from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport
 from hyper_offload.passes.cost_model import DeviceThroughput, exposed_transfer_time
 from hyper_offload.passes.fx_lowering import lower_schedule
 from hyper_offload.passes.fx_schedule import check_lowering
 from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace
-from hyper_offload.passes.refine_prefetch import hoist_prefetches
+from hyper_offload.passes.planning import plan_residency
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
@@ -83,22 +86,23 @@ def plan_graphs(
     region: int,
     throughput: DeviceThroughput | None = None,
 ) -> tuple[FxTrace, ResidencySchedule, ScheduleReport]:
-    """The analysis half of :func:`plan_region` (graphs untouched): trace, plan under
-    the budget, check, hoist prefetches, check again. ``hyper_offload.estimate`` calls
-    this on graphs captured on fake tensors, so its figures are the backend's.
-    ``throughput`` prices ops (default: the graphs' device's)."""
+    """The analysis half of :func:`plan_region` (graphs untouched): trace, then the
+    shared pipeline :func:`~hyper_offload.passes.plan_residency` under the budget (no
+    reload before the backward graph). ``hyper_offload.estimate`` calls this on graphs
+    captured on fake tensors, so its figures are the backend's. ``throughput`` prices
+    ops (default: the graphs' device's). The returned report is ``check_schedule`` of
+    the returned schedule, without violations."""
     fx_trace = build_fx_trace(
         fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
         d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,
     )
     trace = fx_trace.trace.with_budget(options.budget_bytes(fx_trace.peak_without_offload))
     fx_trace = dataclasses.replace(fx_trace, trace=trace)
-    schedule = options.config.resolved_planner().plan(trace)
-    _require_ok(check_schedule(trace, schedule), "the planner's schedule", region)
-    schedule = hoist_prefetches(trace, schedule, earliest_op=fx_trace.num_fw_ops)
-    check = check_schedule(trace, schedule)
-    _require_ok(check, "the hoisted schedule", region)
-    return fx_trace, schedule, check
+    planned = plan_residency(
+        trace, options.config.resolved_planner(), earliest_prefetch_op=fx_trace.num_fw_ops,
+        where=f"hyper_offload region {region}",
+    )
+    return fx_trace, planned.schedule, planned.check
 
 
 def build_region_report(

@@ -16,6 +16,14 @@ while autograd still holds tensors on it; the manager keeps the storage objects 
 their bytes) until the end of the step. The resident-bytes curve after each op is
 therefore exactly what ``check_schedule`` predicts for the plan.
 
+Early reloads. The schedule comes from the shared planning pipeline, which places a
+reload's ``COPY_H2D`` several ops before the ``WAIT_H2D`` of the op that reads it, so the
+copy overlaps those ops. The trace guarantees none of them reads the storage, and the
+bytes count as resident from the COPY_H2D on (as ``check_schedule`` counts them). A read
+the trace could not see (a closure inside an opaque region) of a storage whose H2D is
+still in flight first makes the compute stream wait for that H2D (:meth:`guard`), so
+no kernel reads half-copied bytes; the planned WAIT_H2D then costs nothing.
+
 A structural mismatch raises :class:`~hyper_offload.passes.ReplayMismatchError` naming
 the op index, the expected and found op and their output leaf counts. The offending
 op has already run by then (its inputs were guarded, so it never read released bytes)
@@ -24,13 +32,16 @@ so that its leaf count can be reported; no schedule action runs for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from hyper_offload.passes.op_guide import OpGuide, ReplayMismatchError
-from hyper_offload.runtime import BufferState, ResidencyManager
+from hyper_offload.passes.schedule import ActionKind, ResidencyAction
+from hyper_offload.passes.trace import StorageId
+from hyper_offload.runtime import ResidencyManager
+from hyper_offload.runtime.physical_buffer import BufferState
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .dispatch_mode import flat_tensors, result_tensors, tensor_leaves
@@ -68,6 +79,11 @@ class ReplayExecutor(BaseExecutor):
         self._sizes = plan.trace.storage_sizes
         self._keys: Any = set()
         self._mismatched: Any = None  # the unexpected func, while it runs
+        self._loading: dict[int, StorageId] = {}
+        """``_cdata`` -> id of storages whose COPY_H2D ran and whose WAIT_H2D has not."""
+        self.early_reload_waits = 0
+        """Reads of a storage with an H2D in flight that waited for it in :meth:`guard`
+        (reads the trace did not record; 0 for a step that matches its trace)."""
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         i = self.index
@@ -146,6 +162,40 @@ class ReplayExecutor(BaseExecutor):
             self.apply_actions(post)
         self.index = i + 1
         return result
+
+    # ------------------------------------------------------------------ early reloads
+
+    def apply_actions(self, actions: tuple[ResidencyAction, ...]) -> None:
+        """Run schedule actions and keep :attr:`_loading` (reloads in flight) current."""
+        super().apply_actions(actions)
+        for action in actions:
+            kind = action.kind
+            if kind is ActionKind.COPY_H2D:
+                self._loading[self.manager.buffer(action.storage).storage._cdata] = action.storage
+            elif self._loading and kind in (ActionKind.WAIT_H2D, ActionKind.RELEASE_DEVICE):
+                key = self.manager.buffer(action.storage).storage._cdata
+                self._loading.pop(key, None)
+
+    def guard(self, where: Any, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """:meth:`BaseExecutor.guard`, after waiting for the in-flight H2D of any input
+        whose reload started early and was not waited for yet (a read the trace did not
+        record). Costs nothing while no reload is in flight."""
+        if self._loading:
+            tensors = tuple(tensors)
+            self._wait_for_early_reloads(tensors)
+        return super().guard(where, tensors)
+
+    def _wait_for_early_reloads(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        loading = self._loading
+        strided = torch.strided
+        for tensor in tensors:
+            if tensor.layout is not strided:
+                continue
+            sid = loading.pop(tensor.untyped_storage()._cdata, None)
+            if sid is not None:
+                with _disable_current_modes():  # a stream wait: never an op of the model
+                    self.manager.wait_h2d(sid)
+                self.early_reload_waits += 1
 
     def storage_ids(self, tensors: Any) -> tuple[int, ...]:
         sids: dict[int, None] = {}

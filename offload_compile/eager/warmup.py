@@ -14,8 +14,13 @@ evicted storage pages it back first (``BaseExecutor.guard``), after which the st
 unbound again so that its bytes are freed when its last tensor dies.
 
 ``finish`` pages back what is still referenced, reads which storages survive the step
-(``retained``), profiles transfer bandwidth, builds the trace, plans it with the
-configured planner and checks the plan with ``check_schedule``.
+(``retained``), profiles transfer bandwidth, builds the trace and plans it with the
+configured planner through the pipeline every door shares,
+:func:`hyper_offload.passes.plan_residency` (plan -> check -> place prefetches -> check).
+The eager step is one timeline (forward and backward run in one dispatch stream), so
+``earliest_prefetch_op`` is 0: a reload may start as soon as the op after its release,
+as far ahead of its read as the recorded op times need and the budget allows. The
+replay then issues each ``COPY_H2D`` some ops before the ``WAIT_H2D`` of its reading op.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
 from hyper_offload.passes.planner_protocol import ResidencyPlanner
+from hyper_offload.passes.planning import PlanningError, plan_residency
 from hyper_offload.passes.schedule import ResidencySchedule
 from hyper_offload.passes.trace import AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp
-from hyper_offload.passes.validator import ScheduleReport, check_schedule
-from hyper_offload.runtime import BufferState, ResidencyManager, profile_transfer_bandwidth
-from hyper_offload.runtime.physical_buffer import byte_view
+from hyper_offload.passes.validator import ScheduleReport
+from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
+from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 
 from .dispatch_mode import tensor_leaves, written_arguments
 from .executor_base import BaseExecutor, OffloadSessionError
@@ -43,7 +49,11 @@ __all__ = ["WarmupExecutor", "WarmupResult"]
 
 class WarmupResult:
     """What a warmup step produced: the trace, the plan, its report, and the callables
-    of every op (identity-compared on replay's hot path)."""
+    of every op (identity-compared on replay's hot path).
+
+    ``schedule`` is :func:`~hyper_offload.passes.plan_residency`'s (prefetches placed,
+    earliest op 0) and ``report == check_schedule(trace, schedule)``, without violations.
+    """
 
     def __init__(
         self,
@@ -292,17 +302,12 @@ class WarmupExecutor(BaseExecutor):
                 else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps, "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
             ),
         )
-        schedule = self.planner.plan(trace)
-        report = check_schedule(trace, schedule)
-        if not report.ok:
-            shown = "\n  ".join(str(v) for v in report.violations[:10])
-            raise OffloadSessionError(
-                f"warmup: planner {self.planner!r} produced a schedule that check_schedule "
-                f"rejects ({len(report.violations)} violation(s)); the session stays in warmup. "
-                f"First violations:\n  {shown}\nFix the planner or use the default one"
-            )
+        try:
+            planned = plan_residency(trace, self.planner, earliest_prefetch_op=0, where="eager warmup")
+        except PlanningError as error:
+            raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
         self.tracker.clear()
-        return WarmupResult(trace, schedule, report, self.funcs)
+        return WarmupResult(trace, planned.schedule, planned.check, self.funcs)
 
 
 def _estimate_new_bytes(

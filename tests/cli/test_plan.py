@@ -179,3 +179,95 @@ def test_a_schedule_the_validator_rejects_exits_3(
         assert json.loads(out)["violations"]
     else:
         assert "INVALID schedule" in out
+
+
+def test_plan_emits_the_schedule_of_the_shared_pipeline_and_of_the_compile_backend(
+    tmp_path: Path, capsys
+) -> None:
+    """One pipeline for every door: a compile-path trace, dumped to JSON, planned by the
+    CLI gives the schedule the backend lowered for it, and the one ``plan_residency``
+    gives called directly (the CLI reads where the backward begins from the op names,
+    as the backend passes its forward's op count)."""
+    import torch
+
+    import hyper_offload
+    from hyper_offload.passes import (
+        GreedyResidencyPlanner, ResidencySchedule, backward_start, plan_residency,
+    )
+    from hyper_offload.passes.planning import prefetch_leads
+    from tests.compiler.compile_models import mlp
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mlp(layers=3, d=64)
+    # 40 KiB: under the region's 56 KiB peak, above the 32 KiB its largest op needs.
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=40 / 1024)
+    torch.compile(model, backend=backend)(torch.randn(32, 64)).pow(2).sum().backward()
+    torch._dynamo.reset()
+    (region,) = backend.regions
+    planned = region.planned
+    assert planned is not None and planned.check.ok
+    fx_trace, budget = planned.fx_trace, planned.fx_trace.trace.budget_bytes
+    assert backward_start(fx_trace.trace) == fx_trace.num_fw_ops > 0
+    reloads = prefetch_leads(planned.schedule)
+    assert reloads, "the budget forced no reload: the test proves nothing"
+    assert all(copy >= fx_trace.num_fw_ops for _, copy, _ in reloads)
+
+    trace_path, out = tmp_path / "mlp_trace.json", tmp_path / "schedule.json"
+    trace_path.write_text(fx_trace.trace.to_json())
+    budget_mb = repr(budget / MIB)  # exact: MIB is a power of two
+    assert main(["plan", str(trace_path), "--budget-mb", budget_mb, "--schedule-out", str(out)]) == 0
+    assert "moved: D2H" in capsys.readouterr().out
+    from_cli = ResidencySchedule.from_json(out.read_text())
+
+    loaded = ActivationTrace.from_json(trace_path.read_text()).with_budget(int(float(budget_mb) * MIB))
+    assert loaded == fx_trace.trace
+    direct = plan_residency(
+        loaded, GreedyResidencyPlanner(), earliest_prefetch_op=backward_start(loaded)
+    ).schedule
+    assert from_cli == direct == planned.schedule
+
+
+def _fw_bw_trace(tmp_path: Path, names: list[str]) -> Path:
+    """Storage 0 (800 B) idle over ops 1..8, forced out by storage 1 (ops 1..4) under a
+    1000-byte budget; op durations (0.4 µs, H2D at 1 GB/s) would start its reload at op 7."""
+    from hyper_offload.passes import TraceOp
+
+    ops = [{0: "W"}, {1: "W"}, {1: "R"}, {1: "R"}, {1: "R"},
+           {2: "W"}, {2: "R"}, {2: "R"}, {2: "R"}, {0: "R", 2: "R"}]
+    base = ActivationTrace.from_accesses(ops, {0: 800, 1: 500, 2: 100}, budget_bytes=0)
+    trace = ActivationTrace(
+        ops=tuple(TraceOp(n, op.accesses, op.outputs, 4e-7) for n, op in zip(names, base.ops)),
+        storage_sizes=base.storage_sizes, budget_bytes=0, h2d_bandwidth_gbps=1.0,
+    )
+    path = tmp_path / "fw_bw.json"
+    path.write_text(trace.to_json())
+    return path
+
+
+@pytest.mark.parametrize(
+    ("compile_names", "extra", "copy_op"),
+    [(True, [], 8), (True, ["--earliest-prefetch-op", "0"], 7), (False, [], 7),
+     (False, ["--earliest-prefetch-op", "9"], 9)],
+    ids=["compile-trace", "compile-trace-override", "one-timeline", "one-timeline-override"],
+)
+def test_reloads_start_where_the_trace_says_backward_begins(
+    tmp_path: Path, compile_names: bool, extra: list[str], copy_op: int
+) -> None:
+    from hyper_offload.passes import ResidencySchedule
+    from hyper_offload.passes.planning import prefetch_leads
+
+    names = [f"fw:n{i}" for i in range(8)] + ["bw:n8", "bw:n9"] if compile_names else [
+        f"op{i}" for i in range(10)]
+    out = tmp_path / "schedule.json"
+    path = _fw_bw_trace(tmp_path, names)
+    budget_mb = repr(1000 / MIB)
+    assert main(["plan", str(path), "--budget-mb", budget_mb, "--schedule-out", str(out), *extra]) == 0
+    schedule = ResidencySchedule.from_json(out.read_text())
+    assert prefetch_leads(schedule) == [(0, copy_op, 9)]  # (storage, COPY_H2D op, WAIT_H2D op)
+
+
+def test_earliest_prefetch_op_outside_the_trace_is_bad_input(trace_file: Path, capsys) -> None:
+    assert main(["plan", str(trace_file), "--budget-mb", "2", "--earliest-prefetch-op", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--earliest-prefetch-op must be between 0 and the trace's 5 ops" in err[0]

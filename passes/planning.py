@@ -1,0 +1,223 @@
+"""The one planning pipeline every front door runs: plan → check → place prefetches → check.
+
+The compile backend (per region, and ``hyper_offload.estimate`` through it), the eager
+session's warmup and ``hyper-offload plan`` all call :func:`plan_residency`, so the same
+trace, planner and ``earliest_prefetch_op`` give the same schedule whichever door asked::
+
+    planner.plan(trace)                          stage "plan"
+      └─ check_schedule                          (ScheduleError naming the stage and door)
+    hoist_prefetches(..., earliest_op=E)         stage "place_prefetches"
+      └─ check_schedule                          (the report returned with the schedule)
+
+Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier on
+the trace's one timeline, as far as op durations say the copy needs and the budget
+allows, never before the op after the storage's release nor before op ``E``; each
+``WAIT_H2D`` stays at the reading op. ``E`` is the door's only knob: the compile path
+passes the first backward op (a reload cannot start in the forward graph, which has
+already returned by then), the eager session 0 (the step is one timeline), the CLI what
+the trace's op names say (:func:`backward_start`). Pure: no torch, no device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .planner_protocol import ResidencyPlanner
+from .refine_prefetch import DEFAULT_MAX_LEAD_OPS, PrefetchError, hoist_prefetches
+from .schedule import ActionKind, ResidencySchedule
+from .trace import ActivationTrace, StorageId
+from .validator import ScheduleError, ScheduleReport, check_schedule
+
+__all__ = [
+    "BACKWARD_OP_PREFIX",
+    "FORWARD_OP_PREFIX",
+    "PlannedSchedule",
+    "PlanningError",
+    "PlanningStage",
+    "backward_start",
+    "plan_residency",
+    "prefetch_leads",
+]
+
+FORWARD_OP_PREFIX = "fw:"
+BACKWARD_OP_PREFIX = "bw:"
+"""Op-name prefixes of a compile-path trace (:mod:`.fx_trace` names ops ``"fw:<node>"``
+and ``"bw:<node>"``); a JSON trace dumped from ``FxTrace.trace`` keeps them."""
+
+
+class PlanningStage(str, Enum):
+    """A stage of :func:`plan_residency` whose schedule ``check_schedule`` judges."""
+
+    PLAN = "plan"
+    PLACE_PREFETCHES = "place_prefetches"
+
+    def __repr__(self) -> str:
+        return self.value
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    PlanningStage.PLAN: "the planner's schedule",
+    PlanningStage.PLACE_PREFETCHES: "the hoisted schedule",
+}
+
+
+class PlanningError(ScheduleError):
+    """A stage of :func:`plan_residency` produced a schedule ``check_schedule`` rejects
+    (or one the placement pass cannot rewrite). Always a bug, never a budget problem: an
+    infeasible budget is reported in ``ScheduleReport.infeasible_ops``, not raised.
+
+    ``where`` names the door and region, ``stage`` the step; ``schedule`` and ``report``
+    are the rejected schedule and its report (``report`` is None when the placement pass
+    refused its input), so a caller can still show what went wrong.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        where: str,
+        stage: PlanningStage,
+        schedule: ResidencySchedule,
+        report: ScheduleReport | None,
+    ) -> None:
+        super().__init__(message)
+        self.where = where
+        self.stage = stage
+        self.schedule = schedule
+        self.report = report
+
+
+@dataclass(frozen=True)
+class PlannedSchedule:
+    """What :func:`plan_residency` decided for one trace.
+
+    Invariants: ``check == check_schedule(trace, schedule)`` and ``check.ok``;
+    ``planned_check == check_schedule(trace, planned)`` and ``planned_check.ok``;
+    ``schedule`` differs from ``planned`` only in where ``COPY_H2D`` actions sit (same
+    actions, same bytes moved, every ``WAIT_H2D`` in place); a reload that placement
+    moved starts at op ``earliest_prefetch_op`` or later.
+    """
+
+    trace: ActivationTrace
+    schedule: ResidencySchedule
+    check: ScheduleReport
+    planned: ResidencySchedule
+    """The planner's schedule, before placement (``COPY_H2D`` next to its ``WAIT_H2D``)."""
+    planned_check: ScheduleReport
+    earliest_prefetch_op: int
+    plan_seconds: float = field(default=0.0, compare=False)
+    place_seconds: float = field(default=0.0, compare=False)
+
+    def prefetch_leads(self) -> list[tuple[StorageId, int, int]]:
+        """``(storage, copy op, wait op)`` of every reload of ``schedule``."""
+        return prefetch_leads(self.schedule)
+
+
+def plan_residency(
+    trace: ActivationTrace,
+    planner: ResidencyPlanner,
+    *,
+    earliest_prefetch_op: int = 0,
+    default_op_duration_s: float | None = None,
+    max_lead_ops: int = DEFAULT_MAX_LEAD_OPS,
+    where: str = "hyper_offload",
+) -> PlannedSchedule:
+    """Plan ``trace`` under its budget with ``planner``, check, place the prefetches on
+    the trace's timeline (no reload before ``earliest_prefetch_op``), check again.
+
+    ``where`` names the caller in errors (``"hyper_offload region 3"``, ``"eager warmup"``).
+    ``default_op_duration_s`` / ``max_lead_ops``: see :func:`.refine_prefetch.prefetch_slots`.
+    Raises :class:`PlanningError` (a ``ScheduleError``) naming ``where`` and the stage
+    when a stage's schedule breaks a rule; exceptions of ``planner.plan`` propagate.
+    """
+    if earliest_prefetch_op < 0:
+        raise ValueError(
+            f"{where}: plan_residency(earliest_prefetch_op={earliest_prefetch_op}): must be >= 0 "
+            "(0: reloads may start anywhere on the step's timeline)"
+        )
+    started = time.perf_counter()
+    planned = planner.plan(trace)
+    planned_check = check_schedule(trace, planned)
+    _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
+    placed = time.perf_counter()
+    try:
+        schedule = hoist_prefetches(
+            trace, planned, default_op_duration_s=default_op_duration_s,
+            max_lead_ops=max_lead_ops, earliest_op=earliest_prefetch_op,
+        )
+    except PrefetchError as error:
+        raise PlanningError(
+            f"{where}: step {PlanningStage.PLACE_PREFETCHES.value!r}: {error}",
+            where=where, stage=PlanningStage.PLACE_PREFETCHES, schedule=planned, report=None,
+        ) from None
+    check = check_schedule(trace, schedule)
+    _require_ok(check, schedule, PlanningStage.PLACE_PREFETCHES, where, planner)
+    done = time.perf_counter()
+    return PlannedSchedule(
+        trace=trace, schedule=schedule, check=check, planned=planned,
+        planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
+        plan_seconds=placed - started, place_seconds=done - placed,
+    )
+
+
+def _require_ok(
+    report: ScheduleReport,
+    schedule: ResidencySchedule,
+    stage: PlanningStage,
+    where: str,
+    planner: ResidencyPlanner,
+) -> None:
+    if report.ok:
+        return
+    try:
+        report.raise_if_invalid()
+    except ScheduleError as error:
+        details = str(error)
+    fix = (
+        f"fix the planner {planner!r} or use the default GreedyResidencyPlanner"
+        if stage is PlanningStage.PLAN
+        else "hoist_prefetches broke a schedule check_schedule accepted: a bug in "
+        "passes/refine_prefetch.py, please report it"
+    )
+    raise PlanningError(
+        f"{where}: {stage.description} (step {stage.value!r}) is one that check_schedule "
+        f"rejects; {fix}. The {details}",
+        where=where, stage=stage, schedule=schedule, report=report,
+    )
+
+
+def backward_start(trace: ActivationTrace) -> int:
+    """Where a compile-path trace's backward graph begins, else 0.
+
+    A trace whose ops are all named ``"fw:..."`` then ``"bw:..."`` (what
+    :func:`.fx_trace.build_fx_trace` writes, kept by its JSON) gives the index of its
+    first ``"bw:"`` op (``num_ops`` when there is none): the compile path's
+    ``earliest_prefetch_op``. Any other naming (eager traces, hand-written JSON) is one
+    timeline: 0.
+    """
+    names = [op.name for op in trace.ops]
+    num_fw = 0
+    while num_fw < len(names) and names[num_fw].startswith(FORWARD_OP_PREFIX):
+        num_fw += 1
+    if num_fw == 0 or not all(n.startswith(BACKWARD_OP_PREFIX) for n in names[num_fw:]):
+        return 0
+    return num_fw
+
+
+def prefetch_leads(schedule: ResidencySchedule) -> list[tuple[StorageId, int, int]]:
+    """``(storage, copy op, wait op)`` of every ``COPY_H2D`` / ``WAIT_H2D`` pair, in wait
+    order; ``wait op - copy op`` is the number of ops the copy overlaps."""
+    started: dict[StorageId, int] = {}
+    pairs = []
+    for op, _where, action in schedule.actions():
+        if action.kind is ActionKind.COPY_H2D:
+            started[action.storage] = op
+        elif action.kind is ActionKind.WAIT_H2D and action.storage in started:
+            pairs.append((action.storage, started.pop(action.storage), op))
+    return pairs
