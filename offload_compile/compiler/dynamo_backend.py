@@ -28,31 +28,34 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
+# The compiled graphs call the transfer ops: importing .ops registers their real kernels
+# (the package itself loads lazily and registers nothing).
+import hyper_offload.runtime.ops  # noqa: F401
+from hyper_offload.config import OffloadConfig
+from hyper_offload.passes import fx_lowering, fx_trace, greedy_planner, planning, refine_prefetch
+from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime, op_declarations
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 
+from . import region_plan
 from .options import BackendOptions, parse_backend_options
-from hyper_offload.config import OffloadConfig
 from .region_plan import PlannedRegion, plan_region
 from .region_report import LOGGER, RegionReport, log_region_report
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
 
+# The sources whose code decides a region's rewritten graphs: the partitioner's cache
+# key hashes them, so an edited planner or lowering never reuses a stale cached graph.
+# Read from the imported modules, so the paths hold in the repository and when installed.
 _SOURCES = tuple(
-    str(p)
-    for p in (
-        Path(__file__).with_name("region_plan.py"),
-        Path(__file__).parent.parent / "passes" / "fx_lowering.py",
-        Path(__file__).parent.parent / "passes" / "fx_trace.py",
-    )
-    if p.exists()
+    str(module.__file__)
+    for module in (region_plan, planning, greedy_planner, refine_prefetch, fx_trace,
+                   fx_lowering, op_declarations)
 )
 
 
