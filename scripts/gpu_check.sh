@@ -44,8 +44,8 @@ else
   dim=768; dtype=bfloat16; inner=inductor; scale=1
 fi
 
-files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/offload_compile/test_compile_gpu.py tests/eager/test_gpu_session.py tests/runtime/pipeline/test_swap_session_gpu.py
-       tests/offload_compile/test_estimate_gpu.py tests/integration/test_train_gpt_example.py)
+files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/compiler/test_compile_gpu.py tests/eager/test_gpu_session.py tests/runtime/pipeline/test_swap_session_gpu.py
+       tests/compiler/test_estimate_gpu.py tests/integration/test_train_gpt_example.py)
 # The meter's CUDA test lives beside hypothesis-based tests; include it where hypothesis is.
 $PY -c "import hypothesis" 2>/dev/null && files+=(tests/runtime/test_memory_meter.py)
 stage gpu_tests $((100 * scale)) $PY -m pytest -q -p no:cacheprovider -m gpu "${files[@]}"
