@@ -35,11 +35,11 @@ from hyper_offload.passes import (
     ResidencySchedule,
     ScheduleReport,
     TraceFormatError,
-    backward_start,
     check_schedule,
     plan_residency,
     resident_bytes_without_offload,
 )
+from hyper_offload.passes.planning import backward_start
 
 MIB = 1 << 20
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3

@@ -191,9 +191,8 @@ def test_plan_emits_the_schedule_of_the_shared_pipeline_and_of_the_compile_backe
     import torch
 
     import hyper_offload
-    from hyper_offload.passes import (
-        GreedyResidencyPlanner, ResidencySchedule, backward_start, plan_residency,
-    )
+    from hyper_offload.passes import GreedyResidencyPlanner, ResidencySchedule, plan_residency
+    from hyper_offload.passes.planning import backward_start
     from hyper_offload.passes.planning import prefetch_leads
     from tests.compiler.compile_models import mlp
 

@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from hyper_offload.passes import (
-    ActionKind,
-    GreedyResidencyPlanner,
-    Rule,
-    access_gaps,
-    check_schedule,
-)
+from hyper_offload.passes import ActionKind, GreedyResidencyPlanner, Rule, check_schedule
+from hyper_offload.passes.liveness import access_gaps
 from hyper_offload.passes.cost_model import exposed_transfer_time
 from hyper_offload.passes.fx_lowering import LoweringError, lower_schedule
 from hyper_offload.passes.fx_schedule import check_lowering, derive_schedule

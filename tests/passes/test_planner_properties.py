@@ -16,12 +16,11 @@ from .planner_strategies import pressured_traces, traces
 from hyper_offload.passes import (
     ActionKind,
     ActivationTrace,
-    access_gaps,
     check_schedule,
-    infeasible_ops,
     required_bytes,
     resident_bytes_without_offload,
 )
+from hyper_offload.passes.liveness import access_gaps, infeasible_ops
 from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner, select_greedy
 from hyper_offload.passes.planner_lowering import lower_offload_choice
 from hyper_offload.passes.refine import refine_choice

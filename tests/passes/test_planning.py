@@ -21,11 +21,11 @@ from hyper_offload.passes import (
     ResidencySchedule,
     ScheduleError,
     TraceOp,
-    backward_start,
     check_schedule,
-    hoist_prefetches,
     plan_residency,
 )
+from hyper_offload.passes.planning import backward_start
+from hyper_offload.passes.refine_prefetch import hoist_prefetches
 from hyper_offload.passes import planning
 from hyper_offload.passes.planning import prefetch_leads
 

@@ -12,14 +12,13 @@ from hyper_offload.passes import (
     AccessKind,
     ActionKind,
     ActivationTrace,
-    OpGuide,
-    ReplayMismatchError,
     ResidencyAction,
     ResidencySchedule,
     StorageAccess,
     TraceFormatError,
     TraceOp,
 )
+from hyper_offload.passes.op_guide import OpGuide, ReplayMismatchError
 
 
 def small_trace() -> ActivationTrace:

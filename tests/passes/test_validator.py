@@ -12,13 +12,11 @@ from hyper_offload.passes import (
     ResidencySchedule,
     Rule,
     ScheduleError,
-    access_gaps,
     check_schedule,
-    infeasible_ops,
     required_bytes,
     resident_bytes_without_offload,
-    storage_liveness,
 )
+from hyper_offload.passes.liveness import access_gaps, infeasible_ops, storage_liveness
 
 D2H, REL, H2D, WAIT, HREL = (
     ActionKind.COPY_D2H,
