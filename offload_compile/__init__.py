@@ -16,9 +16,7 @@ Every door plans through :func:`hyper_offload.passes.plan_residency`; the bytes 
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
-
+from ._lazy import lazy_getattr
 from .config import OffloadConfig
 
 __version__ = "0.1.0"
@@ -35,7 +33,4 @@ _LAZY = {
 __all__ = ["OffloadConfig", "OffloadSession", "__version__", "backend", "estimate", "skip_offload"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -12,8 +12,7 @@ Planning orders without running them: ``hyper-offload pp-order`` and
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_getattr
 
 # The executor imports torch.distributed.pipelining (seconds of start-up): load on use.
 _LAZY = {
@@ -28,7 +27,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
