@@ -3,7 +3,7 @@
 The two graphs of one compiled region are laid end to end: every ``call_function``
 node of the forward, then every one of the backward, is one op (``getitem`` nodes
 and transfer ops are not ops; they name the storage of their source). Op names are
-``"fw:<node>"`` / ``"bw:<node>"``.
+``"fw:<node>"`` / ``"bw:<node>"`` (``trace.FORWARD_GRAPH`` / ``BACKWARD_GRAPH``).
 
 Storages (the trace's unit) come from fake-tensor metadata:
 
@@ -43,7 +43,15 @@ from hyper_offload.runtime.op_declarations import TRANSFER_OPS
 
 from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput_for
 from .liveness import resident_bytes_without_offload
-from .trace import AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp
+from .trace import (
+    BACKWARD_GRAPH,
+    FORWARD_GRAPH,
+    AccessKind,
+    ActivationTrace,
+    StorageAccess,
+    StorageId,
+    TraceOp,
+)
 
 __all__ = ["FxTrace", "SavedActivation", "build_fx_trace", "device_of", "fw_outputs", "saved_name"]
 
@@ -236,7 +244,7 @@ def build_fx_trace(
     outputs = fw_outputs(fw)
     device = device_of(outputs)
     builder = _Builder(throughput or throughput_for(device))
-    builder.add_graph("fw", fw.graph, {})
+    builder.add_graph(FORWARD_GRAPH, fw.graph, {})
     num_fw_ops = len(builder.ops)
     bw_placeholders = {n.name for n in bw.graph.find_nodes(op="placeholder")}
     saved_nodes = [
@@ -246,21 +254,22 @@ def build_fx_trace(
         and isinstance(node.meta.get("val"), torch.Tensor)
     ]
     saved_storage = {
-        saved_name(n): builder.storage.get(f"fw:{n.name}", [None])[0] for n in saved_nodes
+        saved_name(n): builder.storage.get(f"{FORWARD_GRAPH}:{n.name}", [None])[0]
+        for n in saved_nodes
     }
     builder.add_graph(
-        "bw", bw.graph, {k: v for k, v in saved_storage.items() if v is not None}
+        BACKWARD_GRAPH, bw.graph, {k: v for k, v in saved_storage.items() if v is not None}
     )
     model_outputs = {
         sid
         for node in outputs[:num_fwd_outputs]
-        for sid in builder.of("fw", node)
+        for sid in builder.of(FORWARD_GRAPH, node)
         if sid is not None
     }
     grads = {
         sid
         for node in _node_leaves(bw.graph.find_nodes(op="output")[0].args[0])
-        for sid in builder.of("bw", node)
+        for sid in builder.of(BACKWARD_GRAPH, node)
         if sid is not None
     }
     for sid in grads - model_outputs:
@@ -303,12 +312,12 @@ def _classify_saved(
     originals = [by_name.get(saved_name(node), node) for node in saved_nodes]
     per_storage: dict[StorageId, int] = {}
     for node in originals:
-        sid = builder.storage.get(f"fw:{node.name}", [None])[0]
+        sid = builder.storage.get(f"{FORWARD_GRAPH}:{node.name}", [None])[0]
         if sid is not None:
             per_storage[sid] = per_storage.get(sid, 0) + 1
     result = []
     for node in originals:
-        qualified = f"fw:{node.name}"
+        qualified = f"{FORWARD_GRAPH}:{node.name}"
         sid = builder.storage.get(qualified, [None])[0]
         value = node.meta["val"]
         nbytes = tensor_bytes(value, qualified)
@@ -319,7 +328,7 @@ def _classify_saved(
             reason = "also a model output"
         elif per_storage[sid] > 1:
             reason = "several saved tensors share its storage"
-        elif builder.fresh[sid] != f"fw:{_producer(node).name}":
+        elif builder.fresh[sid] != f"{FORWARD_GRAPH}:{_producer(node).name}":
             reason = "a view (its base is not saved as itself)"
         elif builder.sizes[sid] != nbytes or not _dense(value):
             reason = "does not cover its storage densely"

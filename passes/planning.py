@@ -20,19 +20,16 @@ the trace's op names say (:func:`backward_start`). Pure: no torch, no device.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from .planner_protocol import ResidencyPlanner
 from .refine_prefetch import DEFAULT_MAX_LEAD_OPS, PrefetchError, hoist_prefetches
 from .schedule import ActionKind, ResidencySchedule
-from .trace import ActivationTrace, StorageId
+from .trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
 from .validator import ScheduleError, ScheduleReport, check_schedule
 
 __all__ = [
-    "BACKWARD_OP_PREFIX",
-    "FORWARD_OP_PREFIX",
     "PlannedSchedule",
     "PlanningError",
     "PlanningStage",
@@ -40,12 +37,6 @@ __all__ = [
     "plan_residency",
     "prefetch_leads",
 ]
-
-FORWARD_OP_PREFIX = "fw:"
-BACKWARD_OP_PREFIX = "bw:"
-"""Op-name prefixes of a compile-path trace (:mod:`.fx_trace` names ops ``"fw:<node>"``
-and ``"bw:<node>"``); a JSON trace dumped from ``FxTrace.trace`` keeps them."""
-
 
 class PlanningStage(str, Enum):
     """A stage of :func:`plan_residency` whose schedule ``check_schedule`` judges."""
@@ -111,12 +102,6 @@ class PlannedSchedule:
     """The planner's schedule, before placement (``COPY_H2D`` next to its ``WAIT_H2D``)."""
     planned_check: ScheduleReport
     earliest_prefetch_op: int
-    plan_seconds: float = field(default=0.0, compare=False)
-    place_seconds: float = field(default=0.0, compare=False)
-
-    def prefetch_leads(self) -> list[tuple[StorageId, int, int]]:
-        """``(storage, copy op, wait op)`` of every reload of ``schedule``."""
-        return prefetch_leads(self.schedule)
 
 
 def plan_residency(
@@ -141,11 +126,9 @@ def plan_residency(
             f"{where}: plan_residency(earliest_prefetch_op={earliest_prefetch_op}): must be >= 0 "
             "(0: reloads may start anywhere on the step's timeline)"
         )
-    started = time.perf_counter()
     planned = planner.plan(trace)
     planned_check = check_schedule(trace, planned)
     _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
-    placed = time.perf_counter()
     try:
         schedule = hoist_prefetches(
             trace, planned, default_op_duration_s=default_op_duration_s,
@@ -158,11 +141,9 @@ def plan_residency(
         ) from None
     check = check_schedule(trace, schedule)
     _require_ok(check, schedule, PlanningStage.PLACE_PREFETCHES, where, planner)
-    done = time.perf_counter()
     return PlannedSchedule(
         trace=trace, schedule=schedule, check=check, planned=planned,
         planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
-        plan_seconds=placed - started, place_seconds=done - placed,
     )
 
 
@@ -201,11 +182,12 @@ def backward_start(trace: ActivationTrace) -> int:
     ``earliest_prefetch_op``. Any other naming (eager traces, hand-written JSON) is one
     timeline: 0.
     """
+    forward, backward = f"{FORWARD_GRAPH}:", f"{BACKWARD_GRAPH}:"
     names = [op.name for op in trace.ops]
     num_fw = 0
-    while num_fw < len(names) and names[num_fw].startswith(FORWARD_OP_PREFIX):
+    while num_fw < len(names) and names[num_fw].startswith(forward):
         num_fw += 1
-    if num_fw == 0 or not all(n.startswith(BACKWARD_OP_PREFIX) for n in names[num_fw:]):
+    if num_fw == 0 or not all(n.startswith(backward) for n in names[num_fw:]):
         return 0
     return num_fw
 

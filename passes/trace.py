@@ -44,6 +44,11 @@ TRACE_FORMAT = "hyper-offload.trace"
 TRACE_VERSION = 1
 DEFAULT_BANDWIDTH_GBPS = 16.0
 
+FORWARD_GRAPH, BACKWARD_GRAPH = "fw", "bw"
+"""Graph tags of a compile-path trace: :mod:`.fx_trace` names each op ``"<tag>:<node>"``
+(forward ops first), a JSON dump keeps the names, and
+:func:`.planning.backward_start` reads where the backward begins from them."""
+
 StorageId = int
 
 
