@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
 
 from .predicted_timeline import predict_timeline
 from .schedule import ActionKind, ResidencySchedule
@@ -94,7 +95,7 @@ def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
     nbytes = sum(tensor_bytes(t, node.name) for t in _tensors((args, kwargs, out)))
     flops = 0
     packet = getattr(node.target, "overloadpacket", None)
-    formula = torch.utils.flop_counter.flop_registry.get(packet)
+    formula = flop_registry.get(packet)
     if formula is not None:
         try:
             flops = to_hint(formula(*args, out_val=out, **kwargs), node.name)

@@ -27,7 +27,7 @@ import torch.fx as fx
 from hyper_offload.runtime.op_declarations import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
 
 from .fx_lowering import LoweringError
-from .fx_trace import FxTrace, build_fx_trace
+from .fx_trace import FxTrace, build_fx_trace, is_rebuilt_view
 from .liveness import storage_liveness
 from .schedule import ActionKind, ResidencyAction, ResidencySchedule
 from .validator import ScheduleReport, check_schedule
@@ -66,6 +66,8 @@ def derive_schedule(
         for node in module.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
+            if is_rebuilt_view(node):
+                continue  # a saved view rebuilt on its reloaded base: not an op
             target = node.target
             if target in (COPY_D2H, WAIT_TRANSFER, RELEASE_HOST) and cursor < 0 and prefix == "fw":
                 raise LoweringError(

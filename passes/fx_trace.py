@@ -15,8 +15,11 @@ Storages (the trace's unit) come from fake-tensor metadata:
 * a saved activation (a forward output the backward takes as a placeholder of the same
   name) is one storage across both graphs;
 * model outputs (the first ``num_fwd_outputs`` forward outputs) and the backward's
-  outputs (gradients) are ``retained``; gradients count 0 bytes (they are the
-  optimizer's memory, not activations, and no plan can move them).
+  outputs (gradients) are ``retained``. Gradients count their real bytes: the compiled
+  backward holds every one it produced until it returns, so they are device memory the
+  step's peak contains (the eager session's trace counts them too), though no plan can
+  move them. (They once counted 0 bytes, and the demo's measured peak then exceeded a
+  met budget by the gradients alive at that op.)
 
 Offload policy (why the trace is "filled"): only the gap between a saved activation's
 last forward access and its first backward access may be offloaded. A gap inside one
@@ -25,8 +28,8 @@ change what it materialises (an Inductor-fused bf16 value forced into memory rou
 differently). So every storage is recorded as READ by each op of its span inside a
 graph (the bytes curve is unchanged: a storage is resident from its first to its last
 access anyway), and the only gaps left are the cross-graph gaps of offloadable saved
-activations. A saved activation is offloadable when it is the only saved tensor on its
-storage, covers the whole storage, is not a model output, and has a dense layout.
+activations. Which saved activations are offloadable is :mod:`.fx_saved`'s rule: the
+unit is the storage, so saved views move with their base (once per storage).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch.fx as fx
 from hyper_offload.runtime.op_declarations import TRANSFER_OPS
 
 from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput_for
+from .fx_saved import SavedActivation, StorageBase, classify_saved
 from .liveness import resident_bytes_without_offload
 from .trace import (
     BACKWARD_GRAPH,
@@ -53,33 +57,26 @@ from .trace import (
     TraceOp,
 )
 
-__all__ = ["FxTrace", "SavedActivation", "build_fx_trace", "device_of", "fw_outputs", "saved_name"]
+__all__ = [
+    "FxTrace",
+    "SavedActivation",
+    "build_fx_trace",
+    "device_of",
+    "fw_outputs",
+    "is_rebuilt_view",
+    "saved_output_names",
+]
 
-SAVED_NAME_META = "hyper_offload_saved"
-"""``node.meta`` key: on a forward wait node, the name of the saved activation it
-stands for (the backward placeholder keeps that name)."""
+SAVED_NAMES_META = "hyper_offload_saved_names"
+"""``node.meta`` key on a lowered forward's output node: per output, the name of the saved
+activation it stands for (the backward placeholder keeps that name), None for outputs the
+lowering left alone. Several saved views of one storage all stand for its host copy."""
+
+REBUILT_VIEW_META = "hyper_offload_rebuilt_view"
+"""``node.meta`` key on a backward ``as_strided`` the lowering added: the saved view it
+rebuilds on a reloaded base. Such a node is not an op (it aliases its source)."""
 
 _TRANSFER_OPS = frozenset(TRANSFER_OPS)
-
-
-@dataclass(frozen=True)
-class SavedActivation:
-    """A tensor the forward saves for the backward.
-
-    ``offloadable`` is False with a ``reason`` when the policy of the module docstring
-    keeps it resident; ``storage`` is None when it is not an activation (a parameter or
-    input, or a view of one).
-    """
-
-    name: str
-    storage: StorageId | None
-    nbytes: int
-    offloadable: bool
-    reason: str
-
-    def __repr__(self) -> str:
-        where = "offloadable" if self.offloadable else f"kept: {self.reason}"
-        return f"Saved({self.name} s{self.storage} {self.nbytes}B, {where})"
 
 
 @dataclass(frozen=True)
@@ -104,12 +101,18 @@ class FxTrace:
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes of saved activations that are activations (not parameters/inputs)."""
-        seen = {s.storage: s.nbytes for s in self.saved if s.storage is not None}
-        return sum(seen.values())
+        """Bytes of the distinct storages saved activations hold (not parameters/inputs)."""
+        storages = {s.storage for s in self.saved if s.storage is not None}
+        return sum(self.trace.storage_sizes[sid] for sid in storages)
 
-    def saved_by_storage(self) -> dict[StorageId, SavedActivation]:
-        return {s.storage: s for s in self.saved if s.offloadable and s.storage is not None}
+    def movable(self) -> dict[StorageId, tuple[SavedActivation, ...]]:
+        """Offloadable storages and the saved tensors on each, in forward output order
+        (all share one ``base``: one copy moves them all)."""
+        groups: dict[StorageId, list[SavedActivation]] = {}
+        for saved in self.saved:
+            if saved.offloadable and saved.storage is not None:
+                groups.setdefault(saved.storage, []).append(saved)
+        return {sid: tuple(group) for sid, group in groups.items()}
 
     def op_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.op_nodes)}
@@ -119,9 +122,23 @@ def fw_outputs(fw: fx.GraphModule) -> list[Any]:
     return list(fw.graph.find_nodes(op="output")[0].args[0])
 
 
-def saved_name(node: fx.Node) -> str:
-    """The saved activation a forward output stands for (its name before lowering)."""
-    return node.meta.get(SAVED_NAME_META, node.name)
+def saved_output_names(fw: fx.GraphModule) -> list[str | None]:
+    """Per forward output, the saved activation it stands for (its node name before
+    lowering; a lowered output records it in ``SAVED_NAMES_META``)."""
+    output = fw.graph.find_nodes(op="output")[0]
+    recorded = output.meta.get(SAVED_NAMES_META)
+    nodes = fw_outputs(fw)
+    if recorded is None:
+        return [n.name if isinstance(n, fx.Node) else None for n in nodes]
+    return [
+        name if name is not None else (n.name if isinstance(n, fx.Node) else None)
+        for name, n in zip(recorded, nodes)
+    ]
+
+
+def is_rebuilt_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a saved view the lowering rebuilt on a reloaded base."""
+    return REBUILT_VIEW_META in node.meta
 
 
 class _Builder:
@@ -131,15 +148,15 @@ class _Builder:
         self.throughput = throughput
         self.storage: dict[str, list[StorageId | None]] = {}  # qualified name -> per leaf
         self.sizes: dict[StorageId, int] = {}
-        self.fresh: dict[StorageId, str] = {}  # storage -> node that created it
+        self.bases: dict[StorageId, StorageBase] = {}  # storage -> what created it
         self.ops: list[dict[StorageId, AccessKind]] = []
         self.names: list[str] = []
         self.durations: list[float] = []
 
-    def new_storage(self, nbytes: int, creator: str) -> StorageId:
+    def new_storage(self, nbytes: int, base: StorageBase) -> StorageId:
         sid = len(self.sizes)
         self.sizes[sid] = nbytes
-        self.fresh[sid] = creator
+        self.bases[sid] = base
         return sid
 
     def of(self, prefix: str, arg: Any) -> list[StorageId | None]:
@@ -158,7 +175,7 @@ class _Builder:
                 source = self.storage.get(f"{prefix}:{node.args[0].name}", [])
                 index = node.args[1]
                 self.storage[qualified] = [source[index] if index < len(source) else None]
-            elif node.target in _TRANSFER_OPS:
+            elif node.target in _TRANSFER_OPS or is_rebuilt_view(node):
                 self.storage[qualified] = self.of(prefix, node.args[0]) if node.args else [None]
             else:
                 self.add_op(prefix, node, qualified)
@@ -186,15 +203,16 @@ class _Builder:
         values = _value_leaves(node.meta.get("val"))
         returns = list(schema.returns) if schema is not None else []
         for index, value in enumerate(values):
-            info = returns[index].alias_info if index < len(returns) else None
-            if info is not None and frozenset(info.before_set) in alias_arg:
-                aliased = alias_arg[frozenset(info.before_set)]
+            alias_set = _return_alias(arguments, returns, index)
+            if alias_set and alias_set in alias_arg:
+                aliased = alias_arg[alias_set]
                 out_sids.append(aliased[0] if aliased else None)
                 continue
             if not isinstance(value, torch.Tensor):
                 out_sids.append(None)
                 continue
-            sid = self.new_storage(tensor_bytes(value, qualified), qualified)
+            base = StorageBase(node.name, index, value)
+            sid = self.new_storage(tensor_bytes(value, qualified), base)
             accesses[sid] = AccessKind.WRITE
             out_sids.append(sid)
         self.storage[qualified] = out_sids or [None]
@@ -215,6 +233,22 @@ def _value_leaves(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
+
+
+def _return_alias(arguments: Sequence[Any], returns: Sequence[Any], index: int) -> frozenset[str]:
+    """The alias set result ``index`` shares with an argument (empty: a new storage).
+
+    A single list return (``split``, ``unbind``: ``Tensor(a -> *) self -> Tensor(a)[]``)
+    carries its elements' annotation on the list type, which the Python schema does not
+    expose; the argument's ``-> *`` (it aliases the elements of an output list) says it."""
+    if len(returns) == 1 and isinstance(returns[0].type, torch.ListType):
+        for argument in arguments:
+            info = argument.alias_info
+            if info is not None and "*" in info.after_set and info.before_set:
+                return frozenset(info.before_set)
+        return frozenset()
+    info = returns[index].alias_info if index < len(returns) else None
+    return frozenset(info.before_set) if info is not None else frozenset()
 
 
 def _arg_alias(arguments: Sequence[Any], node: fx.Node, position: int) -> Any:
@@ -245,17 +279,19 @@ def build_fx_trace(
     device = device_of(outputs)
     builder = _Builder(throughput or throughput_for(device))
     builder.add_graph(FORWARD_GRAPH, fw.graph, {})
-    num_fw_ops = len(builder.ops)
+    num_fw_ops, num_fw_storages = len(builder.ops), len(builder.sizes)
     bw_placeholders = {n.name for n in bw.graph.find_nodes(op="placeholder")}
+    # A lowered forward returns a wait node in place of each saved activation; classify
+    # the activation itself (found by its saved name), so a lowering's trace is unchanged.
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
     saved_nodes = [
-        node
-        for node in outputs[num_fwd_outputs:]
-        if isinstance(node, fx.Node) and saved_name(node) in bw_placeholders
+        fw_nodes.get(name, node)
+        for name, node in zip(saved_output_names(fw)[num_fwd_outputs:], outputs[num_fwd_outputs:])
+        if isinstance(node, fx.Node) and name in bw_placeholders
         and isinstance(node.meta.get("val"), torch.Tensor)
     ]
     saved_storage = {
-        saved_name(n): builder.storage.get(f"{FORWARD_GRAPH}:{n.name}", [None])[0]
-        for n in saved_nodes
+        n.name: builder.storage.get(f"{FORWARD_GRAPH}:{n.name}", [None])[0] for n in saved_nodes
     }
     builder.add_graph(
         BACKWARD_GRAPH, bw.graph, {k: v for k, v in saved_storage.items() if v is not None}
@@ -272,11 +308,11 @@ def build_fx_trace(
         for sid in builder.of(BACKWARD_GRAPH, node)
         if sid is not None
     }
-    for sid in grads - model_outputs:
-        # Gradients are the optimizer's memory, not activations: they are in the trace
-        # (retained, so never moved) but count 0 bytes against the activation budget.
-        builder.sizes[sid] = 0
-    saved = _classify_saved(builder, saved_nodes, model_outputs)
+    saved = classify_saved(
+        fw.graph, saved_nodes, storage_of=saved_storage, sizes=builder.sizes,
+        bases={sid: base for sid, base in builder.bases.items() if sid < num_fw_storages},
+        model_outputs=model_outputs,
+    )
     offloadable = {s.storage for s in saved if s.offloadable}
     ops = _filled_ops(builder.ops, num_fw_ops, offloadable)
     trace = ActivationTrace(
@@ -301,49 +337,6 @@ def device_of(outputs: Iterable[Any]) -> torch.device:
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
-
-
-def _classify_saved(
-    builder: _Builder, saved_nodes: Sequence[fx.Node], model_outputs: set[StorageId]
-) -> list[SavedActivation]:
-    # A lowered forward returns a wait node in place of the activation; classify the
-    # activation itself (found by its saved name), so a lowering's trace is unchanged.
-    by_name = {n.name: n for n in saved_nodes[0].graph.nodes} if saved_nodes else {}
-    originals = [by_name.get(saved_name(node), node) for node in saved_nodes]
-    per_storage: dict[StorageId, int] = {}
-    for node in originals:
-        sid = builder.storage.get(f"{FORWARD_GRAPH}:{node.name}", [None])[0]
-        if sid is not None:
-            per_storage[sid] = per_storage.get(sid, 0) + 1
-    result = []
-    for node in originals:
-        qualified = f"{FORWARD_GRAPH}:{node.name}"
-        sid = builder.storage.get(qualified, [None])[0]
-        value = node.meta["val"]
-        nbytes = tensor_bytes(value, qualified)
-        reason = ""
-        if sid is None:
-            reason = "a parameter or input (or a view of one)"
-        elif sid in model_outputs:
-            reason = "also a model output"
-        elif per_storage[sid] > 1:
-            reason = "several saved tensors share its storage"
-        elif builder.fresh[sid] != f"{FORWARD_GRAPH}:{_producer(node).name}":
-            reason = "a view (its base is not saved as itself)"
-        elif builder.sizes[sid] != nbytes or not _dense(value):
-            reason = "does not cover its storage densely"
-        result.append(SavedActivation(node.name, sid, nbytes, not reason, reason))
-    return result
-
-
-def _producer(node: fx.Node) -> fx.Node:
-    return node.args[0] if node.target is operator.getitem else node  # type: ignore[return-value]
-
-
-def _dense(value: torch.Tensor) -> bool:
-    from hyper_offload.runtime.op_declarations import dense_layout
-
-    return value.layout is torch.strided and tuple(value.stride()) == dense_layout(value)[1]
 
 
 def _filled_ops(

@@ -3,7 +3,7 @@
 An async transfer is an op plus a wait op. The FX lowering emits, for a saved activation
 ``act`` that the plan offloads::
 
-    host = hyper_offload.copy_d2h(act)                       # forward, after act's last write
+    host = hyper_offload.copy_d2h(act, dim_order)            # forward, after act's last write
     host = hyper_offload.wait_transfer(host, keepalive=act)  # act's bytes live until here
     ...
     dev  = hyper_offload.copy_h2d(host, device)              # backward, early enough to hide it
@@ -12,14 +12,21 @@ An async transfer is an op plus a wait op. The FX lowering emits, for a saved ac
 
 Schemas::
 
-    copy_d2h(Tensor src) -> Tensor                  new host tensor, dense_layout(src)
+    copy_d2h(Tensor src, int[]? dim_order=None) -> Tensor
+                                                    new host tensor, host_layout(src, dim_order)
     copy_h2d(Tensor host, Device device) -> Tensor  new device tensor, dense_layout(host)
     wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)
     release_host(Tensor host, Tensor? after=None) -> ()
 
 ``dense_layout`` keeps the strides of a non-overlapping dense tensor (a transposed
-activation comes back transposed, byte for byte) and packs anything else row-major; fake
-and real kernels both use it, so traced and real layouts agree exactly. No op mutates an
+activation comes back transposed, byte for byte) and packs anything else row-major.
+``copy_d2h``'s ``dim_order`` (dims from the fastest-varying to the slowest) fixes the host
+copy's layout instead: dense in that order, whatever strides the source has at run time.
+The FX lowering always passes it, taken from the fake value the backward was planned on,
+because an inner compiler may lay out an intermediate differently from its fake value
+(Inductor fused a contiguous ``clone`` into a permuted buffer); the copy then gathers, and
+the host copy is still exactly what the fake kernel promised. Fake and real kernels share
+``host_layout``, so traced and real layouts agree exactly. No op mutates an
 input. ``wait_transfer`` returns its input, and says so with the alias
 annotation ``(a)``; readers of a transferred tensor consume the wait's *result*, so every
 compiler sees a data edge from the wait to them and cannot hoist a read above it.
@@ -68,16 +75,26 @@ __all__ = [
     "TRANSFER_OPS",
     "WAIT_TRANSFER",
     "dense_layout",
+    "dim_order_of",
+    "host_layout",
 ]
 
 NAMESPACE = "hyper_offload"
 
 # FRAGMENT, not DEF: other modules of the library may add ops to the same namespace.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-_LIB.define("copy_d2h(Tensor src) -> Tensor")
-_LIB.define("copy_h2d(Tensor host, Device device) -> Tensor")
-_LIB.define("wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)")
-_LIB.define("release_host(Tensor host, Tensor? after=None) -> ()")
+# flexible_layout: Inductor hands every transfer op its tensor arguments as they are,
+# never a re-laid-out copy. The wait's ``keepalive`` must be the very buffer the copy
+# reads (a stride constraint would copy the source to a temporary that Inductor may reuse
+# while the D2H still reads it), and the host copy's layout does not depend on the
+# source's: ``copy_d2h`` lays it out by ``dim_order`` (issue 15, docs/architecture.md).
+_FLEXIBLE = (torch.Tag.flexible_layout,)
+_LIB.define("copy_d2h(Tensor src, int[]? dim_order=None) -> Tensor", tags=_FLEXIBLE)
+_LIB.define("copy_h2d(Tensor host, Device device) -> Tensor", tags=_FLEXIBLE)
+_LIB.define(
+    "wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)", tags=_FLEXIBLE
+)
+_LIB.define("release_host(Tensor host, Tensor? after=None) -> ()", tags=_FLEXIBLE)
 
 COPY_D2H: torch._ops.OpOverload = torch.ops.hyper_offload.copy_d2h.default
 COPY_H2D: torch._ops.OpOverload = torch.ops.hyper_offload.copy_h2d.default
@@ -114,6 +131,41 @@ def dense_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
         strides.append(step)
         step *= max(size, 1)
     return shape, tuple(reversed(strides))
+
+
+def dim_order_of(tensor: torch.Tensor) -> list[int]:
+    """``tensor``'s dims from the fastest-varying (smallest stride) to the slowest.
+
+    Ties (size-1 dims, whose strides mean nothing) put the later dim first, as a
+    contiguous tensor has them. Symbolic strides are ordered by their size hints."""
+
+    def key(dim: int) -> tuple[int, int]:
+        stride = tensor.stride(dim)
+        hint = stride.node.hint if isinstance(stride, torch.SymInt) else stride
+        return (int(hint) if hint is not None else 0, -dim)
+
+    return sorted(range(tensor.dim()), key=key)
+
+
+def host_layout(
+    tensor: torch.Tensor, dim_order: list[int] | None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides of ``copy_d2h``'s host copy of ``tensor``: dense in
+    ``dim_order``, or ``dense_layout(tensor)`` without one."""
+    if dim_order is None:
+        return dense_layout(tensor)
+    shape = tuple(tensor.shape)
+    if sorted(dim_order) != list(range(len(shape))):
+        raise ValueError(
+            f"hyper_offload::copy_d2h: dim_order {list(dim_order)} is not a permutation of "
+            f"the {len(shape)} dims of a {shape} tensor. Fix: pass dim_order_of(<fake value>)"
+        )
+    strides = [0] * len(shape)
+    step = 1
+    for dim in dim_order:
+        strides[dim] = step
+        step *= torch.sym_max(shape[dim], 1)
+    return shape, tuple(strides)
 
 
 # ---------------------------------------------------------------- placeholder kernels
@@ -161,8 +213,8 @@ def drop_placeholder_kernels() -> None:
 
 
 @torch.library.register_fake(f"{NAMESPACE}::copy_d2h", lib=_LIB)
-def _copy_d2h_fake(src: torch.Tensor) -> torch.Tensor:
-    shape, stride = dense_layout(src)
+def _copy_d2h_fake(src: torch.Tensor, dim_order: list[int] | None = None) -> torch.Tensor:
+    shape, stride = host_layout(src, dim_order)
     return torch.empty_strided(shape, stride, dtype=src.dtype, device="cpu")
 
 
@@ -191,8 +243,8 @@ def _save_source_device(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.source_device = inputs[0].device
 
 
-def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-    return grad.to(ctx.source_device)
+def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad.to(ctx.source_device), None
 
 
 def _copy_h2d_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

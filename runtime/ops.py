@@ -30,6 +30,7 @@ from .op_declarations import (
     TRANSFER_OPS,
     WAIT_TRANSFER,
     dense_layout,
+    host_layout,
 )
 from .transfer_context import current_transfer_runtime
 
@@ -51,9 +52,9 @@ __all__ = [
 # ---------------------------------------------------------------- real kernels
 
 
-def _copy_d2h_kernel(src: torch.Tensor) -> torch.Tensor:
+def _copy_d2h_kernel(src: torch.Tensor, dim_order: list[int] | None = None) -> torch.Tensor:
     runtime = current_transfer_runtime("hyper_offload::copy_d2h")
-    return runtime.copy_d2h(src, *dense_layout(src))
+    return runtime.copy_d2h(src, *host_layout(src, dim_order))
 
 
 def _copy_h2d_kernel(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -87,9 +88,10 @@ _IMPL.impl("release_host", _release_host_kernel, REAL_KERNEL_KEY)
 # ---------------------------------------------------------------- Python entry points
 
 
-def copy_d2h(src: torch.Tensor) -> torch.Tensor:
-    """Start copying ``src`` into a host buffer from the current runtime's pool."""
-    return COPY_D2H(src)
+def copy_d2h(src: torch.Tensor, dim_order: list[int] | None = None) -> torch.Tensor:
+    """Start copying ``src`` into a host buffer from the current runtime's pool, laid out
+    densely in ``dim_order`` (default: ``src``'s own dense layout)."""
+    return COPY_D2H(src, dim_order)
 
 
 def copy_h2d(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -38,7 +38,14 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload.config import OffloadConfig
-from hyper_offload.passes import fx_lowering, fx_trace, greedy_planner, planning, refine_prefetch
+from hyper_offload.passes import (
+    fx_lowering,
+    fx_saved,
+    fx_trace,
+    greedy_planner,
+    planning,
+    refine_prefetch,
+)
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime, op_declarations
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 
@@ -55,7 +62,7 @@ __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
 _SOURCES = tuple(
     str(module.__file__)
     for module in (region_plan, planning, greedy_planner, refine_prefetch, fx_trace,
-                   fx_lowering, op_declarations)
+                   fx_saved, fx_lowering, op_declarations)
 )
 
 

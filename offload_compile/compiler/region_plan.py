@@ -114,10 +114,10 @@ def build_region_report(
     seconds: float,
 ) -> RegionReport:
     timing = exposed_transfer_time(fx_trace.trace, schedule)
-    saved = fx_trace.saved_by_storage()
+    movable = fx_trace.movable()
     offloaded = tuple(
-        saved[a.storage].name for _, _, a in schedule.actions()
-        if a.kind.value == "COPY_D2H" and a.storage in saved
+        saved.name for _, _, a in schedule.actions()
+        if a.kind.value == "COPY_D2H" and a.storage in movable for saved in movable[a.storage]
     )
     return RegionReport(
         region=region,

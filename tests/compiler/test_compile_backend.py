@@ -53,7 +53,9 @@ def _check_forward_code(lines: list[str]) -> int:
     """Each copy_d2h follows the kernel that wrote its source with no kernel between."""
     count = 0
     for i, line in enumerate(lines):
-        match = re.match(r"(\w+) = torch\.ops\.hyper_offload\.copy_d2h\.default\((\w+)\)", line)
+        match = re.match(
+            r"(\w+) = torch\.ops\.hyper_offload\.copy_d2h\.default\((\w+), \[[\d, ]*\]\)", line
+        )
         if not match:
             continue
         count += 1
@@ -96,8 +98,9 @@ def test_inductor_output_code_keeps_every_transfer_in_order(dtype):
     backend = offload_backend("inductor", "tight")
     compiled = torch.compile(model, backend=backend)
     _, codes = run_and_get_code(lambda: _step(compiled, x))
-    offloaded = len(backend.reports[0].offloaded)
-    assert offloaded >= 3
+    report = backend.reports[0]
+    offloaded = len({s.storage for s in backend.regions[0].planned.fx_trace.saved if s.name in report.offloaded})
+    assert offloaded >= 3  # storages moved (one copy each way per storage)
     fw = [c for c in codes if "copy_d2h" in c]
     bw = [c for c in codes if "copy_h2d" in c]
     assert len(fw) == 1 and len(bw) == 1
@@ -149,8 +152,10 @@ def test_saved_device_bytes_drop_with_the_budget_and_match_the_plan(inner):
         offloaded = set(region.report.offloaded)
         sizes = region.fx_trace.trace.storage_sizes
         predicted = sum(
-            sizes[s.storage] for s in region.fx_trace.saved
-            if s.storage is not None and s.name not in offloaded
+            sizes[sid] for sid in {
+                s.storage for s in region.fx_trace.saved
+                if s.storage is not None and s.name not in offloaded
+            }
         )
         assert got == predicted  # the runtime keeps exactly what the plan keeps
         boundary = region.check.resident_bytes[region.fx_trace.num_fw_ops - 1]
@@ -160,8 +165,10 @@ def test_saved_device_bytes_drop_with_the_budget_and_match_the_plan(inner):
         measured.append(got)
     assert measured[0] > measured[1] > measured[2]
     # as tight as feasible: every saved activation with an offloadable gap moved
-    saved = region.fx_trace.saved_by_storage()
-    movable = {saved[c.storage].name for c in offload_candidates(region.fx_trace.trace)}
+    groups = region.fx_trace.movable()
+    movable = {
+        saved.name for c in offload_candidates(region.fx_trace.trace) for saved in groups[c.storage]
+    }
     assert movable and set(region.report.offloaded) == movable
 
 
@@ -182,7 +189,8 @@ def test_report_and_logging(caplog):
     worst = max(report.infeasible_ops, key=lambda o: o.excess_bytes)
     assert "infeasible" in warnings[0].getMessage() and worst.op in warnings[0].getMessage()
     assert f"{len(report.infeasible_ops)} op(s)" in warnings[0].getMessage()
-    assert report.bytes_d2h == report.bytes_h2d > 0 and report.transfers == 2 * len(report.offloaded)
+    moved = {s.storage for s in backend.regions[0].planned.fx_trace.saved if s.name in report.offloaded}
+    assert report.bytes_d2h == report.bytes_h2d > 0 and report.transfers == 2 * len(moved)
     assert report.predicted_peak_after < report.predicted_peak_before
     assert 0 <= report.exposed_transfer_s <= report.d2h_s + report.h2d_s
     assert report.fw_nodes > 0 and report.bw_nodes > 0 and report.saved_activation_bytes >= report.bytes_d2h

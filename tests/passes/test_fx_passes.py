@@ -69,20 +69,26 @@ def test_trace_keeps_parameters_out_and_only_cross_graph_gaps_offloadable():
     assert fx_trace.op_nodes[0].startswith("fw:") and fx_trace.op_nodes[-1].startswith("bw:")
 
 
-def test_lowering_inserts_copies_after_producers_and_reloads_before_readers():
+def test_lowering_inserts_copies_after_the_first_saved_tensor_and_reloads_before_readers():
     fw, bw, n, fx_trace, schedule = planned(0.0)
+    groups = fx_trace.movable()
+    assert any(s.base != s.name for g in groups.values() for s in g)  # views move too
     lower_schedule(fw, bw, fx_trace, schedule)
     nodes = list(fw.graph.nodes)
     copies = [i for i, node in enumerate(nodes) if node.target is COPY_D2H]
-    assert len(copies) == sum(s.offloadable for s in fx_trace.saved)
+    assert len(copies) == len(groups)  # one copy per storage
+    by_base = {g[0].base: g for g in groups.values()}
     for i in copies:
         source = nodes[i].args[0]
-        # right after the node that names the activation (its producer or the
-        # producer's getitem), or after the copies inserted there before it
+        group = by_base[source.name]
+        # the copy reads the storage's base, right after the first saved tensor on it
+        # (where Inductor realizes the base in the plain graph), or after the transfer
+        # ops inserted there before it
         j = i - 1
-        while nodes[j].target is COPY_D2H:
+        while nodes[j].target in (COPY_D2H, WAIT_TRANSFER):
             j -= 1
-        assert nodes[j] is source
+        first = min((n for n in nodes if n.name in {s.name for s in group}), key=nodes.index)
+        assert nodes[j] is first
     output = fw.graph.find_nodes(op="output")[0].args[0]
     assert sum(1 for o in output if getattr(o, "target", None) is WAIT_TRANSFER) == len(copies)
     for node in bw.graph.find_nodes(op="call_function", target=WAIT_TRANSFER):

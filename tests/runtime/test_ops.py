@@ -54,7 +54,7 @@ def transfer_nodes(gm: torch.fx.GraphModule) -> list[object]:
 
 def test_schemas_declare_exactly_what_the_ops_do() -> None:
     assert [str(op._schema) for op in ops.TRANSFER_OPS] == [
-        "hyper_offload::copy_d2h(Tensor src) -> Tensor",
+        "hyper_offload::copy_d2h(Tensor src, int[]? dim_order=None) -> Tensor",
         "hyper_offload::copy_h2d(Tensor host, Device device) -> Tensor",
         "hyper_offload::wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)",
         "hyper_offload::release_host(Tensor host, Tensor? after=None) -> ()",
@@ -68,6 +68,9 @@ def test_schemas_declare_exactly_what_the_ops_do() -> None:
         == wait_schema.arguments[0].alias_info.before_set
     )
     assert wait_schema.arguments[1].alias_info is None
+    # Inductor passes every argument as it is (the keepalive must be the copied buffer).
+    for op in ops.TRANSFER_OPS:
+        assert op.tags == [torch.Tag.flexible_layout]
 
 
 def test_the_wait_returns_its_input_and_the_copies_return_new_storage(
