@@ -23,7 +23,7 @@ On CUDA both also return ``max_memory_allocated`` / ``max_memory_reserved`` delt
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,13 +78,14 @@ def _tensor_bytes(meta: Any) -> int:
     return numel * dtype.itemsize
 
 
-def _timeline(prof: profile, device: torch.device) -> StepMemory:
+def _timeline(prof: profile, device: torch.device, gradient_ptrs: frozenset[int] = frozenset()) -> StepMemory:
     from torch._C._profiler import _EventType
 
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     allocations = sorted(
         (n for n in nodes if n.tag == _EventType.Allocation), key=lambda n: n.start_time_ns
     )
+    allocations = _without_gradient_blocks(allocations, gradient_ptrs)
     moved = {"d2h": 0, "h2d": 0}
     for node in nodes:
         kind = _MOVES.get(node.name)
@@ -124,6 +125,21 @@ def _timeline(prof: profile, device: torch.device) -> StepMemory:
     )
 
 
+def _without_gradient_blocks(allocations: list[Any], gradient_ptrs: frozenset[int]) -> list[Any]:
+    """``allocations`` without the blocks that end the step as a parameter's ``.grad``
+    (allocated at one of ``gradient_ptrs`` and never freed in the step): the compile
+    door's budget is an activation budget, gradients are the optimizer's memory."""
+    last_alloc: dict[int, int] = {}
+    for index, node in enumerate(allocations):
+        ptr, size = int(node.extra_fields.ptr), int(node.extra_fields.alloc_size)
+        if size > 0:
+            last_alloc[ptr] = index
+        else:
+            last_alloc.pop(ptr, None)
+    dropped = {i for ptr, i in last_alloc.items() if ptr in gradient_ptrs}
+    return [node for index, node in enumerate(allocations) if index not in dropped]
+
+
 def _cuda_begin(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -140,8 +156,13 @@ def _cuda_end(device: torch.device, base: int | None, memory: StepMemory) -> Non
     memory.allocator_reserved_peak_bytes = int(torch.cuda.max_memory_reserved(device))
 
 
-def profiled_step(step: Callable[[], Any], device: torch.device) -> tuple[Any, StepMemory]:
-    """Run ``step()`` under the profiler; its result and the measured :class:`StepMemory`."""
+def profiled_step(
+    step: Callable[[], Any], device: torch.device, params: Iterable[torch.Tensor] = ()
+) -> tuple[Any, StepMemory]:
+    """Run ``step()`` under the profiler; its result and the measured :class:`StepMemory`.
+
+    Blocks that end the step as the ``.grad`` of one of ``params`` are left out of the
+    curve (activation memory, as the compile door budgets it)."""
     base = _cuda_begin(device)
     started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
@@ -149,7 +170,10 @@ def profiled_step(step: Callable[[], Any], device: torch.device) -> tuple[Any, S
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
-    memory = _timeline(prof, device)
+    gradient_ptrs = frozenset(
+        p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None
+    )
+    memory = _timeline(prof, device, gradient_ptrs)
     memory.seconds = seconds
     _cuda_end(device, base, memory)
     return result, memory

@@ -206,6 +206,12 @@ def _lower_copy_d2h(
     the storage's last forward write)."""
     base = g.fw_nodes[group[0].base]  # type: ignore[index]
     anchor = min((g.fw_nodes[a.name] for a in group), key=g.fw_order.__getitem__)
+    # In the plain graph this node is a graph output, which Inductor realizes when it
+    # lowers it, with its fake value's stride order. Now the output reads the wait, so
+    # ask for exactly that treatment (Inductor's ``inductor_realize_to_strides``):
+    # otherwise the producing kernel may be scheduled differently (HF Llama's rotary
+    # ``add`` got another loop order and vectorized sin/cos: fp32 gradients differed).
+    anchor.meta["inductor_realize_to_strides"] = True
     if writer is not None:
         anchor = g.later(anchor, writer)
     # The host copy's layout comes from the fake value, not from whatever layout the

@@ -15,11 +15,10 @@ Storages (the trace's unit) come from fake-tensor metadata:
 * a saved activation (a forward output the backward takes as a placeholder of the same
   name) is one storage across both graphs;
 * model outputs (the first ``num_fwd_outputs`` forward outputs) and the backward's
-  outputs (gradients) are ``retained``. Gradients count their real bytes: the compiled
-  backward holds every one it produced until it returns, so they are device memory the
-  step's peak contains (the eager session's trace counts them too), though no plan can
-  move them. (They once counted 0 bytes, and the demo's measured peak then exceeded a
-  met budget by the gradients alive at that op.)
+  outputs (gradients) are ``retained``; gradients count 0 bytes: they are the
+  optimizer's memory, sized by the parameters like the parameters themselves, not
+  activations, and no plan can move them. The budget is an activation budget; the
+  demo's measured activation peak leaves out the blocks that end the step as ``.grad``.
 
 Offload policy (why the trace is "filled"): only the gap between a saved activation's
 last forward access and its first backward access may be offloaded. A gap inside one
@@ -308,6 +307,8 @@ def build_fx_trace(
         for sid in builder.of(BACKWARD_GRAPH, node)
         if sid is not None
     }
+    for sid in grads - model_outputs:
+        builder.sizes[sid] = 0  # the optimizer's memory, not activations (see above)
     saved = classify_saved(
         fw.graph, saved_nodes, storage_of=saved_storage, sizes=builder.sizes,
         bases={sid: base for sid, base in builder.bases.items() if sid < num_fw_storages},
