@@ -165,19 +165,7 @@ def _lower_action(
             raise _fail(op, action, g.fx_trace, "COPY_D2H precedes the storage's last write")
         _lower_copy_d2h(g, s, group, g.node(last_write[s]) if s in last_write else None)
     elif kind is ActionKind.RELEASE_DEVICE and in_fw and slot == "post" and s in g.d2h:
-        copy, base = g.d2h[s], g.fw_nodes[group[0].base]  # type: ignore[index]
-        anchor = g.later(g.d2h_anchor[s], g.node(op))
-        if anchor is g.d2h_anchor[s]:
-            # The last reader comes before the copy's slot (it is the producer, or a
-            # reader between the producer and the first saved tensor): wait at the copy.
-            anchor, copy_anchor = copy, True
-        else:
-            copy_anchor = False
-        node = g.insert_after(anchor, WAIT_TRANSFER, (copy, base))
-        if copy_anchor:
-            g.after_cursor[g.d2h_anchor[s]] = node
-        node.meta["val"] = copy.meta["val"]
-        g.fw_wait[s] = node
+        _lower_forward_release(g, s, group, g.node(op))
     elif kind is ActionKind.RELEASE_DEVICE and s in g.bw_wait and op == last_access.get(s):
         return  # the reloaded copy's end of life
     elif kind is ActionKind.COPY_H2D and not in_fw and slot == "pre" and s in g.fw_wait:
@@ -220,6 +208,23 @@ def _lower_copy_d2h(
     node = g.insert_after(anchor, COPY_D2H, (base, dim_order))
     node.meta["val"] = _host_value(base.meta["val"], dim_order)
     g.d2h[s], g.d2h_anchor[s] = node, anchor
+
+
+def _lower_forward_release(
+    g: _Graphs, s: StorageId, group: Sequence[SavedActivation], reader: fx.Node
+) -> None:
+    """``wait_transfer(host, keepalive=base)`` after the storage's last forward reader;
+    right after the copy when that reader comes first (the producer itself, or a reader
+    between the producer and the first saved tensor), and before anything inserted after
+    the copy's slot since."""
+    copy, base = g.d2h[s], g.fw_nodes[group[0].base]  # type: ignore[index]
+    slot = g.d2h_anchor[s]
+    after_copy = g.later(slot, reader) is slot
+    node = g.insert_after(copy if after_copy else reader, WAIT_TRANSFER, (copy, base))
+    if after_copy:
+        g.after_cursor[slot] = node  # later inserts at the copy's slot follow the wait
+    node.meta["val"] = copy.meta["val"]
+    g.fw_wait[s] = node
 
 
 def _lower_wait_h2d(

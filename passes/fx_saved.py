@@ -108,9 +108,9 @@ def _dense(value: torch.Tensor) -> bool:
     return value.layout is torch.strided and tuple(value.stride()) == dense_layout(value)[1]
 
 
-def base_node(fw: fx.Graph, base: StorageBase) -> fx.Node | None:
-    """The forward node whose value is the storage's base tensor, if the graph has one."""
-    nodes = {n.name: n for n in fw.nodes}
+def base_node(nodes: Mapping[str, fx.Node], base: StorageBase) -> fx.Node | None:
+    """The forward node (of ``nodes``, by name) whose value is the storage's base
+    tensor, if the graph has one."""
     creator = nodes.get(base.node)
     if creator is None:
         return None
@@ -165,6 +165,29 @@ def _view_reason(value: torch.Tensor, base_value: torch.Tensor) -> str:
     return ""
 
 
+def _storage_verdicts(
+    sid: StorageId | None,
+    nodes: Sequence[fx.Node],
+    base: fx.Node | None,
+    *,
+    sizes: Mapping[StorageId, int],
+    bases: Mapping[StorageId, StorageBase],
+    model_outputs: set[StorageId],
+) -> dict[str, str]:
+    """Reason each saved node on ``sid`` stays ("" for all of them when it moves). A
+    storage moves whole or not at all: one view that cannot be rebuilt keeps them all."""
+    reason = _storage_reason(sid, sizes=sizes, bases=bases, model_outputs=model_outputs, base=base)
+    if reason:
+        return {node.name: reason for node in nodes}
+    assert sid is not None
+    views = {node.name: _view_reason(node.meta["val"], bases[sid].value) for node in nodes}
+    blocked = next(((name, why) for name, why in views.items() if why), None)
+    if blocked is None:
+        return views
+    sibling = f"shares its storage with {blocked[0]}, which is kept: {blocked[1]}"
+    return {name: why or sibling for name, why in views.items()}
+
+
 def classify_saved(
     fw: fx.Graph,
     saved_nodes: Sequence[fx.Node],
@@ -174,43 +197,29 @@ def classify_saved(
     bases: Mapping[StorageId, StorageBase],
     model_outputs: set[StorageId],
 ) -> list[SavedActivation]:
-    """One :class:`SavedActivation` per saved node, by the rules of the module docstring.
-
-    ``storage_of`` maps forward node names to their storage; ``bases`` says which op
-    created each storage. A storage moves whole or not at all: when one saved tensor on
-    it cannot be rebuilt, all of them stay and say why.
-    """
+    """One :class:`SavedActivation` per saved node, in order, by the rules of the module
+    docstring. ``storage_of`` maps forward node names to their storage; ``bases`` says
+    which op created each storage."""
     from .cost_model import tensor_bytes
 
     by_storage: dict[StorageId | None, list[fx.Node]] = {}
     for node in saved_nodes:
         by_storage.setdefault(storage_of.get(node.name), []).append(node)
-    verdicts: dict[str, tuple[str, str | None]] = {}
+    fw_nodes = {n.name: n for n in fw.nodes}
+    reasons: dict[str, str] = {}
+    base_names: dict[str, str] = {}
     for sid, nodes in by_storage.items():
-        base = base_node(fw, bases[sid]) if sid in bases else None
-        reason = _storage_reason(
-            sid, sizes=sizes, bases=bases, model_outputs=model_outputs, base=base
+        base = base_node(fw_nodes, bases[sid]) if sid in bases else None
+        verdicts = _storage_verdicts(
+            sid, nodes, base, sizes=sizes, bases=bases, model_outputs=model_outputs
         )
-        if not reason:
-            views = {n.name: _view_reason(n.meta["val"], bases[sid].value) for n in nodes}
-            blocked = next(((name, why) for name, why in views.items() if why), None)
-            if blocked is not None:
-                reason = blocked[1]
-                for node in nodes:
-                    verdicts[node.name] = (
-                        views[node.name]
-                        or f"shares its storage with {blocked[0]}, which is kept: {blocked[1]}",
-                        None,
-                    )
-                continue
-        for node in nodes:
-            verdicts[node.name] = (reason, base.name if base is not None and not reason else None)
-    result = []
-    for node in saved_nodes:
-        reason, base_name = verdicts[node.name]
-        nbytes = tensor_bytes(node.meta["val"], f"fw:{node.name}")
-        result.append(
-            SavedActivation(node.name, storage_of.get(node.name), nbytes, not reason, reason,
-                            base_name)
+        reasons.update(verdicts)
+        if base is not None and not any(verdicts.values()):
+            base_names.update({node.name: base.name for node in nodes})
+    return [
+        SavedActivation(
+            node.name, storage_of.get(node.name), tensor_bytes(node.meta["val"], f"fw:{node.name}"),
+            not reasons[node.name], reasons[node.name], base_names.get(node.name),
         )
-    return result
+        for node in saved_nodes
+    ]

@@ -30,6 +30,7 @@ from .op_declarations import (
     TRANSFER_OPS,
     WAIT_TRANSFER,
     dense_layout,
+    dim_order_of,
     host_layout,
 )
 from .transfer_context import current_transfer_runtime
@@ -44,6 +45,8 @@ __all__ = [
     "copy_d2h",
     "copy_h2d",
     "dense_layout",
+    "dim_order_of",
+    "host_layout",
     "release_host",
     "wait_transfer",
 ]

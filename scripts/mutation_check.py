@@ -55,13 +55,15 @@ MUTATIONS = (
              ("tests/passes/test_validator.py", "tests/cli/test_plan.py"),
              "ScheduleReport.ok ignores violations; the plan CLI never exits 3"),
     Mutation("d2h-backward-zeros", "runtime/op_declarations.py",
-             "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:\n"
-             "    return grad.to(ctx.source_device)",
-             "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:\n"
-             "    return torch.zeros_like(grad).to(ctx.source_device)",
+             "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:\n"
+             "    return grad.to(ctx.source_device), None",
+             "def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:\n"
+             "    return torch.zeros_like(grad).to(ctx.source_device), None",
              (RT + "test_ops.py",), "copy_d2h's backward returns zeros"),
     Mutation("h2d-backward-zeros", "runtime/op_declarations.py",
+             "def _copy_h2d_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:\n"
              "    return grad.to(ctx.source_device), None",
+             "def _copy_h2d_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:\n"
              "    return torch.zeros_like(grad).to(ctx.source_device), None",
              (RT + "test_ops.py",), "copy_h2d's backward returns zeros"),
     Mutation("wait-backward-zeros", "runtime/op_declarations.py",
@@ -127,6 +129,26 @@ MUTATIONS = (
     Mutation("host-sync-counter-silent", "runtime/host_sync.py",
              "            self._counts[reason] = self._counts.get(reason, 0) + 1",
              "            pass", (COPY,), "the host-sync counter counts nothing"),
+    Mutation("rebuilt-view-loses-offset", "passes/fx_lowering.py",
+             "(wait, list(layout.size), list(layout.stride), layout.offset),",
+             "(wait, list(layout.size), list(layout.stride), 0),",
+             ("tests/passes/test_fx_saved.py",),
+             "a saved view is rebuilt at offset 0 of its reloaded base"),
+    Mutation("host-copy-ignores-dim-order", "runtime/op_declarations.py",
+             "    if dim_order is None:\n        return dense_layout(tensor)",
+             "    if True:\n        return dense_layout(tensor)",
+             ("tests/runtime/test_ops.py",),
+             "copy_d2h lays the host copy out like the source, not as dim_order says"),
+    Mutation("split-outputs-own-storages", "passes/fx_trace.py",
+             'if info is not None and "*" in info.after_set and info.before_set:',
+             'if False:',
+             ("tests/passes/test_fx_saved.py",),
+             "split/unbind results get storages of their own (q/k/v views stop moving once)"),
+    Mutation("saved-node-not-realized-like-an-output", "passes/fx_lowering.py",
+             '    anchor.meta["inductor_realize_to_strides"] = True\n', "",
+             ("tests/compiler/test_saved_views_numerics.py::"
+              "test_every_budget_moves_saved_views_and_stays_bit_exact[hf_llama-inductor-fp32]",),
+             "Inductor reschedules a saved node's producer once it is no output (fp32 drifts)"),
 )
 
 

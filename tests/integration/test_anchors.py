@@ -65,8 +65,11 @@ def test_hyper_offload_compile_moves_saved_bytes_off_the_device(results: dict[st
     assert r["bytes_moved"] > 0
     assert r["saved_bytes"] < r["compile_saved_bytes"]  # plain compile, same process
     assert r["predicted_peak_after"] < r["predicted_peak_before"]
-    if r["feasible"]:  # the region's own budget: the fraction of its predicted peak
-        assert r["predicted_peak_after"] <= r["budget_fraction"] * r["predicted_peak_before"]
+    # Half of the region's peak is feasible now that saved views move with their base
+    # (issue 15), and the saved bytes measured from autograd's graph fit in it.
+    assert r["feasible"], r
+    assert r["predicted_peak_after"] <= r["budget_fraction"] * r["predicted_peak_before"]
+    assert r["saved_bytes"] <= r["budget_fraction"] * r["predicted_peak_before"]
 
 
 def test_baselines_do_what_they_claim(results: dict[str, dict[str, Any]]) -> None:

@@ -214,6 +214,27 @@ def test_dense_layout_keeps_dense_strides_and_packs_the_rest_row_major() -> None
     assert ops.dense_layout(torch.tensor(3.0)) == ((), ())
 
 
+def test_dim_order_fixes_the_host_layout_whatever_the_source_layout(
+    runtime: TransferRuntime,
+) -> None:
+    """The layout the fake value was planned with, even when the real source is laid out
+    otherwise (as Inductor may lay out an intermediate): the copy gathers, the values and
+    the promised strides hold, and the fake kernel promises the same strides."""
+    planned = torch.empty(4, 8, 2, 16)  # contiguous: dims fastest to slowest 3, 2, 1, 0
+    order = ops.dim_order_of(planned)
+    assert order == [3, 2, 1, 0]
+    src = torch.randn(4, 2, 8, 16).transpose(1, 2)  # same values' shape, permuted layout
+    host = ops.copy_d2h(src, order)
+    ops.wait_transfer(host, src)
+    assert host.stride() == planned.stride() and torch.equal(host, src)
+    with FakeTensorMode() as mode:
+        fake = ops.COPY_D2H(mode.from_tensor(src), order)
+    assert fake.stride() == planned.stride()
+    assert ops.dim_order_of(torch.empty(4, 8, 1)) == [2, 1, 0]  # size-1 ties: later dim first
+    with pytest.raises(ValueError, match="not a permutation"):
+        ops.host_layout(src, [0, 1, 1, 3])
+
+
 def test_torch_compile_aot_eager_gives_identical_values_and_gradients(
     runtime: TransferRuntime,
 ) -> None:
