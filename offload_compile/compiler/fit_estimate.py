@@ -109,6 +109,7 @@ class EstimateReport:
             h2d_s=self.region.h2d_s,
             exposed_transfer_s=self.exposed_transfer_s,
             infeasible_ops=len(self.region.infeasible_ops),
+            kept_saved_bytes=self.region.kept_bytes,
             plan_seconds=self.region.plan_seconds,
         )
         return data
@@ -136,6 +137,12 @@ class EstimateReport:
             f"TFLOP/s, {self.memory_bytes_per_s / 1e9:g} GB/s)",
             f"traced in {self.trace_seconds:.1f} s, planned in {r.plan_seconds:.1f} s",
         ]
+        if r.kept:
+            worst = r.kept[0]
+            lines.insert(3, (
+                f"saved activations that cannot move: {_mib(r.kept_bytes)} in {len(r.kept)} "
+                f"storage(s), largest {_mib(worst.nbytes)} ({worst.names[0]}: {worst.reason})"
+            ))
         if not self.fits:
             lines.append(
                 f"raise the budget to at least {_mib(self.min_feasible_budget_bytes)}: "

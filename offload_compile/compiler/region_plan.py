@@ -27,9 +27,9 @@ from hyper_offload.passes.planning import plan_residency
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
-from .region_report import InfeasibleOpReport, RegionReport
+from .region_report import InfeasibleOpReport, KeptSavedReport, RegionReport
 
-__all__ = ["PlannedRegion", "build_region_report", "plan_graphs", "plan_region"]
+__all__ = ["PlannedRegion", "build_region_report", "kept_saved", "plan_graphs", "plan_region"]
 
 
 @dataclass(frozen=True)
@@ -140,4 +140,19 @@ def build_region_report(
             for op in check.infeasible_ops
         ),
         plan_seconds=seconds,
+        kept=kept_saved(fx_trace),
     )
+
+
+def kept_saved(fx_trace: FxTrace) -> tuple[KeptSavedReport, ...]:
+    """Saved activations (not parameters or inputs) that stay on the device, one entry
+    per storage, largest first, each with ``fx_saved``'s reason."""
+    groups: dict[int, list[str]] = {}
+    reasons: dict[int, str] = {}
+    for saved in fx_trace.saved:
+        if saved.storage is not None and not saved.offloadable:
+            groups.setdefault(saved.storage, []).append(saved.name)
+            reasons.setdefault(saved.storage, saved.reason)
+    sizes = fx_trace.trace.storage_sizes
+    kept = [KeptSavedReport(tuple(names), sizes[sid], reasons[sid]) for sid, names in groups.items()]
+    return tuple(sorted(kept, key=lambda k: -k.nbytes))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 LOGGER = logging.getLogger("hyper_offload")
 
-__all__ = ["LOGGER", "InfeasibleOpReport", "RegionReport", "log_region_report"]
+__all__ = ["LOGGER", "InfeasibleOpReport", "KeptSavedReport", "RegionReport", "log_region_report"]
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,24 @@ class InfeasibleOpReport:
 
 
 @dataclass(frozen=True)
+class KeptSavedReport:
+    """One storage of saved activations that stays on the device, and why
+    (``passes.fx_saved``): ``names`` are the saved tensors on it."""
+
+    names: tuple[str, ...]
+    nbytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class RegionReport:
     """Per compiled region: sizes, the plan's predicted effect, and its feasibility.
 
     ``predicted_peak_before`` / ``after`` are the activation bytes resident at the
     region's peak without and with the plan (``check_schedule``'s curve);
-    ``exposed_transfer_s`` is the copy time compute is not predicted to hide.
+    ``exposed_transfer_s`` is the copy time compute is not predicted to hide;
+    ``kept`` lists the saved activations no plan can move (parameters and inputs are
+    not activations and are not listed), largest first.
     """
 
     region: int
@@ -50,14 +62,22 @@ class RegionReport:
     exposed_transfer_s: float
     infeasible_ops: tuple[InfeasibleOpReport, ...]
     plan_seconds: float
+    kept: tuple[KeptSavedReport, ...] = ()
 
     @property
     def feasible(self) -> bool:
         return not self.infeasible_ops
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of saved activations that stay on the device whatever the budget."""
+        return sum(k.nbytes for k in self.kept)
+
     def summary(self) -> dict[str, object]:
         data = dict(self.__dict__)
         data["infeasible_ops"] = [op.__dict__ for op in self.infeasible_ops]
+        data["kept"] = [{**k.__dict__, "names": list(k.names)} for k in self.kept]
+        data["kept_bytes"] = self.kept_bytes
         data["offloaded"] = list(self.offloaded)
         data["feasible"] = self.feasible
         return data
@@ -69,7 +89,8 @@ class RegionReport:
             f"{self.saved_activation_bytes} B, budget {self.budget_bytes} B, predicted peak "
             f"{self.predicted_peak_before} -> {self.predicted_peak_after} B, "
             f"{len(self.offloaded)} offloaded ({self.bytes_d2h} B D2H, {self.bytes_h2d} B H2D, "
-            f"{self.transfers} transfers), predicted exposed transfer "
+            f"{self.transfers} transfers), {self.kept_bytes} B saved that cannot move "
+            f"({len(self.kept)} storages), predicted exposed transfer "
             f"{self.exposed_transfer_s * 1e6:.1f} us, planned in {self.plan_seconds * 1e3:.1f} ms"
         )
 

@@ -417,3 +417,33 @@ def test_skip_offload_is_a_graph_break_and_each_region_is_planned_alone():
     model.zero_grad()
     assert torch.equal(_step(torch.compile(model, backend="aot_eager"), x), loss)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+class _ReturnsWhatItSaves(torch.nn.Module):
+    """``tanh`` saves its output for the backward, and that output is also the model's:
+    a storage no plan can move (it outlives the step anyway)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return h, torch.nn.functional.gelu(h).sum()
+
+
+def test_report_lists_saved_activations_that_cannot_move_and_why():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _ReturnsWhatItSaves(), torch.randn(16, D)
+    backend = offload_backend("aot_eager", "tight")
+    h, loss = torch.compile(model, backend=backend)(x)
+    (loss + h.sum()).backward()
+    report = backend.reports[0]
+    kept = {name: k for k in report.kept for name in k.names}
+    tanh_out = [k for k in report.kept if k.reason == "its storage is also a model output"]
+    assert tanh_out and tanh_out[0].nbytes == h.numel() * h.element_size()
+    assert report.kept_bytes == sum(k.nbytes for k in report.kept) > 0
+    assert not set(kept) & set(report.offloaded)  # a kept tensor is never also moved
+    assert f"{report.kept_bytes} B saved that cannot move" in str(report)
+    assert report.summary()["kept"][0]["reason"] == report.kept[0].reason
