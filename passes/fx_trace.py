@@ -1,8 +1,9 @@
 """Build an :class:`ActivationTrace` from AOTAutograd's forward and backward graphs.
 
 The two graphs of one compiled region are laid end to end: every ``call_function``
-node of the forward, then every one of the backward, is one op (``getitem`` nodes
-and transfer ops are not ops; they name the storage of their source). Op names are
+node of the forward, then every one of the backward, is one op (``getitem`` nodes,
+transfer ops and the views the lowering rebuilds on a reloaded base are not ops; they
+name the storage of their source). Op names are
 ``"fw:<node>"`` / ``"bw:<node>"`` (``trace.FORWARD_GRAPH`` / ``BACKWARD_GRAPH``).
 
 Storages (the trace's unit) come from fake-tensor metadata:
