@@ -9,9 +9,10 @@ each budget and link speed, and re-timed with the one timeline model,
 copy stream, a release waits for its D2H, a reload is waited for before its reader).
 Ops are priced by the roofline at 400 TFLOP/s and 3 TB/s. All figures are *predicted*.
 
-One JSON line per (model, budget, link): bytes moved, compute, stall and stall/compute
-for the planner as it is today (bytes-only). The time-aware planner of issue 16 adds its
-rows here.
+One JSON line per (model, budget, link, pipeline): bytes moved, compute, stall and
+stall/compute, for the compile pipeline before and since its releases are delayed until
+their D2H is predicted done (``passes/release_delay.py``). The planner itself still
+chooses by bytes; the rest of issue 16 adds its rows here.
 
     .venv/bin/python benchmarks/stall.py                 # three models (~3 min on 2 cores)
     .venv/bin/python benchmarks/stall.py --only gpt2_small
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
 from hyper_offload.compiler.region_plan import plan_graphs  # noqa: E402
-from hyper_offload.passes import predict_timeline  # noqa: E402
+from hyper_offload.passes import check_schedule, plan_residency, predict_timeline  # noqa: E402
 from hyper_offload.passes.cost_model import DeviceThroughput  # noqa: E402
 from hyper_offload.runtime.bandwidth import TransferBandwidth  # noqa: E402
 
@@ -80,6 +81,28 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
 }
 
 
+PIPELINES = ("greedy + hoist", "greedy + hoist + release delay")
+"""The compile pipeline before and since releases wait where their D2H is done."""
+
+
+def _row(name: str, pipeline: str, fraction: float, gbps: float, fx_trace: Any,
+         schedule: Any, plan_s: float, captured_s: float) -> dict[str, Any]:
+    check = check_schedule(fx_trace.trace, schedule)
+    timeline = predict_timeline(fx_trace.trace, schedule, release_waits_for_d2h=True)
+    compute, stall = timeline.compute_s, timeline.exposed_transfer_s
+    return {
+        "bench": "stall", "model": name, "planner": pipeline,
+        "budget_fraction": fraction, "link_gbps": gbps, "feasible": not check.infeasible_ops,
+        "peak_before_mib": round(fx_trace.peak_without_offload / MIB, 1),
+        "peak_after_mib": round(check.peak_resident_bytes / MIB, 1),
+        "moved_d2h_mib": round(check.bytes_d2h / MIB, 1),
+        "compute_ms": round(compute * 1e3, 2), "stall_ms": round(stall * 1e3, 2),
+        "stall_over_compute": round(stall / compute, 4) if compute else None,
+        "ops": fx_trace.trace.num_ops, "plan_s": round(plan_s, 2),
+        "capture_s": round(captured_s, 1), "predicted": True,
+    }
+
+
 def rows(name: str, fractions: list[float], links: list[float]) -> list[dict[str, Any]]:
     model, inputs = MODELS[name]()
     started = time.perf_counter()
@@ -90,25 +113,17 @@ def rows(name: str, fractions: list[float], links: list[float]) -> list[dict[str
         for fraction in fractions:
             options = parse_backend_options({"max_resident_activation_fraction": fraction})
             planned_at = time.perf_counter()
-            fx_trace, schedule, check = plan_graphs(
+            fx_trace, schedule, _ = plan_graphs(
                 graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, options=options,
                 bandwidth=TransferBandwidth(gbps, gbps, measured=False), region=0, throughput=GPU,
             )
             plan_s = time.perf_counter() - planned_at
-            timeline = predict_timeline(fx_trace.trace, schedule, release_waits_for_d2h=True)
-            compute, stall = timeline.compute_s, timeline.exposed_transfer_s
-            out.append({
-                "bench": "stall", "model": name, "planner": "bytes-only (greedy + hoist)",
-                "budget_fraction": fraction, "link_gbps": gbps,
-                "feasible": not check.infeasible_ops,
-                "peak_before_mib": round(fx_trace.peak_without_offload / MIB, 1),
-                "peak_after_mib": round(check.peak_resident_bytes / MIB, 1),
-                "moved_d2h_mib": round(check.bytes_d2h / MIB, 1),
-                "compute_ms": round(compute * 1e3, 2), "stall_ms": round(stall * 1e3, 2),
-                "stall_over_compute": round(stall / compute, 4) if compute else None,
-                "ops": fx_trace.trace.num_ops, "plan_s": round(plan_s, 2),
-                "capture_s": round(captured, 1), "predicted": True,
-            })
+            before = plan_residency(
+                fx_trace.trace, options.config.resolved_planner(),
+                earliest_prefetch_op=fx_trace.num_fw_ops,
+            ).schedule
+            for pipeline, chosen in zip(PIPELINES, (before, schedule)):
+                out.append(_row(name, pipeline, fraction, gbps, fx_trace, chosen, plan_s, captured))
     return out
 
 

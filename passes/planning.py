@@ -7,7 +7,9 @@ trace, planner and ``earliest_prefetch_op`` give the same schedule whichever doo
     planner.plan(trace)                          stage "plan"
       └─ check_schedule                          (ScheduleError naming the stage and door)
     hoist_prefetches(..., earliest_op=E)         stage "place_prefetches"
-      └─ check_schedule                          (the report returned with the schedule)
+      └─ check_schedule
+    delay_releases(..., latest_op=L)             stage "delay_releases" (doors whose
+      └─ check_schedule                          releases wait for their D2H)
 
 Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier on
 the trace's one timeline, as far as op durations say the copy needs and the budget
@@ -25,6 +27,7 @@ from enum import Enum
 
 from .planner_protocol import ResidencyPlanner
 from .refine_prefetch import DEFAULT_MAX_LEAD_OPS, PrefetchError, hoist_prefetches
+from .release_delay import delay_releases
 from .schedule import ActionKind, ResidencySchedule
 from .trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
 from .validator import ScheduleError, ScheduleReport, check_schedule
@@ -43,6 +46,7 @@ class PlanningStage(str, Enum):
 
     PLAN = "plan"
     PLACE_PREFETCHES = "place_prefetches"
+    DELAY_RELEASES = "delay_releases"
 
     def __repr__(self) -> str:
         return self.value
@@ -55,6 +59,13 @@ class PlanningStage(str, Enum):
 _DESCRIPTIONS = {
     PlanningStage.PLAN: "the planner's schedule",
     PlanningStage.PLACE_PREFETCHES: "the hoisted schedule",
+    PlanningStage.DELAY_RELEASES: "the schedule with delayed releases",
+}
+
+
+_PASSES = {
+    PlanningStage.PLACE_PREFETCHES: "refine_prefetch.hoist_prefetches",
+    PlanningStage.DELAY_RELEASES: "release_delay.delay_releases",
 }
 
 
@@ -90,8 +101,10 @@ class PlannedSchedule:
 
     Invariants: ``check == check_schedule(trace, schedule)`` and ``check.ok``;
     ``planned_check == check_schedule(trace, planned)`` and ``planned_check.ok``;
-    ``schedule`` differs from ``planned`` only in where ``COPY_H2D`` actions sit (same
-    actions, same bytes moved, every ``WAIT_H2D`` in place); a reload that placement
+    ``schedule`` differs from ``planned`` only in where ``COPY_H2D`` actions sit and, for
+    a door whose releases wait for their D2H, where ``RELEASE_DEVICE`` of an offloaded
+    storage sits (later, never at or past its reload nor past ``latest_release_op``):
+    same actions, same bytes moved, every ``WAIT_H2D`` in place; a reload that placement
     moved starts at op ``earliest_prefetch_op`` or later.
     """
 
@@ -111,10 +124,15 @@ def plan_residency(
     earliest_prefetch_op: int = 0,
     default_op_duration_s: float | None = None,
     max_lead_ops: int = DEFAULT_MAX_LEAD_OPS,
+    release_waits_for_d2h: bool = False,
+    latest_release_op: int | None = None,
     where: str = "hyper_offload",
 ) -> PlannedSchedule:
     """Plan ``trace`` under its budget with ``planner``, check, place the prefetches on
-    the trace's timeline (no reload before ``earliest_prefetch_op``), check again.
+    the trace's timeline (no reload before ``earliest_prefetch_op``), check again; where
+    a release waits for its D2H (``release_waits_for_d2h``: the compile lowering), delay
+    each release until its copy is predicted done, within budget and never past
+    ``latest_release_op`` (:mod:`.release_delay`), and check again.
 
     ``where`` names the caller in errors (``"hyper_offload region 3"``, ``"eager warmup"``).
     ``default_op_duration_s`` / ``max_lead_ops``: see :func:`.refine_prefetch.prefetch_slots`.
@@ -141,6 +159,13 @@ def plan_residency(
         ) from None
     check = check_schedule(trace, schedule)
     _require_ok(check, schedule, PlanningStage.PLACE_PREFETCHES, where, planner)
+    if release_waits_for_d2h:
+        schedule = delay_releases(
+            trace, schedule, latest_op=latest_release_op,
+            default_op_duration_s=default_op_duration_s,
+        )
+        check = check_schedule(trace, schedule)
+        _require_ok(check, schedule, PlanningStage.DELAY_RELEASES, where, planner)
     return PlannedSchedule(
         trace=trace, schedule=schedule, check=check, planned=planned,
         planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
@@ -163,8 +188,8 @@ def _require_ok(
     fix = (
         f"fix the planner {planner!r} or use the default GreedyResidencyPlanner"
         if stage is PlanningStage.PLAN
-        else "hoist_prefetches broke a schedule check_schedule accepted: a bug in "
-        "passes/refine_prefetch.py, please report it"
+        else f"{_PASSES[stage]} broke a schedule check_schedule accepted: a bug in "
+        f"passes/{_PASSES[stage].split('.')[0]}.py, please report it"
     )
     raise PlanningError(
         f"{where}: {stage.description} (step {stage.value!r}) is one that check_schedule "

@@ -4,8 +4,10 @@ Planning is the pipeline every door shares, :func:`hyper_offload.passes.plan_res
 (plan -> check -> place prefetches -> check), so ``--schedule-out`` is the schedule the
 compile backend or the eager session would run for the same trace and planner. Where
 reloads may start: a trace dumped from the compile path (op names ``fw:...`` then
-``bw:...``) gets the backend's rule, no reload before its first backward op; any other
-trace is one timeline (earliest op 0). ``--earliest-prefetch-op`` overrides either.
+``bw:...``) gets the backend's rules, no reload before its first backward op, and
+releases delayed until their D2H is predicted done, inside the forward; any other
+trace is one timeline (earliest op 0). ``--earliest-prefetch-op`` overrides where
+reloads may start.
 
 Exit codes: 0 when the schedule is valid and meets the budget, 1 when the budget is
 infeasible (some op's own operands exceed it; the best schedule is still reported),
@@ -124,8 +126,15 @@ def _plan(
     the caller reports it and exits 3)."""
     from hyper_offload.passes import OptimalPlannerError
 
+    # A compile-path trace keeps the backend's rules: its releases wait for their D2H
+    # (the lowering's wait_transfer) and must happen inside the forward graph.
+    forward_ops = backward_start(trace)
     try:
-        planned = plan_residency(trace, planner, earliest_prefetch_op=earliest, where=where)
+        planned = plan_residency(
+            trace, planner, earliest_prefetch_op=earliest, where=where,
+            release_waits_for_d2h=forward_ops > 0,
+            latest_release_op=forward_ops - 1 if forward_ops > 0 else None,
+        )
     except PlanningError as error:  # a bug in the planner (or the placement pass)
         return error.schedule, error
     except (OptimalPlannerError, ImportError) as error:  # the exact planner gave up

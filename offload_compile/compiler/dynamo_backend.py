@@ -45,6 +45,7 @@ from hyper_offload.passes import (
     greedy_planner,
     planning,
     refine_prefetch,
+    release_delay,
 )
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime, op_declarations
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
@@ -61,8 +62,8 @@ __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
 # Read from the imported modules, so the paths hold in the repository and when installed.
 _SOURCES = tuple(
     str(module.__file__)
-    for module in (region_plan, planning, greedy_planner, refine_prefetch, fx_trace,
-                   fx_saved, fx_lowering, op_declarations)
+    for module in (region_plan, planning, greedy_planner, refine_prefetch, release_delay,
+                   fx_trace, fx_saved, fx_lowering, op_declarations)
 )
 
 

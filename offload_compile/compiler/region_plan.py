@@ -3,8 +3,9 @@
 The wiring between the pure passes; :mod:`.dynamo_backend` calls it from the custom
 partitioner after the stock min-cut partition. Planning is the shared pipeline of every
 door, :func:`hyper_offload.passes.plan_residency` (plan -> check -> place prefetches ->
-check), with ``earliest_prefetch_op`` = the first backward op: a backward reload cannot
-start in the forward graph. So the eager session and ``hyper-offload plan`` give the same
+check -> delay releases -> check), with ``earliest_prefetch_op`` = the first backward
+op (a backward reload cannot start in the forward graph) and releases that wait for their
+D2H, delayed at most to the forward's last op. So the eager session and ``hyper-offload plan`` give the same
 schedule for the same trace. The lowered graphs are checked again through the schedule
 re-derived from them; either failure raises ``ScheduleError`` naming the region and the
 step (a bug, never silently ignored).
@@ -100,6 +101,9 @@ def plan_graphs(
     fx_trace = dataclasses.replace(fx_trace, trace=trace)
     planned = plan_residency(
         trace, options.config.resolved_planner(), earliest_prefetch_op=fx_trace.num_fw_ops,
+        # the lowering's wait_transfer frees a saved activation's device bytes only once
+        # its D2H is done, and inside the forward graph
+        release_waits_for_d2h=True, latest_release_op=fx_trace.num_fw_ops - 1,
         where=f"hyper_offload region {region}",
     )
     return fx_trace, planned.schedule, planned.check
