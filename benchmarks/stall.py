@@ -81,14 +81,19 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
 }
 
 
-PIPELINES = ("greedy + hoist", "greedy + hoist + release delay")
-"""The compile pipeline before and since releases wait where their D2H is done."""
+PIPELINES = ("greedy + hoist", "greedy + hoist + release delay",
+             "greedy + hoist + release delay, 2 copy streams (model only)")
+"""The compile pipeline before and since releases wait where their D2H is done, and the
+latter re-timed as if D2H and H2D had a copy stream each (the runtime still has one)."""
 
 
 def _row(name: str, pipeline: str, fraction: float, gbps: float, fx_trace: Any,
          schedule: Any, plan_s: float, captured_s: float) -> dict[str, Any]:
     check = check_schedule(fx_trace.trace, schedule)
-    timeline = predict_timeline(fx_trace.trace, schedule, release_waits_for_d2h=True)
+    timeline = predict_timeline(
+        fx_trace.trace, schedule, release_waits_for_d2h=True,
+        copy_streams=2 if "2 copy streams" in pipeline else 1,
+    )
     compute, stall = timeline.compute_s, timeline.exposed_transfer_s
     return {
         "bench": "stall", "model": name, "planner": pipeline,
@@ -122,7 +127,7 @@ def rows(name: str, fractions: list[float], links: list[float]) -> list[dict[str
                 fx_trace.trace, options.config.resolved_planner(),
                 earliest_prefetch_op=fx_trace.num_fw_ops,
             ).schedule
-            for pipeline, chosen in zip(PIPELINES, (before, schedule)):
+            for pipeline, chosen in zip(PIPELINES, (before, schedule, schedule)):
                 out.append(_row(name, pipeline, fraction, gbps, fx_trace, chosen, plan_s, captured))
     return out
 

@@ -8,7 +8,11 @@ The model is the runtime's (``runtime/device.py``, ``runtime/physical_buffer.py`
 * **One copy stream, serial.** A ``COPY_D2H`` / ``COPY_H2D`` is *issued* when the compute
   stream reaches its slot (the copy stream first waits for compute up to there) and
   *starts* when it is issued **and** the copy stream is free; it lasts
-  ``bytes / bandwidth`` (GB/s = 1e9 bytes per second). D2H and H2D share the stream.
+  ``bytes / bandwidth`` (GB/s = 1e9 bytes per second). D2H and H2D share the stream
+  (the runtime's one copy stream). With ``copy_streams=2`` each direction has its own
+  serial stream, as separate copy engines would run them; an H2D of a storage then also
+  starts no earlier than the end of that storage's latest D2H (the runtime orders it
+  with the D2H's event).
 * **WAIT_H2D blocks compute.** The compute stream stops until the storage's latest H2D
   has finished: that stall is the *exposed* transfer time. By default nothing else waits
   for a copy (the residency manager's RELEASE_DEVICE frees under ``record_stream``;
@@ -19,7 +23,7 @@ The model is the runtime's (``runtime/device.py``, ``runtime/physical_buffer.py`
   ``post[i]`` after it.
 
 Invariants of the result: compute spans (ops and waits) never overlap and appear in
-execution order; transfer spans never overlap each other; every transfer starts at or
+execution order; transfer spans of one copy stream never overlap each other; every transfer starts at or
 after its issue time; each wait ends exactly when its H2D ends (and is only recorded
 when it stalls compute); ``compute_end_s`` = sum of op durations + exposed wait time.
 """
@@ -150,6 +154,7 @@ def predict_timeline(
     *,
     default_op_duration_s: float | None = None,
     release_waits_for_d2h: bool = False,
+    copy_streams: int = 1,
 ) -> PredictedTimeline:
     """Predict when every op, copy and wait of ``schedule`` runs (see module docstring).
 
@@ -157,6 +162,8 @@ def predict_timeline(
     of the trace's known durations, or :data:`DEFAULT_OP_DURATION_S` if none is known.
     ``release_waits_for_d2h`` models a lowering that waits for a D2H where it frees the
     device bytes (the compile path); the default models the residency manager.
+    ``copy_streams``: 1 (D2H and H2D share one serial stream, as the runtime does) or 2
+    (one serial stream per direction).
     Raises ``ValueError`` naming the op when the schedule does not fit the trace or a
     WAIT_H2D has no COPY_H2D before it (run ``check_schedule`` for the full diagnosis).
     """
@@ -165,8 +172,13 @@ def predict_timeline(
             f"predict_timeline: the schedule has {schedule.num_ops} op slots but the trace has "
             f"{trace.num_ops} ops; plan this trace, or load the schedule made for it"
         )
+    if copy_streams not in (1, 2):
+        raise ValueError(
+            f"predict_timeline: copy_streams must be 1 (one shared copy stream) or 2 (one "
+            f"per direction), got {copy_streams!r}"
+        )
     default = _default_duration(trace, default_op_duration_s)
-    builder = _Builder(trace, release_waits_for_d2h)
+    builder = _Builder(trace, release_waits_for_d2h, copy_streams)
     ops: list[OpSpan] = []
     for index, op in enumerate(trace.ops):
         builder.run_slot(schedule.pre[index], index, "pre")
@@ -193,11 +205,13 @@ def _default_duration(trace: ActivationTrace, given: float | None) -> float:
 class _Builder:
     """The two stream clocks while walking the schedule."""
 
-    def __init__(self, trace: ActivationTrace, release_waits_for_d2h: bool) -> None:
+    def __init__(self, trace: ActivationTrace, release_waits_for_d2h: bool, copy_streams: int) -> None:
         self.trace = trace
         self.release_waits_for_d2h = release_waits_for_d2h
+        self.copy_streams = copy_streams
         self.clock = 0.0  # compute stream
-        self.copy_free = 0.0  # copy stream
+        self.copy_free: dict[ActionKind, float] = {}  # copy stream (per direction if 2)
+        self.d2h_end: dict[StorageId, float] = {}  # end of each storage's latest D2H
         self.transfers: list[TransferSpan] = []
         self.waits: list[WaitSpan] = []
         self.releases: list[InstantMark] = []
@@ -223,15 +237,19 @@ class _Builder:
             self.trace.d2h_bandwidth_gbps if kind is ActionKind.COPY_D2H
             else self.trace.h2d_bandwidth_gbps
         )
-        start = max(self.clock, self.copy_free)
+        stream = kind if self.copy_streams == 2 else ActionKind.COPY_D2H
+        start = max(self.clock, self.copy_free.get(stream, 0.0))
+        if kind is ActionKind.COPY_H2D:
+            start = max(start, self.d2h_end.get(storage, 0.0))  # only matters with 2 streams
         end = start + nbytes / (gbps * 1e9)
         span = TransferSpan(kind, storage, nbytes, index, slot, self.clock, start, end)
-        self.copy_free = end
+        self.copy_free[stream] = end
         self.transfers.append(span)
         if kind is ActionKind.COPY_H2D:
             self.last_h2d[storage] = span
         else:
             self.pending_d2h[storage] = span
+            self.d2h_end[storage] = end
 
     def _wait(self, storage: StorageId, index: int, slot: str) -> None:
         h2d = self.last_h2d.get(storage)

@@ -98,6 +98,31 @@ def test_an_early_prefetch_is_hidden_unless_the_serial_copy_stream_is_busy() -> 
     assert spans(x_events(document, TRACK_COMPUTE))[-1] == ("op3", 30, 40)
 
 
+def test_two_copy_streams_let_a_reload_pass_another_storages_d2h_but_not_its_own() -> None:
+    """``copy_streams=2`` (one stream per direction): an H2D no longer queues behind an
+    unrelated D2H, but still starts after the D2H that filled its own host copy."""
+    # s2 (20 kB, written at op 1) is copied out while s0's reload is issued before op 2.
+    trace = timed([{0: "W"}, {2: "W", 1: "W"}, {1: "R"}, {0: "R", 2: "R"}],
+                  {0: 5_000, 1: 5_000, 2: 20_000}, [10] * 4)
+    schedule = plan(
+        {2: acts((H2D, 0)), 3: acts((WAIT, 0))},
+        {0: acts((D2H, 0), (REL, 0)), 1: acts((D2H, 2)), 2: acts((REL, 1)),
+         3: acts((REL, 0), (HREL, 0), (REL, 2))},
+        trace=trace,
+    )
+    shared = predict_timeline(trace, schedule)
+    split = predict_timeline(trace, schedule, copy_streams=2)
+    h2d = lambda t: next(x for x in t.transfers if x.kind is H2D)  # noqa: E731
+    assert h2d(shared).start_s == pytest.approx(40 * US)  # behind s2's D2H (20..40 µs)
+    assert h2d(split).start_s == pytest.approx(20 * US)  # at its issue: its own D2H ended at 15
+    assert split.exposed_transfer_s < shared.exposed_transfer_s
+    # its own D2H still comes first: a D2H slower than the time to the reload's issue
+    slow = dataclasses.replace(trace, d2h_bandwidth_gbps=0.2)  # s0's D2H: 10..35 µs
+    assert h2d(predict_timeline(slow, schedule, copy_streams=2)).start_s == pytest.approx(35 * US)
+    with pytest.raises(ValueError, match="copy_streams must be 1"):
+        predict_timeline(trace, schedule, copy_streams=3)
+
+
 def test_tracks_metadata_and_releases() -> None:
     document = chrome_trace(TRACE, LATE_PREFETCH, title="unit")
     names = {e["tid"]: e["args"]["name"] for e in document["traceEvents"]
