@@ -24,6 +24,32 @@ INNER_COMPILERS = ("aot_eager", INDUCTOR)
 HIDDEN, SEQ, BATCH = 32, 8, 4
 
 
+@pytest.fixture(scope="module", autouse=True)
+def deterministic():
+    """Deterministic algorithms for every test of a module that imports this fixture
+    (autouse applies where the name is imported): plain Inductor on CPU is not
+    run-to-run deterministic without them."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def moved_storages(planned: Any) -> set[int]:
+    """Storages a region's plan moved (one copy each way each: several saved views may
+    share one)."""
+    offloaded = set(planned.report.offloaded)
+    return {s.storage for s in planned.fx_trace.saved if s.name in offloaded}
+
+
+def moved_views(backend: Any) -> int:
+    """Saved views (tensors whose storage's base is another node) the backend's plans moved."""
+    return sum(
+        1 for region in backend.regions for s in region.planned.fx_trace.saved
+        if s.name in region.planned.report.offloaded and s.base != s.name
+    )
+
+
 class Block(nn.Module):
     """Attention (views, softmax), LayerNorm, GELU, dropout, an in-place op; the MLP
     optionally under ``torch.utils.checkpoint``."""

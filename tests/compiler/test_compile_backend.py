@@ -15,17 +15,9 @@ from torch._inductor.utils import run_and_get_code
 import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 from hyper_offload.passes.planner_candidates import offload_candidates
-from .compile_models import INNER_COMPILERS, mlp, offload_backend
+from .compile_models import INNER_COMPILERS, deterministic, mlp, moved_storages, offload_backend  # noqa: F401 (autouse)
 
 D = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
 
 
 def _step(compiled, x):
@@ -98,8 +90,7 @@ def test_inductor_output_code_keeps_every_transfer_in_order(dtype):
     backend = offload_backend("inductor", "tight")
     compiled = torch.compile(model, backend=backend)
     _, codes = run_and_get_code(lambda: _step(compiled, x))
-    report = backend.reports[0]
-    offloaded = len({s.storage for s in backend.regions[0].planned.fx_trace.saved if s.name in report.offloaded})
+    offloaded = len(moved_storages(backend.regions[0].planned))
     assert offloaded >= 3  # storages moved (one copy each way per storage)
     fw = [c for c in codes if "copy_d2h" in c]
     bw = [c for c in codes if "copy_h2d" in c]
@@ -189,7 +180,7 @@ def test_report_and_logging(caplog):
     worst = max(report.infeasible_ops, key=lambda o: o.excess_bytes)
     assert "infeasible" in warnings[0].getMessage() and worst.op in warnings[0].getMessage()
     assert f"{len(report.infeasible_ops)} op(s)" in warnings[0].getMessage()
-    moved = {s.storage for s in backend.regions[0].planned.fx_trace.saved if s.name in report.offloaded}
+    moved = moved_storages(backend.regions[0].planned)
     assert report.bytes_d2h == report.bytes_h2d > 0 and report.transfers == 2 * len(moved)
     assert report.predicted_peak_after < report.predicted_peak_before
     assert 0 <= report.exposed_transfer_s <= report.d2h_s + report.h2d_s

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .compile_models import (
-    BATCH, INNER_COMPILERS, SEQ, Block, TwoRegions, compile_step, mlp, offload_backend,
-    transfer_ops_in,
+from .compile_models import (  # noqa: F401 (deterministic: an autouse fixture)
+    BATCH, INNER_COMPILERS, SEQ, Block, TwoRegions, compile_step, deterministic, mlp,
+    moved_storages, offload_backend, transfer_ops_in,
 )
 
 CASES = [
@@ -35,14 +35,6 @@ CASES = [
 
 def model_for(inner: str):
     return TwoRegions if inner == "aot_eager" else (lambda: Block(ckpt=True))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +71,7 @@ def test_loss_and_gradients_equal_plain_compile(baselines, inner, dtype, budget)
         for region, report in zip(backend.regions, reports):
             fw, bw = region.graphs
             # one copy each way per moved storage (several saved views may share one)
-            moved = {s.storage for s in region.planned.fx_trace.saved if s.name in report.offloaded}
+            moved = moved_storages(region.planned)
             assert transfer_ops_in(fw).count("hyper_offload.copy_d2h.default") == len(moved)
             assert transfer_ops_in(bw).count("hyper_offload.copy_h2d.default") == len(moved)
             assert report.transfers == 2 * len(moved)

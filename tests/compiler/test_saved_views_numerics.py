@@ -23,19 +23,11 @@ import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 from hyper_offload.passes import required_bytes
 
-from .compile_models import INDUCTOR
+from .compile_models import INDUCTOR, deterministic, moved_views  # noqa: F401 (autouse)
 
 MIB = 1 << 20
 Batch = tuple[torch.Tensor, ...]
 Factory = Callable[[], tuple[torch.nn.Module, Batch, Callable[..., torch.Tensor]]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
 
 
 def _tokens(vocab: int, batch: int = 2, seq: int = 16) -> torch.Tensor:
@@ -106,14 +98,6 @@ def _assert_equal(got: tuple, want: tuple, what: str) -> None:
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: grad {index}"
 
 
-def _moved_views(backend: Any) -> int:
-    """Saved views (tensors whose storage's base is another node) the plans moved."""
-    return sum(
-        1 for region in backend.regions for s in region.planned.fx_trace.saved
-        if s.name in region.planned.report.offloaded and s.base != s.name
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("inner", ["aot_eager", INDUCTOR])
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -127,7 +111,7 @@ def test_every_budget_moves_saved_views_and_stays_bit_exact(model: str, inner: s
         if fraction == 1.0:
             assert all(r.transfers == 0 for r in backend.reports)
             continue
-        assert _moved_views(backend) > 0, "no saved view moved: the case proves nothing"
+        assert moved_views(backend) > 0, "no saved view moved: the case proves nothing"
         assert got[2] < want[2]  # measured: fewer device bytes held for the backward
     # the smallest feasible budget of the 25% compile's own trace(s)
     floor = max(max(required_bytes(r.planned.fx_trace.trace)) for r in backend.regions)
