@@ -33,6 +33,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
+from hyper_offload.runtime.op_declarations import dense_layout
+
+from .cost_model import tensor_bytes, to_hint
 from .trace import StorageId
 
 __all__ = ["SavedActivation", "StorageBase", "classify_saved", "same_layout", "view_layout"]
@@ -103,8 +106,6 @@ def _concrete(layout: ViewLayout) -> bool:
 
 
 def _dense(value: torch.Tensor) -> bool:
-    from hyper_offload.runtime.op_declarations import dense_layout
-
     return value.layout is torch.strided and tuple(value.stride()) == dense_layout(value)[1]
 
 
@@ -140,8 +141,6 @@ def _storage_reason(
     if sid not in bases or base is None:
         return "no forward node holds the base tensor of its storage"
     value = bases[sid].value
-    from .cost_model import tensor_bytes, to_hint
-
     where = f"fw:{base.name}"
     covers = to_hint(value.storage_offset(), where) == 0 and tensor_bytes(value, where) == sizes[sid]
     if not (covers and _dense(value)):
@@ -200,8 +199,6 @@ def classify_saved(
     """One :class:`SavedActivation` per saved node, in order, by the rules of the module
     docstring. ``storage_of`` maps forward node names to their storage; ``bases`` says
     which op created each storage."""
-    from .cost_model import tensor_bytes
-
     by_storage: dict[StorageId | None, list[fx.Node]] = {}
     for node in saved_nodes:
         by_storage.setdefault(storage_of.get(node.name), []).append(node)

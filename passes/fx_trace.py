@@ -108,9 +108,17 @@ class FxTrace:
     def movable(self) -> dict[StorageId, tuple[SavedActivation, ...]]:
         """Offloadable storages and the saved tensors on each, in forward output order
         (all share one ``base``: one copy moves them all)."""
+        return self._by_storage(offloadable=True)
+
+    def kept(self) -> dict[StorageId, tuple[SavedActivation, ...]]:
+        """Activation storages that stay on the device and the saved tensors on each
+        (parameters and inputs are not activations and are not listed)."""
+        return self._by_storage(offloadable=False)
+
+    def _by_storage(self, *, offloadable: bool) -> dict[StorageId, tuple[SavedActivation, ...]]:
         groups: dict[StorageId, list[SavedActivation]] = {}
         for saved in self.saved:
-            if saved.offloadable and saved.storage is not None:
+            if saved.offloadable is offloadable and saved.storage is not None:
                 groups.setdefault(saved.storage, []).append(saved)
         return {sid: tuple(group) for sid, group in groups.items()}
 

@@ -67,6 +67,7 @@ def release_slots(
     op_end = [span.end_s for span in timeline.ops]
     d2h_ends = iter(t.end_s for t in timeline.transfers if t.kind is ActionKind.COPY_D2H)
     copy_end: dict[StorageId, float] = {}  # storage -> end of its latest D2H
+    released: dict[StorageId, int] = {}  # storage -> its release still awaiting a reload
     releases: list[tuple[int, StorageId, float]] = []
     next_reload: dict[tuple[StorageId, int], int] = {}
     for op, _where, action in schedule.actions():
@@ -74,8 +75,9 @@ def release_slots(
             copy_end[action.storage] = next(d2h_ends)  # transfers are in issue order
         elif action.kind is ActionKind.RELEASE_DEVICE and action.storage in copy_end:
             releases.append((op, action.storage, copy_end.pop(action.storage)))
-        elif action.kind is ActionKind.COPY_H2D:
-            _note_reload(next_reload, releases, action.storage, op)
+            released[action.storage] = op
+        elif action.kind is ActionKind.COPY_H2D and action.storage in released:
+            next_reload[(action.storage, released.pop(action.storage))] = op
     slots: dict[tuple[StorageId, int], int] = {}
     for op, storage, done in releases:
         if op_end[op] >= done:
@@ -90,19 +92,6 @@ def release_slots(
                 room[passed] -= size
             slots[(storage, op)] = target
     return slots
-
-
-def _note_reload(
-    next_reload: dict[tuple[StorageId, int], int],
-    releases: list[tuple[int, StorageId, float]],
-    storage: StorageId,
-    op: int,
-) -> None:
-    """Record ``op`` as the next reload of ``storage``'s latest release without one."""
-    for released, released_storage, _ in reversed(releases):
-        if released_storage == storage:
-            next_reload.setdefault((storage, released), op)
-            return
 
 
 def delay_releases(

@@ -151,12 +151,9 @@ def build_region_report(
 def kept_saved(fx_trace: FxTrace) -> tuple[KeptSavedReport, ...]:
     """Saved activations (not parameters or inputs) that stay on the device, one entry
     per storage, largest first, each with ``fx_saved``'s reason."""
-    groups: dict[int, list[str]] = {}
-    reasons: dict[int, str] = {}
-    for saved in fx_trace.saved:
-        if saved.storage is not None and not saved.offloadable:
-            groups.setdefault(saved.storage, []).append(saved.name)
-            reasons.setdefault(saved.storage, saved.reason)
     sizes = fx_trace.trace.storage_sizes
-    kept = [KeptSavedReport(tuple(names), sizes[sid], reasons[sid]) for sid, names in groups.items()]
+    kept = [
+        KeptSavedReport(tuple(s.name for s in group), sizes[sid], group[0].reason)
+        for sid, group in fx_trace.kept().items()
+    ]
     return tuple(sorted(kept, key=lambda k: -k.nbytes))
