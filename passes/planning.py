@@ -11,10 +11,9 @@ trace, planner and ``earliest_prefetch_op`` give the same schedule whichever doo
     delay_releases(..., latest_op=L)             stage "delay_releases" (doors whose
       └─ check_schedule                          releases wait for their D2H)
 
-Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier on
-the trace's one timeline, as far as op durations say the copy needs and the budget
-allows, never before the op after the storage's release nor before op ``E``; each
-``WAIT_H2D`` stays at the reading op. ``E`` is the door's only knob: the compile path
+Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` as early
+as the budget allows, in the order the reloads are waited for, never before the op after
+the storage's release nor before op ``E``; each ``WAIT_H2D`` stays at the reading op. ``E`` is the door's only knob: the compile path
 passes the first backward op (a reload cannot start in the forward graph, which has
 already returned by then), the eager session 0 (the step is one timeline), the CLI what
 the trace's op names say (:func:`backward_start`). Pure: no torch, no device.
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .planner_protocol import ResidencyPlanner
-from .refine_prefetch import DEFAULT_MAX_LEAD_OPS, PrefetchError, hoist_prefetches
+from .refine_prefetch import PrefetchError, hoist_prefetches
 from .release_delay import delay_releases
 from .schedule import ActionKind, ResidencySchedule
 from .trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
@@ -123,7 +122,6 @@ def plan_residency(
     *,
     earliest_prefetch_op: int = 0,
     default_op_duration_s: float | None = None,
-    max_lead_ops: int = DEFAULT_MAX_LEAD_OPS,
     release_waits_for_d2h: bool = False,
     latest_release_op: int | None = None,
     where: str = "hyper_offload",
@@ -135,7 +133,7 @@ def plan_residency(
     ``latest_release_op`` (:mod:`.release_delay`), and check again.
 
     ``where`` names the caller in errors (``"hyper_offload region 3"``, ``"eager warmup"``).
-    ``default_op_duration_s`` / ``max_lead_ops``: see :func:`.refine_prefetch.prefetch_slots`.
+    ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
     Raises :class:`PlanningError` (a ``ScheduleError``) naming ``where`` and the stage
     when a stage's schedule breaks a rule; exceptions of ``planner.plan`` propagate.
     """
@@ -148,10 +146,7 @@ def plan_residency(
     planned_check = check_schedule(trace, planned)
     _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
     try:
-        schedule = hoist_prefetches(
-            trace, planned, default_op_duration_s=default_op_duration_s,
-            max_lead_ops=max_lead_ops, earliest_op=earliest_prefetch_op,
-        )
+        schedule = hoist_prefetches(trace, planned, earliest_op=earliest_prefetch_op)
     except PrefetchError as error:
         raise PlanningError(
             f"{where}: step {PlanningStage.PLACE_PREFETCHES.value!r}: {error}",

@@ -39,10 +39,12 @@ from .trace import ActivationTrace, StorageId
 __all__ = [
     "DEFAULT_OP_DURATION_S",
     "InstantMark",
+    "TimelineSimulator",
     "OpSpan",
     "PredictedTimeline",
     "TransferSpan",
     "WaitSpan",
+    "op_durations",
     "predict_timeline",
 ]
 
@@ -172,25 +174,23 @@ def predict_timeline(
             f"predict_timeline: the schedule has {schedule.num_ops} op slots but the trace has "
             f"{trace.num_ops} ops; plan this trace, or load the schedule made for it"
         )
-    if copy_streams not in (1, 2):
-        raise ValueError(
-            f"predict_timeline: copy_streams must be 1 (one shared copy stream) or 2 (one "
-            f"per direction), got {copy_streams!r}"
-        )
-    default = _default_duration(trace, default_op_duration_s)
-    builder = _Builder(trace, release_waits_for_d2h, copy_streams)
-    ops: list[OpSpan] = []
-    for index, op in enumerate(trace.ops):
-        builder.run_slot(schedule.pre[index], index, "pre")
-        duration = default if op.duration_s is None else op.duration_s
-        start = builder.clock
-        builder.clock += duration
-        ops.append(OpSpan(index, op.name, start, builder.clock, op.duration_s is None))
-        builder.run_slot(schedule.post[index], index, "post")
-    return PredictedTimeline(
-        tuple(ops), tuple(builder.transfers), tuple(builder.waits), tuple(builder.releases),
-        default,
+    simulator = TimelineSimulator(
+        trace, default_op_duration_s=default_op_duration_s,
+        release_waits_for_d2h=release_waits_for_d2h, copy_streams=copy_streams,
     )
+    for index in range(trace.num_ops):
+        simulator.run_slot(schedule.pre[index], index, "pre")
+        simulator.run_op(index)
+        simulator.run_slot(schedule.post[index], index, "post")
+    return simulator.timeline()
+
+
+def op_durations(trace: ActivationTrace, default_op_duration_s: float | None = None) -> list[float]:
+    """Each op's duration as every pass here prices it: ``duration_s``, else the default
+    (``default_op_duration_s``; ``None``: the mean of the known durations, or
+    :data:`DEFAULT_OP_DURATION_S` when none is known)."""
+    default = _default_duration(trace, default_op_duration_s)
+    return [default if op.duration_s is None else op.duration_s for op in trace.ops]
 
 
 def _default_duration(trace: ActivationTrace, given: float | None) -> float:
@@ -202,21 +202,64 @@ def _default_duration(trace: ActivationTrace, given: float | None) -> float:
     return sum(known) / len(known) if known else DEFAULT_OP_DURATION_S
 
 
-class _Builder:
-    """The two stream clocks while walking the schedule."""
+class TimelineSimulator:
+    """The timeline model, one slot at a time: what :func:`predict_timeline` runs, and
+    what a pass that decides while it walks (the release placement) drives itself.
 
-    def __init__(self, trace: ActivationTrace, release_waits_for_d2h: bool, copy_streams: int) -> None:
+    Call ``run_slot(pre[i])``, ``run_op(i)``, ``run_slot(post[i])`` for ``i`` in order;
+    ``clock`` is the compute stream's time, ``d2h_end(s)`` when ``s``'s latest D2H ends.
+    """
+
+    def __init__(
+        self,
+        trace: ActivationTrace,
+        *,
+        default_op_duration_s: float | None = None,
+        release_waits_for_d2h: bool = False,
+        copy_streams: int = 1,
+    ) -> None:
+        if copy_streams not in (1, 2):
+            raise ValueError(
+                f"predict_timeline: copy_streams must be 1 (one shared copy stream) or 2 (one "
+                f"per direction), got {copy_streams!r}"
+            )
         self.trace = trace
+        self.default_op_duration_s = _default_duration(trace, default_op_duration_s)
+        self.ops: list[OpSpan] = []
         self.release_waits_for_d2h = release_waits_for_d2h
         self.copy_streams = copy_streams
         self.clock = 0.0  # compute stream
         self.copy_free: dict[ActionKind, float] = {}  # copy stream (per direction if 2)
-        self.d2h_end: dict[StorageId, float] = {}  # end of each storage's latest D2H
+        self.d2h_end_s: dict[StorageId, float] = {}  # end of each storage's latest D2H
         self.transfers: list[TransferSpan] = []
         self.waits: list[WaitSpan] = []
         self.releases: list[InstantMark] = []
         self.last_h2d: dict[StorageId, TransferSpan] = {}
         self.pending_d2h: dict[StorageId, TransferSpan] = {}
+
+    def run_op(self, index: int) -> None:
+        """Op ``index`` runs on the compute stream (ops must come in trace order)."""
+        op = self.trace.ops[index]
+        duration = self.default_op_duration_s if op.duration_s is None else op.duration_s
+        start = self.clock
+        self.clock += duration
+        self.ops.append(OpSpan(index, op.name, start, self.clock, op.duration_s is None))
+
+    def d2h_end(self, storage: StorageId) -> float | None:
+        """When the latest D2H of ``storage`` issued so far ends (None: none issued)."""
+        return self.d2h_end_s.get(storage)
+
+    def pending_copy_end(self, storage: StorageId) -> float | None:
+        """When the D2H a RELEASE_DEVICE of ``storage`` would now wait for ends (None: no
+        D2H of it since its last release)."""
+        copy = self.pending_d2h.get(storage)
+        return None if copy is None else copy.end_s
+
+    def timeline(self) -> PredictedTimeline:
+        return PredictedTimeline(
+            tuple(self.ops), tuple(self.transfers), tuple(self.waits), tuple(self.releases),
+            self.default_op_duration_s,
+        )
 
     def run_slot(self, actions: tuple, index: int, slot: str) -> None:  # noqa: ANN001
         for action in actions:
@@ -240,7 +283,7 @@ class _Builder:
         stream = kind if self.copy_streams == 2 else ActionKind.COPY_D2H
         start = max(self.clock, self.copy_free.get(stream, 0.0))
         if kind is ActionKind.COPY_H2D:
-            start = max(start, self.d2h_end.get(storage, 0.0))  # only matters with 2 streams
+            start = max(start, self.d2h_end_s.get(storage, 0.0))  # only matters with 2 streams
         end = start + nbytes / (gbps * 1e9)
         span = TransferSpan(kind, storage, nbytes, index, slot, self.clock, start, end)
         self.copy_free[stream] = end
@@ -249,7 +292,7 @@ class _Builder:
             self.last_h2d[storage] = span
         else:
             self.pending_d2h[storage] = span
-            self.d2h_end[storage] = end
+            self.d2h_end_s[storage] = end
 
     def _wait(self, storage: StorageId, index: int, slot: str) -> None:
         h2d = self.last_h2d.get(storage)

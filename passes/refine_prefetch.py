@@ -1,19 +1,29 @@
-"""Prefetch hoisting: start each reload early enough to hide its copy, within budget.
+"""Prefetch placement: start each reload as early as the budget allows, in wait order.
 
 The planners place ``COPY_H2D s`` right before the op that reads ``s`` again, next to
 its ``WAIT_H2D`` — nothing overlaps the copy. This pass moves each COPY_H2D earlier,
-never before the op after the storage's release, far enough that the ops in between
-take at least the copy's estimated time (``size / h2d_bandwidth``), and only as far as
-the budget allows: from its new slot on the storage is resident, so every op it passes
-must keep room for it. WAIT_H2D stays where it was. Example::
+never before the op after the storage's release (nor before ``earliest_op``), and only
+as far as the budget allows: from its new slot on the storage is resident, so every op
+it passes must keep room for it, and so must the op before its slot: what the plan frees
+after that op (a storage past its last reader) may still be alive when the copy
+allocates, in eager code until Python drops it, in compiled code until the graph frees
+its buffer. WAIT_H2D stays where it was. Example::
 
     before:  post[3]: RELEASE_DEVICE 7     pre[9]: COPY_H2D 7, WAIT_H2D 7
-    after:   post[3]: RELEASE_DEVICE 7     pre[6]: COPY_H2D 7      pre[9]: WAIT_H2D 7
+    after:   post[3]: RELEASE_DEVICE 7     pre[5]: COPY_H2D 7      pre[9]: WAIT_H2D 7
+
+Why as early as possible, not "just early enough": reloads share one serial copy stream
+(the runtime's, and :mod:`.predicted_timeline`'s model of it), so a lead that would hide
+a copy on an idle stream does not hide it behind the copies queued before it; on the
+GPU-priced LLM traces of ``benchmarks/stall.py`` leads sized for an idle stream left most
+of the backward's stall (issue 16). A reload issued earlier never ends later, as long as
+reloads are issued in the order they are waited for: so a reload never starts before the
+reload placed before it, and the earliest need gets the room first. Op durations do not
+move a reload; the budget alone bounds its lead, and the timeline model judges the result.
 
 Analysis (:func:`prefetch_slots`, which op each reload starts at) and rewriting
-(:func:`hoist_prefetches`) are separate. Reloads are placed in the order they are
-waited for, so an earlier need gets the room first. Cost: O(total lead) list work plus
-one ``check_schedule`` run; the lead of one reload is capped by ``max_lead_ops``.
+(:func:`hoist_prefetches`) are separate. Cost: O(total lead) list work plus one
+``check_schedule`` run.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from .schedule import ActionKind, ResidencyAction, ResidencySchedule
 from .trace import ActivationTrace, StorageId
 from .validator import check_schedule
 
-DEFAULT_MAX_LEAD_OPS = 64
+__all__ = ["PrefetchError", "hoist_prefetches", "prefetch_slots"]
 
 
 class PrefetchError(ValueError):
@@ -34,17 +44,14 @@ def prefetch_slots(
     trace: ActivationTrace,
     schedule: ResidencySchedule,
     *,
-    default_op_duration_s: float | None = None,
-    max_lead_ops: int = DEFAULT_MAX_LEAD_OPS,
     earliest_op: int = 0,
 ) -> dict[tuple[StorageId, int], int]:
-    """``{(storage, wait_op): start_op}`` for every reload of ``schedule``.
+    """``{(storage, wait_op): start_op}`` for every reload of ``schedule``, in wait order.
 
-    Ops without ``duration_s`` count ``default_op_duration_s``; when that is ``None``
-    too, the lead is one op (the copy overlaps the op before its wait). No reload
-    starts before ``earliest_op`` (the compile path cannot start a backward reload in
-    the forward graph), nor before its wait if that is earlier. ``schedule`` must pass
-    ``check_schedule`` without violations.
+    No reload starts before ``earliest_op`` (the compile path cannot start a backward
+    reload in the forward graph), nor before its wait if that is earlier, nor before the
+    start of the reload waited for before it. ``schedule`` must pass ``check_schedule``
+    without violations.
     """
     report = check_schedule(trace, schedule)
     if report.violations:
@@ -52,8 +59,10 @@ def prefetch_slots(
             f"prefetch_slots: the input schedule breaks {len(report.violations)} rule(s), "
             f"first: {report.violations[0]}; hoist only schedules check_schedule accepts"
         )
-    allowance = [max(trace.budget_bytes, need) for need in required_bytes(trace)]
-    room = [a - r for a, r in zip(allowance, report.resident_bytes)]
+    room = [
+        max(trace.budget_bytes, need) - resident
+        for need, resident in zip(required_bytes(trace), report.resident_bytes)
+    ]
     released_after: dict[StorageId, int] = {}
     reloads: list[tuple[int, StorageId, int]] = []  # (wait op, storage, release op)
     for op, where, action in schedule.actions():
@@ -67,51 +76,26 @@ def prefetch_slots(
                 )
             reloads.append((op, action.storage, released_after[action.storage]))
     slots = {}
+    previous_start = 0
     for wait_op, storage, release_op in sorted(reloads):
-        start = _earliest_start(
-            trace, room, storage, wait_op, max(release_op, earliest_op - 1),
-            default_op_duration_s, max_lead_ops,
-        )
+        size = trace.storage_sizes[storage]
+        floor = min(wait_op, max(release_op + 1, earliest_op, previous_start))
+        start = wait_op
+        while start > floor and room[start - 1] >= size:
+            start -= 1
+        if start < wait_op and start - 1 > release_op and room[start - 1] < size:
+            start += 1  # the previous op's dead storages may still be alive at the copy
         for op in range(start, wait_op):
-            room[op] -= trace.storage_sizes[storage]
+            room[op] -= size
         slots[(storage, wait_op)] = start
+        previous_start = start
     return slots
-
-
-def _earliest_start(
-    trace: ActivationTrace,
-    room: list[int],
-    storage: StorageId,
-    wait_op: int,
-    release_op: int,
-    default_op_duration_s: float | None,
-    max_lead_ops: int,
-) -> int:
-    """Walk back from the wait while the copy is not hidden yet and the op has room."""
-    size = trace.storage_sizes[storage]
-    copy_s = size / (trace.h2d_bandwidth_gbps * 1e9)
-    hidden_s = 0.0
-    start = wait_op
-    floor = max(release_op + 1, wait_op - max_lead_ops)
-    while start > floor and room[start - 1] >= size:
-        start -= 1
-        duration = trace.ops[start].duration_s
-        if duration is None:
-            duration = default_op_duration_s
-        if duration is None:
-            break  # no timing known: one op of lead
-        hidden_s += duration
-        if hidden_s >= copy_s:
-            break
-    return start
 
 
 def hoist_prefetches(
     trace: ActivationTrace,
     schedule: ResidencySchedule,
     *,
-    default_op_duration_s: float | None = None,
-    max_lead_ops: int = DEFAULT_MAX_LEAD_OPS,
     earliest_op: int = 0,
 ) -> ResidencySchedule:
     """``schedule`` with every COPY_H2D moved to its :func:`prefetch_slots` start.
@@ -119,10 +103,7 @@ def hoist_prefetches(
     The result passes ``check_schedule`` whenever the input does, moves the same bytes,
     and never raises the resident bytes of an op above its allowance.
     """
-    slots = prefetch_slots(
-        trace, schedule, default_op_duration_s=default_op_duration_s,
-        max_lead_ops=max_lead_ops, earliest_op=earliest_op,
-    )
+    slots = prefetch_slots(trace, schedule, earliest_op=earliest_op)
     pre = [list(actions) for actions in schedule.pre]
     for (storage, wait_op), start in slots.items():
         if start == wait_op:
