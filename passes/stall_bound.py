@@ -21,7 +21,8 @@ the device while it runs.
 * **H2D side.** Of the gaps covering op ``k``, the offloaded ones total at least
   ``E[k]``; those whose reader comes at or before op ``j`` total at least
   ``E[k] - (bytes of covering gaps read after j)`` and must all be reloaded after op
-  ``k`` ends (and not before op ``earliest_prefetch_op``) and before op ``j``: ``T[j] >=
+  ``k`` ends (and not before op ``earliest_prefetch_op``, unless read before it) and
+  before op ``j``: ``T[j] >=
   max(T[k + 1], T[earliest]) + need / B``, and ``T[x] >= C[x] + (the D2H side's bound
   for ops due before x)``.
 
@@ -88,11 +89,15 @@ def stall_lower_bound(
         due = list(accumulate(due, max))
     h2d_side = 0.0
     for op, gaps in covering.items():
-        first = min(max(op + 1, earliest_prefetch_op), trace.num_ops)
+        if not gaps:
+            continue
+        gaps = sorted(gaps, key=lambda g: g.end)
+        # a reload waited for before ``earliest_prefetch_op`` starts at its reader: the
+        # earliest-read gap gives the earliest start any of them can have
+        first = min(max(op + 1, earliest_prefetch_op), gaps[0].end)
         start = max(clock[op + 1] + due[op + 1], clock[first] + due[first])
-        slack = sum(g.size for g in gaps) - excess[op]  # covering bytes that may stay on
-        needed = -slack
-        for gap in sorted(gaps, key=lambda g: g.end):
+        needed = excess[op] - sum(g.size for g in gaps)  # minus what may stay off
+        for gap in gaps:
             needed += gap.size
             if needed > 0:
                 h2d_side = max(h2d_side, start + needed / h2d_rate - clock[gap.end])
