@@ -23,34 +23,47 @@ design's literal "resident > budget" test selects (see ``excess_over_allowed``).
 transfers, swap expensive picks for cheaper covering ones, insert one gap that
 replaces several picks); ``refine=False`` is the design's exact behaviour, which the
 test suite checks against a straightforward oracle.
+
+Objective. ``plan`` is always the bytes choice above. With ``objective="time"`` (the
+default) :meth:`GreedyResidencyPlanner.proposals` also offers the same walk over a
+time-aware ranking (:mod:`.time_rank`: gaps whose copies fit their windows first), and
+the shared pipeline keeps whichever proposal its timeline model predicts to stall
+least, fewer bytes breaking ties (:func:`~.planning.plan_residency`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .planner_candidates import OffloadCandidate, design_rank_key
 from .plan_report import PlanReport, plan_by_choice
 from .refine import refine_choice
 from .schedule import ResidencySchedule
 from .segment_tree import RangeAddMaxTree
+from .time_rank import time_rank_key
 from .trace import ActivationTrace
+
+OBJECTIVES = ("time", "bytes")
 
 
 def select_greedy(
-    candidates: Sequence[OffloadCandidate], excess: Sequence[int]
+    candidates: Sequence[OffloadCandidate],
+    excess: Sequence[int],
+    key: Callable[[OffloadCandidate], Any] = design_rank_key,
 ) -> list[OffloadCandidate]:
     """The design's greedy choice: accepted candidates, in acceptance order.
 
     ``excess[i]`` is op ``i``'s resident bytes minus its allowance with no offload
-    (positive = over); it is not modified.
+    (positive = over); it is not modified. ``key`` orders the walk (ascending; the
+    design's order by default).
     """
     if not candidates or max(excess, default=0) <= 0:
         return []
     tree = RangeAddMaxTree(excess)
     subtract_if_over = tree.add_if_max_exceeds
     chosen = []
-    for cand in sorted(candidates, key=design_rank_key):
+    for cand in sorted(candidates, key=key):
         if subtract_if_over(cand.start + 1, cand.end, 0, -cand.size):
             chosen.append(cand)
             if tree.max_all() <= 0:
@@ -63,20 +76,31 @@ class GreedyResidencyPlanner:
 
     ``refine=True`` (the default) improves the design's choice with :func:`refine_choice`
     and never moves more bytes than ``refine=False``; ``refine=False`` is the design's
-    algorithm exactly.
+    algorithm exactly. ``objective``: ``"time"`` (default) proposes the bytes choice and
+    the time-ranked one to the pipeline, ``"bytes"`` the bytes choice only.
     """
 
-    def __init__(self, refine: bool = True) -> None:
+    def __init__(self, refine: bool = True, objective: str = "time") -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(
+                f"GreedyResidencyPlanner(objective={objective!r}): expected one of "
+                f"{', '.join(map(repr, OBJECTIVES))} ('time': least predicted stall, "
+                "'bytes': fewest bytes moved)"
+            )
         self.refine = refine
+        self.objective = objective
 
     def __repr__(self) -> str:
-        return f"GreedyResidencyPlanner(refine={self.refine})"
+        return f"GreedyResidencyPlanner(refine={self.refine}, objective={self.objective!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, GreedyResidencyPlanner) and other.refine == self.refine
+        return (
+            isinstance(other, GreedyResidencyPlanner)
+            and (other.refine, other.objective) == (self.refine, self.objective)
+        )
 
     def __hash__(self) -> int:
-        return hash((GreedyResidencyPlanner, self.refine))
+        return hash((GreedyResidencyPlanner, self.refine, self.objective))
 
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:
         return self.plan_with_report(trace).schedule
@@ -84,8 +108,35 @@ class GreedyResidencyPlanner:
     def plan_with_report(self, trace: ActivationTrace) -> PlanReport:
         return plan_by_choice(trace, self._choose, planner=repr(self))
 
+    def proposals(self, trace: ActivationTrace) -> list[ResidencySchedule]:
+        """The schedules the pipeline should place, predict and choose among: the bytes
+        choice first, then (objective ``"time"``) the time-ranked one if it differs."""
+        proposals = [self.plan(trace)]
+        if self.objective == "time":
+            from .planning import backward_start  # planning imports no planner
+
+            def choose_by_time(
+                candidates: Sequence[OffloadCandidate], excess: Sequence[int]
+            ) -> Sequence[OffloadCandidate]:
+                key = time_rank_key(
+                    trace, candidates, excess, earliest_prefetch_op=backward_start(trace)
+                )
+                return self._refined(candidates, excess, select_greedy(candidates, excess, key))
+
+            timed = plan_by_choice(trace, choose_by_time, planner=repr(self)).schedule
+            if timed != proposals[0]:
+                proposals.append(timed)
+        return proposals
+
     def _choose(
         self, candidates: Sequence[OffloadCandidate], excess: Sequence[int]
     ) -> Sequence[OffloadCandidate]:
-        chosen = select_greedy(candidates, excess)
+        return self._refined(candidates, excess, select_greedy(candidates, excess))
+
+    def _refined(
+        self,
+        candidates: Sequence[OffloadCandidate],
+        excess: Sequence[int],
+        chosen: list[OffloadCandidate],
+    ) -> Sequence[OffloadCandidate]:
         return refine_choice(candidates, excess, chosen) if self.refine else chosen

@@ -4,16 +4,23 @@ The compile backend (per region, and ``hyper_offload.estimate`` through it), the
 session's warmup and ``hyper-offload plan`` all call :func:`plan_residency`, so the same
 trace, planner and ``earliest_prefetch_op`` give the same schedule whichever door asked::
 
-    planner.plan(trace)                          stage "plan"
-      └─ check_schedule                          (ScheduleError naming the stage and door)
-    hoist_prefetches(..., earliest_op=E)         stage "place_prefetches"
-      └─ check_schedule
-    delay_releases(..., latest_op=L)             stage "delay_releases" (doors whose
-      └─ check_schedule                          releases wait for their D2H)
+    for each of planner.proposals(trace)         (or just planner.plan(trace))
+      planned                                    stage "plan"
+        └─ check_schedule                        (ScheduleError naming the stage and door)
+      hoist_prefetches(..., earliest_op=E)       stage "place_prefetches"
+        └─ check_schedule
+      delay_releases(..., latest_op=L)           stage "delay_releases" (doors whose
+        └─ check_schedule                        releases wait for their D2H)
+      predict_timeline(...)                      the one timeline model
+    keep the least predicted stall, then the fewest bytes moved, then the first
 
 Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` as early
 as the budget allows, in the order the reloads are waited for, never before the op after
-the storage's release nor before op ``E``; each ``WAIT_H2D`` stays at the reading op. ``E`` is the door's only knob: the compile path
+the storage's release nor before op ``E``; each ``WAIT_H2D`` stays at the reading op.
+The objective is step time: a planner that proposes several schedules (the default
+greedy planner offers its bytes choice and a time-ranked one) gets the one that stalls
+least on the timeline model; a planner with only ``plan`` is placed as it is.
+``E`` is the door's knob: the compile path
 passes the first backward op (a reload cannot start in the forward graph, which has
 already returned by then), the eager session 0 (the step is one timeline), the CLI what
 the trace's op names say (:func:`backward_start`). Pure: no torch, no device.
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .planner_protocol import ResidencyPlanner
+from .predicted_timeline import predict_timeline
 from .refine_prefetch import PrefetchError, hoist_prefetches
 from .release_delay import delay_releases
 from .schedule import ActionKind, ResidencySchedule
@@ -114,6 +122,11 @@ class PlannedSchedule:
     """The planner's schedule, before placement (``COPY_H2D`` next to its ``WAIT_H2D``)."""
     planned_check: ScheduleReport
     earliest_prefetch_op: int
+    predicted_stall_s: float = 0.0
+    """The timeline model's stall of ``schedule`` (:func:`~.predicted_timeline.predict_timeline`
+    with this door's ``release_waits_for_d2h``): the least among the proposals."""
+    proposals: int = 1
+    """How many schedules the planner proposed (``planned`` is the one kept)."""
 
 
 def plan_residency(
@@ -142,7 +155,51 @@ def plan_residency(
             f"{where}: plan_residency(earliest_prefetch_op={earliest_prefetch_op}): must be >= 0 "
             "(0: reloads may start anywhere on the step's timeline)"
         )
-    planned = planner.plan(trace)
+    proposals = _proposals(planner, trace)
+    placed = [
+        _place(trace, planned, planner, earliest_prefetch_op, default_op_duration_s,
+               release_waits_for_d2h, latest_release_op, where)
+        for planned in proposals
+    ]
+    stalls = [
+        predict_timeline(
+            trace, schedule, default_op_duration_s=default_op_duration_s,
+            release_waits_for_d2h=release_waits_for_d2h,
+        ).exposed_transfer_s
+        for _, _, schedule, _ in placed
+    ]
+    best = min(range(len(placed)), key=lambda i: (stalls[i], placed[i][3].bytes_moved, i))
+    planned, planned_check, schedule, check = placed[best]
+    return PlannedSchedule(
+        trace=trace, schedule=schedule, check=check, planned=planned,
+        planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
+        predicted_stall_s=stalls[best], proposals=len(proposals),
+    )
+
+
+def _proposals(planner: ResidencyPlanner, trace: ActivationTrace) -> list[ResidencySchedule]:
+    propose = getattr(planner, "proposals", None)
+    if propose is None:
+        return [planner.plan(trace)]
+    proposals = list(propose(trace))
+    if not proposals:
+        raise ValueError(
+            f"{planner!r}.proposals(trace) returned no schedule; return at least plan(trace)"
+        )
+    return proposals
+
+
+def _place(
+    trace: ActivationTrace,
+    planned: ResidencySchedule,
+    planner: ResidencyPlanner,
+    earliest_prefetch_op: int,
+    default_op_duration_s: float | None,
+    release_waits_for_d2h: bool,
+    latest_release_op: int | None,
+    where: str,
+) -> tuple[ResidencySchedule, ScheduleReport, ResidencySchedule, ScheduleReport]:
+    """One proposal through the stages: ``(planned, its check, placed, its check)``."""
     planned_check = check_schedule(trace, planned)
     _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
     try:
@@ -161,10 +218,7 @@ def plan_residency(
         )
         check = check_schedule(trace, schedule)
         _require_ok(check, schedule, PlanningStage.DELAY_RELEASES, where, planner)
-    return PlannedSchedule(
-        trace=trace, schedule=schedule, check=check, planned=planned,
-        planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
-    )
+    return planned, planned_check, schedule, check
 
 
 def _require_ok(

@@ -204,7 +204,7 @@ def test_report_and_protocol() -> None:
     assert isinstance(planner, ResidencyPlanner)
     assert planner.plan(trace) == report.schedule
     assert report.num_candidates == 1 and len(report.chosen) == 1 and report.feasible
-    assert repr(report).startswith("PlanReport(GreedyResidencyPlanner(refine=True): 1/1 gaps")
+    assert repr(report).startswith("PlanReport(GreedyResidencyPlanner(refine=True, objective='time'): 1/1 gaps")
     assert GreedyResidencyPlanner() == GreedyResidencyPlanner(refine=True)
     assert GreedyResidencyPlanner(refine=False) != GreedyResidencyPlanner()
 
