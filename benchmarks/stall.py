@@ -1,27 +1,37 @@
-"""Predicted compute stall of the compile path's plans on LLM-shaped traces (issue 16's
-baseline): how much step time the copies cost when ops are priced as a GPU.
+"""Predicted compute stall of the compile path's plans on LLM-shaped traces (issue 16):
+how much step time the copies cost when ops are priced as a GPU, against a lower bound.
 
 Each model's training step is captured once on fake tensors (``estimate``'s capture:
 Inductor's graphs, nothing allocated), then planned by the compile path's own pipeline
-(``compiler.region_plan.plan_graphs``: plan -> check -> place prefetches -> check) at
-each budget and link speed, and re-timed with the one timeline model,
-``predict_timeline(..., release_waits_for_d2h=True)`` (one compute stream, one serial
-copy stream, a release waits for its D2H, a reload is waited for before its reader).
-Ops are priced by the roofline at 400 TFLOP/s and 3 TB/s. All figures are *predicted*.
+(``compiler.region_plan.plan_graphs``: per proposal plan -> check -> place prefetches ->
+check -> hold releases -> check, keep the least predicted stall) at each budget and
+link speed, and timed with the one timeline model, ``predict_timeline(...,
+release_waits_for_d2h=True)`` (one compute stream, one serial copy stream, a release
+waits for its D2H, a reload is waited for before its reader). Ops are priced by the
+roofline at 400 TFLOP/s and 3 TB/s. All figures are *predicted*.
 
-One JSON line per (model, budget, link, pipeline): bytes moved, compute, stall and
-stall/compute, for the compile pipeline before and since its releases are delayed until
-their D2H is predicted done (``passes/release_delay.py``). The planner itself still
-chooses by bytes; the rest of issue 16 adds its rows here.
+One JSON line per (model, budget, link, planner): bytes moved, compute, stall and
+stall/compute for
 
-    .venv/bin/python benchmarks/stall.py                 # three models (~3 min on 2 cores)
-    .venv/bin/python benchmarks/stall.py --only gpt2_small
+* ``time``  the default planner (``GreedyResidencyPlanner()``, objective step time),
+* ``bytes`` the bytes-only planner (``objective="bytes"``) through the same placement,
+* ``time, 2 copy streams (model only)`` the first re-timed with a copy stream per
+  direction (the runtime has one),
+
+and ``stall_lower_bound`` (``passes/stall_bound.py``: no schedule under the budget
+stalls less), with ``target_met`` for issue 16's figure (stall <= 5% of compute or <=
+1.1 x the bound) on rows at >= 70% of peak and 50 GB/s. ``--only planning_time`` times
+the pipeline on a 10k-op synthetic trace (measured, this machine).
+
+    .venv/bin/python benchmarks/stall.py                 # three models (~1 min on 2 cores)
+    .venv/bin/python benchmarks/stall.py --only gpt2_small_b4_seq2048
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +46,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
 from hyper_offload.compiler.region_plan import plan_graphs  # noqa: E402
-from hyper_offload.passes import check_schedule, plan_residency, predict_timeline  # noqa: E402
+from hyper_offload.passes import (  # noqa: E402
+    GreedyResidencyPlanner,
+    check_schedule,
+    plan_residency,
+    predict_timeline,
+)
+from hyper_offload.passes.stall_bound import stall_lower_bound  # noqa: E402
 from hyper_offload.passes.cost_model import DeviceThroughput  # noqa: E402
 from hyper_offload.runtime.bandwidth import TransferBandwidth  # noqa: E402
 
@@ -81,28 +97,30 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]
 }
 
 
-PIPELINES = ("greedy + hoist", "greedy + hoist + release delay",
-             "greedy + hoist + release delay, 2 copy streams (model only)")
-"""The compile pipeline before and since releases wait where their D2H is done, and the
-latter re-timed as if D2H and H2D had a copy stream each (the runtime still has one)."""
+PLANNERS = ("time", "bytes", "time, 2 copy streams (model only)")
 
 
-def _row(name: str, pipeline: str, fraction: float, gbps: float, fx_trace: Any,
-         schedule: Any, plan_s: float, captured_s: float) -> dict[str, Any]:
+def _row(name: str, planner: str, fraction: float, gbps: float, fx_trace: Any,
+         schedule: Any, plan_s: float, captured_s: float, bound_s: float) -> dict[str, Any]:
     check = check_schedule(fx_trace.trace, schedule)
     timeline = predict_timeline(
         fx_trace.trace, schedule, release_waits_for_d2h=True,
-        copy_streams=2 if "2 copy streams" in pipeline else 1,
+        copy_streams=2 if "2 copy streams" in planner else 1,
     )
     compute, stall = timeline.compute_s, timeline.exposed_transfer_s
+    judged = fraction >= 0.7 and gbps == 50.0
     return {
-        "bench": "stall", "model": name, "planner": pipeline,
+        "bench": "stall", "model": name, "planner": planner,
         "budget_fraction": fraction, "link_gbps": gbps, "feasible": not check.infeasible_ops,
         "peak_before_mib": round(fx_trace.peak_without_offload / MIB, 1),
         "peak_after_mib": round(check.peak_resident_bytes / MIB, 1),
         "moved_d2h_mib": round(check.bytes_d2h / MIB, 1),
         "compute_ms": round(compute * 1e3, 2), "stall_ms": round(stall * 1e3, 2),
         "stall_over_compute": round(stall / compute, 4) if compute else None,
+        "lower_bound_ms": round(bound_s * 1e3, 2),
+        "lower_bound_over_compute": round(bound_s / compute, 4) if compute else None,
+        "stall_over_lower_bound": round(stall / bound_s, 3) if bound_s > 0 else None,
+        "target_met": (stall <= 0.05 * compute or stall <= 1.1 * bound_s) if judged else None,
         "ops": fx_trace.trace.num_ops, "plan_s": round(plan_s, 2),
         "capture_s": round(captured_s, 1), "predicted": True,
     }
@@ -123,22 +141,51 @@ def rows(name: str, fractions: list[float], links: list[float]) -> list[dict[str
                 bandwidth=TransferBandwidth(gbps, gbps, measured=False), region=0, throughput=GPU,
             )
             plan_s = time.perf_counter() - planned_at
-            before = plan_residency(
-                fx_trace.trace, options.config.resolved_planner(),
-                earliest_prefetch_op=fx_trace.num_fw_ops,
+            door = dict(earliest_prefetch_op=fx_trace.num_fw_ops,
+                        latest_release_op=fx_trace.num_fw_ops - 1)
+            by_bytes = plan_residency(
+                fx_trace.trace, GreedyResidencyPlanner(objective="bytes"),
+                release_waits_for_d2h=True, **door,
             ).schedule
-            for pipeline, chosen in zip(PIPELINES, (before, schedule, schedule)):
-                out.append(_row(name, pipeline, fraction, gbps, fx_trace, chosen, plan_s, captured))
+            bound = stall_lower_bound(fx_trace.trace, **door).stall_s
+            for planner, chosen in zip(PLANNERS, (schedule, by_bytes, schedule)):
+                out.append(_row(name, planner, fraction, gbps, fx_trace, chosen, plan_s,
+                                captured, bound))
     return out
+
+
+def planning_time(num_layers: int = 1100) -> dict[str, Any]:
+    """The whole pipeline (time objective, compile door) on a ~10k-op synthetic trace."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from synthetic import transformer_trace
+
+    trace = transformer_trace(num_layers, budget_fraction=0.7)
+    durations = random.Random(0)
+    trace = replace(
+        trace, d2h_bandwidth_gbps=0.5, h2d_bandwidth_gbps=0.5,
+        ops=tuple(replace(op, duration_s=durations.uniform(1e-6, 1e-4)) for op in trace.ops),
+    )
+    half = trace.num_ops // 2
+    started = time.perf_counter()
+    planned = plan_residency(trace, GreedyResidencyPlanner(), earliest_prefetch_op=half,
+                             release_waits_for_d2h=True, latest_release_op=half - 1)
+    seconds = time.perf_counter() - started
+    return {"bench": "stall.planning_time", "ops": trace.num_ops, "plan_s": round(seconds, 2),
+            "target_s": 5.0, "target_met": seconds <= 5.0, "proposals": planned.proposals,
+            "measured": True}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--only", nargs="+", choices=sorted(MODELS) + ["planning_time"],
+                        default=[*MODELS, "planning_time"])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.7, 0.85])
     parser.add_argument("--links", type=float, nargs="+", default=[16.0, 50.0])
     args = parser.parse_args()
     for name in args.only:
+        if name == "planning_time":
+            print(json.dumps(planning_time()), flush=True)
+            continue
         for row in rows(name, args.fractions, args.links):
             print(json.dumps(row), flush=True)
 

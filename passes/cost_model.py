@@ -116,13 +116,12 @@ def exposed_transfer_time(trace: ActivationTrace, schedule: ResidencySchedule) -
     """Copy seconds of ``schedule`` and how many of them compute cannot hide.
 
     The compile lowering's timeline (:func:`~.predicted_timeline.predict_timeline` with
-    ``release_waits_for_d2h=True``, ops without a duration taking none): one serial copy
-    stream; a D2H is waited for where its device bytes are released, an H2D at its
-    ``WAIT_H2D``. Exposed is the compute time those waits stall.
+    ``release_waits_for_d2h=True``, ops without a duration priced by the one default of
+    :func:`~.predicted_timeline.op_durations`): one serial copy stream; a D2H is waited
+    for where its device bytes are released, an H2D at its ``WAIT_H2D``. Exposed is the
+    compute time those waits stall, what the planning pipeline minimised.
     """
-    timeline = predict_timeline(
-        trace, schedule, default_op_duration_s=0.0, release_waits_for_d2h=True
-    )
+    timeline = predict_timeline(trace, schedule, release_waits_for_d2h=True)
     d2h_s = sum(t.end_s - t.start_s for t in timeline.transfers if t.kind is ActionKind.COPY_D2H)
     h2d_s = sum(t.end_s - t.start_s for t in timeline.transfers if t.kind is ActionKind.COPY_H2D)
     return TransferTime(d2h_s, h2d_s, timeline.exposed_transfer_s)

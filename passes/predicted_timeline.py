@@ -1,10 +1,16 @@
-"""``predict_timeline``: when each op and each copy of a plan would run, from the trace's
-op durations and its D2H/H2D bandwidths. Pure: data in, data out.
+"""The one timeline model: when each op and each copy of a plan would run, from the
+trace's op durations and its D2H/H2D bandwidths. Pure: data in, data out.
+:func:`predict_timeline` runs a whole schedule; :class:`TimelineSimulator` is the same
+model one slot at a time, for passes that decide as they walk.
 
 The model is the runtime's (``runtime/device.py``, ``runtime/physical_buffer.py``):
 
 * **One compute stream.** Ops run back to back in trace order; op ``i`` takes
-  ``trace.ops[i].duration_s`` (or ``default_op_duration_s`` when the trace has none).
+  ``trace.ops[i].duration_s``. **The one default** for an op without a duration
+  (:func:`op_durations`): ``default_op_duration_s`` if given, else the mean of the
+  trace's known durations, else :data:`DEFAULT_OP_DURATION_S`. Every pass that prices
+  time uses it: the release placement, the time ranking, the stall bound, the pipeline's
+  choice among proposals, the region report, ``estimate`` and the Chrome trace.
 * **One copy stream, serial.** A ``COPY_D2H`` / ``COPY_H2D`` is *issued* when the compute
   stream reaches its slot (the copy stream first waits for compute up to there) and
   *starts* when it is issued **and** the copy stream is free; it lasts

@@ -3,7 +3,9 @@
 Design section 4.3. Step 1 runs the model for real; for every op the executor records
 which tracked storages it READs or WRITEs (WRITE for arguments the op schema marks
 ``Tensor(a!)``, and for the storages it creates), the storage of each output leaf, and
-the op's wall time. Storages are tracked by :class:`ActivationTracker`.
+the op's duration (:class:`~hyper_offload.runtime.op_clock.OpClock`: wall clock on CPU,
+timing events read once at the end of the step on an accelerator, where the wall clock
+would only time the launch); the planning pipeline prices the step with them. Storages are tracked by :class:`ActivationTracker`.
 
 Online eviction ("step 1 already fits"): before an op runs, the executor estimates the
 bytes of the storages the op will create (running it on ``meta`` tensors), and while
@@ -25,7 +27,7 @@ replay then issues each ``COPY_H2D`` some ops before the ``WAIT_H2D`` of its rea
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from hyper_offload.passes.schedule import ResidencySchedule
 from hyper_offload.passes.trace import AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp
 from hyper_offload.passes.validator import ScheduleReport
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
+from hyper_offload.runtime.op_clock import OpClock
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 
 from .dispatch_mode import tensor_leaves, written_arguments
@@ -89,7 +92,9 @@ class WarmupExecutor(BaseExecutor):
         self.funcs: list[Any] = []
         self._resident_sids: dict[StorageId, None] = {}  # insertion-ordered set
         self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
-        self._current: tuple[Any, str, dict[StorageId, AccessKind], Any, float] | None = None
+        self._current: tuple[Any, str, dict[StorageId, AccessKind], Any, int] | None = None
+        self.clock = OpClock(device)  # op durations: wall clock on CPU, events on a GPU
+        self._timed: dict[int, int] = {}  # op index -> clock token
 
     # ------------------------------------------------------------------ op hooks
 
@@ -117,13 +122,14 @@ class WarmupExecutor(BaseExecutor):
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
         incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
         self._evict(set(accesses), incoming)
-        self._current = (func, name, accesses, keys, time.perf_counter())
+        self._current = (func, name, accesses, keys, self.clock.start())
 
     def on_op_end(self, result: Any) -> Any:
         assert self._current is not None, "on_op_end without on_op_begin"
-        func, name, accesses, keys, started = self._current
+        func, name, accesses, keys, token = self._current
         self._current = None
-        duration = time.perf_counter() - started
+        self.clock.stop(token)
+        self._timed[self.index] = token
         outputs: list[StorageId] = []
         for tensor in tensor_leaves(result):
             if tensor.device != self.device or tensor.layout is not torch.strided:
@@ -146,7 +152,6 @@ class WarmupExecutor(BaseExecutor):
                 name=name,
                 accesses=tuple(StorageAccess(s, k) for s, k in sorted(accesses.items())),
                 outputs=tuple(outputs),
-                duration_s=duration,
             )
         )
         self.funcs.append(func)
@@ -266,6 +271,16 @@ class WarmupExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ end of step
 
+    def _timed_ops(self) -> tuple[TraceOp, ...]:
+        """The recorded ops with the durations the clock measured (ops kept from a
+        replayed step by ``continue_from`` keep theirs)."""
+        durations = self.clock.durations()
+        return tuple(
+            dataclasses.replace(op, duration_s=durations[self._timed[index]])
+            if index in self._timed else op
+            for index, op in enumerate(self.ops)
+        )
+
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
         self.closed = True
@@ -292,7 +307,7 @@ class WarmupExecutor(BaseExecutor):
         retained = frozenset(e.sid for e in self.tracker if e.alive)
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
         trace = ActivationTrace(
-            ops=tuple(self.ops),
+            ops=self._timed_ops(),
             storage_sizes=self.tracker.sizes(),
             budget_bytes=self.budget_bytes,
             retained=retained,

@@ -201,3 +201,16 @@ def test_the_pipeline_imports_no_torch() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
 
+
+
+def test_a_10k_op_step_is_planned_in_under_5_seconds() -> None:
+    # Issue 16's figure: the whole pipeline (both proposals of the time objective, each
+    # placed, held and predicted) on a ~10k-op compile-door trace with op times.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from stall import planning_time
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    row = planning_time()
+    assert row["ops"] >= 9_900 and row["proposals"] >= 1
+    assert row["plan_s"] <= 5.0, row
