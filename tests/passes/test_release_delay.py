@@ -105,3 +105,19 @@ def test_delayed_releases_keep_every_rule_and_never_add_stall(trace: ActivationT
     }
     copied = {a.storage for _, _, a in base.schedule.actions() if a.kind is ActionKind.COPY_D2H}
     assert {storage for storage, _ in moved} <= copied
+
+
+def test_where_room_runs_out_the_copy_that_ends_first_is_released() -> None:
+    # Storages 0 and 1 (2 B each) are copied out after op 0 (one after the other: s0 over
+    # 1..3 s, s1 over 3..5 s) and both must be off over ops 3..8 (storage 3, 3 B); ops 1..2
+    # leave room to hold one of them. Releasing s0 first stalls until 3 s (2 s); s1 then
+    # waits, held, until its copy ends after op 2. Releasing s1 first would stall 4 s.
+    ops = [{0: "W", 1: "W"}, {2: "W"}, {2: "R"}] + [{3: "W" if i == 3 else "R"} for i in range(3, 9)]
+    ops.append({0: "R", 1: "R"})
+    trace = _timed(ActivationTrace.from_accesses(ops, {0: 2, 1: 2, 2: 1, 3: 3}, budget_bytes=4))
+    planned = plan_residency(trace, GreedyResidencyPlanner(), release_waits_for_d2h=True)
+    assert planned.check.ok
+    assert release_slots(trace, plan_residency(trace, GreedyResidencyPlanner()).schedule) == {
+        (0, 0): 0, (1, 0): 2}
+    waits = predict_timeline(trace, planned.schedule, release_waits_for_d2h=True).waits
+    assert sum(w.end_s - w.start_s for w in waits if w.kind is ActionKind.COPY_D2H) == 2.0
