@@ -1,13 +1,20 @@
-"""Device-agnostic transfer layer: one copy engine per device, async copies, events.
+"""Device-agnostic transfer layer: one transfer engine per device, async copies, events.
 
 Everything goes through ``torch.accelerator`` and ``torch.get_device_module(device)``, so
 the same code drives CUDA (and any other accelerator with streams and events) and plain
 CPU:
 
-* On an accelerator a :class:`TransferEngine` owns one dedicated *copy stream*. A copy is
-  enqueued on it after the current *compute stream* (the copy stream waits on it, so the
-  copy sees every kernel that produced its source), with ``non_blocking=True``, and an
-  event is recorded after it. The returned :class:`Transfer` carries that event.
+* On an accelerator a :class:`TransferEngine` owns one dedicated *copy stream* (or, with
+  ``copy_streams=2``, one per direction: NVIDIA GPUs run a D2H and an H2D concurrently on
+  separate copy engines when they sit on separate streams). A copy is enqueued on it
+  after the current *compute stream* (the copy stream waits on it, so the copy sees every
+  kernel that produced its source), with ``non_blocking=True``, and an event is recorded
+  after it. The returned :class:`Transfer` carries that event. With two streams nothing
+  orders one direction after the other except ``after=``: every caller here names the
+  transfers a copy must follow (an H2D its D2H, a D2H into a reused host buffer the H2Ds
+  still reading it), which one stream would also have ordered by FIFO. One stream is the
+  default: on this project's plans the timeline model predicts no gain from two
+  (docs/architecture.md, "Copy engines").
 * On CPU there are no streams, events or pinned memory (the CPU build raises on all
   three), so copies are synchronous and a :class:`Transfer` is born completed with
   ``event is None``.
@@ -267,11 +274,21 @@ class TransferEngine:
 
     ``host_syncs`` counts every time a copy of this engine blocked the host (see
     :mod:`~hyper_offload.runtime.host_sync`); the normal schedule path keeps it at 0.
+
+    ``copy_streams``: 1 (default; D2H and H2D share ``copy_stream``) or 2 (H2D on its own
+    ``h2d_stream``). Invariant: ``h2d_stream is copy_stream`` exactly when there is one.
     """
 
-    def __init__(self, device: DeviceLike = None) -> None:
+    def __init__(self, device: DeviceLike = None, *, copy_streams: int = 1) -> None:
+        if copy_streams not in (1, 2):
+            raise ValueError(
+                f"TransferEngine(copy_streams={copy_streams!r}): expected 1 (one copy stream "
+                "for both directions) or 2 (one per direction, for concurrent D2H and H2D)"
+            )
         self.device = resolve_device(device)
+        self.copy_streams = copy_streams
         self.copy_stream: Any | None = None
+        self._h2d_stream: Any | None = None
         self.host_syncs = HostSyncCounter()
         self._module: ModuleType | None = None
         if is_accelerator(self.device):
@@ -288,6 +305,17 @@ class TransferEngine:
                 self._module = module
                 # A dedicated stream so copies overlap with compute on the default stream.
                 self.copy_stream = module.Stream(device=self.device)
+                if copy_streams == 2:
+                    self._h2d_stream = module.Stream(device=self.device)
+
+    @property
+    def h2d_stream(self) -> Any | None:
+        """The stream H2D copies run on: its own with ``copy_streams=2``, else ``copy_stream``."""
+        return self._h2d_stream if self._h2d_stream is not None else self.copy_stream
+
+    def _streams(self) -> tuple[Any, ...]:
+        streams = (self.copy_stream, self.h2d_stream)
+        return tuple(s for i, s in enumerate(streams) if s is not None and s not in streams[:i])
 
     @property
     def is_async(self) -> bool:
@@ -353,9 +381,9 @@ class TransferEngine:
 
     def synchronize(self) -> None:
         """Block the host until every copy enqueued on this engine has completed."""
-        if self.copy_stream is not None:
+        for stream in self._streams():
             self.host_syncs.record(SyncReason.ENGINE_DRAIN)
-            self.copy_stream.synchronize()
+            stream.synchronize()
 
     def _copy(
         self,
@@ -392,7 +420,7 @@ class TransferEngine:
         free_before_wait: bool,
     ) -> Transfer:
         module = self._module
-        stream = self.copy_stream
+        stream = self.h2d_stream if direction is TransferDirection.H2D else self.copy_stream
         assert module is not None and stream is not None
         host_side = dst if direction is TransferDirection.D2H else src
         if not self._is_pinned(host_side):
@@ -442,7 +470,10 @@ class TransferEngine:
         return host.is_pinned()
 
     def __repr__(self) -> str:
-        mode = "async copy stream" if self.is_async else "synchronous"
+        if not self.is_async:
+            mode = "synchronous"
+        else:
+            mode = "async copy stream" if len(self._streams()) == 1 else "async copy stream per direction"
         return f"TransferEngine({self.device}, {mode})"
 
 

@@ -4,14 +4,19 @@ On CPU an op has run when its call returns, so the wall clock between its start 
 end is its duration. On an accelerator the call only *launches* the kernels: the wall
 clock would measure the launch. There each op is bracketed by two timing events on the
 current stream, and the elapsed times are read once, after the step (one synchronize,
-not one per op). Durations are in seconds, like ``TraceOp.duration_s``.
+not one per op: :class:`~hyper_offload.runtime.bandwidth.DeviceTimer` waits at every
+``stop``, which would serialize the host with the device on every op). Durations are in
+seconds, like ``TraceOp.duration_s``.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
+
+from .device import device_module, is_accelerator
 
 __all__ = ["OpClock"]
 
@@ -26,9 +31,10 @@ class OpClock:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._events = device.type != "cpu"
-        self._starts: list[float | torch.Event] = []
-        self._stops: dict[int, float | torch.Event] = {}
+        self._module = device_module(device) if is_accelerator(device) else None
+        self._events = self._module is not None
+        self._starts: list[Any] = []  # perf_counter floats, or timing events
+        self._stops: dict[int, Any] = {}
 
     def __repr__(self) -> str:
         how = "timing events" if self._events else "wall clock"
@@ -50,19 +56,14 @@ class OpClock:
         """``{token: seconds}`` of every stopped op; on an accelerator this waits for the
         device once."""
         if not self._events:
-            return {t: end - self._starts[t] for t, end in self._stops.items()}  # type: ignore[operator]
-        if self._stops:
-            last = max(self._stops)
-            self._stops[last].synchronize()  # type: ignore[union-attr]
-            torch.accelerator.synchronize(self.device)
-        return {
-            t: self._starts[t].elapsed_time(end) / 1e3  # type: ignore[union-attr,arg-type]
-            for t, end in self._stops.items()
-        }
+            return {t: end - self._starts[t] for t, end in self._stops.items()}
+        for end in self._stops.values():
+            end.synchronize()  # the first pending one waits; the rest are done by then
+        return {t: self._starts[t].elapsed_time(end) / 1e3 for t, end in self._stops.items()}
 
-    def _mark(self) -> float | torch.Event:
-        if not self._events:
+    def _mark(self) -> Any:
+        if self._module is None:
             return time.perf_counter()
-        event = torch.Event(self.device, enable_timing=True)
-        event.record()
+        event = self._module.Event(enable_timing=True)
+        event.record(self._module.current_stream(self.device))
         return event

@@ -30,6 +30,7 @@ from torch import nn
 
 from hyper_offload.passes import required_bytes
 from hyper_offload.passes.cost_model import DeviceThroughput, throughput_for
+from hyper_offload.passes.stall_bound import stall_lower_bound
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .options import parse_backend_options
@@ -62,6 +63,10 @@ class EstimateReport:
     flops_per_s: float
     memory_bytes_per_s: float
     trace_seconds: float
+    stall_lower_bound_s: float = 0.0
+    """No schedule under this budget is predicted to stall compute less
+    (:func:`~hyper_offload.passes.stall_bound.stall_lower_bound`, the compile door's rules):
+    how far ``exposed_transfer_s`` is from the best any plan could do."""
 
     @property
     def budget_bytes(self) -> int:
@@ -111,6 +116,7 @@ class EstimateReport:
             infeasible_ops=len(self.region.infeasible_ops),
             kept_saved_bytes=self.region.kept_bytes,
             plan_seconds=self.region.plan_seconds,
+            stall_lower_bound_s=self.stall_lower_bound_s,
         )
         return data
 
@@ -133,8 +139,9 @@ class EstimateReport:
             f"({r.transfers} transfers)",
             f"transfer time at {self.d2h_bandwidth_gbps:g}/{self.h2d_bandwidth_gbps:g} GB/s "
             f"(D2H/H2D): {r.d2h_s * 1e3:.1f} + {r.h2d_s * 1e3:.1f} ms, predicted exposed "
-            f"{r.exposed_transfer_s * 1e3:.1f} ms (ops priced at {self.flops_per_s / 1e12:g} "
-            f"TFLOP/s, {self.memory_bytes_per_s / 1e9:g} GB/s)",
+            f"{r.exposed_transfer_s * 1e3:.1f} ms, no plan under {self.stall_lower_bound_s * 1e3:.1f} "
+            f"ms (ops priced at {self.flops_per_s / 1e12:g} TFLOP/s, "
+            f"{self.memory_bytes_per_s / 1e9:g} GB/s)",
             f"traced in {self.trace_seconds:.1f} s, planned in {r.plan_seconds:.1f} s",
         ]
         if r.kept:
@@ -229,4 +236,8 @@ def estimate(
         flops_per_s=prices.flops_per_s,
         memory_bytes_per_s=prices.bytes_per_s,
         trace_seconds=traced - started,
+        stall_lower_bound_s=stall_lower_bound(
+            fx_trace.trace, earliest_prefetch_op=fx_trace.num_fw_ops,
+            latest_release_op=fx_trace.num_fw_ops - 1,
+        ).stall_s,
     )

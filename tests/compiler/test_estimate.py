@@ -95,6 +95,10 @@ def test_report_summary_and_json(tiny) -> None:
     text = report.summary()
     assert text.splitlines()[0].startswith("Sequential on cpu (aot_eager graphs")
     assert "smallest feasible budget" in text and "predicted exposed" in text
+    # the bound is a floor under the plan's own predicted stall, and both are reported
+    assert 0 <= report.stall_lower_bound_s <= report.exposed_transfer_s * (1 + 1e-9)
+    assert data["stall_lower_bound_s"] == report.stall_lower_bound_s
+    assert f"no plan under {report.stall_lower_bound_s * 1e3:.1f} ms" in text
     with pytest.raises(Exception):
         report.budget_bytes = 0  # type: ignore[misc]  # frozen
 

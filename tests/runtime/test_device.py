@@ -298,3 +298,45 @@ def test_async_copy_that_fails_to_enqueue_drains_the_copy_stream(monkeypatch) ->
         engine.h2d(torch.ones(4), torch.zeros(4))
     assert module.log[-1] == "synchronize copy"
     assert engine.host_syncs.by_reason()["copy stream drained"] == 1
+
+
+def test_two_copy_streams_put_each_direction_on_its_own_and_order_h2d_after_its_d2h(
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    engine, module = _scripted_engine(monkeypatch, True)
+    engine._h2d_stream = _ScriptedStream("h2d", module.log)
+    assert engine.h2d_stream is not engine.copy_stream
+    host = torch.zeros(8)
+    d2h = engine.d2h(torch.arange(8.0), host, free_before_wait=True)
+    start = len(module.log)
+    h2d = engine.h2d(host, torch.zeros(8), after=[d2h])
+    # The H2D runs on its own stream, after compute (which allocated its destination) and
+    # after the D2H that fills its source: with two streams only the event orders them.
+    assert module.log[start:] == [
+        "h2d waits for compute",
+        f"h2d waits for event {id(d2h.event)}",
+        "enter h2d",
+        "record on h2d",  # its event marks the H2D's end on the H2D stream
+        "leave h2d",
+    ]
+    assert h2d.event is module.events[-1] and h2d.event is not d2h.event
+    engine.synchronize()  # drains both streams
+    assert module.log[-2:] == ["synchronize copy", "synchronize h2d"]
+    assert engine.host_syncs.by_reason()["copy stream drained"] == 2
+
+
+def test_one_copy_stream_serves_both_directions(monkeypatch) -> None:  # noqa: ANN001
+    engine, module = _scripted_engine(monkeypatch, True)
+    assert engine.h2d_stream is engine.copy_stream
+    engine.h2d(torch.ones(4), torch.zeros(4))
+    assert "enter copy" in module.log and not any("h2d" in line for line in module.log)
+    engine.synchronize()
+    assert module.log[-1] == "synchronize copy" and engine.host_syncs.by_reason()["copy stream drained"] == 1
+
+
+def test_copy_streams_is_one_or_two() -> None:
+    with pytest.raises(ValueError, match=r"copy_streams=3.*1 \(one copy stream.*2 \(one per direction"):
+        TransferEngine("cpu", copy_streams=3)
+    cpu = TransferEngine("cpu", copy_streams=2)  # no streams on CPU: synchronous either way
+    assert cpu.copy_stream is None and cpu.h2d_stream is None and not cpu.is_async
+    assert repr(cpu) == "TransferEngine(cpu, synchronous)"
