@@ -39,9 +39,11 @@ from hyper_offload.passes import (
     TraceFormatError,
     check_schedule,
     plan_residency,
+    predict_timeline,
     resident_bytes_without_offload,
 )
 from hyper_offload.passes.planning import backward_start
+from hyper_offload.passes.stall_bound import stall_lower_bound
 
 MIB = 1 << 20
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     report = check_schedule(trace, schedule)
     baseline_peak = max(resident_bytes_without_offload(trace), default=0)
-    result = _result(trace, report, baseline_peak)
+    result = {**_result(trace, report, baseline_peak), **_timing(trace, schedule, earliest)}
     print(json.dumps(result) if args.json else _human(result, report))
     if failure is not None:  # one line naming the stage; the summary shows the violations
         print(f"hyper-offload plan: error: {str(failure).splitlines()[0]}", file=sys.stderr)
@@ -209,11 +211,34 @@ def _result(trace: ActivationTrace, report: ScheduleReport, baseline_peak: int) 
     }
 
 
+def _timing(trace: ActivationTrace, schedule: ResidencySchedule, earliest: int) -> dict[str, Any]:
+    """The schedule on the one timeline model, priced by the trace's ``duration_s`` and
+    bandwidths, with the door's rules (a compile-path trace's releases wait for their
+    D2H), and the lower bound no schedule under the budget beats."""
+    forward_ops = backward_start(trace)
+    waits = forward_ops > 0
+    timeline = predict_timeline(trace, schedule, release_waits_for_d2h=waits)
+    bound = stall_lower_bound(
+        trace, earliest_prefetch_op=earliest, release_waits_for_d2h=waits,
+        latest_release_op=forward_ops - 1 if waits else None,
+    )
+    return {
+        "compute_s": timeline.compute_s,
+        "predicted_stall_s": timeline.exposed_transfer_s,
+        "stall_lower_bound_s": bound.stall_s,
+        "ops_with_default_duration": sum(op.estimated for op in timeline.ops),
+    }
+
+
 def _mib(nbytes: int) -> str:
     """Human-readable bytes: MiB for anything from 1 MiB on, KiB or B below."""
     if nbytes >= MIB:
         return f"{nbytes / MIB:,.2f} MiB"
     return f"{nbytes / 1024:,.2f} KiB" if nbytes >= 1024 else f"{nbytes} B"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f} ms"
 
 
 def _mib_flag_at_least(nbytes: int) -> str:
@@ -233,6 +258,10 @@ def _human(result: dict[str, Any], report: ScheduleReport) -> str:
         f"moved: D2H {_mib(result['bytes_d2h'])}, H2D {_mib(result['bytes_h2d'])} "
         f"in {result['num_transfers']} transfers; peak host {_mib(result['peak_host_bytes'])}",
         f"ops over budget: {result['ops_over_budget']}",
+        f"predicted stall: {_ms(result['predicted_stall_s'])} over {_ms(result['compute_s'])} of "
+        f"compute, no schedule under {_ms(result['stall_lower_bound_s'])}"
+        + (f" ({result['ops_with_default_duration']} ops without duration_s priced at the default)"
+           if result["ops_with_default_duration"] else ""),
     ]
     if report.infeasible_ops:
         worst = max(report.infeasible_ops, key=lambda op: op.excess_bytes)

@@ -38,6 +38,9 @@ def test_json_summary_reports_the_planned_figures(trace_file: Path, capsys) -> N
     assert result["bytes_d2h"] == result["bytes_h2d"] == 2 * MIB
     assert result["num_transfers"] == 2
     assert result["ops_over_budget"] == 0
+    # timed with the trace's duration_s and bandwidths: never under the lower bound
+    assert result["compute_s"] > 0
+    assert 0 <= result["stall_lower_bound_s"] <= result["predicted_stall_s"]
 
 
 def test_human_summary(trace_file: Path, capsys) -> None:
@@ -45,6 +48,7 @@ def test_human_summary(trace_file: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "peak resident: 4.00 MiB without offload -> 2.00 MiB with the schedule" in out
     assert "D2H 2.00 MiB, H2D 2.00 MiB in 2 transfers" in out
+    assert "predicted stall: " in out and "of compute, no schedule under " in out
 
 
 def test_infeasible_budget_lists_the_ops_and_exits_1(trace_file: Path, capsys) -> None:
