@@ -14,8 +14,9 @@ trace, planner and ``earliest_prefetch_op`` give the same schedule whichever doo
       predict_timeline(...)                      the one timeline model
     keep the least predicted stall, then the fewest bytes moved, then the first
 
-Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` as early
-as the budget allows, in the order the reloads are waited for, never before the op after
+Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier:
+as late as the timeline model says its copy still arrives in time, never earlier than
+the budget allows, in the order the reloads are waited for, never before the op after
 the storage's release nor before op ``E``; each ``WAIT_H2D`` stays at the reading op.
 The objective is step time: a planner that proposes several schedules (the default
 greedy planner offers its bytes choice and a time-ranked one) gets the one that stalls
@@ -203,7 +204,10 @@ def _place(
     planned_check = check_schedule(trace, planned)
     _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
     try:
-        schedule = hoist_prefetches(trace, planned, earliest_op=earliest_prefetch_op)
+        schedule = hoist_prefetches(
+            trace, planned, earliest_op=earliest_prefetch_op,
+            default_op_duration_s=default_op_duration_s,
+        )
     except PrefetchError as error:
         raise PlanningError(
             f"{where}: step {PlanningStage.PLACE_PREFETCHES.value!r}: {error}",

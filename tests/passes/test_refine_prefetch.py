@@ -16,7 +16,12 @@ from hyper_offload.passes import (
     required_bytes,
 )
 from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner
-from hyper_offload.passes.refine_prefetch import PrefetchError, hoist_prefetches, prefetch_slots
+from hyper_offload.passes.refine_prefetch import (
+    PrefetchError,
+    earliest_slots,
+    hoist_prefetches,
+    prefetch_slots,
+)
 from .planner_strategies import traces
 
 
@@ -44,19 +49,29 @@ def slot(actions) -> list[str]:
     return [repr(a) for a in actions]
 
 
-def test_copy_moves_back_as_far_as_the_budget_allows() -> None:
+@pytest.mark.parametrize(
+    ("durations", "start"),
+    [([4e-7] * 10, 6), ([None] * 10, 8), ([1.0] * 10, 8)],
+    ids=["0.4us-ops", "no-durations", "1s-ops"],
+)
+def test_copy_starts_as_late_as_still_hides_it_and_never_before_the_budget_allows(
+    durations: list[float | None], start: int
+) -> None:
     # Storage 1 (100 B) lives over ops 1..8 beside the reloaded 1000 B: a 1100 B budget
-    # leaves room all the way back to the op after the release, whatever the op times.
-    for durations in ([4e-7] * 10, [None] * 10, [1.0] * 10):
-        trace = long_gap_trace(budget=1100, durations=durations)
-        schedule = GreedyResidencyPlanner().plan(trace.with_budget(1000))
-        hoisted = hoist_prefetches(trace, schedule)
-        assert slot(schedule.pre[9]) == ["COPY_H2D 0", "WAIT_H2D 0"]
-        assert slot(hoisted.pre[1]) == ["COPY_H2D 0"]
-        assert slot(hoisted.pre[9]) == ["WAIT_H2D 0"]
-        report = check_schedule(trace, hoisted)
-        assert report.violations == ()
-        assert report.resident_bytes[1:10] == (1100,) * 8 + (1000,)
+    # lets the reload start right after the release (op 1). The 1 µs copy then moves as
+    # late as it still ends before op 9: three 0.4 µs ops ahead; one op ahead when ops
+    # take the 1 µs default or a whole second.
+    trace = long_gap_trace(budget=1100, durations=durations)
+    schedule = GreedyResidencyPlanner().plan(trace.with_budget(1000))
+    assert earliest_slots(trace, schedule) == {(0, 9): 1}
+    hoisted = hoist_prefetches(trace, schedule)
+    assert slot(schedule.pre[9]) == ["COPY_H2D 0", "WAIT_H2D 0"]
+    assert slot(hoisted.pre[start]) == ["COPY_H2D 0"]
+    assert slot(hoisted.pre[9]) == ["WAIT_H2D 0"]
+    report = check_schedule(trace, hoisted)
+    assert report.violations == ()
+    assert report.resident_bytes[start - 1:10] == (100,) + (1100,) * (9 - start) + (1000,)
+    assert predict_timeline(trace, hoisted).exposed_transfer_s == 0.0
 
 
 def test_budget_stops_the_hoist() -> None:
@@ -75,7 +90,7 @@ def test_a_tight_op_bounds_the_lead() -> None:
         ops[op] = {**ops[op], 2: "W" if op == 3 else "R"}
     trace = ActivationTrace.from_accesses(ops, {0: 1000, 1: 100, 2: 50}, budget_bytes=1100)
     schedule = GreedyResidencyPlanner().plan(trace)
-    assert prefetch_slots(trace, schedule) == {(0, 9): 6}
+    assert earliest_slots(trace, schedule) == {(0, 9): 6}
 
 
 def test_reloads_are_issued_in_the_order_they_are_waited_for() -> None:
@@ -87,9 +102,9 @@ def test_reloads_are_issued_in_the_order_they_are_waited_for() -> None:
     sizes = {0: 100, 1: 100, 2: 10, 3: 100, 4: 10}
     trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=120)
     schedule = GreedyResidencyPlanner().plan(trace)
-    slots = prefetch_slots(trace, schedule)
-    assert list(slots) == [(0, 7), (1, 9)]
-    assert slots[(1, 9)] >= slots[(0, 7)]
+    for slots in (earliest_slots(trace, schedule), prefetch_slots(trace, schedule)):
+        assert list(slots) == [(0, 7), (1, 9)]
+        assert slots[(1, 9)] >= slots[(0, 7)]
     assert check_schedule(trace, hoist_prefetches(trace, schedule)).ok
 
 
