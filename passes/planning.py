@@ -7,10 +7,10 @@ trace, planner and ``earliest_prefetch_op`` give the same schedule whichever doo
     for each of planner.proposals(trace)         (or just planner.plan(trace))
       planned                                    stage "plan"
         └─ check_schedule                        (ScheduleError naming the stage and door)
-      hoist_prefetches(..., earliest_op=E)       stage "place_prefetches"
-        └─ check_schedule
       delay_releases(..., latest_op=L)           stage "delay_releases" (doors whose
         └─ check_schedule                        releases wait for their D2H)
+      hoist_prefetches(..., earliest_op=E)       stage "place_prefetches" (timed on the
+        └─ check_schedule                        door's timeline, releases placed)
       predict_timeline(...)                      the one timeline model
     keep the least predicted stall, then the fewest bytes moved, then the first
 
@@ -53,8 +53,8 @@ class PlanningStage(str, Enum):
     """A stage of :func:`plan_residency` whose schedule ``check_schedule`` judges."""
 
     PLAN = "plan"
-    PLACE_PREFETCHES = "place_prefetches"
     DELAY_RELEASES = "delay_releases"
+    PLACE_PREFETCHES = "place_prefetches"
 
     def __repr__(self) -> str:
         return self.value
@@ -203,18 +203,7 @@ def _place(
     """One proposal through the stages: ``(planned, its check, placed, its check)``."""
     planned_check = check_schedule(trace, planned)
     _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
-    try:
-        schedule = hoist_prefetches(
-            trace, planned, earliest_op=earliest_prefetch_op,
-            default_op_duration_s=default_op_duration_s,
-        )
-    except PrefetchError as error:
-        raise PlanningError(
-            f"{where}: step {PlanningStage.PLACE_PREFETCHES.value!r}: {error}",
-            where=where, stage=PlanningStage.PLACE_PREFETCHES, schedule=planned, report=None,
-        ) from None
-    check = check_schedule(trace, schedule)
-    _require_ok(check, schedule, PlanningStage.PLACE_PREFETCHES, where, planner)
+    schedule = planned
     if release_waits_for_d2h:
         schedule = delay_releases(
             trace, schedule, latest_op=latest_release_op,
@@ -222,6 +211,19 @@ def _place(
         )
         check = check_schedule(trace, schedule)
         _require_ok(check, schedule, PlanningStage.DELAY_RELEASES, where, planner)
+    try:
+        schedule = hoist_prefetches(
+            trace, schedule, earliest_op=earliest_prefetch_op,
+            default_op_duration_s=default_op_duration_s,
+            release_waits_for_d2h=release_waits_for_d2h,
+        )
+    except PrefetchError as error:
+        raise PlanningError(
+            f"{where}: step {PlanningStage.PLACE_PREFETCHES.value!r}: {error}",
+            where=where, stage=PlanningStage.PLACE_PREFETCHES, schedule=schedule, report=None,
+        ) from None
+    check = check_schedule(trace, schedule)
+    _require_ok(check, schedule, PlanningStage.PLACE_PREFETCHES, where, planner)
     return planned, planned_check, schedule, check
 
 

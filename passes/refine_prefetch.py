@@ -56,17 +56,20 @@ def prefetch_slots(
     *,
     earliest_op: int = 0,
     default_op_duration_s: float | None = None,
+    release_waits_for_d2h: bool = False,
 ) -> dict[tuple[StorageId, int], int]:
     """``{(storage, wait_op): start_op}`` for every reload of ``schedule``, in wait order.
 
     Two steps (module docstring): :func:`earliest_slots`, then each reload is issued as
     late as the timeline model says it can be without ending later than its wait or
     delaying the copy queued after it (:func:`_latest_without_stall`). Starts never
-    decrease in wait order. ``default_op_duration_s``: see
-    :func:`.predicted_timeline.op_durations`.
+    decrease in wait order. ``default_op_duration_s`` / ``release_waits_for_d2h``: the
+    door's timeline, as :func:`.predicted_timeline.predict_timeline` takes them.
     """
     earliest = earliest_slots(trace, schedule, earliest_op=earliest_op)
-    return _latest_without_stall(trace, schedule, earliest, default_op_duration_s)
+    return _latest_without_stall(
+        trace, schedule, earliest, default_op_duration_s, release_waits_for_d2h
+    )
 
 
 def earliest_slots(
@@ -129,6 +132,7 @@ def _latest_without_stall(
     schedule: ResidencySchedule,
     earliest: dict[tuple[StorageId, int], int],
     default_op_duration_s: float | None,
+    release_waits_for_d2h: bool,
 ) -> dict[tuple[StorageId, int], int]:
     """Each reload issued as late as it can be on the timeline of ``earliest``'s schedule.
 
@@ -140,7 +144,10 @@ def _latest_without_stall(
     more: compute runs exactly as on the earliest placement, with fewer bytes resident.
     """
     placed = _rewrite(schedule, earliest)
-    timeline = predict_timeline(trace, placed, default_op_duration_s=default_op_duration_s)
+    timeline = predict_timeline(
+        trace, placed, default_op_duration_s=default_op_duration_s,
+        release_waits_for_d2h=release_waits_for_d2h,
+    )
     op_start = [span.start_s for span in timeline.ops]
     stalled = {(w.storage, w.op_index) for w in timeline.waits if w.kind is ActionKind.COPY_H2D}
     wait_of = _wait_ops(placed)
@@ -202,6 +209,7 @@ def hoist_prefetches(
     *,
     earliest_op: int = 0,
     default_op_duration_s: float | None = None,
+    release_waits_for_d2h: bool = False,
 ) -> ResidencySchedule:
     """``schedule`` with every COPY_H2D moved to its :func:`prefetch_slots` start.
 
@@ -209,6 +217,7 @@ def hoist_prefetches(
     and never raises the resident bytes of an op above its allowance.
     """
     slots = prefetch_slots(
-        trace, schedule, earliest_op=earliest_op, default_op_duration_s=default_op_duration_s
+        trace, schedule, earliest_op=earliest_op, default_op_duration_s=default_op_duration_s,
+        release_waits_for_d2h=release_waits_for_d2h,
     )
     return _rewrite(schedule, slots)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hyper_offload.passes import (
     ActionKind,
     ActivationTrace,
+    ResidencyAction,
     ResidencySchedule,
     TraceOp,
     check_schedule,
@@ -160,3 +161,26 @@ def test_no_reload_starts_before_earliest_op() -> None:
     hoisted = hoist_prefetches(trace.with_budget(1100), schedule, earliest_op=8)
     assert check_schedule(trace.with_budget(1100), hoisted).ok
     assert slot(hoisted.pre[8]) == ["COPY_H2D 0"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(timed_traces(), st.booleans())
+def test_moving_reloads_later_never_adds_stall_to_the_earliest_placement(
+    trace: ActivationTrace, waits: bool
+) -> None:
+    # The second step keeps the compute timeline of the first: every copy still ends
+    # before its wait and before the next copy starts, on the door's own timeline.
+    schedule = GreedyResidencyPlanner().plan(trace)
+    earliest = earliest_slots(trace, schedule)
+    pre = [list(actions) for actions in schedule.pre]
+    for (storage, wait_op), start in earliest.items():
+        copy = ResidencyAction(ActionKind.COPY_H2D, storage)
+        pre[wait_op].remove(copy)
+        waits_at = [i for i, a in enumerate(pre[start]) if a.kind is ActionKind.WAIT_H2D]
+        pre[start].insert(waits_at[0] if waits_at else len(pre[start]), copy)
+    at_earliest = ResidencySchedule(pre=pre, post=schedule.post)
+    final = hoist_prefetches(trace, schedule, release_waits_for_d2h=waits)
+    stall = predict_timeline(trace, at_earliest, release_waits_for_d2h=waits).exposed_transfer_s
+    assert predict_timeline(trace, final, release_waits_for_d2h=waits).exposed_transfer_s <= stall * (1 + 1e-9) + 1e-15
+    for (storage, wait_op), start in prefetch_slots(trace, schedule, release_waits_for_d2h=waits).items():
+        assert earliest[(storage, wait_op)] <= start <= wait_op
