@@ -95,17 +95,16 @@ def test_a_tight_op_bounds_the_lead() -> None:
 
 
 def test_reloads_are_issued_in_the_order_they_are_waited_for() -> None:
-    # Storage 0 is waited for at op 7, storage 1 at op 9; storage 1 has room from op 2 on,
-    # storage 0 only from op 5 on. Issued earlier, storage 1 would queue storage 0 behind
-    # its copy on the one copy stream, so it starts no earlier than storage 0 does.
-    ops = [{0: "W", 1: "W"}, {2: "W"}, {2: "R"}, {2: "R", 3: "W"}, {3: "R"}, {4: "W"},
-           {4: "R"}, {0: "R"}, {4: "R"}, {1: "R"}]
-    sizes = {0: 100, 1: 100, 2: 10, 3: 100, 4: 10}
-    trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=120)
+    # Storage 0 (100 B) is waited for at op 7, storage 1 (20 B) at op 9. Storage 3 (ops
+    # 3..4) leaves room for storage 1 from op 4 on, but for storage 0 only from op 6 on.
+    # Issued at op 4, storage 1 would queue storage 0 behind its copy on the one copy
+    # stream, so it starts no earlier than storage 0 does.
+    ops = [{0: "W", 1: "W"}, {2: "W"}, {2: "R"}, {3: "W"}, {3: "R"}, {}, {}, {0: "R"}, {}, {1: "R"}]
+    trace = ActivationTrace.from_accesses(ops, {0: 100, 1: 20, 2: 110, 3: 100}, budget_bytes=120)
     schedule = GreedyResidencyPlanner().plan(trace)
-    for slots in (earliest_slots(trace, schedule), prefetch_slots(trace, schedule)):
-        assert list(slots) == [(0, 7), (1, 9)]
-        assert slots[(1, 9)] >= slots[(0, 7)]
+    assert earliest_slots(trace, schedule) == {(0, 7): 6, (1, 9): 6}
+    # without op times each op takes the 1 µs default: storage 1's 20 ns copy needs one op
+    assert prefetch_slots(trace, schedule) == {(0, 7): 6, (1, 9): 8}
     assert check_schedule(trace, hoist_prefetches(trace, schedule)).ok
 
 
