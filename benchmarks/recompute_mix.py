@@ -1,0 +1,151 @@
+"""Offload, recompute, or both (issue 17's first measurement): the predicted step time of
+each strategy alone and of the outer search that combines them, on the stall
+benchmark's GPU-priced compile traces.
+
+For each model the training step is captured on fake tensors (``estimate``'s capture,
+Inductor's graphs) once per value of torch's ``activation_memory_budget`` in ``GRID``:
+the stock min-cut partitioner then recomputes more in the backward the lower the value
+(``torch._functorch.config.patch``, scoped to the capture). Each capture is traced and
+priced by the roofline at 400 TFLOP/s and 3 TB/s; its ops include the recomputation, so
+its compute time is the step's compute with that much recompute. Then, per link speed
+and budget (a fraction of the plain step's activation peak):
+
+* ``offload only``    the plain partition (``activation_memory_budget=1.0``) planned by
+                      the compile backend's pipeline: compute + predicted stall;
+* ``recompute only``  the least compute among the partitions whose own activation peak
+                      already fits the budget (none: the partitioner cannot get there);
+* ``joint``           for every partition, the pipeline's plan under the budget; the
+                      least compute + predicted stall among the feasible plans. This is
+                      the "outer search over the partitioner's recompute budget with our
+                      planner inside" of issue 17, with the timeline model as the judge.
+
+The joint search includes both single strategies (``1.0`` is offload only; a partition
+that fits needs no copy), so it is never slower than either. All figures *predicted*.
+
+    .venv/bin/python benchmarks/recompute_mix.py                  # three models (~4 min)
+    .venv/bin/python benchmarks/recompute_mix.py --only gpt2_small_b4_seq2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stall import GPU, MIB, MODELS  # noqa: E402
+
+from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
+from hyper_offload.passes import GreedyResidencyPlanner, plan_residency  # noqa: E402
+from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace  # noqa: E402
+
+GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+"""``activation_memory_budget`` values tried (1.0: torch's default partition)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One partition planned under one budget and link."""
+
+    memory_budget: float
+    compute_s: float
+    stall_s: float
+    feasible: bool
+    moved_d2h: int
+    fits_alone: bool  # its activation peak is within the budget with no offload
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.stall_s
+
+
+def capture(name: str) -> dict[float, FxTrace]:
+    """The model's compile trace at every ``GRID`` value."""
+    traces = {}
+    for memory_budget in GRID:
+        model, inputs = MODELS[name]()
+        with torch._functorch.config.patch(activation_memory_budget=memory_budget):
+            graphs = capture_graphs(model, inputs, device="cpu", inner_compiler="inductor")
+        traces[memory_budget] = build_fx_trace(
+            graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, throughput=GPU,
+        )
+    return traces
+
+
+def plan(fx_trace: FxTrace, memory_budget: float, budget: int, gbps: float) -> Choice:
+    trace = replace(fx_trace.trace, d2h_bandwidth_gbps=gbps, h2d_bandwidth_gbps=gbps)
+    trace = trace.with_budget(budget)
+    planned = plan_residency(
+        trace, GreedyResidencyPlanner(), earliest_prefetch_op=fx_trace.num_fw_ops,
+        release_waits_for_d2h=True, latest_release_op=fx_trace.num_fw_ops - 1,
+    )
+    return Choice(
+        memory_budget=memory_budget,
+        compute_s=sum(op.duration_s or 0.0 for op in trace.ops),
+        stall_s=planned.predicted_stall_s,
+        feasible=not planned.check.infeasible_ops,
+        moved_d2h=planned.check.bytes_d2h,
+        fits_alone=fx_trace.peak_without_offload <= budget,
+    )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 2)
+
+
+def row(name: str, traces: dict[float, FxTrace], fraction: float, gbps: float) -> dict[str, Any]:
+    peak = traces[1.0].peak_without_offload
+    budget = int(fraction * peak)
+    choices = [plan(fx, mb, budget, gbps) for mb, fx in traces.items()]
+    offload = choices[0]
+    alone = [c for c in choices if c.fits_alone]
+    recompute = min(alone, key=lambda c: c.compute_s) if alone else None
+    feasible = [c for c in choices if c.feasible]
+    joint = min(feasible, key=lambda c: (c.step_s, c.moved_d2h)) if feasible else None
+    singles = [c.step_s for c in (offload,) if c.feasible] + (
+        [recompute.compute_s] if recompute else [])
+    best_single = min(singles) if singles else None
+    return {
+        "bench": "recompute_mix", "model": name, "budget_fraction": fraction,
+        "link_gbps": gbps, "peak_mib": round(peak / MIB, 1),
+        "plain_compute_ms": _ms(offload.compute_s),
+        "offload_only_ms": _ms(offload.step_s) if offload.feasible else None,
+        "recompute_only_ms": _ms(recompute.compute_s) if recompute else None,
+        "recompute_only_memory_budget": recompute.memory_budget if recompute else None,
+        "joint_ms": _ms(joint.step_s) if joint else None,
+        "joint_memory_budget": joint.memory_budget if joint else None,
+        "joint_moved_d2h_mib": round(joint.moved_d2h / MIB, 1) if joint else None,
+        "joint_recompute_ms": _ms(joint.compute_s - offload.compute_s) if joint else None,
+        "joint_stall_ms": _ms(joint.stall_s) if joint else None,
+        "joint_le_best_single": (joint.step_s <= best_single * (1 + 1e-9)) if joint and best_single else None,
+        "joint_strictly_lower": (joint.step_s < best_single * (1 - 1e-6)) if joint and best_single else None,
+        "predicted": True,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.85])
+    parser.add_argument("--links", type=float, nargs="+", default=[16.0, 50.0])
+    args = parser.parse_args()
+    for name in args.only:
+        started = time.perf_counter()
+        traces = capture(name)
+        print(json.dumps({"bench": "recompute_mix.capture", "model": name,
+                          "captures": len(traces), "seconds": round(time.perf_counter() - started, 1),
+                          "measured": True}), flush=True)
+        for gbps in args.links:
+            for fraction in args.fractions:
+                print(json.dumps(row(name, traces, fraction, gbps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
