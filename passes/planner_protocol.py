@@ -1,4 +1,11 @@
-"""The planner protocol: anything with ``plan(trace) -> ResidencySchedule`` plugs in."""
+"""The planner protocol: anything with ``plan(trace) -> ResidencySchedule`` plugs in.
+
+A planner may also offer ``proposals(trace) -> Sequence[ResidencySchedule]`` (optional,
+so not part of the runtime-checkable protocol): several schedules, each meeting the same
+contract, among which :func:`~.planning.plan_residency` keeps the one its timeline model
+predicts to stall least once placed (fewest bytes breaking ties). That is how the
+objective becomes step time without the planner knowing a door's placement rules.
+"""
 
 from __future__ import annotations
 
