@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
@@ -52,7 +52,9 @@ from hyper_offload.passes import (  # noqa: E402
     plan_residency,
     predict_timeline,
 )
+from hyper_offload.passes.planning import backward_start  # noqa: E402
 from hyper_offload.passes.stall_bound import stall_lower_bound  # noqa: E402
+from synthetic import timed_transformer_trace  # noqa: E402
 from hyper_offload.passes.cost_model import DeviceThroughput  # noqa: E402
 from hyper_offload.runtime.bandwidth import TransferBandwidth  # noqa: E402
 
@@ -156,19 +158,11 @@ def rows(name: str, fractions: list[float], links: list[float]) -> list[dict[str
 
 def planning_time(num_layers: int = 1100) -> dict[str, Any]:
     """The whole pipeline (time objective, compile door) on a ~10k-op synthetic trace."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from synthetic import transformer_trace
-
-    trace = transformer_trace(num_layers, budget_fraction=0.7)
-    durations = random.Random(0)
-    trace = replace(
-        trace, d2h_bandwidth_gbps=0.5, h2d_bandwidth_gbps=0.5,
-        ops=tuple(replace(op, duration_s=durations.uniform(1e-6, 1e-4)) for op in trace.ops),
-    )
-    half = trace.num_ops // 2
+    trace = timed_transformer_trace(num_layers)
+    num_fw = backward_start(trace)
     started = time.perf_counter()
-    planned = plan_residency(trace, GreedyResidencyPlanner(), earliest_prefetch_op=half,
-                             release_waits_for_d2h=True, latest_release_op=half - 1)
+    planned = plan_residency(trace, GreedyResidencyPlanner(), earliest_prefetch_op=num_fw,
+                             release_waits_for_d2h=True, latest_release_op=num_fw - 1)
     seconds = time.perf_counter() - started
     return {"bench": "stall.planning_time", "ops": trace.num_ops, "plan_s": round(seconds, 2),
             "target_s": 5.0, "target_met": seconds <= 5.0, "proposals": planned.proposals,

@@ -1,6 +1,7 @@
 """Synthetic activation traces for the planner benchmark (and the bundled quality set).
 
-Two families:
+Two families (and a timed compile-path variant of the first,
+:func:`timed_transformer_trace`, for the planning-time figure):
 
 * :func:`transformer_trace` — a training step of a stack of transformer-like blocks:
   each forward block reads its weights and the previous hidden state and writes a few
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from hyper_offload.passes.liveness import resident_bytes_without_offload
-from hyper_offload.passes.trace import ActivationTrace
+from hyper_offload.passes.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
 
 BUNDLED_SEED = 20260511
 BUNDLED_COUNT = 30
@@ -72,6 +74,23 @@ def transformer_trace(
     trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=0, retained=retained)
     peak = max(resident_bytes_without_offload(trace))
     return trace.with_budget(int(peak * budget_fraction))
+
+
+def timed_transformer_trace(num_layers: int, *, seed: int = 0) -> ActivationTrace:
+    """:func:`transformer_trace` at 70% of its peak as a compile-path trace: ops named
+    ``fw:``/``bw:`` (the backward begins at the loss), each with a seeded duration of
+    1-100 µs, links at 0.5 GB/s, so copies matter. ~9 ops per layer."""
+    activations_per_layer = 4
+    trace = transformer_trace(num_layers, activations_per_layer=activations_per_layer,
+                              budget_fraction=0.7)
+    num_fw = 1 + num_layers * activations_per_layer
+    durations = random.Random(seed)
+    ops = tuple(
+        replace(op, name=f"{FORWARD_GRAPH if i < num_fw else BACKWARD_GRAPH}:{op.name}",
+                duration_s=durations.uniform(1e-6, 1e-4))
+        for i, op in enumerate(trace.ops)
+    )
+    return replace(trace, ops=ops, d2h_bandwidth_gbps=0.5, h2d_bandwidth_gbps=0.5)
 
 
 def irregular_trace(rng: random.Random, *, num_ops: int, num_storages: int) -> ActivationTrace:

@@ -13,6 +13,7 @@ from hyper_offload.passes import ActivationTrace, Rule, check_schedule
 from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner
 from hyper_offload.passes.ilp import OptimalResidencyPlanner, solve_optimal_choice
 from hyper_offload.passes.planner_candidates import budget_excess, offload_candidates
+from .benchmark_modules import benchmark_module
 from .planner_strategies import pressured_traces
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,12 +87,7 @@ def test_missing_scipy_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_bundled_traces_are_exactly_what_the_seeded_generator_writes() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from synthetic import bundled_traces
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    generated = bundled_traces()
+    generated = benchmark_module("synthetic").bundled_traces()
     assert [p.name for p in BUNDLED] == [f"irregular_{i:02d}.json" for i in range(len(generated))]
     for path, trace in zip(BUNDLED, generated):
         assert path.read_text() == trace.to_json() + "\n", path.name
