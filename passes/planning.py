@@ -34,10 +34,10 @@ from enum import Enum
 
 from .planner_protocol import ResidencyPlanner
 from .predicted_timeline import predict_timeline
-from .refine_prefetch import PrefetchError, hoist_prefetches
+from .refine_prefetch import PrefetchError, hoist_prefetches, prefetch_leads
 from .release_delay import delay_releases
-from .schedule import ActionKind, ResidencySchedule
-from .trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
+from .schedule import ResidencySchedule
+from .trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
 from .validator import ScheduleError, ScheduleReport, check_schedule
 
 __all__ = [
@@ -270,16 +270,3 @@ def backward_start(trace: ActivationTrace) -> int:
     if num_fw == 0 or not all(n.startswith(backward) for n in names[num_fw:]):
         return 0
     return num_fw
-
-
-def prefetch_leads(schedule: ResidencySchedule) -> list[tuple[StorageId, int, int]]:
-    """``(storage, copy op, wait op)`` of every ``COPY_H2D`` / ``WAIT_H2D`` pair, in wait
-    order; ``wait op - copy op`` is the number of ops the copy overlaps."""
-    started: dict[StorageId, int] = {}
-    pairs = []
-    for op, _where, action in schedule.actions():
-        if action.kind is ActionKind.COPY_H2D:
-            started[action.storage] = op
-        elif action.kind is ActionKind.WAIT_H2D and action.storage in started:
-            pairs.append((action.storage, started.pop(action.storage), op))
-    return pairs

@@ -43,7 +43,14 @@ from .schedule import ActionKind, ResidencyAction, ResidencySchedule
 from .trace import ActivationTrace, StorageId
 from .validator import check_schedule
 
-__all__ = ["PrefetchError", "earliest_slots", "hoist_prefetches", "prefetch_slots"]
+__all__ = [
+    "PrefetchError",
+    "earliest_slots",
+    "hoist_prefetches",
+    "prefetch_leads",
+    "prefetch_slots",
+    "with_reload_starts",
+]
 
 
 class PrefetchError(ValueError):
@@ -143,14 +150,14 @@ def _latest_without_stall(
     still ends in time and the next copy still starts when it did, so no wait stalls
     more: compute runs exactly as on the earliest placement, with fewer bytes resident.
     """
-    placed = _rewrite(schedule, earliest)
+    placed = with_reload_starts(schedule, earliest)
     timeline = predict_timeline(
         trace, placed, default_op_duration_s=default_op_duration_s,
         release_waits_for_d2h=release_waits_for_d2h,
     )
     op_start = [span.start_s for span in timeline.ops]
     stalled = {(w.storage, w.op_index) for w in timeline.waits if w.kind is ActionKind.COPY_H2D}
-    wait_of = _wait_ops(placed)
+    wait_of = {(storage, copy): wait for storage, copy, wait in prefetch_leads(placed)}
     slots = dict(earliest)
     next_start = float("inf")  # start of the next copy on the stream
     latest_issue = trace.num_ops  # the reload after this one is issued at or before it
@@ -175,22 +182,24 @@ def _latest_without_stall(
     return {key: slots[key] for key in earliest}
 
 
-def _wait_ops(schedule: ResidencySchedule) -> dict[tuple[StorageId, int], int]:
-    """``{(storage, COPY_H2D op): its WAIT_H2D op}``."""
+def prefetch_leads(schedule: ResidencySchedule) -> list[tuple[StorageId, int, int]]:
+    """``(storage, copy op, wait op)`` of every ``COPY_H2D`` / ``WAIT_H2D`` pair, in wait
+    order; ``wait op - copy op`` is the number of ops the copy overlaps."""
     started: dict[StorageId, int] = {}
-    waits = {}
+    pairs = []
     for op, _where, action in schedule.actions():
         if action.kind is ActionKind.COPY_H2D:
             started[action.storage] = op
         elif action.kind is ActionKind.WAIT_H2D and action.storage in started:
-            waits[(action.storage, started.pop(action.storage))] = op
-    return waits
+            pairs.append((action.storage, started.pop(action.storage), op))
+    return pairs
 
 
-def _rewrite(
+def with_reload_starts(
     schedule: ResidencySchedule, slots: dict[tuple[StorageId, int], int]
 ) -> ResidencySchedule:
-    """``schedule`` with each COPY_H2D of ``slots``' ``(storage, wait op)`` at its start."""
+    """``schedule`` with the COPY_H2D of each ``(storage, wait op)`` of ``slots`` moved
+    to its start op (before that op's waits); every other action stays."""
     pre = [list(actions) for actions in schedule.pre]
     for (storage, wait_op), start in slots.items():
         if start == wait_op:
@@ -220,4 +229,4 @@ def hoist_prefetches(
         trace, schedule, earliest_op=earliest_op, default_op_duration_s=default_op_duration_s,
         release_waits_for_d2h=release_waits_for_d2h,
     )
-    return _rewrite(schedule, slots)
+    return with_reload_starts(schedule, slots)

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from hyper_offload.passes import (
     ActionKind,
     ActivationTrace,
-    ResidencyAction,
     ResidencySchedule,
     TraceOp,
     check_schedule,
@@ -22,6 +21,7 @@ from hyper_offload.passes.refine_prefetch import (
     earliest_slots,
     hoist_prefetches,
     prefetch_slots,
+    with_reload_starts,
 )
 from .planner_strategies import traces
 
@@ -171,13 +171,7 @@ def test_moving_reloads_later_never_adds_stall_to_the_earliest_placement(
     # before its wait and before the next copy starts, on the door's own timeline.
     schedule = GreedyResidencyPlanner().plan(trace)
     earliest = earliest_slots(trace, schedule)
-    pre = [list(actions) for actions in schedule.pre]
-    for (storage, wait_op), start in earliest.items():
-        copy = ResidencyAction(ActionKind.COPY_H2D, storage)
-        pre[wait_op].remove(copy)
-        waits_at = [i for i, a in enumerate(pre[start]) if a.kind is ActionKind.WAIT_H2D]
-        pre[start].insert(waits_at[0] if waits_at else len(pre[start]), copy)
-    at_earliest = ResidencySchedule(pre=pre, post=schedule.post)
+    at_earliest = with_reload_starts(schedule, earliest)
     final = hoist_prefetches(trace, schedule, release_waits_for_d2h=waits)
     stall = predict_timeline(trace, at_earliest, release_waits_for_d2h=waits).exposed_transfer_s
     assert predict_timeline(trace, final, release_waits_for_d2h=waits).exposed_transfer_s <= stall * (1 + 1e-9) + 1e-15
