@@ -140,11 +140,12 @@ def plan_residency(
     latest_release_op: int | None = None,
     where: str = "hyper_offload",
 ) -> PlannedSchedule:
-    """Plan ``trace`` under its budget with ``planner``, check, place the prefetches on
-    the trace's timeline (no reload before ``earliest_prefetch_op``), check again; where
-    a release waits for its D2H (``release_waits_for_d2h``: the compile lowering), delay
-    each release until its copy is predicted done, within budget and never past
-    ``latest_release_op`` (:mod:`.release_delay`), and check again.
+    """Plan ``trace`` under its budget with ``planner`` and check; where a release waits
+    for its D2H (``release_waits_for_d2h``: the compile lowering), hold each release until
+    its copy is predicted done, within budget and never past ``latest_release_op``
+    (:mod:`.release_delay`), and check again; place the prefetches on the door's timeline
+    (no reload before ``earliest_prefetch_op``) and check again. With several proposals
+    (module docstring) the one predicted to stall least is kept.
 
     ``where`` names the caller in errors (``"hyper_offload region 3"``, ``"eager warmup"``).
     ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.

@@ -128,20 +128,24 @@ def _plan(
     the caller reports it and exits 3)."""
     from hyper_offload.passes import OptimalPlannerError
 
-    # A compile-path trace keeps the backend's rules: its releases wait for their D2H
-    # (the lowering's wait_transfer) and must happen inside the forward graph.
-    forward_ops = backward_start(trace)
     try:
         planned = plan_residency(
-            trace, planner, earliest_prefetch_op=earliest, where=where,
-            release_waits_for_d2h=forward_ops > 0,
-            latest_release_op=forward_ops - 1 if forward_ops > 0 else None,
+            trace, planner, earliest_prefetch_op=earliest, where=where, **_release_rules(trace)
         )
     except PlanningError as error:  # a bug in the planner (or the placement pass)
         return error.schedule, error
     except (OptimalPlannerError, ImportError) as error:  # the exact planner gave up
         raise _BadInput(f"{planner!r}: {error}") from None
     return planned.schedule, None
+
+
+def _release_rules(trace: ActivationTrace) -> dict[str, Any]:
+    """A compile-path trace keeps the backend's rules: its releases wait for their D2H
+    (the lowering's wait_transfer) and must happen inside the forward graph."""
+    forward_ops = backward_start(trace)
+    if forward_ops == 0:
+        return {"release_waits_for_d2h": False, "latest_release_op": None}
+    return {"release_waits_for_d2h": True, "latest_release_op": forward_ops - 1}
 
 
 def _write_schedule(path: Path, schedule: ResidencySchedule) -> None:
@@ -192,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     report = check_schedule(trace, schedule)
     baseline_peak = max(resident_bytes_without_offload(trace), default=0)
-    result = {**_result(trace, report, baseline_peak), **_timing(trace, schedule, earliest)}
+    result = {**_result(trace, report, baseline_peak), **_timing(trace, schedule, report, earliest)}
     print(json.dumps(result) if args.json else _human(result, report))
     if failure is not None:  # one line naming the stage; the summary shows the violations
         print(f"hyper-offload plan: error: {str(failure).splitlines()[0]}", file=sys.stderr)
@@ -211,17 +215,20 @@ def _result(trace: ActivationTrace, report: ScheduleReport, baseline_peak: int) 
     }
 
 
-def _timing(trace: ActivationTrace, schedule: ResidencySchedule, earliest: int) -> dict[str, Any]:
+def _timing(
+    trace: ActivationTrace, schedule: ResidencySchedule, report: ScheduleReport, earliest: int
+) -> dict[str, Any]:
     """The schedule on the one timeline model, priced by the trace's ``duration_s`` and
-    bandwidths, with the door's rules (a compile-path trace's releases wait for their
-    D2H), and the lower bound no schedule under the budget beats."""
-    forward_ops = backward_start(trace)
-    waits = forward_ops > 0
-    timeline = predict_timeline(trace, schedule, release_waits_for_d2h=waits)
-    bound = stall_lower_bound(
-        trace, earliest_prefetch_op=earliest, release_waits_for_d2h=waits,
-        latest_release_op=forward_ops - 1 if waits else None,
+    bandwidths, with the door's rules, and the lower bound no schedule under the budget
+    beats. None for a schedule the validator rejects: it has no timeline to speak of."""
+    if report.violations:
+        keys = ("compute_s", "predicted_stall_s", "stall_lower_bound_s", "ops_with_default_duration")
+        return dict.fromkeys(keys)
+    rules = _release_rules(trace)
+    timeline = predict_timeline(
+        trace, schedule, release_waits_for_d2h=rules["release_waits_for_d2h"]
     )
+    bound = stall_lower_bound(trace, earliest_prefetch_op=earliest, **rules)
     return {
         "compute_s": timeline.compute_s,
         "predicted_stall_s": timeline.exposed_transfer_s,
@@ -258,11 +265,14 @@ def _human(result: dict[str, Any], report: ScheduleReport) -> str:
         f"moved: D2H {_mib(result['bytes_d2h'])}, H2D {_mib(result['bytes_h2d'])} "
         f"in {result['num_transfers']} transfers; peak host {_mib(result['peak_host_bytes'])}",
         f"ops over budget: {result['ops_over_budget']}",
-        f"predicted stall: {_ms(result['predicted_stall_s'])} over {_ms(result['compute_s'])} of "
-        f"compute, no schedule under {_ms(result['stall_lower_bound_s'])}"
-        + (f" ({result['ops_with_default_duration']} ops without duration_s priced at the default)"
-           if result["ops_with_default_duration"] else ""),
     ]
+    if result["predicted_stall_s"] is not None:
+        lines.append(
+            f"predicted stall: {_ms(result['predicted_stall_s'])} over {_ms(result['compute_s'])} "
+            f"of compute, no schedule under {_ms(result['stall_lower_bound_s'])}"
+            + (f" ({result['ops_with_default_duration']} ops without duration_s priced at the "
+               "default)" if result["ops_with_default_duration"] else "")
+        )
     if report.infeasible_ops:
         worst = max(report.infeasible_ops, key=lambda op: op.excess_bytes)
         lines.append(

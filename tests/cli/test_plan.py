@@ -185,6 +185,34 @@ def test_a_schedule_the_validator_rejects_exits_3(
         assert "INVALID schedule" in out
 
 
+class _NoCopyPlanner(_BrokenPlanner):
+    """Waits for reloads it never starts: a schedule the timeline model cannot run."""
+
+    def plan(self, trace: ActivationTrace):  # noqa: ANN201
+        from hyper_offload.passes import GreedyResidencyPlanner, ResidencySchedule
+
+        good = GreedyResidencyPlanner().plan(trace)
+        pre = [[a for a in slot if a.kind is not ActionKind.COPY_H2D] for slot in good.pre]
+        return ResidencySchedule(pre, good.post)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_invalid_schedule_gets_no_timeline_and_still_exits_3(
+    trace_file: Path, capsys, monkeypatch, as_json: bool  # noqa: ANN001
+) -> None:
+    from hyper_offload.cli import plan as cli_plan
+
+    monkeypatch.setattr(cli_plan, "_planners", lambda: {"greedy": _NoCopyPlanner})
+    args = ["plan", str(trace_file), "--budget-mb", "2"] + (["--json"] if as_json else [])
+    assert main(args) == cli_plan.EXIT_INVALID_SCHEDULE
+    out = capsys.readouterr().out
+    if as_json:
+        result = json.loads(out)
+        assert result["violations"] and result["predicted_stall_s"] is None
+    else:
+        assert "INVALID schedule" in out and "predicted stall" not in out
+
+
 def test_plan_emits_the_schedule_of_the_shared_pipeline_and_of_the_compile_backend(
     tmp_path: Path, capsys
 ) -> None:
