@@ -45,6 +45,7 @@ from stall import GPU, MIB, MODELS  # noqa: E402
 from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
 from hyper_offload.passes import GreedyResidencyPlanner, plan_residency  # noqa: E402
 from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace  # noqa: E402
+from hyper_offload.passes.predicted_timeline import op_durations  # noqa: E402
 
 GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 """``activation_memory_budget`` values tried (1.0: torch's default partition)."""
@@ -88,7 +89,7 @@ def plan(fx_trace: FxTrace, memory_budget: float, budget: int, gbps: float) -> C
     )
     return Choice(
         memory_budget=memory_budget,
-        compute_s=sum(op.duration_s or 0.0 for op in trace.ops),
+        compute_s=sum(op_durations(trace)),
         stall_s=planned.predicted_stall_s,
         feasible=not planned.check.infeasible_ops,
         moved_d2h=planned.check.bytes_d2h,

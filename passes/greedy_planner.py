@@ -38,6 +38,7 @@ from typing import Any
 
 from .planner_candidates import OffloadCandidate, design_rank_key
 from .plan_report import PlanReport, plan_by_choice
+from .planning import backward_start
 from .refine import refine_choice
 from .schedule import ResidencySchedule
 from .segment_tree import RangeAddMaxTree
@@ -113,7 +114,6 @@ class GreedyResidencyPlanner:
         choice first, then (objective ``"time"``) the time-ranked one if it differs."""
         proposals = [self.plan(trace)]
         if self.objective == "time":
-            from .planning import backward_start  # planning imports no planner
 
             def choose_by_time(
                 candidates: Sequence[OffloadCandidate], excess: Sequence[int]

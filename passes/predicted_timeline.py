@@ -37,6 +37,7 @@ when it stalls compute); ``compute_end_s`` = sum of op durations + exposed wait 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 from .schedule import ActionKind, ResidencySchedule
@@ -51,6 +52,7 @@ __all__ = [
     "TransferSpan",
     "WaitSpan",
     "op_durations",
+    "op_start_times",
     "predict_timeline",
 ]
 
@@ -197,6 +199,12 @@ def op_durations(trace: ActivationTrace, default_op_duration_s: float | None = N
     :data:`DEFAULT_OP_DURATION_S` when none is known)."""
     default = _default_duration(trace, default_op_duration_s)
     return [default if op.duration_s is None else op.duration_s for op in trace.ops]
+
+
+def op_start_times(trace: ActivationTrace, default_op_duration_s: float | None = None) -> list[float]:
+    """When each op starts on a stall-free step (``num_ops + 1`` entries: the last is when
+    compute ends), priced by :func:`op_durations`."""
+    return [0.0, *accumulate(op_durations(trace, default_op_duration_s))]
 
 
 def _default_duration(trace: ActivationTrace, given: float | None) -> float:

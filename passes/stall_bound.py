@@ -5,8 +5,8 @@ or <= 1.1 x the lower bound where that is higher"). It relaxes the timeline mode
 :mod:`.predicted_timeline` (one compute stream; copies at the trace's bandwidths; a
 release that waits for its D2H where ``release_waits_for_d2h``; a reload waited for
 before its reader) and keeps only what no schedule escapes. Notation: ``C[i]`` is when
-op ``i`` would start with no stall (sum of the durations before it, priced by
-:func:`~.predicted_timeline.op_durations`), ``T[i]`` when it starts in the schedule;
+op ``i`` would start with no stall (:func:`~.predicted_timeline.op_start_times`),
+``T[i]`` when it starts in the schedule;
 ``T[i] >= C[i]`` and the step's stall is at least ``T[i] - C[i]`` for every ``i``
 (compute after ``i`` still takes what it takes). ``E[i]`` is op ``i``'s excess over its
 allowance with no offload; at least ``E[i]`` bytes of gaps covering op ``i`` must be off
@@ -39,7 +39,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from .planner_candidates import OffloadCandidate, budget_excess, offload_candidates
-from .predicted_timeline import op_durations
+from .predicted_timeline import op_start_times
 from .trace import ActivationTrace
 
 __all__ = ["StallBound", "stall_lower_bound"]
@@ -72,7 +72,7 @@ def stall_lower_bound(
     The keyword arguments are the door's, as :func:`~.planning.plan_residency` takes
     them (the compile path: the first backward op, the last forward op, True).
     """
-    clock = [0.0, *accumulate(op_durations(trace, default_op_duration_s))]
+    clock = op_start_times(trace, default_op_duration_s)
     excess, _ = budget_excess(trace)
     covering = _covering_gaps(trace, offload_candidates(trace), excess)
     last = trace.num_ops - 1 if latest_release_op is None else latest_release_op

@@ -21,10 +21,9 @@ every proposal and keeps the one that stalls least (:func:`~.planning.plan_resid
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 
 from .planner_candidates import OffloadCandidate, design_rank_key
-from .predicted_timeline import op_durations
+from .predicted_timeline import op_start_times
 from .trace import ActivationTrace
 
 __all__ = ["copy_fits", "time_rank_key"]
@@ -41,7 +40,7 @@ def copy_fits(
 ) -> list[bool]:
     """For each candidate, whether its D2H and its H2D each fit their window alone."""
     num_ops = trace.num_ops
-    clock = [0.0, *accumulate(op_durations(trace))]
+    clock = op_start_times(trace)
     next_over = [num_ops] * (num_ops + 1)  # first op >= i over budget
     for op in range(num_ops - 1, -1, -1):
         next_over[op] = op if excess[op] > 0 else next_over[op + 1]

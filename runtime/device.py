@@ -314,8 +314,9 @@ class TransferEngine:
         return self._h2d_stream if self._h2d_stream is not None else self.copy_stream
 
     def _streams(self) -> tuple[Any, ...]:
-        streams = (self.copy_stream, self.h2d_stream)
-        return tuple(s for i, s in enumerate(streams) if s is not None and s not in streams[:i])
+        """Every copy stream this engine owns (none on a synchronous engine)."""
+        streams = (self.copy_stream, self._h2d_stream)
+        return tuple(stream for stream in streams if stream is not None)
 
     @property
     def is_async(self) -> bool:
