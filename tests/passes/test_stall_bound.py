@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hyper_offload.passes import (
+    ActionKind,
     ActivationTrace,
     GreedyResidencyPlanner,
     check_schedule,
@@ -81,9 +82,9 @@ def _releases_by(schedule, latest: int) -> bool:  # noqa: ANN001
     """Whether every offloaded storage's device bytes are gone by ``post[latest]``."""
     copied = set()
     for op, _where, action in schedule.actions():
-        if action.kind.value == "COPY_D2H":
+        if action.kind is ActionKind.COPY_D2H:
             copied.add(action.storage)
-        elif action.kind.value == "RELEASE_DEVICE" and action.storage in copied:
+        elif action.kind is ActionKind.RELEASE_DEVICE and action.storage in copied:
             copied.discard(action.storage)
             if op > latest:
                 return False

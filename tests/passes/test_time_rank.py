@@ -8,7 +8,13 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from hyper_offload.passes import ActivationTrace, GreedyResidencyPlanner, plan_residency
+from hyper_offload.passes import (
+    ActionKind,
+    ActivationTrace,
+    GreedyResidencyPlanner,
+    ResidencySchedule,
+    plan_residency,
+)
 from hyper_offload.passes.planner_candidates import budget_excess, offload_candidates
 from hyper_offload.passes.time_rank import copy_fits
 
@@ -39,13 +45,16 @@ def test_a_copy_that_cannot_finish_in_time_does_not_fit() -> None:
     assert fits == {0: False, 1: True, 2: True}
 
 
+def _offloaded(schedule: ResidencySchedule) -> set[int]:
+    return {a.storage for _, _, a in schedule.actions() if a.kind is ActionKind.COPY_D2H}
+
+
 def test_the_pipeline_keeps_the_proposal_that_stalls_least() -> None:
     trace = late_big_or_early_small()
     by_bytes = plan_residency(trace, GreedyResidencyPlanner(objective="bytes"), release_waits_for_d2h=True)
     by_time = plan_residency(trace, GreedyResidencyPlanner(), release_waits_for_d2h=True)
     assert (by_bytes.proposals, by_time.proposals) == (1, 2)
-    offloaded = lambda p: {a.storage for _, _, a in p.schedule.actions() if a.kind.value == "COPY_D2H"}  # noqa: E731
-    assert offloaded(by_bytes) == {0} and offloaded(by_time) == {1, 2}
+    assert _offloaded(by_bytes.schedule) == {0} and _offloaded(by_time.schedule) == {1, 2}
     assert by_bytes.predicted_stall_s == pytest.approx(4.0)  # op 4 waits for the whole copy
     assert by_time.predicted_stall_s == pytest.approx(1.0)  # 4 s of copies in 3 s of ops
     assert by_time.check.ok and by_time.check.peak_resident_bytes <= trace.budget_bytes
