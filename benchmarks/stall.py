@@ -138,7 +138,7 @@ def rows(name: str, fractions: list[float], links: list[float]) -> list[dict[str
         for fraction in fractions:
             options = parse_backend_options({"max_resident_activation_fraction": fraction})
             planned_at = time.perf_counter()
-            fx_trace, schedule, _ = plan_graphs(
+            fx_trace, schedule, *_ = plan_graphs(
                 graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, options=options,
                 bandwidth=TransferBandwidth(gbps, gbps, measured=False), region=0, throughput=GPU,
             )

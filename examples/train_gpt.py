@@ -24,6 +24,7 @@ without it the plot is skipped with a note).
     python examples/train_gpt.py --mode both
     python examples/train_gpt.py --mode eager --budget-fraction 0.4 --layers 8
     python examples/train_gpt.py --inner-compiler inductor   # slow to compile on 2 cores
+    python examples/train_gpt.py --budget-fraction 0.25 --link-gbps 1   # offload + recompute
 """
 
 from __future__ import annotations
@@ -227,7 +228,9 @@ def _compile_trainer(name: str, backend: str, options: dict[str, Any] | None, co
 
 
 def run_compile(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> ModeResult:
-    options: dict[str, Any] = {"inner_compiler": args.inner_compiler}
+    options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute}
+    if args.link_gbps is not None:
+        options["transfer_bandwidth_gbps"] = args.link_gbps
     if args.budget_mb is not None:
         options["max_resident_activation_mb"] = args.budget_mb
     else:
@@ -250,6 +253,12 @@ def run_compile(config: GPTConfig, args: argparse.Namespace, device: torch.devic
     moved = offload.memory[-1].bytes_d2h + offload.memory[-1].bytes_h2d
     rows.insert(5, ("bytes moved per step", "-", f"{_mib(moved)} (D2H {_mib(offload.memory[-1].bytes_d2h)})"))
     rows.insert(6, ("budget feasible", "-", "yes" if all(r.feasible for r in reports) else "no (best feasible peak)"))
+    rows.insert(7, ("saved moved / ops recomputed", "-", " + ".join(
+        f"{len(r.offloaded)} / {len(r.recompute.recomputed) if r.recompute else 0}" for r in reports)))
+    searched = [r.recompute for r in reports if r.recompute is not None and r.recompute.searched]
+    if searched:
+        rows.insert(8, ("predicted step: offload only -> chosen", "-", " + ".join(
+            f"{_ms(rc.offload_only_s)} -> {_ms(rc.joint_s)}" for rc in searched)))
     return ModeResult("compile", baseline, offload, budget, rows, reports)
 
 
@@ -309,6 +318,10 @@ def run_eager(config: GPTConfig, args: argparse.Namespace, device: torch.device)
 
 
 # ---------------------------------------------------------------------------- table, plot
+
+
+def _ms(seconds: float | None) -> str:
+    return "infeasible" if seconds is None else f"{seconds * 1e3:.2f} ms (predicted)"
 
 
 def _mib(nbytes: float) -> str:
@@ -388,6 +401,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     budget.add_argument("--budget-mb", type=float, default=None, help="budget in MiB instead")
     p.add_argument("--inner-compiler", choices=("aot_eager", "inductor"), default="aot_eager",
                    help="compile mode's inner compiler (Inductor compiles take minutes on 2 cores)")
+    p.add_argument("--recompute", choices=("auto", "off"), default="auto",
+                   help="compile mode: let the backend also recompute where offload alone stalls (default auto)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="compile mode: price copies at this GB/s each way (default: the measured link)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (the first compiles / warms up)")
     p.add_argument("--timed-steps", type=int, default=2, help="extra uninstrumented steps for the step time")
     p.add_argument("--layers", type=int, default=4)

@@ -4,10 +4,12 @@
 ``torch_dynamo_backends`` entry point) or ``torch.compile(model,
 backend=hyper_offload.backend(config))``. For every region Dynamo hands over:
 
-1. AOTAutograd captures the joint graph and partitions it with the stock min-cut
-   partitioner (``activation_memory_budget`` rematerialization still applies first);
-2. :func:`~.region_plan.plan_region` traces the forward and backward end to end,
-   plans under the budget, checks, hoists prefetches, lowers onto the
+1. AOTAutograd captures the joint graph; :func:`~.recompute_search.choose_partition`
+   partitions it with the stock min-cut partitioner (the user's
+   ``activation_memory_budget`` applies) and plans it under the budget, and with
+   ``recompute="auto"`` (the default), where that plan stalls or cannot meet the budget,
+   also tries partitions that recompute more and keeps the fastest predicted step;
+2. :func:`~.region_plan.plan_region` lowers the chosen plan onto the
    ``hyper_offload::`` transfer ops and checks the lowered graphs again;
 3. the inner compiler (Inductor, or aot_eager's nop compiler) compiles both graphs.
 
@@ -26,6 +28,7 @@ installs the runtime wrappers.
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,9 +53,10 @@ from hyper_offload.passes import (
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime, op_declarations
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 
-from . import region_plan
+from . import recompute_search, region_plan
 from .options import BackendOptions, parse_backend_options
-from .region_plan import PlannedRegion, plan_region
+from .recompute_search import choose_partition
+from .region_plan import GraphPlan, PlannedRegion, plan_graphs, plan_region
 from .region_report import LOGGER, RegionReport, log_region_report
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
@@ -62,7 +66,7 @@ __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
 # Read from the imported modules, so the paths hold in the repository and when installed.
 _SOURCES = tuple(
     str(module.__file__)
-    for module in (region_plan, planning, greedy_planner, refine_prefetch, release_delay,
+    for module in (region_plan, recompute_search, planning, greedy_planner, refine_prefetch, release_delay,
                    fx_trace, fx_saved, fx_lowering, op_declarations)
 )
 
@@ -117,7 +121,7 @@ class _WithRuntime:
 
 
 class _OffloadPartitioner(CustomPartitionerFn):
-    """Stock min-cut partition, then :func:`plan_region` on the two graphs."""
+    """Stock min-cut partition (searched with recompute), then :func:`plan_region`."""
 
     def __init__(self, backend: HyperOffloadBackend, region: _Region) -> None:
         self._backend = backend
@@ -129,16 +133,34 @@ class _OffloadPartitioner(CustomPartitionerFn):
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        region = self._region
+        region, options = self._region, self._backend.options
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+
+        def partition(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: int | None) -> GraphPlan:
+            return plan_graphs(
+                fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
+                bandwidth=self._backend.bandwidth(fw), region=region.index,
+                budget_bytes=budget,
+            )
+
+        started = time.perf_counter()
+        choice = choose_partition(
+            gm, partition, plan, mode=options.recompute,
+            restrict_low_precision=options.inner_compiler == "inductor",
+        )
+        fw, bw = choice.fw, choice.bw
         for index, node in enumerate(fw.graph.find_nodes(op="placeholder")):
             value = node.meta.get("val")
             if isinstance(value, torch.SymInt) and value.node.hint is not None:
                 region.fw_symbol_hints[index] = (str(value), int(value.node.hint))
         region.planned = plan_region(
-            fw, bw, num_fwd_outputs=kwargs["num_fwd_outputs"],
-            options=self._backend.options, bandwidth=self._backend.bandwidth(fw),
-            region=region.index,
+            fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
+            bandwidth=self._backend.bandwidth(fw), region=region.index,
+            planned=choice.plan, recompute=choice.report,
+            search_seconds=time.perf_counter() - started,
         )
         region.graphs = (fw, bw)
         log_region_report(region.planned.report)
@@ -176,9 +198,13 @@ class HyperOffloadBackend:
         return [r.planned.report for r in self.regions if r.planned is not None]
 
     def bandwidth(self, fw: fx.GraphModule) -> TransferBandwidth:
-        """Measured copy bandwidth of the region's device (once per device)."""
+        """The copy bandwidth plans are priced with: ``transfer_bandwidth_gbps`` when
+        given, else the region's device's, measured once per device."""
         from hyper_offload.passes.fx_trace import device_of, fw_outputs
 
+        if self.options.transfer_bandwidth_gbps is not None:
+            gbps = self.options.transfer_bandwidth_gbps
+            return TransferBandwidth(gbps, gbps, measured=False)
         device = device_of(fw_outputs(fw))
         if device not in self._bandwidth:
             self._bandwidth[device] = profile_transfer_bandwidth(device)

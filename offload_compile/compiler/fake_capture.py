@@ -14,7 +14,9 @@ partitioner sees it for the same inner compiler:
   ``custom_partitioner_fn`` is called by the same ``compile_fx.partition_fn``);
 * ``"aot_eager"``: no decompositions, the stock min-cut partition.
 
-Nothing is compiled: the forward/backward "compilers" only keep the graphs.
+Nothing is compiled: the forward/backward "compilers" only keep the graphs. A
+``partition`` hook replaces the stock call (``estimate`` runs the backend's recompute
+search there, :func:`~.recompute_search.choose_partition`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CapturedGraphs", "capture_graphs"]
+__all__ = ["CapturedGraphs", "PartitionHook", "capture_graphs"]
+
+StockPartition = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]
+PartitionHook = Callable[
+    [fx.GraphModule, StockPartition, int], tuple[fx.GraphModule, fx.GraphModule]
+]
+"""``hook(joint, stock, num_fwd_outputs)`` -> (forward, backward): ``stock(graph)`` is
+the stock min-cut partition of a joint graph with this capture's arguments."""
 
 
 @dataclass(frozen=True)
@@ -139,10 +148,12 @@ def capture_graphs(
     *,
     device: torch.device,
     inner_compiler: str = "inductor",
+    partition: PartitionHook | None = None,
 ) -> CapturedGraphs:
     """Trace forward + backward of ``model(*example_inputs)`` on fake tensors on
-    ``device`` and partition it (see the module docstring). The model is not modified.
-    Raises ``ValueError`` when nothing in the step requires grad (no backward)."""
+    ``device`` and partition it (see the module docstring; ``partition`` replaces the
+    stock partition). The model is not modified. Raises ``ValueError`` when nothing in
+    the step requires grad (no backward)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -153,7 +164,9 @@ def capture_graphs(
     # Parameters and buffers come first among the joint graph's primals. Under Dynamo
     # the backend's partitioner learns they are static-lifetime inputs (so min-cut
     # saves the parameter, not a transpose of it); tell it the same here.
-    partition, decompositions, context = _partitioner(inner_compiler, captured, wrapper.num_static)
+    partition_fn, decompositions, context = _partitioner(
+        inner_compiler, captured, wrapper.num_static, partition
+    )
 
     def keep(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
         return gm
@@ -161,7 +174,7 @@ def capture_graphs(
     with context(mode), mode, torch.enable_grad():
         aot_module_simplified(
             wrapper, inputs, fw_compiler=keep, bw_compiler=keep, inference_compiler=keep,
-            partition_fn=partition, decompositions=decompositions,
+            partition_fn=partition_fn, decompositions=decompositions,
             keep_inference_input_mutations=True,
         )
     if "fw" not in captured:
@@ -174,7 +187,7 @@ def capture_graphs(
 
 
 def _partitioner(
-    inner_compiler: str, captured: dict[str, Any], num_static: int
+    inner_compiler: str, captured: dict[str, Any], num_static: int, hook: PartitionHook | None
 ) -> tuple[Callable[..., Any], Any, Callable[[Any], Any]]:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -183,7 +196,10 @@ def _partitioner(
             kwargs.setdefault("compiler", "inductor")
         given = kwargs.get("static_lifetime_input_indices") or []
         kwargs["static_lifetime_input_indices"] = sorted({*given, *range(num_static)})
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        def stock(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        fw, bw = stock(gm) if hook is None else hook(gm, stock, kwargs["num_fwd_outputs"])
         captured.update(fw=fw, bw=bw, num_fwd_outputs=kwargs["num_fwd_outputs"])
         return fw, bw
 

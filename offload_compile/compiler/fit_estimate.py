@@ -33,9 +33,10 @@ from hyper_offload.passes.cost_model import DeviceThroughput, throughput_for
 from hyper_offload.passes.stall_bound import stall_lower_bound
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
+from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
 from .options import parse_backend_options
-from .fake_capture import capture_graphs, resolve_trace_device
-from .region_plan import build_region_report, plan_graphs
+from .recompute_search import PartitionChoice, choose_partition
+from .region_plan import GraphPlan, build_region_report, plan_graphs
 from .region_report import RegionReport
 
 __all__ = ["EstimateReport", "estimate"]
@@ -98,6 +99,7 @@ class EstimateReport:
         return self.region.feasible
 
     def to_dict(self) -> dict[str, Any]:
+        r = self.region
         data = {k: v for k, v in asdict(self).items() if k != "region"}
         data.update(
             budget_bytes=self.budget_bytes,
@@ -117,6 +119,7 @@ class EstimateReport:
             kept_saved_bytes=self.region.kept_bytes,
             plan_seconds=self.region.plan_seconds,
             stall_lower_bound_s=self.stall_lower_bound_s,
+            recompute=None if r.recompute is None else r.recompute.summary(),
         )
         return data
 
@@ -150,6 +153,8 @@ class EstimateReport:
                 f"saved activations that cannot move: {_mib(r.kept_bytes)} in {len(r.kept)} "
                 f"storage(s), largest {_mib(worst.nbytes)} ({worst.names[0]}: {worst.reason})"
             ))
+        if r.recompute is not None:
+            lines.insert(-1, _recompute_line(r))
         if not self.fits:
             lines.append(
                 f"raise the budget to at least {_mib(self.min_feasible_budget_bytes)}: "
@@ -159,6 +164,26 @@ class EstimateReport:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _recompute_line(r: RegionReport) -> str:
+    """What was kept, moved and recomputed, and each strategy's predicted step."""
+    rc = r.recompute
+    assert rc is not None
+
+    def ms(seconds: float | None) -> str:
+        return "cannot fit" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+    moved = f"{len(r.offloaded)} saved tensor(s) moved"
+    if rc.recomputed:
+        chosen = f"{len(rc.recomputed)} more op(s) recomputed (activation_memory_budget={rc.memory_budget:g})"
+    else:
+        chosen = "no extra recompute"
+    searched = "" if rc.searched else " (no search: the offload-only plan does not stall)"
+    return (
+        f"recompute={rc.mode}: {moved}, {chosen}{searched}; predicted step: offload only "
+        f"{ms(rc.offload_only_s)}, recompute only {ms(rc.recompute_only_s)}, chosen {ms(rc.joint_s)}"
+    )
 
 
 def _mib(nbytes: int) -> str:
@@ -213,18 +238,36 @@ def estimate(
     link = _bandwidth(bandwidth)
     target = resolve_trace_device(model, device)
     prices = throughput or throughput_for(target)
+    searched: list[tuple[PartitionChoice, float]] = []
+
+    def search(
+        joint: torch.fx.GraphModule, stock: StockPartition, num_fwd_outputs: int
+    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        def plan(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, budget: int | None) -> GraphPlan:
+            return plan_graphs(
+                fw, bw, num_fwd_outputs=num_fwd_outputs, options=parsed, bandwidth=link,
+                region=0, throughput=prices, budget_bytes=budget,
+            )
+
+        begun = time.perf_counter()
+        choice = choose_partition(
+            joint, stock, plan, mode=parsed.recompute,
+            restrict_low_precision=parsed.inner_compiler == "inductor",
+        )
+        searched.append((choice, time.perf_counter() - begun))
+        return choice.fw, choice.bw
+
     started = time.perf_counter()
-    graphs = capture_graphs(
-        model, example_inputs, device=target, inner_compiler=parsed.inner_compiler
+    capture_graphs(
+        model, example_inputs, device=target, inner_compiler=parsed.inner_compiler,
+        partition=search,
     )
-    traced = time.perf_counter()
-    fx_trace, schedule, check = plan_graphs(
-        graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, options=parsed,
-        bandwidth=link, region=0, throughput=prices,
-    )
+    (choice, plan_seconds), = searched
+    fx_trace, schedule, check, _ = choice.plan
     report = build_region_report(
-        fx_trace, schedule, check, parsed, 0, time.perf_counter() - traced
+        fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report
     )
+    trace_seconds = time.perf_counter() - started - plan_seconds
     return EstimateReport(
         model=type(model).__name__,
         device=str(target),
@@ -235,7 +278,7 @@ def estimate(
         h2d_bandwidth_gbps=link.h2d_gbps,
         flops_per_s=prices.flops_per_s,
         memory_bytes_per_s=prices.bytes_per_s,
-        trace_seconds=traced - started,
+        trace_seconds=trace_seconds,
         stall_lower_bound_s=stall_lower_bound(
             fx_trace.trace, earliest_prefetch_op=fx_trace.num_fw_ops,
             latest_release_op=fx_trace.num_fw_ops - 1,

@@ -6,7 +6,15 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
 * ``inner_compiler``: ``"inductor"`` (default) or ``"aot_eager"``;
 * ``max_resident_activation_fraction``: the budget as a fraction in (0, 1] of the
   compiled region's activation peak without offload (what torch's
-  ``activation_memory_budget`` users know), instead of ``max_resident_activation_mb``.
+  ``activation_memory_budget`` users know), instead of ``max_resident_activation_mb``;
+* ``recompute``: ``"auto"`` (default) or ``"off"``. ``"auto"`` lets a region whose
+  offload-only plan stalls compute or cannot meet the budget recompute more in the
+  backward as well (:mod:`.recompute_search`); a region whose offload-only plan is
+  stall-free, or whose budget is at or above its peak, compiles exactly as with
+  ``"off"``, which never asks the partitioner for more recompute than torch's default;
+* ``transfer_bandwidth_gbps``: price host/device copies at this many GB/s each way
+  instead of the link measured on the region's device (plan for a target machine's
+  link, or make plans independent of a noisy measurement).
 
 Anything else, a wrong type, NaN, a negative or infinite number, or both budgets at
 once raises ``ValueError`` naming the key and what it accepts.
@@ -22,21 +30,26 @@ from typing import Any
 
 from hyper_offload.config import OffloadConfig
 
-__all__ = ["INNER_COMPILERS", "BackendOptions", "parse_backend_options"]
+__all__ = ["INNER_COMPILERS", "RECOMPUTE_MODES", "BackendOptions", "parse_backend_options"]
 
 INNER_COMPILERS = ("inductor", "aot_eager")
+RECOMPUTE_MODES = ("auto", "off")
 _FRACTION = "max_resident_activation_fraction"
+_LINK = "transfer_bandwidth_gbps"
 _CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
-_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION)
+_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK)
 
 
 @dataclass(frozen=True, kw_only=True)
 class BackendOptions:
-    """A validated option set. ``budget_fraction`` is None when the budget is in MiB."""
+    """A validated option set. ``budget_fraction`` is None when the budget is in MiB;
+    ``transfer_bandwidth_gbps`` is None when the link is measured."""
 
     config: OffloadConfig
     inner_compiler: str = "inductor"
     budget_fraction: float | None = None
+    recompute: str = "auto"
+    transfer_bandwidth_gbps: float | None = None
 
     def budget_bytes(self, peak_without_offload: int) -> int:
         """The region's budget: the fraction of its peak, else the configured MiB."""
@@ -46,7 +59,8 @@ class BackendOptions:
 
     def cache_key(self) -> str:
         """What distinguishes two option sets in Inductor's caches."""
-        return repr((self.config, self.inner_compiler, self.budget_fraction))
+        return repr((self.config, self.inner_compiler, self.budget_fraction, self.recompute,
+                     self.transfer_bandwidth_gbps))
 
 
 def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
@@ -69,16 +83,23 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
             f"hyper_offload options: 'inner_compiler' must be one of "
             f"{', '.join(map(repr, INNER_COMPILERS))}, got {inner!r}"
         )
+    recompute = options.pop("recompute", "auto")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"hyper_offload options: 'recompute' must be one of "
+            f"{', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}"
+        )
     fraction = options.pop(_FRACTION, None)
-    if fraction is not None and (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not 0 < fraction <= 1
-        or math.isnan(fraction)
-    ):
+    if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
         raise ValueError(
             f"hyper_offload options: {_FRACTION!r} must be a number in (0, 1] (a fraction "
             f"of the region's activation peak without offload), got {fraction!r}"
+        )
+    link = options.pop(_LINK, None)
+    if link is not None and not (_is_number(link) and 0 < link < math.inf):
+        raise ValueError(
+            f"hyper_offload options: {_LINK!r} must be a finite number of GB/s > 0 (the "
+            f"copy bandwidth each way to plan with), got {link!r}"
         )
     try:
         config = OffloadConfig(**options)
@@ -88,4 +109,13 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
     return BackendOptions(
         config=config, inner_compiler=inner,
         budget_fraction=None if fraction is None else float(fraction),
+        recompute=recompute,
+        transfer_bandwidth_gbps=None if link is None else float(link),
+    )
+
+
+def _is_number(value: Any) -> bool:
+    """A real number that is not NaN (bools are not numbers here)."""
+    return (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
     )

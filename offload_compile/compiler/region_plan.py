@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch.fx as fx
 
@@ -25,12 +26,45 @@ from hyper_offload.passes.fx_lowering import lower_schedule
 from hyper_offload.passes.fx_schedule import check_lowering
 from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace
 from hyper_offload.passes.planning import plan_residency
+from hyper_offload.passes.predicted_timeline import op_durations
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
-from .region_report import InfeasibleOpReport, KeptSavedReport, RegionReport
+from .region_report import InfeasibleOpReport, KeptSavedReport, RecomputeReport, RegionReport
 
-__all__ = ["PlannedRegion", "build_region_report", "kept_saved", "plan_graphs", "plan_region"]
+__all__ = [
+    "GraphPlan",
+    "PlannedRegion",
+    "build_region_report",
+    "kept_saved",
+    "plan_graphs",
+    "plan_region",
+]
+
+
+class GraphPlan(NamedTuple):
+    """:func:`plan_graphs`' answer for one forward/backward pair (graphs untouched).
+    ``check`` is ``check_schedule`` of ``schedule``; ``predicted_stall_s`` the timeline
+    model's stall of it."""
+
+    fx_trace: FxTrace
+    schedule: ResidencySchedule
+    check: ScheduleReport
+    predicted_stall_s: float
+
+    @property
+    def compute_s(self) -> float:
+        """Predicted compute of every op of both graphs (the timeline model's prices)."""
+        return sum(op_durations(self.fx_trace.trace))
+
+    @property
+    def step_s(self) -> float:
+        """Predicted step time: compute plus the plan's stall."""
+        return self.compute_s + self.predicted_stall_s
+
+    @property
+    def feasible(self) -> bool:
+        return not self.check.infeasible_ops
 
 
 @dataclass(frozen=True)
@@ -60,20 +94,27 @@ def plan_region(
     options: BackendOptions,
     bandwidth: TransferBandwidth,
     region: int,
+    planned: GraphPlan | None = None,
+    recompute: RecomputeReport | None = None,
+    search_seconds: float = 0.0,
 ) -> PlannedRegion:
-    """Plan ``fw``/``bw`` under the options' budget and rewrite them in place."""
-    started = time.perf_counter()
-    fx_trace, schedule, check = plan_graphs(
-        fw, bw, num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
-        region=region,
-    )
+    """Plan ``fw``/``bw`` under the options' budget (or take ``planned``, their plan
+    already made by the recompute search, which took ``search_seconds``) and rewrite
+    them in place."""
+    started = time.perf_counter() - search_seconds
+    if planned is None:
+        planned = plan_graphs(
+            fw, bw, num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
+            region=region,
+        )
+    fx_trace, schedule, check, _ = planned
     lowered_check = None
     if check.num_transfers:
         lower_schedule(fw, bw, fx_trace, schedule)
         lowered_check = check_lowering(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)
         _require_ok(lowered_check, "the schedule re-derived from the lowered graphs", region)
     seconds = time.perf_counter() - started
-    report = build_region_report(fx_trace, schedule, check, options, region, seconds)
+    report = build_region_report(fx_trace, schedule, check, options, region, seconds, recompute)
     return PlannedRegion(fx_trace, schedule, check, lowered_check, report)
 
 
@@ -86,18 +127,23 @@ def plan_graphs(
     bandwidth: TransferBandwidth,
     region: int,
     throughput: DeviceThroughput | None = None,
-) -> tuple[FxTrace, ResidencySchedule, ScheduleReport]:
+    budget_bytes: int | None = None,
+) -> GraphPlan:
     """The analysis half of :func:`plan_region` (graphs untouched): trace, then the
     shared pipeline :func:`~hyper_offload.passes.plan_residency` under the budget (no
     reload before the backward graph). ``hyper_offload.estimate`` calls this on graphs
     captured on fake tensors, so its figures are the backend's. ``throughput`` prices
-    ops (default: the graphs' device's). The returned report is ``check_schedule`` of
-    the returned schedule, without violations."""
+    ops (default: the graphs' device's). ``budget_bytes`` replaces the options' budget
+    (the recompute search plans every partition under the one budget the fraction gave
+    for torch's default partition). The returned report is ``check_schedule`` of the
+    returned schedule, without violations."""
     fx_trace = build_fx_trace(
         fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
         d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,
     )
-    trace = fx_trace.trace.with_budget(options.budget_bytes(fx_trace.peak_without_offload))
+    if budget_bytes is None:
+        budget_bytes = options.budget_bytes(fx_trace.peak_without_offload)
+    trace = fx_trace.trace.with_budget(budget_bytes)
     fx_trace = dataclasses.replace(fx_trace, trace=trace)
     planned = plan_residency(
         trace, options.config.resolved_planner(), earliest_prefetch_op=fx_trace.num_fw_ops,
@@ -106,7 +152,7 @@ def plan_graphs(
         release_waits_for_d2h=True, latest_release_op=fx_trace.num_fw_ops - 1,
         where=f"hyper_offload region {region}",
     )
-    return fx_trace, planned.schedule, planned.check
+    return GraphPlan(fx_trace, planned.schedule, planned.check, planned.predicted_stall_s)
 
 
 def build_region_report(
@@ -116,6 +162,7 @@ def build_region_report(
     options: BackendOptions,
     region: int,
     seconds: float,
+    recompute: RecomputeReport | None = None,
 ) -> RegionReport:
     timing = exposed_transfer_time(fx_trace.trace, schedule)
     movable = fx_trace.movable()
@@ -130,7 +177,11 @@ def build_region_report(
         bw_nodes=fx_trace.trace.num_ops - fx_trace.num_fw_ops,
         saved_activation_bytes=fx_trace.saved_bytes,
         budget_bytes=fx_trace.trace.budget_bytes,
-        predicted_peak_before=fx_trace.peak_without_offload,
+        # plain compile's peak: torch's default partition, without offload
+        predicted_peak_before=(
+            recompute.partitions[0].peak_without_offload
+            if recompute is not None and recompute.partitions else fx_trace.peak_without_offload
+        ),
         predicted_peak_after=check.peak_resident_bytes,
         bytes_d2h=check.bytes_d2h,
         bytes_h2d=check.bytes_h2d,
@@ -145,6 +196,7 @@ def build_region_report(
         ),
         plan_seconds=seconds,
         kept=kept_saved(fx_trace),
+        recompute=recompute,
     )
 
 

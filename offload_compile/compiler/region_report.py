@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 LOGGER = logging.getLogger("hyper_offload")
 
-__all__ = ["LOGGER", "InfeasibleOpReport", "KeptSavedReport", "RegionReport", "log_region_report"]
+__all__ = [
+    "LOGGER",
+    "InfeasibleOpReport",
+    "KeptSavedReport",
+    "PartitionReport",
+    "RecomputeReport",
+    "RegionReport",
+    "log_region_report",
+]
 
 
 @dataclass(frozen=True)
@@ -35,11 +43,86 @@ class KeptSavedReport:
 
 
 @dataclass(frozen=True)
+class PartitionReport:
+    """One partition the recompute search planned: torch's min-cut partition at
+    ``activation_memory_budget=memory_budget``, planned under the region's budget.
+
+    ``step_s`` = ``compute_s`` (every op of both graphs, recomputation included, priced
+    by the roofline) + ``stall_s`` (the timeline model's stall of its plan), predicted.
+    ``rejected`` says why the search could not use it (None: it could)."""
+
+    memory_budget: float
+    compute_s: float
+    stall_s: float
+    feasible: bool
+    peak_without_offload: int
+    peak_with_plan: int
+    bytes_d2h: int
+    recomputed: int
+    rejected: str | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.stall_s
+
+
+@dataclass(frozen=True)
+class RecomputeReport:
+    """What the recompute search chose for one region (``options={"recompute": ...}``).
+
+    ``recomputed`` names the saved activations the chosen partition recomputes in the
+    backward instead of saving, beyond what torch's default partition already
+    recomputes (empty: the default partition was kept). The three ``*_s`` figures are
+    predicted step times (compute + stall): ``offload_only_s`` the default partition
+    planned by hyper_offload (None when infeasible), ``recompute_only_s`` the cheapest
+    searched partition whose own peak fits the budget with no copy (None: none does, or
+    the search did not run), ``joint_s`` the chosen one. ``searched`` is False when the
+    default partition's plan already met the budget without stalling (nothing to
+    gain) or recompute is off; ``restriction`` names the exactness rule that limited
+    what could be recomputed, if any.
+    """
+
+    mode: str
+    searched: bool
+    memory_budget: float
+    recomputed: tuple[str, ...]
+    offload_only_s: float | None
+    recompute_only_s: float | None
+    joint_s: float
+    partitions: tuple[PartitionReport, ...] = ()
+    restriction: str | None = None
+
+    def summary(self) -> dict[str, object]:
+        data = dict(self.__dict__)
+        data["recomputed"] = list(self.recomputed)
+        data["partitions"] = [{**p.__dict__, "step_s": p.step_s} for p in self.partitions]
+        return data
+
+    def __str__(self) -> str:
+        def ms(seconds: float | None) -> str:
+            return "n/a" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+        chosen = (
+            f"recomputes {len(self.recomputed)} more saved activation(s) "
+            f"(activation_memory_budget={self.memory_budget:g})"
+            if self.recomputed else "keeps torch's default partition"
+        )
+        searched = f"searched {len(self.partitions)} partition(s)" if self.searched else "no search"
+        restriction = f"; {self.restriction}" if self.restriction else ""
+        return (
+            f"recompute={self.mode}: {chosen}, {searched}; predicted step: offload only "
+            f"{ms(self.offload_only_s)}, recompute only {ms(self.recompute_only_s)}, chosen "
+            f"{ms(self.joint_s)}{restriction}"
+        )
+
+
+@dataclass(frozen=True)
 class RegionReport:
     """Per compiled region: sizes, the plan's predicted effect, and its feasibility.
 
     ``predicted_peak_before`` / ``after`` are the activation bytes resident at the
-    region's peak without and with the plan (``check_schedule``'s curve);
+    region's peak without and with the plan (``check_schedule``'s curve); "without" is
+    torch's default partition (plain compile), "with" includes any extra recompute;
     ``exposed_transfer_s`` is the copy time compute is not predicted to hide;
     ``kept`` lists the saved activations no plan can move (parameters and inputs are
     not activations and are not listed), largest first.
@@ -63,6 +146,8 @@ class RegionReport:
     infeasible_ops: tuple[InfeasibleOpReport, ...]
     plan_seconds: float
     kept: tuple[KeptSavedReport, ...] = ()
+    recompute: RecomputeReport | None = None
+    """What the recompute search chose (None: the region was planned without it)."""
 
     @property
     def feasible(self) -> bool:
@@ -80,9 +165,11 @@ class RegionReport:
         data["kept_bytes"] = self.kept_bytes
         data["offloaded"] = list(self.offloaded)
         data["feasible"] = self.feasible
+        data["recompute"] = None if self.recompute is None else self.recompute.summary()
         return data
 
     def __str__(self) -> str:
+        recompute = "" if self.recompute is None else f"; {self.recompute}"
         return (
             f"hyper_offload region {self.region} ({self.inner_compiler}): "
             f"{self.fw_nodes}+{self.bw_nodes} nodes, saved activations "
@@ -92,6 +179,7 @@ class RegionReport:
             f"{self.transfers} transfers), {self.kept_bytes} B saved that cannot move "
             f"({len(self.kept)} storages), predicted exposed transfer "
             f"{self.exposed_transfer_s * 1e6:.1f} us, planned in {self.plan_seconds * 1e3:.1f} ms"
+            f"{recompute}"
         )
 
     def infeasible_message(self) -> str:

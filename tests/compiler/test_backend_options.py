@@ -26,6 +26,24 @@ def test_defaults_and_accepted_keys():
     )
     assert opts.budget_bytes(1000) == 250 and opts.config.max_host_bytes == 8 << 20
     assert parse_backend_options({"max_resident_activation_mb": 2}).budget_bytes(10) == 2 << 20
+    assert opts.recompute == "auto" and opts.transfer_bandwidth_gbps is None
+    opts = parse_backend_options({"recompute": "off", "transfer_bandwidth_gbps": 2})
+    assert opts.recompute == "off" and opts.transfer_bandwidth_gbps == 2.0
+
+
+def test_recompute_and_link_are_part_of_the_cache_key():
+    keys = {
+        parse_backend_options(o).cache_key()
+        for o in ({}, {"recompute": "off"}, {"transfer_bandwidth_gbps": 1.0})
+    }
+    assert len(keys) == 3
+
+
+def test_backend_prices_copies_at_the_given_link():
+    backend = hyper_offload.backend(transfer_bandwidth_gbps=0.5)
+    fw = torch.fx.symbolic_trace(torch.nn.Identity())
+    link = backend.bandwidth(fw)
+    assert (link.d2h_gbps, link.h2d_gbps, link.measured) == (0.5, 0.5, False)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +62,11 @@ def test_defaults_and_accepted_keys():
         ({"max_resident_activation_fraction": 0.5, "max_resident_activation_mb": 1},
          "max_resident_activation_fraction"),
         ({"planner": "greedy"}, "planner"),
+        ({"recompute": "on"}, "recompute"),
+        ({"recompute": True}, "recompute"),
+        ({"transfer_bandwidth_gbps": 0}, "transfer_bandwidth_gbps"),
+        ({"transfer_bandwidth_gbps": math.inf}, "transfer_bandwidth_gbps"),
+        ({"transfer_bandwidth_gbps": "16"}, "transfer_bandwidth_gbps"),
     ],
 )
 def test_bad_options_raise_value_error_naming_the_key(options, key):

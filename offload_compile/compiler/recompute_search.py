@@ -1,0 +1,295 @@
+"""Offload and recompute planned together: keep, move or recompute each saved activation.
+
+The search is an outer loop over torch's stock min-cut partitioner with the residency
+pipeline inside it. For one region's joint graph:
+
+1. torch's default partition (whatever ``activation_memory_budget`` the user set; plain
+   compile runs exactly this) is planned under the budget. If its plan meets the budget
+   and the timeline model predicts no stall, it is kept: recomputing only adds compute,
+   so nothing can be faster. A budget at or above the peak therefore changes nothing,
+   and ``recompute="off"`` always stops here.
+2. Otherwise each ``activation_memory_budget`` of :data:`RECOMPUTE_GRID` below the
+   user's partitions a fresh deep copy of the joint graph (the partitioner rewrites the
+   graph it is given), the partitioner recomputing more the lower the value. Each
+   distinct partition is planned by :func:`~.region_plan.plan_graphs` under the *same*
+   byte budget (the fraction resolves against the default partition's peak), and priced
+   as compute (every op, recomputation included, by the roofline) plus the plan's
+   predicted stall.
+3. The least predicted step time among the feasible plans wins (ties: the partition
+   that recomputes less); with none feasible, the one closest to the budget.
+
+So per saved activation the answer is one of three: kept on the device, offloaded by
+the plan, or recomputed by the partition. Why an outer search rather than a trace with
+recompute options: the partitioner already knows which ops can be recomputed and how
+(views, RNG functionalization, effect tokens, collectives), so every partition it emits
+is a graph torch itself would compile, and our planning core stays the one pure
+pipeline. ``benchmarks/recompute_mix.py`` measures what the search buys: never slower
+than either strategy alone, strictly faster on 9 of the 16 feasible rows.
+
+Exactness (the result must equal plain compile bit for bit):
+
+* **Random ops** are never recomputed: the partitioner bans them, and a partition whose
+  backward re-runs a seeded random op that the default partition does not is rejected
+  (its RNG state would not be replayed).
+* **Low precision under Inductor.** Inductor keeps a fused intermediate in fp32 and
+  rounds it to bf16/fp16 only where it is stored, so a value recomputed inside a
+  backward kernel can differ from the stored one (``benchmarks/recompute_exactness.py``:
+  16 of 17 values differ at budget 0). When the forward has low-precision values and the
+  inner compiler is Inductor, the search only lets the partitioner recompute, beyond
+  what the default partition recomputes, values whose arithmetic is the same wherever
+  it runs: not low precision themselves, and reading low-precision values only from
+  buffers every kernel reads from memory (graph inputs, extern matmul/convolution
+  results). Every other forward op is marked ``MUST_SAVE`` on the copy the search
+  partitions (``RecomputeReport.restriction`` says how many).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .region_plan import GraphPlan
+from .region_report import PartitionReport, RecomputeReport
+
+__all__ = [
+    "RECOMPUTE_GRID",
+    "PartitionChoice",
+    "choose_partition",
+    "copy_joint",
+    "draws_random",
+    "low_precision_bans",
+    "recomputed_nodes",
+    "uses_low_precision",
+]
+
+RECOMPUTE_GRID = (0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+"""``activation_memory_budget`` values searched (those below the user's setting)."""
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_aten = torch.ops.aten
+# Extern kernels: Inductor does not fuse them (no max-autotune templates), so their
+# results are always stored, rounded to their dtype, before anyone reads them.
+_STORED_RESULTS = frozenset({
+    _aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default,
+    _aten.convolution.default,
+})
+
+Partitioner = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]
+"""The stock partition of a joint graph (it may rewrite the graph it is given)."""
+Planner = Callable[[fx.GraphModule, fx.GraphModule, "int | None"], GraphPlan]
+"""Plans a forward/backward pair under a byte budget (None: the options' budget)."""
+
+
+@dataclass(frozen=True)
+class PartitionChoice:
+    """The chosen partition, its plan, and the report of the search."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    plan: GraphPlan
+    report: RecomputeReport
+
+
+def choose_partition(
+    joint: fx.GraphModule,
+    partition: Partitioner,
+    plan: Planner,
+    *,
+    mode: str,
+    restrict_low_precision: bool,
+    grid: Iterable[float] = RECOMPUTE_GRID,
+) -> PartitionChoice:
+    """Partition ``joint`` and plan it, searching recompute when it pays (module
+    docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
+    low-precision values follow the exactness rule above."""
+    from torch._functorch import config as functorch_config
+
+    user_budget = float(functorch_config.activation_memory_budget)
+    pristine = copy_joint(joint) if mode == "auto" else None
+    fw, bw = partition(joint)
+    default_plan = plan(fw, bw, None)
+    default_recomputed = recomputed_nodes(fw, bw)
+    default = _partition_report(user_budget, default_plan, 0)
+    offload_only_s = default.step_s if default.feasible else None
+    if pristine is None or (default.feasible and default_plan.predicted_stall_s <= 0):
+        report = RecomputeReport(
+            mode=mode, searched=False, memory_budget=user_budget, recomputed=(),
+            offload_only_s=offload_only_s, recompute_only_s=None, joint_s=default.step_s,
+            partitions=(default,),
+        )
+        return PartitionChoice(fw, bw, default_plan, report)
+
+    budget = default_plan.fx_trace.trace.budget_bytes
+    restriction, banned = None, frozenset[str]()
+    if restrict_low_precision and uses_low_precision(pristine):
+        banned = low_precision_bans(pristine, default_recomputed)
+        restriction = (
+            f"low precision under Inductor: {len(banned)} forward op(s) kept from "
+            "recompute (a fused recomputation may round differently)"
+        )
+    candidates = [(default, fw, bw, default_plan, ())]
+    seen = {_saved_signature(fw)}
+    default_random = _random_nodes(default_recomputed, fw)
+    for memory_budget in (b for b in grid if b < user_budget):
+        graph = copy_joint(pristine)
+        for node in graph.graph.nodes:
+            if node.name in banned:
+                node.meta["recompute"] = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        with functorch_config.patch(activation_memory_budget=memory_budget):
+            cfw, cbw = partition(graph)
+        signature = _saved_signature(cfw)
+        if signature in seen:
+            continue
+        seen.add(signature)
+        extra = tuple(sorted(recomputed_nodes(cfw, cbw) - default_recomputed))
+        random = sorted(_random_nodes(set(extra), cfw) - default_random)
+        if random:
+            candidates.append((PartitionReport(
+                memory_budget, 0.0, 0.0, False, 0, 0, 0, len(extra),
+                rejected=f"recomputes random op(s) {', '.join(random)} without replaying "
+                         "their RNG state",
+            ), cfw, cbw, None, extra))
+            continue
+        cplan = plan(cfw, cbw, budget)
+        candidates.append((_partition_report(memory_budget, cplan, len(extra)), cfw, cbw, cplan, extra))
+
+    usable = [c for c in candidates if c[3] is not None]
+    feasible = [c for c in usable if c[0].feasible]
+    if feasible:
+        best = min(feasible, key=lambda c: c[0].step_s)
+    else:
+        best = min(usable, key=lambda c: (c[0].peak_with_plan, c[0].step_s))
+    fits_alone = [c[0] for c in usable if c[0].peak_without_offload <= budget]
+    report = RecomputeReport(
+        mode=mode, searched=True, memory_budget=best[0].memory_budget, recomputed=best[4],
+        offload_only_s=offload_only_s,
+        recompute_only_s=min((r.compute_s for r in fits_alone), default=None),
+        joint_s=best[0].step_s, partitions=tuple(c[0] for c in candidates),
+        restriction=restriction,
+    )
+    return PartitionChoice(best[1], best[2], best[3], report)
+
+
+def copy_joint(joint: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``joint`` the partitioner may rewrite: new graph, nodes and node meta
+    dicts (names kept); the meta values (fake tensors) and the module's attributes
+    (parameters, constants) are shared, as the partitioner only reads them. (A deep
+    copy would clone real constant tensors, which fails under fake mode.)"""
+    duplicate = fx.GraphModule(joint, copy.deepcopy(joint.graph), class_name=type(joint).__name__)
+    duplicate.meta = dict(joint.meta)
+    return duplicate
+
+
+def _partition_report(memory_budget: float, plan: GraphPlan, recomputed: int) -> PartitionReport:
+    return PartitionReport(
+        memory_budget=memory_budget,
+        compute_s=plan.compute_s,
+        stall_s=plan.predicted_stall_s,
+        feasible=plan.feasible,
+        peak_without_offload=plan.fx_trace.peak_without_offload,
+        peak_with_plan=plan.check.peak_resident_bytes,
+        bytes_d2h=plan.check.bytes_d2h,
+        recomputed=recomputed,
+    )
+
+
+def _saved_signature(fw: fx.GraphModule) -> tuple[str, ...]:
+    """What a partition saves: the names of the forward graph's outputs."""
+    (output,) = fw.graph.find_nodes(op="output")
+    return tuple(str(a) for a in fx.node.map_arg(output.args[0], lambda n: n.name))
+
+
+def recomputed_nodes(fw: fx.GraphModule, bw: fx.GraphModule) -> set[str]:
+    """Forward ops the backward runs again: ``call_function`` nodes in both graphs (the
+    partitioner copies nodes by name)."""
+    forward = {n.name for n in fw.graph.nodes if n.op == "call_function"}
+    return {
+        n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in forward
+    }
+
+
+def _random_nodes(names: set[str], fw: fx.GraphModule) -> set[str]:
+    """Those of ``names`` whose op draws random numbers: a seeded, nondeterministic op,
+    except an attention kernel called with ``dropout_p == 0`` (it draws nothing)."""
+    return {n.name for n in fw.graph.nodes if n.name in names and draws_random(n)}
+
+
+def draws_random(node: fx.Node) -> bool:
+    """Whether running ``node`` again would draw fresh random numbers."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        index = names.index("dropout_p")
+        value = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args)
+                                else schema.arguments[index].default_value)
+        return value != 0
+    return True
+
+
+def _forward_nodes(joint: fx.GraphModule) -> list[fx.Node]:
+    """The joint graph's forward ops: ``call_function`` nodes no tangent reaches."""
+    backward: set[fx.Node] = set()
+    forward = []
+    for node in joint.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            backward.add(node)
+        elif node.op == "call_function":
+            if any(i in backward for i in node.all_input_nodes):
+                backward.add(node)
+            else:
+                forward.append(node)
+    return forward
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def uses_low_precision(joint: fx.GraphModule) -> bool:
+    """Whether any forward op produces a bf16 or fp16 tensor."""
+    return any(_dtype(n) in _LOW_PRECISION for n in _forward_nodes(joint))
+
+
+def _stored(node: fx.Node) -> bool:
+    """Whether every kernel reads ``node``'s value from memory, rounded to its dtype."""
+    from torch._inductor import config as inductor_config
+
+    if node.op == "placeholder":
+        return True
+    if inductor_config.max_autotune or inductor_config.max_autotune_gemm:
+        return False  # matmul templates may fuse their consumers
+    return node.op == "call_function" and node.target in _STORED_RESULTS
+
+
+def low_precision_bans(joint: fx.GraphModule, default_recomputed: set[str]) -> frozenset[str]:
+    """Forward ops (by name) whose recomputation under Inductor may not reproduce the
+    value the forward used: a low-precision result, or arithmetic on a low-precision
+    value that was not read from memory. Views and tuple items compute nothing and are
+    not banned; nor is what the default partition already recomputes (plain compile
+    does the same)."""
+    banned = set()
+    for node in _forward_nodes(joint):
+        if node.name in default_recomputed or node.target is operator.getitem:
+            continue
+        if _is_view(node):
+            continue
+        low_result = _dtype(node) in _LOW_PRECISION
+        fused_low_input = any(
+            _dtype(i) in _LOW_PRECISION and not _stored(i) for i in node.all_input_nodes
+        )
+        if low_result or fused_low_input:
+            banned.add(node.name)
+    return frozenset(banned)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view

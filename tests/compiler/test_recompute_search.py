@@ -1,0 +1,245 @@
+"""The recompute search's rules on hand-built graphs (nothing here compiles a model).
+
+``choose_partition`` is driven by a stub partitioner (one pair of graphs per
+``activation_memory_budget``) and a stub planner (a price per partition), so each test
+pins one rule: when the search runs, which partition wins, what is rejected, what is
+reported.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.fx as fx
+
+from hyper_offload.compiler.recompute_search import (
+    choose_partition,
+    copy_joint,
+    draws_random,
+    low_precision_bans,
+    recomputed_nodes,
+    uses_low_precision,
+)
+
+aten = torch.ops.aten
+
+
+def _node(graph: fx.Graph, name: str, target, args, dtype=torch.float32, shape=(4,)) -> fx.Node:
+    node = graph.create_node("call_function", target, args, name=name)
+    node.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
+    return node
+
+
+def _placeholder(graph: fx.Graph, name: str, dtype=torch.float32, shape=(4,)) -> fx.Node:
+    node = graph.placeholder(name)
+    node.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
+    return node
+
+
+def _pair(saved: list[str], recomputed: list[str], target=aten.relu.default):
+    """A forward that computes and saves ``saved`` and a backward that recomputes
+    ``recomputed`` (ops named as the partitioner names them: the same in both graphs)."""
+    fw, bw = fx.Graph(), fx.Graph()
+    x = _placeholder(fw, "x")
+    outputs = [_node(fw, name, target, (x,)) for name in {*saved, *recomputed}]
+    fw.output(tuple(o for o in outputs if o.name in saved))
+    y = _placeholder(bw, "x")
+    bw.output(tuple(_node(bw, name, target, (y,)) for name in recomputed))
+    return fx.GraphModule(torch.nn.Module(), fw), fx.GraphModule(torch.nn.Module(), bw)
+
+
+class _Stubs:
+    """Partitions per ``activation_memory_budget`` and their prices."""
+
+    def __init__(self, pairs, prices, target=aten.relu.default):
+        self.graphs = {b: _pair(s, r, target) for b, (s, r) in pairs.items()}
+        self.prices = prices
+        self.partitioned: list[float] = []
+        self.budgets: list[int | None] = []
+
+    def partition(self, joint):
+        budget = float(torch._functorch.config.activation_memory_budget)
+        self.partitioned.append(budget)
+        return self.graphs[budget]
+
+    def plan(self, fw, bw, budget):
+        self.budgets.append(budget)
+        (memory_budget,) = [b for b, g in self.graphs.items() if g[0] is fw]
+        compute, stall, feasible, peak, *after = self.prices[memory_budget]
+        peak_after = after[0] if after else (min(peak, 100) if feasible else 150)
+        return SimpleNamespace(
+            fx_trace=SimpleNamespace(trace=SimpleNamespace(budget_bytes=100), peak_without_offload=peak),
+            check=SimpleNamespace(peak_resident_bytes=peak_after, bytes_d2h=1),
+            predicted_stall_s=stall, compute_s=compute, step_s=compute + stall, feasible=feasible,
+        )
+
+
+JOINT = fx.GraphModule(torch.nn.Module(), fx.Graph())
+JOINT.graph.output(())
+
+
+def _choose(stubs, mode="auto", grid=(0.8, 0.5, 0.0)):
+    return choose_partition(
+        JOINT, stubs.partition, stubs.plan, mode=mode, restrict_low_precision=False, grid=grid,
+    )
+
+
+def test_a_stall_free_default_partition_is_kept_without_searching():
+    stubs = _Stubs({1.0: (["a"], [])}, {1.0: (1.0, 0.0, True, 200)})
+    choice = _choose(stubs)
+    assert stubs.partitioned == [1.0] and not choice.report.searched
+    assert choice.report.recomputed == () and choice.report.joint_s == 1.0
+    assert choice.report.offload_only_s == 1.0
+
+
+def test_off_never_searches_even_when_the_default_stalls():
+    stubs = _Stubs({1.0: (["a"], [])}, {1.0: (1.0, 5.0, True, 200)})
+    choice = _choose(stubs, mode="off")
+    assert stubs.partitioned == [1.0] and not choice.report.searched and choice.report.mode == "off"
+
+
+def test_the_least_predicted_step_wins_under_the_default_partitions_budget():
+    stubs = _Stubs(
+        {1.0: (["a", "b"], []), 0.8: (["a"], ["b"]), 0.5: (["x"], ["a", "b"]), 0.0: (["x"], ["a", "b"])},
+        {1.0: (1.0, 5.0, True, 200), 0.8: (1.5, 1.0, True, 150), 0.5: (1.7, 0.0, True, 90),
+         0.0: (9.0, 0.0, True, 90)},
+    )
+    choice = _choose(stubs)
+    report = choice.report
+    assert report.searched and report.memory_budget == 0.5 and choice.fw is stubs.graphs[0.5][0]
+    assert report.recomputed == ("a", "b") and report.joint_s == pytest.approx(1.7)
+    assert report.offload_only_s == 6.0
+    assert report.recompute_only_s == pytest.approx(1.7)  # 0.5 fits alone (peak 90 <= 100)
+    # every searched partition is planned under the default partition's byte budget
+    assert stubs.budgets == [None, 100, 100]
+    # 0.0 saves what 0.5 saves: the same partition, not planned twice
+    assert [p.memory_budget for p in report.partitions] == [1.0, 0.8, 0.5]
+    assert stubs.partitioned == [1.0, 0.8, 0.5, 0.0]
+
+
+def test_ties_keep_the_partition_that_recomputes_less():
+    stubs = _Stubs(
+        {1.0: (["a"], []), 0.8: (["b"], ["a"]), 0.5: (["c"], ["a"]), 0.0: (["c"], ["a"])},
+        {1.0: (1.0, 2.0, True, 200), 0.8: (2.0, 0.0, True, 150), 0.5: (2.0, 0.0, True, 150),
+         0.0: (2.0, 0.0, True, 150)},
+    )
+    assert _choose(stubs).report.memory_budget == 0.8
+
+
+def test_a_feasible_partition_beats_a_faster_infeasible_one_and_none_feasible_takes_the_lowest_peak():
+    prices = {1.0: (1.0, 0.0, False, 300), 0.8: (1.0, 3.0, True, 150), 0.5: (0.5, 0.0, False, 300),
+              0.0: (0.5, 0.0, False, 300)}
+    pairs = {1.0: (["a"], []), 0.8: (["b"], ["a"]), 0.5: (["c"], ["a"]), 0.0: (["d"], ["a"])}
+    assert _choose(_Stubs(pairs, prices)).report.memory_budget == 0.8
+    none_fit = {**prices, 0.8: (1.0, 3.0, False, 300, 120)}
+    report = _choose(_Stubs(pairs, none_fit)).report
+    assert report.offload_only_s is None and report.recompute_only_s is None
+    assert report.memory_budget == 0.8  # the plan closest to the budget (120 B < 150 B)
+    report = _choose(_Stubs(pairs, {**none_fit, 0.8: (1.0, 3.0, False, 300)})).report
+    assert report.memory_budget == 0.5  # all end at 150 B: the least step, first on ties
+
+
+def test_a_partition_that_recomputes_a_random_op_is_rejected():
+    stubs = _Stubs(
+        {1.0: (["a"], []), 0.8: (["b"], ["a"])},
+        {1.0: (1.0, 5.0, True, 200), 0.8: (1.0, 0.0, True, 150)},
+        target=aten.native_dropout.default,
+    )
+    report = _choose(stubs, grid=(0.8,)).report
+    assert report.memory_budget == 1.0
+    (rejected,) = [p for p in report.partitions if p.rejected]
+    assert rejected.memory_budget == 0.8 and "random" in rejected.rejected and "a" in rejected.rejected
+    assert stubs.budgets == [None]  # never planned
+
+
+def test_only_budgets_below_the_users_are_searched():
+    stubs = _Stubs({0.5: (["a"], []), 0.0: (["b"], ["a"])},
+                   {0.5: (1.0, 5.0, True, 200), 0.0: (1.0, 0.0, True, 150)})
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        report = _choose(stubs).report
+    assert stubs.partitioned == [0.5, 0.0] and report.memory_budget == 0.0
+
+
+def test_draws_random_reads_the_dropout_probability_of_attention():
+    graph = fx.Graph()
+    q = _placeholder(graph, "q", shape=(1, 1, 4, 8))
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    expected = {
+        _node(graph, "drop", aten.native_dropout.default, (q, 0.1, True)): True,
+        _node(graph, "rand", aten.rand_like.default, (q,)): True,
+        _node(graph, "add", aten.add.Tensor, (q, q)): False,
+        _node(graph, "sdpa_default", sdpa, (q, q, q)): False,  # dropout_p defaults to 0
+        _node(graph, "sdpa_zero", sdpa, (q, q, q, 0.0)): False,
+        _node(graph, "sdpa_arg", sdpa, (q, q, q, 0.1)): True,
+    }
+    keyword = _node(graph, "sdpa_kwarg", sdpa, (q, q, q))
+    keyword.kwargs = {"dropout_p": 0.2}
+    expected[keyword] = True
+    assert {n.name: draws_random(n) for n in expected} == {n.name: v for n, v in expected.items()}
+
+
+def _low_precision_joint() -> fx.GraphModule:
+    """primal (bf16) -> mm (bf16, an extern kernel) -> to fp32 -> exp -> to bf16; a
+    pointwise bf16 add -> to fp32 -> mul; a view; one backward op."""
+    graph = fx.Graph()
+    w = _placeholder(graph, "primals_1", torch.bfloat16, (4, 4))
+    t = _placeholder(graph, "tangents_1", torch.bfloat16, (4, 4))
+    mm = _node(graph, "mm", aten.mm.default, (w, w), torch.bfloat16, (4, 4))
+    up = _node(graph, "up", aten._to_copy.default, (mm,), torch.float32, (4, 4))
+    exp = _node(graph, "exp", aten.exp.default, (up,), torch.float32, (4, 4))
+    _node(graph, "down", aten._to_copy.default, (exp,), torch.bfloat16, (4, 4))
+    add = _node(graph, "add", aten.add.Tensor, (mm, w), torch.bfloat16, (4, 4))
+    up2 = _node(graph, "up2", aten._to_copy.default, (add,), torch.float32, (4, 4))
+    _node(graph, "mul", aten.mul.Tensor, (up2, up2), torch.float32, (4, 4))
+    _node(graph, "from_primal", aten._to_copy.default, (w,), torch.float32, (4, 4))
+    _node(graph, "view", aten.view.default, (add, [16]), torch.bfloat16, (16,))
+    _node(graph, "grad", aten.mul.Tensor, (t, mm), torch.bfloat16, (4, 4))
+    graph.output(())
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_low_precision_bans_keep_fused_rounding_out_of_recompute():
+    joint = _low_precision_joint()
+    assert uses_low_precision(joint)
+    banned = low_precision_bans(joint, default_recomputed=set())
+    # bf16 results (mm, down, add) and fp32 math on a fused bf16 value (up2) are banned;
+    # fp32 math on stored values (up from the mm, exp, from_primal), views and the
+    # backward are not
+    assert banned == {"mm", "down", "add", "up2"}
+    assert low_precision_bans(joint, default_recomputed={"add", "down"}) == {"mm", "up2"}
+
+
+def test_low_precision_bans_ban_matmul_results_under_max_autotune():
+    with torch._inductor.config.patch(max_autotune=True):
+        banned = low_precision_bans(_low_precision_joint(), default_recomputed=set())
+    assert "up" in banned and "from_primal" not in banned
+
+
+def test_fp32_graphs_are_not_low_precision():
+    graph = fx.Graph()
+    x = _placeholder(graph, "primals_1")
+    _node(graph, "relu", aten.relu.default, (x,))
+    t = _placeholder(graph, "tangents_1", torch.bfloat16)
+    _node(graph, "grad", aten.mul.Tensor, (t, t), torch.bfloat16)
+    graph.output(())
+    assert not uses_low_precision(fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_copy_joint_is_rewritable_without_touching_the_original():
+    joint = _low_precision_joint()
+    duplicate = copy_joint(joint)
+    node = next(n for n in duplicate.graph.nodes if n.name == "mm")
+    node.meta["recompute"] = "x"
+    duplicate.graph.erase_node(next(n for n in duplicate.graph.nodes if n.name == "grad"))
+    assert "recompute" not in next(n for n in joint.graph.nodes if n.name == "mm").meta
+    assert any(n.name == "grad" for n in joint.graph.nodes)
+    assert [n.name for n in duplicate.graph.nodes if n.name != "grad"] == [
+        n.name for n in joint.graph.nodes if n.name != "grad"
+    ]
+
+
+def test_recomputed_nodes_are_forward_ops_the_backward_runs_again():
+    fw, bw = _pair(["a"], ["b", "c"])
+    assert recomputed_nodes(fw, bw) == {"b", "c"}
