@@ -17,12 +17,14 @@ and budget (a fraction of the plain step's activation peak):
 * ``joint (any)``     for every partition, the pipeline's plan under the budget; the
                       least compute + predicted stall among the feasible plans: the best
                       mix when exactness may be waived;
-* ``joint (backend)`` what the compile backend itself chooses with ``recompute="auto"``
+* ``backend``         what the compile backend itself chooses with ``recompute="auto"``
                       (:func:`hyper_offload.compiler.recompute_search.choose_partition`,
-                      run on the same joint graph inside the capture): the same search
-                      under its exactness rules. These traces are bf16 under Inductor,
-                      so the low-precision rule applies and limits what it may
-                      recompute.
+                      run on the same joint graph inside the capture) under its
+                      exactness rules. These traces are bf16 under Inductor, so the
+                      low-precision rule applies;
+* ``backend_unrestricted`` the same search with that rule off: what the backend
+                      searches where the rule does not apply (aot_eager, fp32), priced
+                      on these traces. Its choice must match ``joint (any)``.
 
 ``joint (any)`` includes both single strategies (``1.0`` is offload only; a partition
 that fits needs no copy), so it is never slower than either; ``joint (backend)``
@@ -93,10 +95,11 @@ def capture(name: str) -> dict[float, FxTrace]:
 
 def backend_choices(
     name: str, fractions: list[float], links: list[float]
-) -> dict[tuple[float, float], RecomputeReport]:
-    """The backend's own recompute search per (budget fraction, link), on the joint graph
-    of one capture (each search partitions its own copy)."""
-    reports: dict[tuple[float, float], RecomputeReport] = {}
+) -> dict[tuple[float, float, bool], RecomputeReport]:
+    """The backend's own recompute search per (budget fraction, link, low-precision rule
+    on), on the joint graph of one capture (each search partitions its own copy). Rule
+    off is what the backend searches where it does not apply (aot_eager, fp32)."""
+    reports: dict[tuple[float, float, bool], RecomputeReport] = {}
 
     def search(joint: torch.fx.GraphModule, stock: StockPartition, num_fwd_outputs: int) -> Any:
         for gbps in links:
@@ -108,9 +111,11 @@ def backend_choices(
                     return plan_graphs(fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
                                        bandwidth=link, region=0, throughput=GPU, budget_bytes=budget)
 
-                reports[fraction, gbps] = choose_partition(
-                    copy_joint(joint), stock, plan, mode="auto", restrict_low_precision=True,
-                ).report
+                for restrict in (True, False):
+                    reports[fraction, gbps, restrict] = choose_partition(
+                        copy_joint(joint), stock, plan, mode="auto",
+                        restrict_low_precision=restrict,
+                    ).report
         return stock(joint)
 
     model, inputs = MODELS[name]()
@@ -140,7 +145,7 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def row(name: str, traces: dict[float, FxTrace], fraction: float, gbps: float,
-        chosen: RecomputeReport) -> dict[str, Any]:
+        exact: RecomputeReport, unrestricted: RecomputeReport) -> dict[str, Any]:
     peak = traces[1.0].peak_without_offload
     budget = int(fraction * peak)
     choices = [plan(fx, mb, budget, gbps) for mb, fx in traces.items()]
@@ -166,12 +171,15 @@ def row(name: str, traces: dict[float, FxTrace], fraction: float, gbps: float,
         "joint_stall_ms": _ms(joint.stall_s) if joint else None,
         "joint_le_best_single": (joint.step_s <= best_single * (1 + 1e-9)) if joint and best_single else None,
         "joint_strictly_lower": (joint.step_s < best_single * (1 - 1e-6)) if joint and best_single else None,
-        **_backend_columns(chosen, offload, recompute),
+        **_backend_columns("backend", exact, offload, recompute),
+        **_backend_columns("backend_unrestricted", unrestricted, offload, recompute),
         "predicted": True,
     }
 
 
-def _backend_columns(chosen: RecomputeReport, offload: Choice, recompute: Choice | None) -> dict[str, Any]:
+def _backend_columns(
+    prefix: str, chosen: RecomputeReport, offload: Choice, recompute: Choice | None
+) -> dict[str, Any]:
     """The backend's choice, against offload only and torch's recompute only."""
     feasible = next(p.feasible for p in chosen.partitions if p.memory_budget == chosen.memory_budget)
     step = chosen.joint_s if feasible else None
@@ -179,13 +187,13 @@ def _backend_columns(chosen: RecomputeReport, offload: Choice, recompute: Choice
                            recompute.compute_s if recompute else None) if c is not None]
     best = min(singles) if singles else None
     return {
-        "backend_ms": _ms(step),
-        "backend_memory_budget": chosen.memory_budget if feasible else None,
-        "backend_recomputed_ops": len(chosen.recomputed),
-        "backend_restriction": chosen.restriction,
-        "backend_le_best_single": (step <= best * (1 + 1e-9)) if step and best else None,
-        "backend_strictly_lower": (step < best * (1 - 1e-6)) if step and best else None,
-        "backend_le_offload_only": (step <= offload.step_s * (1 + 1e-9)) if step and offload.feasible else None,
+        f"{prefix}_ms": _ms(step),
+        f"{prefix}_memory_budget": chosen.memory_budget if feasible else None,
+        f"{prefix}_recomputed_ops": len(chosen.recomputed),
+        f"{prefix}_restriction": chosen.restriction,
+        f"{prefix}_le_best_single": (step <= best * (1 + 1e-9)) if step and best else None,
+        f"{prefix}_strictly_lower": (step < best * (1 - 1e-6)) if step and best else None,
+        f"{prefix}_le_offload_only": (step <= offload.step_s * (1 + 1e-9)) if step and offload.feasible else None,
     }
 
 
@@ -206,7 +214,8 @@ def main() -> None:
                           "measured": True}), flush=True)
         for gbps in args.links:
             for fraction in args.fractions:
-                print(json.dumps(row(name, traces, fraction, gbps, chosen[fraction, gbps])), flush=True)
+                print(json.dumps(row(name, traces, fraction, gbps, chosen[fraction, gbps, True],
+                                     chosen[fraction, gbps, False])), flush=True)
 
 
 if __name__ == "__main__":

@@ -164,17 +164,39 @@ MUTATIONS = (
              ("tests/compiler/test_saved_views_numerics.py::"
               "test_every_budget_moves_saved_views_and_stays_bit_exact[hf_llama-inductor-fp32]",),
              "Inductor reschedules a saved node's producer once it is no output (fp32 drifts)"),
+    Mutation("search-ignores-random-ops", "offload_compile/compiler/recompute_search.py",
+             "        if random:\n", "        if False:\n",
+             ("tests/compiler/test_recompute_search.py",),
+             "a partition that re-runs dropout in the backward is used (its mask is drawn again)"),
+    Mutation("low-precision-rule-off", "offload_compile/compiler/recompute_search.py",
+             "        if low_result or fused_low_input:\n", "        if False:\n",
+             ("tests/compiler/test_recompute_search.py",),
+             "under Inductor bf16 fused values are recomputed (they round differently)"),
+    Mutation("search-keeps-the-slowest", "offload_compile/compiler/recompute_search.py",
+             "        best = min(feasible, key=lambda c: c[0].step_s)",
+             "        best = max(feasible, key=lambda c: c[0].step_s)",
+             ("tests/compiler/test_recompute_search.py",
+              "tests/compiler/test_recompute_numerics.py::test_aot_eager_recomputes_where_offload_stalls_and_stays_exact"),
+             "the search compiles the partition with the longest predicted step"),
+    Mutation("search-always-runs", "offload_compile/compiler/recompute_search.py",
+             "    if pristine is None or (default.feasible and default_plan.predicted_stall_s <= 0):",
+             "    if pristine is None:",
+             ("tests/compiler/test_recompute_search.py",
+              "tests/compiler/test_recompute_numerics.py::test_at_the_peak_the_backend_compiles_plain_compiles_partition"),
+             "a region that fits (or does not stall) is re-partitioned anyway"),
 )
 
 
 def _build_copy(tmp: Path) -> Path:
-    """The package laid out as installed (``hyper_offload/…``) plus tests and pyproject."""
+    """The package laid out as installed (``hyper_offload/…``) plus tests, the examples
+    (some tests train the demo GPT) and pyproject."""
     pkg = tmp / "pkg"
     for folder, target in PACKAGE_DIRS.items():
         shutil.copytree(ROOT / folder, pkg / target, ignore=IGNORE, dirs_exist_ok=True)
     shutil.copytree(ROOT / "passes" / "pipeline", pkg / "hyper_offload/passes/pipeline",
                     ignore=IGNORE, dirs_exist_ok=True)
     shutil.copytree(ROOT / "tests", tmp / "tests", ignore=IGNORE)
+    shutil.copytree(ROOT / "examples", tmp / "examples", ignore=IGNORE)
     shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
     return pkg
 
