@@ -132,3 +132,20 @@ def test_the_readme_demo_compile_mode_stays_within_its_budget_as_measured(exampl
     assert mode.offload.equal is True and all(r.feasible for r in mode.reports)
     assert all(m.peak_bytes <= mode.budget_bytes for m in mode.offload.memory), (
         [m.peak_bytes for m in mode.offload.memory], mode.budget_bytes)
+
+
+def test_the_demo_gpt_at_a_quarter_of_its_peak_offloads_and_recomputes(example) -> None:
+    """Issue 17: the default demo GPT at 25% of its peak with the link priced slow
+    (0.3 GB/s): offload alone would stall, so the backend also recomputes; the report
+    shows tensors moved *and* ops recomputed, the profiler's measured peak of every step
+    is within the budget, and every loss and gradient equals plain compile."""
+    argv = ["--mode", "compile", "--device", "cpu", "--steps", "2", "--timed-steps", "0",
+            "--budget-fraction", "0.25", "--link-gbps", "0.3", "--no-plot"]
+    (mode,) = example.main(argv).modes
+    (report,) = mode.reports
+    rc = report.recompute
+    assert mode.offload.equal is True and report.feasible
+    assert report.offloaded and rc.searched and rc.recomputed
+    assert rc.offload_only_s is not None and rc.joint_s < rc.offload_only_s
+    assert all(m.peak_bytes <= mode.budget_bytes for m in mode.offload.memory), (
+        [m.peak_bytes for m in mode.offload.memory], mode.budget_bytes)
