@@ -32,6 +32,7 @@ includes offload only, and recompute only where that is exact. All figures *pred
 
     .venv/bin/python benchmarks/recompute_mix.py                  # three models (~4 min)
     .venv/bin/python benchmarks/recompute_mix.py --only gpt2_small_b4_seq2048
+    .venv/bin/python benchmarks/recompute_mix.py --dtype float32  # same shapes in fp32
 """
 
 from __future__ import annotations
@@ -80,11 +81,17 @@ class Choice:
         return self.compute_s + self.stall_s
 
 
-def capture(name: str) -> dict[float, FxTrace]:
+def _model(name: str, dtype: torch.dtype | None) -> tuple[torch.nn.Module, Any]:
+    """The stall benchmark's model (bf16), or the same shapes in ``dtype``."""
+    model, inputs = MODELS[name]()
+    return (model if dtype is None else model.to(dtype)), inputs
+
+
+def capture(name: str, dtype: torch.dtype | None = None) -> dict[float, FxTrace]:
     """The model's compile trace at every ``GRID`` value."""
     traces = {}
     for memory_budget in GRID:
-        model, inputs = MODELS[name]()
+        model, inputs = _model(name, dtype)
         with torch._functorch.config.patch(activation_memory_budget=memory_budget):
             graphs = capture_graphs(model, inputs, device="cpu", inner_compiler="inductor")
         traces[memory_budget] = build_fx_trace(
@@ -94,7 +101,7 @@ def capture(name: str) -> dict[float, FxTrace]:
 
 
 def backend_choices(
-    name: str, fractions: list[float], links: list[float]
+    name: str, fractions: list[float], links: list[float], dtype: torch.dtype | None = None
 ) -> dict[tuple[float, float, bool], RecomputeReport]:
     """The backend's own recompute search per (budget fraction, link, low-precision rule
     on), on the joint graph of one capture (each search partitions its own copy). Rule
@@ -118,7 +125,7 @@ def backend_choices(
                     ).report
         return stock(joint)
 
-    model, inputs = MODELS[name]()
+    model, inputs = _model(name, dtype)
     capture_graphs(model, inputs, device="cpu", inner_compiler="inductor", partition=search)
     return reports
 
@@ -202,20 +209,24 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.85])
     parser.add_argument("--links", type=float, nargs="+", default=[16.0, 50.0])
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="cast the models (default: the stall benchmark's bf16)")
     args = parser.parse_args()
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
     for name in args.only:
         started = time.perf_counter()
-        traces = capture(name)
+        traces = capture(name, dtype)
         captured = time.perf_counter()
-        chosen = backend_choices(name, args.fractions, args.links)
-        print(json.dumps({"bench": "recompute_mix.capture", "model": name,
+        chosen = backend_choices(name, args.fractions, args.links, dtype)
+        print(json.dumps({"bench": "recompute_mix.capture", "model": name, "dtype": args.dtype or "bfloat16",
                           "captures": len(traces), "seconds": round(captured - started, 1),
                           "backend_search_seconds": round(time.perf_counter() - captured, 1),
                           "measured": True}), flush=True)
         for gbps in args.links:
             for fraction in args.fractions:
-                print(json.dumps(row(name, traces, fraction, gbps, chosen[fraction, gbps, True],
-                                     chosen[fraction, gbps, False])), flush=True)
+                result = row(name, traces, fraction, gbps, chosen[fraction, gbps, True],
+                             chosen[fraction, gbps, False])
+                print(json.dumps({**result, "dtype": args.dtype or "bfloat16"}), flush=True)
 
 
 if __name__ == "__main__":

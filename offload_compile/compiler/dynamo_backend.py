@@ -55,8 +55,8 @@ from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_
 
 from . import recompute_search, region_plan
 from .options import BackendOptions, parse_backend_options
-from .recompute_search import choose_partition
-from .region_plan import GraphPlan, PlannedRegion, plan_graphs, plan_region
+from .recompute_search import search_region
+from .region_plan import PlannedRegion, plan_region
 from .region_report import LOGGER, RegionReport, log_region_report
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
@@ -139,17 +139,10 @@ class _OffloadPartitioner(CustomPartitionerFn):
         def partition(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-        def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: int | None) -> GraphPlan:
-            return plan_graphs(
-                fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
-                bandwidth=self._backend.bandwidth(fw), region=region.index,
-                budget_bytes=budget,
-            )
-
         started = time.perf_counter()
-        choice = choose_partition(
-            gm, partition, plan, mode=options.recompute,
-            restrict_low_precision=options.inner_compiler == "inductor",
+        choice = search_region(
+            gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
+            bandwidth=self._backend.bandwidth, region=region.index,
         )
         fw, bw = choice.fw, choice.bw
         for index, node in enumerate(fw.graph.find_nodes(op="placeholder")):

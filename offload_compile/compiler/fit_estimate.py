@@ -35,8 +35,8 @@ from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, Transfer
 
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
 from .options import parse_backend_options
-from .recompute_search import PartitionChoice, choose_partition
-from .region_plan import GraphPlan, build_region_report, plan_graphs
+from .recompute_search import PartitionChoice, search_region
+from .region_plan import build_region_report
 from .region_report import RegionReport
 
 __all__ = ["EstimateReport", "estimate"]
@@ -174,7 +174,7 @@ def _recompute_line(r: RegionReport) -> str:
     def ms(seconds: float | None) -> str:
         return "cannot fit" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
-    moved = f"{len(r.offloaded)} saved tensor(s) moved"
+    moved = f"{len(r.resident)} saved tensor(s) kept, {len(r.offloaded)} moved"
     if rc.recomputed:
         chosen = f"{len(rc.recomputed)} more op(s) recomputed (activation_memory_budget={rc.memory_budget:g})"
     else:
@@ -243,16 +243,10 @@ def estimate(
     def search(
         joint: torch.fx.GraphModule, stock: StockPartition, num_fwd_outputs: int
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        def plan(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, budget: int | None) -> GraphPlan:
-            return plan_graphs(
-                fw, bw, num_fwd_outputs=num_fwd_outputs, options=parsed, bandwidth=link,
-                region=0, throughput=prices, budget_bytes=budget,
-            )
-
         begun = time.perf_counter()
-        choice = choose_partition(
-            joint, stock, plan, mode=parsed.recompute,
-            restrict_low_precision=parsed.inner_compiler == "inductor",
+        choice = search_region(
+            joint, stock, num_fwd_outputs=num_fwd_outputs, options=parsed,
+            bandwidth=lambda _fw: link, region=0, throughput=prices,
         )
         searched.append((choice, time.perf_counter() - begun))
         return choice.fw, choice.bw

@@ -52,8 +52,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._functorch import config as functorch_config
 
-from .region_plan import GraphPlan
+from hyper_offload.passes.cost_model import DeviceThroughput
+from hyper_offload.runtime.bandwidth import TransferBandwidth
+
+from .options import BackendOptions
+from .region_plan import GraphPlan, plan_graphs
 from .region_report import PartitionReport, RecomputeReport
 
 __all__ = [
@@ -64,6 +69,7 @@ __all__ = [
     "draws_random",
     "low_precision_bans",
     "recomputed_nodes",
+    "search_region",
     "uses_low_precision",
 ]
 
@@ -95,6 +101,17 @@ class PartitionChoice:
     report: RecomputeReport
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """One partition the search produced: its report, graphs and plan (None: rejected)."""
+
+    report: PartitionReport
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    plan: GraphPlan | None
+    recomputed: tuple[str, ...] = ()
+
+
 def choose_partition(
     joint: fx.GraphModule,
     partition: Partitioner,
@@ -107,72 +124,116 @@ def choose_partition(
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
     low-precision values follow the exactness rule above."""
-    from torch._functorch import config as functorch_config
-
     user_budget = float(functorch_config.activation_memory_budget)
     pristine = copy_joint(joint) if mode == "auto" else None
-    fw, bw = partition(joint)
+    fw, bw = partition(joint)  # the original graph: exactly what plain compile partitions
     default_plan = plan(fw, bw, None)
-    default_recomputed = recomputed_nodes(fw, bw)
-    default = _partition_report(user_budget, default_plan, 0)
-    offload_only_s = default.step_s if default.feasible else None
-    if pristine is None or (default.feasible and default_plan.predicted_stall_s <= 0):
+    default = _Candidate(_partition_report(user_budget, default_plan, 0), fw, bw, default_plan)
+    offload_only_s = default.report.step_s if default.report.feasible else None
+    if pristine is None or (default.report.feasible and default_plan.predicted_stall_s <= 0):
         report = RecomputeReport(
             mode=mode, searched=False, memory_budget=user_budget, recomputed=(),
-            offload_only_s=offload_only_s, recompute_only_s=None, joint_s=default.step_s,
-            partitions=(default,),
+            offload_only_s=offload_only_s, recompute_only_s=None,
+            joint_s=default.report.step_s, partitions=(default.report,),
         )
         return PartitionChoice(fw, bw, default_plan, report)
 
-    budget = default_plan.fx_trace.trace.budget_bytes
     restriction, banned = None, frozenset[str]()
     if restrict_low_precision and uses_low_precision(pristine):
-        banned = low_precision_bans(pristine, default_recomputed)
+        banned = low_precision_bans(pristine, recomputed_nodes(fw, bw))
         restriction = (
             f"low precision under Inductor: {len(banned)} forward op(s) kept from "
             "recompute (a fused recomputation may round differently)"
         )
-    candidates = [(default, fw, bw, default_plan, ())]
-    seen = {_saved_signature(fw)}
-    default_random = _random_nodes(default_recomputed, fw)
-    for memory_budget in (b for b in grid if b < user_budget):
+    budgets = [b for b in grid if b < user_budget]
+    candidates = [default, *_search(pristine, partition, plan, default, budgets, banned)]
+    usable = [c for c in candidates if c.plan is not None]
+    feasible = [c for c in usable if c.report.feasible]
+    if feasible:
+        best = min(feasible, key=lambda c: c.report.step_s)  # first (least recompute) on ties
+    else:
+        best = min(usable, key=lambda c: (c.report.peak_with_plan, c.report.step_s))
+    budget = default_plan.fx_trace.trace.budget_bytes
+    fits_alone = [c.report.compute_s for c in usable if c.report.peak_without_offload <= budget]
+    report = RecomputeReport(
+        mode=mode, searched=True, memory_budget=best.report.memory_budget,
+        recomputed=best.recomputed, offload_only_s=offload_only_s,
+        recompute_only_s=min(fits_alone, default=None), joint_s=best.report.step_s,
+        partitions=tuple(c.report for c in candidates), restriction=restriction,
+    )
+    assert best.plan is not None
+    return PartitionChoice(best.fw, best.bw, best.plan, report)
+
+
+def _search(
+    pristine: fx.GraphModule,
+    partition: Partitioner,
+    plan: Planner,
+    default: _Candidate,
+    budgets: list[float],
+    banned: frozenset[str],
+) -> list[_Candidate]:
+    """Torch's partition at each of ``budgets`` (``banned`` ops marked ``MUST_SAVE``),
+    each distinct one planned under the default partition's byte budget, or rejected
+    when its backward re-runs a random op the default partition does not."""
+    assert default.plan is not None
+    byte_budget = default.plan.fx_trace.trace.budget_bytes
+    default_recomputed = recomputed_nodes(default.fw, default.bw)
+    default_random = _random_nodes(default_recomputed, default.fw)
+    seen = {_saved_signature(default.fw)}
+    found = []
+    for memory_budget in budgets:
         graph = copy_joint(pristine)
         for node in graph.graph.nodes:
             if node.name in banned:
                 node.meta["recompute"] = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
         with functorch_config.patch(activation_memory_budget=memory_budget):
-            cfw, cbw = partition(graph)
-        signature = _saved_signature(cfw)
+            fw, bw = partition(graph)
+        signature = _saved_signature(fw)
         if signature in seen:
-            continue
+            continue  # the same partition as a larger budget's: nothing new to plan
         seen.add(signature)
-        extra = tuple(sorted(recomputed_nodes(cfw, cbw) - default_recomputed))
-        random = sorted(_random_nodes(set(extra), cfw) - default_random)
+        extra = tuple(sorted(recomputed_nodes(fw, bw) - default_recomputed))
+        random = sorted(_random_nodes(set(extra), fw) - default_random)
         if random:
-            candidates.append((PartitionReport(
+            rejected = PartitionReport(
                 memory_budget, 0.0, 0.0, False, 0, 0, 0, len(extra),
                 rejected=f"recomputes random op(s) {', '.join(random)} without replaying "
                          "their RNG state",
-            ), cfw, cbw, None, extra))
+            )
+            found.append(_Candidate(rejected, fw, bw, None, extra))
             continue
-        cplan = plan(cfw, cbw, budget)
-        candidates.append((_partition_report(memory_budget, cplan, len(extra)), cfw, cbw, cplan, extra))
+        planned = plan(fw, bw, byte_budget)
+        found.append(_Candidate(_partition_report(memory_budget, planned, len(extra)), fw, bw,
+                                planned, extra))
+    return found
 
-    usable = [c for c in candidates if c[3] is not None]
-    feasible = [c for c in usable if c[0].feasible]
-    if feasible:
-        best = min(feasible, key=lambda c: c[0].step_s)
-    else:
-        best = min(usable, key=lambda c: (c[0].peak_with_plan, c[0].step_s))
-    fits_alone = [c[0] for c in usable if c[0].peak_without_offload <= budget]
-    report = RecomputeReport(
-        mode=mode, searched=True, memory_budget=best[0].memory_budget, recomputed=best[4],
-        offload_only_s=offload_only_s,
-        recompute_only_s=min((r.compute_s for r in fits_alone), default=None),
-        joint_s=best[0].step_s, partitions=tuple(c[0] for c in candidates),
-        restriction=restriction,
+
+def search_region(
+    joint: fx.GraphModule,
+    partition: Partitioner,
+    *,
+    num_fwd_outputs: int,
+    options: BackendOptions,
+    bandwidth: Callable[[fx.GraphModule], TransferBandwidth],
+    region: int,
+    throughput: DeviceThroughput | None = None,
+) -> PartitionChoice:
+    """:func:`choose_partition` as both doors call it: each partition planned by
+    :func:`~.region_plan.plan_graphs` with the options, the link ``bandwidth(fw)``
+    and ``throughput``; the low-precision rule on under Inductor."""
+
+    def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: int | None) -> GraphPlan:
+        return plan_graphs(
+            fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
+            bandwidth=bandwidth(fw), region=region, throughput=throughput,
+            budget_bytes=budget,
+        )
+
+    return choose_partition(
+        joint, partition, plan, mode=options.recompute,
+        restrict_low_precision=options.inner_compiler == "inductor",
     )
-    return PartitionChoice(best[1], best[2], best[3], report)
 
 
 def copy_joint(joint: fx.GraphModule) -> fx.GraphModule:

@@ -197,6 +197,9 @@ def build_region_report(
         plan_seconds=seconds,
         kept=kept_saved(fx_trace),
         recompute=recompute,
+        resident=tuple(
+            s.name for s in fx_trace.saved if s.storage is not None and s.name not in offloaded
+        ),
     )
 
 

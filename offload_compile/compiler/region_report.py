@@ -148,6 +148,10 @@ class RegionReport:
     kept: tuple[KeptSavedReport, ...] = ()
     recompute: RecomputeReport | None = None
     """What the recompute search chose (None: the region was planned without it)."""
+    resident: tuple[str, ...] = ()
+    """Saved activations that stay on the device (not moved: those the plan keeps and
+    those in ``kept``); with ``offloaded`` and ``recompute.recomputed``: kept, moved,
+    recomputed."""
 
     @property
     def feasible(self) -> bool:
@@ -164,6 +168,7 @@ class RegionReport:
         data["kept"] = [{**k.__dict__, "names": list(k.names)} for k in self.kept]
         data["kept_bytes"] = self.kept_bytes
         data["offloaded"] = list(self.offloaded)
+        data["resident"] = list(self.resident)
         data["feasible"] = self.feasible
         data["recompute"] = None if self.recompute is None else self.recompute.summary()
         return data
@@ -175,7 +180,7 @@ class RegionReport:
             f"{self.fw_nodes}+{self.bw_nodes} nodes, saved activations "
             f"{self.saved_activation_bytes} B, budget {self.budget_bytes} B, predicted peak "
             f"{self.predicted_peak_before} -> {self.predicted_peak_after} B, "
-            f"{len(self.offloaded)} offloaded ({self.bytes_d2h} B D2H, {self.bytes_h2d} B H2D, "
+            f"{len(self.resident)} saved kept, {len(self.offloaded)} offloaded ({self.bytes_d2h} B D2H, {self.bytes_h2d} B H2D, "
             f"{self.transfers} transfers), {self.kept_bytes} B saved that cannot move "
             f"({len(self.kept)} storages), predicted exposed transfer "
             f"{self.exposed_transfer_s * 1e6:.1f} us, planned in {self.plan_seconds * 1e3:.1f} ms"

@@ -64,6 +64,8 @@ def test_aot_eager_recomputes_where_offload_stalls_and_stays_exact(plain_aot_eag
     (report,) = backend.reports
     rc = report.recompute
     assert rc.searched and rc.recomputed and report.offloaded  # recomputed *and* moved
+    assert report.resident and not set(report.resident) & set(report.offloaded)
+    assert not set(report.resident) & set(rc.recomputed)  # a recomputed op is not saved
     assert report.feasible and rc.offload_only_s is not None
     assert rc.joint_s < rc.offload_only_s  # predicted: strictly faster than offload alone
     assert rc.joint_s == min(p.step_s for p in rc.partitions if p.feasible and not p.rejected)
