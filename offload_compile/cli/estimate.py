@@ -55,6 +55,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="budget as a fraction in (0, 1] of the peak without offload")
     parser.add_argument("--inner-compiler", choices=("inductor", "aot_eager"), default="inductor",
                         help="whose graphs to model (default inductor, as the backend)")
+    parser.add_argument("--recompute", choices=("auto", "off"), default="auto",
+                        help="auto (default, as the backend): where offload alone stalls, also "
+                        "search partitions that recompute more; off: torch's default partition")
     parser.add_argument("--device", default=None,
                         help="device to trace on (default: the model's; cuda or cpu for a "
                         "meta model, whichever this machine has)")
@@ -169,7 +172,7 @@ def _throughput(args: argparse.Namespace) -> Any:
 def _estimate(args: argparse.Namespace) -> Any:
     from hyper_offload.compiler.fit_estimate import estimate
 
-    options: dict[str, Any] = {"inner_compiler": args.inner_compiler}
+    options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute}
     if args.budget_fraction is not None:
         options["max_resident_activation_fraction"] = args.budget_fraction
     else:

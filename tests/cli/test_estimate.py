@@ -159,3 +159,16 @@ def test_bad_input_is_one_line_and_exit_code_2(factories, capsys, target, extra,
     err = capsys.readouterr().err
     assert err.startswith("hyper-offload estimate: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_recompute_flag_reaches_the_search(factories, capsys) -> None:
+    base = ["estimate", f"{factories}:small", "--input-shape", "4,16", "--budget-fraction", "0.5",
+            "--inner-compiler", "aot_eager", "--bandwidth-gbps", "0.001", "--json"]
+    main([*base, "--recompute", "off"])
+    off = json.loads(capsys.readouterr().out)["recompute"]
+    main(base)
+    auto = json.loads(capsys.readouterr().out)["recompute"]
+    assert off["mode"] == "off" and not off["searched"] and len(off["partitions"]) == 1
+    # a link this slow stalls the offload-only plan: the default (auto) searches
+    assert auto["mode"] == "auto" and auto["searched"] and len(auto["partitions"]) > 1
+    assert auto["joint_s"] <= off["joint_s"]
