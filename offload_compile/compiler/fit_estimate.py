@@ -175,13 +175,15 @@ def _recompute_line(r: RegionReport) -> str:
         return "cannot fit" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
     moved = f"{len(r.resident)} saved tensor(s) kept, {len(r.offloaded)} moved"
+    if not rc.searched:
+        why = "recompute off" if rc.mode == "off" else "the offload-only plan does not stall"
+        return f"recompute={rc.mode}: {moved}, no extra recompute ({why}); predicted step {ms(rc.joint_s)}"
     if rc.recomputed:
         chosen = f"{len(rc.recomputed)} more op(s) recomputed (activation_memory_budget={rc.memory_budget:g})"
     else:
         chosen = "no extra recompute"
-    searched = "" if rc.searched else " (no search: the offload-only plan does not stall)"
     return (
-        f"recompute={rc.mode}: {moved}, {chosen}{searched}; predicted step: offload only "
+        f"recompute={rc.mode}: {moved}, {chosen}; predicted step: offload only "
         f"{ms(rc.offload_only_s)}, recompute only {ms(rc.recompute_only_s)}, chosen {ms(rc.joint_s)}"
     )
 

@@ -107,7 +107,10 @@ class RecomputeReport:
             f"(activation_memory_budget={self.memory_budget:g})"
             if self.recomputed else "keeps torch's default partition"
         )
-        searched = f"searched {len(self.partitions)} partition(s)" if self.searched else "no search"
+        if not self.searched:
+            why = "off" if self.mode == "off" else "the offload-only plan does not stall"
+            return f"recompute={self.mode}: no search ({why}), predicted step {ms(self.joint_s)}"
+        searched = f"searched {len(self.partitions)} partition(s)"
         restriction = f"; {self.restriction}" if self.restriction else ""
         return (
             f"recompute={self.mode}: {chosen}, {searched}; predicted step: offload only "
