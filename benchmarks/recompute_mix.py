@@ -1,11 +1,12 @@
-"""Offload, recompute, or both (issue 17's first measurement): the predicted step time of
-each strategy alone and of the outer search that combines them, on the stall
-benchmark's GPU-priced compile traces.
+"""Offload, recompute, or both (issue 17): the predicted step time of each strategy
+alone and of the outer search that combines them, on the stall benchmark's GPU-priced
+compile traces.
 
-For each model the training step is captured on fake tensors (``estimate``'s capture,
-Inductor's graphs) once per value of torch's ``activation_memory_budget`` in ``GRID``:
-the stock min-cut partitioner then recomputes more in the backward the lower the value
-(``torch._functorch.config.patch``, scoped to the capture). Each capture is traced and
+For each model the training step is captured on fake tensors (``estimate``'s capture;
+Inductor's graphs, or aot_eager's with ``--inner-compiler aot_eager``) once per value of
+torch's ``activation_memory_budget`` in ``GRID``: the stock min-cut partitioner then
+recomputes more in the backward the lower the value (``torch._functorch.config.patch``,
+scoped to the capture). Each capture is traced and
 priced by the roofline at 400 TFLOP/s and 3 TB/s; its ops include the recomputation, so
 its compute time is the step's compute with that much recompute. Then, per link speed
 and budget (a fraction of the plain step's activation peak):
@@ -33,6 +34,7 @@ includes offload only, and recompute only where that is exact. All figures *pred
     .venv/bin/python benchmarks/recompute_mix.py                  # three models (~4 min)
     .venv/bin/python benchmarks/recompute_mix.py --only gpt2_small_b4_seq2048
     .venv/bin/python benchmarks/recompute_mix.py --dtype float32  # same shapes in fp32
+    .venv/bin/python benchmarks/recompute_mix.py --inner-compiler aot_eager  # bf16, no fusion
 """
 
 from __future__ import annotations
@@ -87,13 +89,13 @@ def _model(name: str, dtype: torch.dtype | None) -> tuple[torch.nn.Module, Any]:
     return (model if dtype is None else model.to(dtype)), inputs
 
 
-def capture(name: str, dtype: torch.dtype | None = None) -> dict[float, FxTrace]:
+def capture(name: str, dtype: torch.dtype | None = None, inner: str = "inductor") -> dict[float, FxTrace]:
     """The model's compile trace at every ``GRID`` value."""
     traces = {}
     for memory_budget in GRID:
         model, inputs = _model(name, dtype)
         with torch._functorch.config.patch(activation_memory_budget=memory_budget):
-            graphs = capture_graphs(model, inputs, device="cpu", inner_compiler="inductor")
+            graphs = capture_graphs(model, inputs, device="cpu", inner_compiler=inner)
         traces[memory_budget] = build_fx_trace(
             graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, throughput=GPU,
         )
@@ -101,7 +103,8 @@ def capture(name: str, dtype: torch.dtype | None = None) -> dict[float, FxTrace]
 
 
 def backend_choices(
-    name: str, fractions: list[float], links: list[float], dtype: torch.dtype | None = None
+    name: str, fractions: list[float], links: list[float], dtype: torch.dtype | None = None,
+    inner: str = "inductor",
 ) -> dict[tuple[float, float, bool], RecomputeReport]:
     """The backend's own recompute search per (budget fraction, link, low-precision rule
     on), on the joint graph of one capture (each search partitions its own copy). Rule
@@ -118,15 +121,15 @@ def backend_choices(
                     return plan_graphs(fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
                                        bandwidth=link, region=0, throughput=GPU, budget_bytes=budget)
 
-                for restrict in (True, False):
-                    reports[fraction, gbps, restrict] = choose_partition(
+                for exact in (True, False):
+                    reports[fraction, gbps, exact] = choose_partition(
                         copy_joint(joint), stock, plan, mode="auto",
-                        restrict_low_precision=restrict,
+                        restrict_low_precision=exact and inner == "inductor",
                     ).report
         return stock(joint)
 
     model, inputs = _model(name, dtype)
-    capture_graphs(model, inputs, device="cpu", inner_compiler="inductor", partition=search)
+    capture_graphs(model, inputs, device="cpu", inner_compiler=inner, partition=search)
     return reports
 
 
@@ -209,15 +212,20 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.85])
     parser.add_argument("--links", type=float, nargs="+", default=[16.0, 50.0])
+    parser.add_argument("--inner-compiler", choices=("inductor", "aot_eager"), default="inductor",
+                        help="whose graphs to capture (default inductor)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="cast the models (default: the stall benchmark's bf16)")
     args = parser.parse_args()
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    if args.inner_compiler != "inductor":
+        note = "aot_eager graphs: no decompositions, recompute is exact in any dtype"
+        print(json.dumps({"bench": "recompute_mix.note", "note": note}), flush=True)
     for name in args.only:
         started = time.perf_counter()
-        traces = capture(name, dtype)
+        traces = capture(name, dtype, args.inner_compiler)
         captured = time.perf_counter()
-        chosen = backend_choices(name, args.fractions, args.links, dtype)
+        chosen = backend_choices(name, args.fractions, args.links, dtype, args.inner_compiler)
         print(json.dumps({"bench": "recompute_mix.capture", "model": name, "dtype": args.dtype or "bfloat16",
                           "captures": len(traces), "seconds": round(captured - started, 1),
                           "backend_search_seconds": round(time.perf_counter() - captured, 1),
@@ -226,7 +234,8 @@ def main() -> None:
             for fraction in args.fractions:
                 result = row(name, traces, fraction, gbps, chosen[fraction, gbps, True],
                              chosen[fraction, gbps, False])
-                print(json.dumps({**result, "dtype": args.dtype or "bfloat16"}), flush=True)
+                print(json.dumps({**result, "dtype": args.dtype or "bfloat16",
+                                  "inner_compiler": args.inner_compiler}), flush=True)
 
 
 if __name__ == "__main__":
