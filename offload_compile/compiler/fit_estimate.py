@@ -34,7 +34,7 @@ from hyper_offload.passes.stall_bound import stall_lower_bound
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
-from .options import parse_backend_options
+from .options import BackendOptions, parse_backend_options
 from .recompute_search import PartitionChoice, search_region
 from .region_plan import build_region_report
 from .region_report import RegionReport
@@ -240,30 +240,13 @@ def estimate(
     link = _bandwidth(bandwidth)
     target = resolve_trace_device(model, device)
     prices = throughput or throughput_for(target)
-    searched: list[tuple[PartitionChoice, float]] = []
-
-    def search(
-        joint: torch.fx.GraphModule, stock: StockPartition, num_fwd_outputs: int
-    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        begun = time.perf_counter()
-        choice = search_region(
-            joint, stock, num_fwd_outputs=num_fwd_outputs, options=parsed,
-            bandwidth=lambda _fw: link, region=0, throughput=prices,
-        )
-        searched.append((choice, time.perf_counter() - begun))
-        return choice.fw, choice.bw
-
-    started = time.perf_counter()
-    capture_graphs(
-        model, example_inputs, device=target, inner_compiler=parsed.inner_compiler,
-        partition=search,
+    choice, plan_seconds, trace_seconds = _capture_and_search(
+        model, example_inputs, target, parsed, link, prices
     )
-    (choice, plan_seconds), = searched
     fx_trace, schedule, check, _ = choice.plan
     report = build_region_report(
         fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report
     )
-    trace_seconds = time.perf_counter() - started - plan_seconds
     return EstimateReport(
         model=type(model).__name__,
         device=str(target),
@@ -280,3 +263,35 @@ def estimate(
             latest_release_op=fx_trace.num_fw_ops - 1,
         ).stall_s,
     )
+
+
+def _capture_and_search(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    device: torch.device,
+    options: BackendOptions,
+    link: TransferBandwidth,
+    prices: DeviceThroughput,
+) -> tuple[PartitionChoice, float, float]:
+    """Capture the step and run the backend's recompute search inside the capture's
+    partitioner: the choice, the seconds it took, and the seconds of tracing."""
+    searched: list[tuple[PartitionChoice, float]] = []
+
+    def search(
+        joint: torch.fx.GraphModule, stock: StockPartition, num_fwd_outputs: int
+    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        begun = time.perf_counter()
+        choice = search_region(
+            joint, stock, num_fwd_outputs=num_fwd_outputs, options=options,
+            bandwidth=lambda _fw: link, region=0, throughput=prices,
+        )
+        searched.append((choice, time.perf_counter() - begun))
+        return choice.fw, choice.bw
+
+    started = time.perf_counter()
+    capture_graphs(
+        model, example_inputs, device=device, inner_compiler=options.inner_compiler,
+        partition=search,
+    )
+    ((choice, plan_seconds),) = searched
+    return choice, plan_seconds, time.perf_counter() - started - plan_seconds
