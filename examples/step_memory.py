@@ -22,6 +22,11 @@ On CUDA both also return ``max_memory_allocated`` / ``max_memory_reserved`` delt
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +38,10 @@ from torch.profiler import ProfilerActivity, profile
 from hyper_offload.runtime import DeviceMemoryMeter
 
 _HOST_OP = "hyper_offload::copy_d2h"
+# libkineto announces every profile's start and stop on file descriptor 2, from C++
+# (no setting turns it off): "USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52]
+# profiler_start". The demo's output should be only ours.
+_KINETO_NOTICE = re.compile(rb"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*$")
 _MOVES = {"hyper_offload::copy_d2h": "d2h", "hyper_offload::copy_h2d": "h2d"}
 
 
@@ -165,10 +174,16 @@ def profiled_step(
     curve (activation memory, as the compile door budgets it)."""
     base = _cuda_begin(device)
     started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
+    with without_kineto_notices():
+        prof.start()
+    try:
         result = step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    finally:
+        with without_kineto_notices():
+            prof.stop()
     seconds = time.perf_counter() - started
     gradient_ptrs = frozenset(
         p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None
@@ -177,6 +192,28 @@ def profiled_step(
     memory.seconds = seconds
     _cuda_end(device, base, memory)
     return result, memory
+
+
+@contextlib.contextmanager
+def without_kineto_notices() -> Iterator[None]:
+    """Run the block with file descriptor 2 captured, then write back every captured
+    line except libkineto's profiler start/stop notices (nothing else is dropped)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept = [line for line in sink.read().splitlines(keepends=True)
+                    if not _KINETO_NOTICE.match(line)]
+            if kept:
+                sys.stderr.buffer.write(b"".join(kept))
+                sys.stderr.flush()
 
 
 def metered_step(step: Callable[[], Any], device: torch.device) -> tuple[Any, StepMemory]:

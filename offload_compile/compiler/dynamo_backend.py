@@ -208,12 +208,19 @@ class HyperOffloadBackend:
         self.regions.append(region)
         partitioner = _OffloadPartitioner(self, region)
         if self.options.inner_compiler == "inductor":
-            return _compile_inductor(gm, example_inputs, partitioner, region)
+            if self.options.drops_cudagraphs and region.index == 0:
+                LOGGER.warning(
+                    "hyper_offload: mode=%r asks for CUDA graphs; hyper_offload regions run "
+                    "without them (their transfers keep host-side state a graph replay would "
+                    "skip); the mode's other Inductor settings apply", self.options.mode,
+                )
+            return _compile_inductor(gm, example_inputs, partitioner, region, self.options)
         return _compile_aot_eager(gm, example_inputs, partitioner, region)
 
 
 def _compile_inductor(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any, region: _Region
+    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any, region: _Region,
+    options: BackendOptions,
 ) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -222,8 +229,14 @@ def _compile_inductor(
         compiled = compile_fx_inner(graph, inputs, **kwargs)
         return _WithRuntime(compiled, region, forward=not kwargs.get("is_backward", False))
 
+    # The mode's settings go through compile_fx's config_patches, which also wraps the
+    # inner compile: the backward is compiled lazily, at the first backward, outside
+    # this ``with`` (the partitioner runs inside it, at the forward's compile).
     with inductor_config.patch(custom_partitioner_fn=partitioner):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        return compile_fx(
+            gm, example_inputs, inner_compile=inner_compile,
+            config_patches=options.inductor_patches() or None,
+        )
 
 
 def _compile_aot_eager(
@@ -271,7 +284,19 @@ def backend(config: OffloadConfig | None = None, **options: Any) -> HyperOffload
 
 
 def hyper_offload_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable[..., Any]:
-    """The function Dynamo calls for ``backend="hyper_offload"`` (entry point)."""
+    """The function Dynamo calls for ``backend="hyper_offload"`` (entry point);
+    ``torch.compile``'s ``mode=`` arrives as ``mode``."""
+    options = dict(options or {})
+    if mode is not None:
+        if options.get("mode", mode) != mode:
+            raise ValueError(
+                f"hyper_offload: torch.compile(mode={mode!r}) and options['mode']="
+                f"{options['mode']!r} disagree; pass the mode once"
+            )
+        options["mode"] = mode
     return HyperOffloadBackend(parse_backend_options(options))(gm, example_inputs)

@@ -288,10 +288,13 @@ def _capture_and_search(
         searched.append((choice, time.perf_counter() - begun))
         return choice.fw, choice.bw
 
+    from torch._inductor import config as inductor_config
+
     started = time.perf_counter()
-    capture_graphs(
-        model, example_inputs, device=device, inner_compiler=options.inner_compiler,
-        partition=search,
-    )
+    with inductor_config.patch(options.inductor_patches()):  # the backend's Inductor mode
+        capture_graphs(
+            model, example_inputs, device=device, inner_compiler=options.inner_compiler,
+            partition=search,
+        )
     ((choice, plan_seconds),) = searched
     return choice, plan_seconds, time.perf_counter() - started - plan_seconds

@@ -14,7 +14,14 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
   ``"off"``, which never asks the partitioner for more recompute than torch's default;
 * ``transfer_bandwidth_gbps``: price host/device copies at this many GB/s each way
   instead of the link measured on the region's device (plan for a target machine's
-  link, or make plans independent of a noisy measurement).
+  link, or make plans independent of a noisy measurement);
+* ``mode``: an Inductor mode (``torch.compile(..., mode=...)`` arrives here too):
+  its settings apply to the inner Inductor, except CUDA graphs (a region's transfers
+  keep host-side state, pool buffers and events, that a graph replay would skip; a
+  warning says so once). Refused for ``inner_compiler="aot_eager"``, which has no modes.
+
+Eager-only ``OffloadConfig`` fields (``rewarm_on_mismatch``) are refused: compiled
+regions re-plan on recompilation instead.
 
 Anything else, a wrong type, NaN, a negative or infinite number, or both budgets at
 once raises ``ValueError`` naming the key and what it accepts.
@@ -36,8 +43,12 @@ INNER_COMPILERS = ("inductor", "aot_eager")
 RECOMPUTE_MODES = ("auto", "off")
 _FRACTION = "max_resident_activation_fraction"
 _LINK = "transfer_bandwidth_gbps"
-_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(OffloadConfig))
-_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK)
+_EAGER_ONLY = ("rewarm_on_mismatch",)
+_CONFIG_KEYS = tuple(
+    f.name for f in dataclasses.fields(OffloadConfig) if f.name not in _EAGER_ONLY
+)
+_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK, "mode")
+_CUDAGRAPHS = "triton.cudagraphs"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +61,24 @@ class BackendOptions:
     budget_fraction: float | None = None
     recompute: str = "auto"
     transfer_bandwidth_gbps: float | None = None
+    mode: str | None = None
+
+    def inductor_patches(self) -> dict[str, Any]:
+        """The Inductor settings of ``mode``, without CUDA graphs (module docstring)."""
+        if self.mode is None:
+            return {}
+        from torch._inductor import list_mode_options
+
+        return {k: v for k, v in list_mode_options(self.mode).items() if k != _CUDAGRAPHS}
+
+    @property
+    def drops_cudagraphs(self) -> bool:
+        """Whether ``mode`` asked for CUDA graphs, which hyper_offload regions run without."""
+        if self.mode is None:
+            return False
+        from torch._inductor import list_mode_options
+
+        return bool(list_mode_options(self.mode).get(_CUDAGRAPHS))
 
     def budget_bytes(self, peak_without_offload: int) -> int:
         """The region's budget: the fraction of its peak, else the configured MiB."""
@@ -60,13 +89,19 @@ class BackendOptions:
     def cache_key(self) -> str:
         """What distinguishes two option sets in Inductor's caches."""
         return repr((self.config, self.inner_compiler, self.budget_fraction, self.recompute,
-                     self.transfer_bandwidth_gbps))
+                     self.transfer_bandwidth_gbps, self.mode))
 
 
 def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
     """Validate ``options`` (see the module docstring)."""
     options = dict(options or {})
     for key in options:
+        if key in _EAGER_ONLY:
+            raise ValueError(
+                f"hyper_offload options: {key!r} is an eager-session option (OffloadSession); "
+                "a compiled region re-plans when Dynamo recompiles it. Fix: remove it from "
+                "the compile options"
+            )
         if key not in _KEYS:
             raise ValueError(
                 f"hyper_offload options: unknown key {key!r}; accepted keys are "
@@ -83,6 +118,7 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
             f"hyper_offload options: 'inner_compiler' must be one of "
             f"{', '.join(map(repr, INNER_COMPILERS))}, got {inner!r}"
         )
+    mode = _parse_mode(options.pop("mode", None), inner)
     recompute = options.pop("recompute", "auto")
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(
@@ -111,7 +147,29 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
         budget_fraction=None if fraction is None else float(fraction),
         recompute=recompute,
         transfer_bandwidth_gbps=None if link is None else float(link),
+        mode=mode,
     )
+
+
+def _parse_mode(mode: Any, inner: str) -> str | None:
+    """``mode`` validated against Inductor's modes (None and "default" mean none)."""
+    if mode is None or mode == "default":
+        return None
+    from torch._inductor import list_mode_options
+
+    modes = [m for m in list_mode_options() if m != "default"]
+    if mode not in modes:
+        raise ValueError(
+            f"hyper_offload options: 'mode' must be one of {', '.join(map(repr, modes))} "
+            f"(Inductor's modes), got {mode!r}"
+        )
+    if inner != "inductor":
+        raise ValueError(
+            f"hyper_offload options: mode={mode!r} is an Inductor mode, and "
+            f"inner_compiler={inner!r} has none. Fix: drop mode, or use "
+            "inner_compiler='inductor'"
+        )
+    return mode
 
 
 def _is_number(value: Any) -> bool:

@@ -67,6 +67,9 @@ def test_backend_prices_copies_at_the_given_link():
         ({"transfer_bandwidth_gbps": 0}, "transfer_bandwidth_gbps"),
         ({"transfer_bandwidth_gbps": math.inf}, "transfer_bandwidth_gbps"),
         ({"transfer_bandwidth_gbps": "16"}, "transfer_bandwidth_gbps"),
+        ({"rewarm_on_mismatch": True}, "rewarm_on_mismatch"),
+        ({"mode": "fastest"}, "mode"),
+        ({"mode": "max-autotune", "inner_compiler": "aot_eager"}, "mode"),
     ],
 )
 def test_bad_options_raise_value_error_naming_the_key(options, key):
@@ -76,8 +79,14 @@ def test_bad_options_raise_value_error_naming_the_key(options, key):
 
 def test_bad_options_through_torch_compile_name_the_key():
     compiled = torch.compile(lambda x: x * 2, backend="hyper_offload", options={"budget": 1})
-    with pytest.raises(Exception, match="unknown key 'budget'"):
+    with pytest.raises(Exception, match="unknown key 'budget'") as raised:
         compiled(torch.randn(2, requires_grad=True))
+    # what README says: Dynamo's wrapper (the ValueError is its ``inner_exception``);
+    # backend() raises the ValueError itself, where it is built
+    assert not isinstance(raised.value, ValueError)
+    assert isinstance(raised.value.inner_exception, ValueError)
+    with pytest.raises(ValueError, match="unknown key 'budget'"):
+        hyper_offload.backend(budget=1)
 
 
 def test_backend_object_from_config():
@@ -121,3 +130,25 @@ def test_skip_offload_outside_compile_calls_the_function_unchanged():
     assert scale.__name__ == "scale"
     with pytest.raises(TypeError, match="skip_offload"):
         hyper_offload.skip_offload(42)  # type: ignore[arg-type]
+
+
+def test_mode_applies_inductor_settings_without_cuda_graphs():
+    opts = parse_backend_options({"mode": "max-autotune"})
+    assert opts.mode == "max-autotune" and opts.drops_cudagraphs
+    patches = opts.inductor_patches()
+    assert patches["max_autotune"] is True and "triton.cudagraphs" not in patches
+    assert parse_backend_options({"mode": "default"}).mode is None
+    assert not parse_backend_options({"mode": "max-autotune-no-cudagraphs"}).drops_cudagraphs
+    assert parse_backend_options({}).inductor_patches() == {}
+    assert parse_backend_options({"mode": "lite"}).cache_key() != parse_backend_options({}).cache_key()
+
+
+def test_torch_compile_mode_reaches_the_backend_and_a_conflict_is_refused():
+    from hyper_offload.compiler.dynamo_backend import hyper_offload_backend
+
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    with pytest.raises(ValueError, match="disagree"):
+        hyper_offload_backend(gm, [torch.ones(1)], options={"mode": "lite"}, mode="max-autotune")
+    with pytest.raises(ValueError, match="Inductor mode"):
+        hyper_offload_backend(gm, [torch.ones(1)], options={"inner_compiler": "aot_eager"},
+                              mode="max-autotune")

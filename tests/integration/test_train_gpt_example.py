@@ -149,3 +149,22 @@ def test_the_demo_gpt_at_a_quarter_of_its_peak_offloads_and_recomputes(example) 
     assert rc.offload_only_s is not None and rc.joint_s < rc.offload_only_s
     assert all(m.peak_bytes <= mode.budget_bytes for m in mode.offload.memory), (
         [m.peak_bytes for m in mode.offload.memory], mode.budget_bytes)
+
+
+def test_profiled_steps_print_no_kineto_notices_and_keep_other_stderr(capfd) -> None:
+    """Issue 18, item 8: libkineto's "USDT: ... profiler_start/stop" lines (written to fd 2
+    from C++) no longer interleave with the demo's step lines; anything else written to
+    stderr meanwhile still reaches it."""
+    import os
+
+    import torch
+
+    from examples.step_memory import profiled_step, without_kineto_notices
+
+    _, memory = profiled_step(lambda: torch.ones(64) * 2, torch.device("cpu"))
+    with without_kineto_notices():
+        os.write(2, b"a warning of the step\n")
+    err = capfd.readouterr().err
+    assert memory.peak_bytes > 0
+    assert "profiler_start" not in err and "profiler_stop" not in err
+    assert "a warning of the step" in err
