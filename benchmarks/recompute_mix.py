@@ -55,8 +55,11 @@ from stall import GPU, MIB, MODELS  # noqa: E402
 
 from hyper_offload.compiler.fake_capture import StockPartition, capture_graphs  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
-from hyper_offload.compiler.recompute_search import choose_partition, copy_joint  # noqa: E402
-from hyper_offload.compiler.region_plan import GraphPlan, plan_graphs  # noqa: E402
+from hyper_offload.compiler.recompute_search import (  # noqa: E402
+    choose_partition,
+    copy_joint,
+    graph_planner,
+)
 from hyper_offload.compiler.region_report import RecomputeReport  # noqa: E402
 from hyper_offload.passes import GreedyResidencyPlanner, plan_residency  # noqa: E402
 from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace  # noqa: E402
@@ -116,11 +119,8 @@ def backend_choices(
             link = TransferBandwidth(gbps, gbps, measured=False)
             for fraction in fractions:
                 options = parse_backend_options({"max_resident_activation_fraction": fraction})
-
-                def plan(fw: Any, bw: Any, budget: int | None) -> GraphPlan:
-                    return plan_graphs(fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
-                                       bandwidth=link, region=0, throughput=GPU, budget_bytes=budget)
-
+                plan = graph_planner(num_fwd_outputs=num_fwd_outputs, options=options,
+                                     bandwidth=lambda _fw: link, region=0, throughput=GPU)
                 for exact in (True, False):
                     reports[fraction, gbps, exact] = choose_partition(
                         copy_joint(joint), stock, plan, mode="auto",

@@ -63,22 +63,22 @@ class BackendOptions:
     transfer_bandwidth_gbps: float | None = None
     mode: str | None = None
 
-    def inductor_patches(self) -> dict[str, Any]:
-        """The Inductor settings of ``mode``, without CUDA graphs (module docstring)."""
+    def _mode_settings(self) -> dict[str, Any]:
+        """Every Inductor setting of ``mode`` (none without a mode)."""
         if self.mode is None:
             return {}
         from torch._inductor import list_mode_options
 
-        return {k: v for k, v in list_mode_options(self.mode).items() if k != _CUDAGRAPHS}
+        return list_mode_options(self.mode)
+
+    def inductor_patches(self) -> dict[str, Any]:
+        """The Inductor settings of ``mode``, without CUDA graphs (module docstring)."""
+        return {k: v for k, v in self._mode_settings().items() if k != _CUDAGRAPHS}
 
     @property
     def drops_cudagraphs(self) -> bool:
         """Whether ``mode`` asked for CUDA graphs, which hyper_offload regions run without."""
-        if self.mode is None:
-            return False
-        from torch._inductor import list_mode_options
-
-        return bool(list_mode_options(self.mode).get(_CUDAGRAPHS))
+        return bool(self._mode_settings().get(_CUDAGRAPHS))
 
     def budget_bytes(self, peak_without_offload: int) -> int:
         """The region's budget: the fraction of its peak, else the configured MiB."""

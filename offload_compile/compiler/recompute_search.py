@@ -69,6 +69,7 @@ __all__ = [
     "choose_partition",
     "copy_joint",
     "draws_random",
+    "graph_planner",
     "low_precision_bans",
     "recomputed_nodes",
     "search_region",
@@ -146,15 +147,19 @@ def choose_partition(
         )
         return PartitionChoice(fw, bw, default_plan, report)
 
+    default_recomputed = recomputed_nodes(fw, bw)
     restriction, banned = None, frozenset[str]()
     if restrict_low_precision and uses_low_precision(pristine):
-        banned = low_precision_bans(pristine, recomputed_nodes(fw, bw))
+        banned = low_precision_bans(pristine, default_recomputed)
         restriction = (
             f"low precision under Inductor: {len(banned)} forward op(s) kept from "
             "recompute (a fused recomputation may round differently)"
         )
     budgets = [b for b in grid if b < user_budget]
-    candidates = [default, *_search(pristine, partition, plan, default, budgets, banned)]
+    candidates = [
+        default,
+        *_search(pristine, partition, plan, default, default_recomputed, budgets, banned),
+    ]
     usable = [c for c in candidates if c.plan is not None]
     feasible = [c for c in usable if c.report.feasible]
     if feasible:
@@ -178,15 +183,16 @@ def _search(
     partition: Partitioner,
     plan: Planner,
     default: _Candidate,
+    default_recomputed: set[str],
     budgets: list[float],
     banned: frozenset[str],
 ) -> list[_Candidate]:
     """Torch's partition at each of ``budgets`` (``banned`` ops marked ``MUST_SAVE``),
     each distinct one planned under the default partition's byte budget, or rejected
-    when its backward re-runs a random op the default partition does not."""
+    when its backward re-runs a random op the default partition (which recomputes
+    ``default_recomputed``) does not."""
     assert default.plan is not None
     byte_budget = default.plan.fx_trace.trace.budget_bytes
-    default_recomputed = recomputed_nodes(default.fw, default.bw)
     default_random = _random_nodes(default_recomputed, default.fw)
     seen = {_saved_signature(default.fw)}
     found = []
@@ -217,6 +223,27 @@ def _search(
     return found
 
 
+def graph_planner(
+    *,
+    num_fwd_outputs: int,
+    options: BackendOptions,
+    bandwidth: Callable[[fx.GraphModule], TransferBandwidth],
+    region: int,
+    throughput: DeviceThroughput | None = None,
+) -> Planner:
+    """The :data:`Planner` both doors search with: :func:`~.region_plan.plan_graphs`
+    with the options, the link ``bandwidth(fw)`` and ``throughput``."""
+
+    def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: int | None) -> GraphPlan:
+        return plan_graphs(
+            fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
+            bandwidth=bandwidth(fw), region=region, throughput=throughput,
+            budget_bytes=budget,
+        )
+
+    return plan
+
+
 def search_region(
     joint: fx.GraphModule,
     partition: Partitioner,
@@ -227,17 +254,12 @@ def search_region(
     region: int,
     throughput: DeviceThroughput | None = None,
 ) -> PartitionChoice:
-    """:func:`choose_partition` as both doors call it: each partition planned by
-    :func:`~.region_plan.plan_graphs` with the options, the link ``bandwidth(fw)``
-    and ``throughput``; the low-precision rule on under Inductor."""
-
-    def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: int | None) -> GraphPlan:
-        return plan_graphs(
-            fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
-            bandwidth=bandwidth(fw), region=region, throughput=throughput,
-            budget_bytes=budget,
-        )
-
+    """:func:`choose_partition` as both doors call it: partitions planned by
+    :func:`graph_planner`, the low-precision rule on under Inductor."""
+    plan = graph_planner(
+        num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
+        region=region, throughput=throughput,
+    )
     return choose_partition(
         joint, partition, plan, mode=options.recompute,
         restrict_low_precision=options.inner_compiler == "inductor",
@@ -328,15 +350,12 @@ def uses_low_precision(joint: fx.GraphModule) -> bool:
     return any(_dtype(n) in _LOW_PRECISION for n in _forward_nodes(joint))
 
 
-def _stored(node: fx.Node) -> bool:
-    """Whether every kernel reads ``node``'s value from memory, rounded to its dtype."""
-    from torch._inductor import config as inductor_config
-
+def _stored(node: fx.Node, *, templates: bool) -> bool:
+    """Whether every kernel reads ``node``'s value from memory, rounded to its dtype
+    (``templates``: max-autotune's matmul templates, which may fuse their consumers)."""
     if node.op == "placeholder":
         return True
-    if inductor_config.max_autotune or inductor_config.max_autotune_gemm:
-        return False  # matmul templates may fuse their consumers
-    return node.op == "call_function" and node.target in _STORED_RESULTS
+    return not templates and node.op == "call_function" and node.target in _STORED_RESULTS
 
 
 def low_precision_bans(joint: fx.GraphModule, default_recomputed: set[str]) -> frozenset[str]:
@@ -345,6 +364,9 @@ def low_precision_bans(joint: fx.GraphModule, default_recomputed: set[str]) -> f
     value that was not read from memory. Views and tuple items compute nothing and are
     not banned; nor is what the default partition already recomputes (plain compile
     does the same)."""
+    from torch._inductor import config as inductor_config
+
+    templates = bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
     banned = set()
     for node in _forward_nodes(joint):
         if node.name in default_recomputed or node.target is operator.getitem:
@@ -353,7 +375,8 @@ def low_precision_bans(joint: fx.GraphModule, default_recomputed: set[str]) -> f
             continue
         low_result = _dtype(node) in _LOW_PRECISION
         fused_low_input = any(
-            _dtype(i) in _LOW_PRECISION and not _stored(i) for i in node.all_input_nodes
+            _dtype(i) in _LOW_PRECISION and not _stored(i, templates=templates)
+            for i in node.all_input_nodes
         )
         if low_result or fused_low_input:
             banned.add(node.name)
