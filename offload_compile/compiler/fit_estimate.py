@@ -154,7 +154,8 @@ class EstimateReport:
                 f"storage(s), largest {_mib(worst.nbytes)} ({worst.names[0]}: {worst.reason})"
             ))
         if r.recompute is not None:
-            lines.insert(-1, _recompute_line(r))
+            placed = f"{len(r.resident)} saved tensor(s) kept, {len(r.offloaded)} moved"
+            lines.insert(-1, r.recompute.describe(placed))
         if not self.fits:
             lines.append(
                 f"raise the budget to at least {_mib(self.min_feasible_budget_bytes)}: "
@@ -164,28 +165,6 @@ class EstimateReport:
 
     def __str__(self) -> str:
         return self.summary()
-
-
-def _recompute_line(r: RegionReport) -> str:
-    """What was kept, moved and recomputed, and each strategy's predicted step."""
-    rc = r.recompute
-    assert rc is not None
-
-    def ms(seconds: float | None) -> str:
-        return "cannot fit" if seconds is None else f"{seconds * 1e3:.1f} ms"
-
-    moved = f"{len(r.resident)} saved tensor(s) kept, {len(r.offloaded)} moved"
-    if not rc.searched:
-        why = "recompute off" if rc.mode == "off" else "the offload-only plan does not stall"
-        return f"recompute={rc.mode}: {moved}, no extra recompute ({why}); predicted step {ms(rc.joint_s)}"
-    if rc.recomputed:
-        chosen = f"{len(rc.recomputed)} more op(s) recomputed (activation_memory_budget={rc.memory_budget:g})"
-    else:
-        chosen = "no extra recompute"
-    return (
-        f"recompute={rc.mode}: {moved}, {chosen}; predicted step: offload only "
-        f"{ms(rc.offload_only_s)}, recompute only {ms(rc.recompute_only_s)}, chosen {ms(rc.joint_s)}"
-    )
 
 
 def _mib(nbytes: int) -> str:

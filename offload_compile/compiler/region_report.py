@@ -98,25 +98,30 @@ class RecomputeReport:
         data["partitions"] = [{**p.__dict__, "step_s": p.step_s} for p in self.partitions]
         return data
 
-    def __str__(self) -> str:
+    def describe(self, placed: str = "") -> str:
+        """One line: what was chosen and each strategy's predicted step; ``placed``
+        (e.g. "3 saved tensor(s) kept, 2 moved") is said first when given."""
         def ms(seconds: float | None) -> str:
-            return "n/a" if seconds is None else f"{seconds * 1e3:.3f} ms"
+            return "cannot fit" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
-        chosen = (
-            f"recomputes {len(self.recomputed)} more saved activation(s) "
-            f"(activation_memory_budget={self.memory_budget:g})"
-            if self.recomputed else "keeps torch's default partition"
-        )
+        head = f"recompute={self.mode}: {placed + ', ' if placed else ''}"
         if not self.searched:
-            why = "off" if self.mode == "off" else "the offload-only plan does not stall"
-            return f"recompute={self.mode}: no search ({why}), predicted step {ms(self.joint_s)}"
-        searched = f"searched {len(self.partitions)} partition(s)"
+            why = "recompute off" if self.mode == "off" else "the offload-only plan does not stall"
+            return f"{head}no extra recompute ({why}); predicted step {ms(self.joint_s)}"
+        chosen = (
+            f"{len(self.recomputed)} more op(s) recomputed "
+            f"(activation_memory_budget={self.memory_budget:g})"
+            if self.recomputed else "no extra recompute"
+        )
         restriction = f"; {self.restriction}" if self.restriction else ""
         return (
-            f"recompute={self.mode}: {chosen}, {searched}; predicted step: offload only "
-            f"{ms(self.offload_only_s)}, recompute only {ms(self.recompute_only_s)}, chosen "
-            f"{ms(self.joint_s)}{restriction}"
+            f"{head}{chosen}, {len(self.partitions)} partition(s) searched; predicted step: "
+            f"offload only {ms(self.offload_only_s)}, recompute only "
+            f"{ms(self.recompute_only_s)}, chosen {ms(self.joint_s)}{restriction}"
         )
+
+    def __str__(self) -> str:
+        return self.describe()
 
 
 @dataclass(frozen=True)
