@@ -9,7 +9,7 @@ backend=hyper_offload.backend(config))``. For every region Dynamo hands over:
    ``activation_memory_budget`` applies) and plans it under the budget, and with
    ``recompute="auto"`` (the default), where that plan stalls or cannot meet the budget,
    also tries partitions that recompute more and keeps the fastest predicted step;
-2. :func:`~.region_plan.plan_region` lowers the chosen plan onto the
+2. :func:`~.region_plan.lower_region` lowers the chosen plan onto the
    ``hyper_offload::`` transfer ops and checks the lowered graphs again;
 3. the inner compiler (Inductor, or aot_eager's nop compiler) compiles both graphs.
 
@@ -56,7 +56,7 @@ from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_
 from . import recompute_search, region_plan
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import search_region
-from .region_plan import PlannedRegion, plan_region
+from .region_plan import PlannedRegion, lower_region
 from .region_report import LOGGER, RegionReport, log_region_report
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
@@ -121,7 +121,7 @@ class _WithRuntime:
 
 
 class _OffloadPartitioner(CustomPartitionerFn):
-    """Stock min-cut partition (searched with recompute), then :func:`plan_region`."""
+    """Stock min-cut partition (searched with recompute), then :func:`lower_region`."""
 
     def __init__(self, backend: HyperOffloadBackend, region: _Region) -> None:
         self._backend = backend
@@ -149,10 +149,9 @@ class _OffloadPartitioner(CustomPartitionerFn):
             value = node.meta.get("val")
             if isinstance(value, torch.SymInt) and value.node.hint is not None:
                 region.fw_symbol_hints[index] = (str(value), int(value.node.hint))
-        region.planned = plan_region(
-            fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
-            bandwidth=self._backend.bandwidth(fw), region=region.index,
-            planned=choice.plan, recompute=choice.report,
+        region.planned = lower_region(
+            fw, bw, choice.plan, num_fwd_outputs=num_fwd_outputs, options=options,
+            region=region.index, recompute=choice.report,
             search_seconds=time.perf_counter() - started,
         )
         region.graphs = (fw, bw)

@@ -1,7 +1,8 @@
 """Trace, plan, lower and re-check one region's forward/backward graphs.
 
-The wiring between the pure passes; :mod:`.dynamo_backend` calls it from the custom
-partitioner after the stock min-cut partition. Planning is the shared pipeline of every
+The wiring between the pure passes; :mod:`.recompute_search` plans each candidate
+partition with :func:`plan_graphs`, and :mod:`.dynamo_backend` lowers the chosen one
+with :func:`lower_region`. Planning is the shared pipeline of every
 door, :func:`hyper_offload.passes.plan_residency` (plan -> check -> place prefetches ->
 check -> delay releases -> check), with ``earliest_prefetch_op`` = the first backward
 op (a backward reload cannot start in the forward graph) and releases that wait for their
@@ -37,8 +38,8 @@ __all__ = [
     "PlannedRegion",
     "build_region_report",
     "kept_saved",
+    "lower_region",
     "plan_graphs",
-    "plan_region",
 ]
 
 
@@ -86,27 +87,20 @@ def _require_ok(report: ScheduleReport, what: str, region: int) -> None:
             raise ScheduleError(f"hyper_offload region {region}: {what}: {error}") from None
 
 
-def plan_region(
+def lower_region(
     fw: fx.GraphModule,
     bw: fx.GraphModule,
+    planned: GraphPlan,
     *,
     num_fwd_outputs: int,
     options: BackendOptions,
-    bandwidth: TransferBandwidth,
     region: int,
-    planned: GraphPlan | None = None,
     recompute: RecomputeReport | None = None,
     search_seconds: float = 0.0,
 ) -> PlannedRegion:
-    """Plan ``fw``/``bw`` under the options' budget (or take ``planned``, their plan
-    already made by the recompute search, which took ``search_seconds``) and rewrite
-    them in place."""
+    """Rewrite ``fw``/``bw`` in place with ``planned`` (their plan, made by the recompute
+    search in ``search_seconds``), re-check the lowered graphs and report."""
     started = time.perf_counter() - search_seconds
-    if planned is None:
-        planned = plan_graphs(
-            fw, bw, num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
-            region=region,
-        )
     fx_trace, schedule, check, _ = planned
     lowered_check = None
     if check.num_transfers:
@@ -129,7 +123,8 @@ def plan_graphs(
     throughput: DeviceThroughput | None = None,
     budget_bytes: int | None = None,
 ) -> GraphPlan:
-    """The analysis half of :func:`plan_region` (graphs untouched): trace, then the
+    """The analysis half of a region (graphs untouched; :func:`lower_region` rewrites
+    them): trace, then the
     shared pipeline :func:`~hyper_offload.passes.plan_residency` under the budget (no
     reload before the backward graph). ``hyper_offload.estimate`` calls this on graphs
     captured on fake tensors, so its figures are the backend's. ``throughput`` prices
