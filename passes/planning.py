@@ -12,6 +12,7 @@ trace, planner and ``earliest_prefetch_op`` give the same schedule whichever doo
       hoist_prefetches(..., earliest_op=E)       stage "place_prefetches" (timed on the
         └─ check_schedule                        door's timeline, releases placed)
       predict_timeline(...)                      the one timeline model
+      (doors whose releases wait: the proposal also undelayed, placed as elsewhere)
     keep the least predicted stall, then the fewest bytes moved, then the first
 
 Placement (:func:`~.refine_prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier:
@@ -158,10 +159,16 @@ def plan_residency(
             "(0: reloads may start anywhere on the step's timeline)"
         )
     proposals = _proposals(planner, trace)
+    # Where releases wait for their D2H, holding them (release_delay) is a heuristic that
+    # can cost time (it may leave a reload no room to start early): each proposal is also
+    # placed as planned, as a door whose releases do not wait would place it, and the
+    # timeline model judges both. So the door never stalls more than the plan undelayed.
+    variants = [True, False] if release_waits_for_d2h else [False]
     placed = [
         _place(trace, planned, planner, earliest_prefetch_op, default_op_duration_s,
-               release_waits_for_d2h, latest_release_op, where)
+               latest_release_op, where, delayed=delayed)
         for planned in proposals
+        for delayed in variants
     ]
     stalls = [
         predict_timeline(
@@ -197,15 +204,19 @@ def _place(
     planner: ResidencyPlanner,
     earliest_prefetch_op: int,
     default_op_duration_s: float | None,
-    release_waits_for_d2h: bool,
     latest_release_op: int | None,
     where: str,
+    *,
+    delayed: bool,
 ) -> tuple[ResidencySchedule, ScheduleReport, ResidencySchedule, ScheduleReport]:
-    """One proposal through the stages: ``(planned, its check, placed, its check)``."""
+    """One proposal through the stages: ``(planned, its check, placed, its check)``.
+    ``delayed``: releases are held until their D2H is predicted done and prefetches are
+    placed on the timeline where releases wait; otherwise both stay as for a door whose
+    releases do not wait."""
     planned_check = check_schedule(trace, planned)
     _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
     schedule = planned
-    if release_waits_for_d2h:
+    if delayed:
         schedule = delay_releases(
             trace, schedule, latest_op=latest_release_op,
             default_op_duration_s=default_op_duration_s,
@@ -216,7 +227,7 @@ def _place(
         schedule = hoist_prefetches(
             trace, schedule, earliest_op=earliest_prefetch_op,
             default_op_duration_s=default_op_duration_s,
-            release_waits_for_d2h=release_waits_for_d2h,
+            release_waits_for_d2h=delayed,
         )
     except PrefetchError as error:
         raise PlanningError(

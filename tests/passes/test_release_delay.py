@@ -18,6 +18,7 @@ from hyper_offload.passes import (
     plan_residency,
     predict_timeline,
 )
+from hyper_offload.passes.refine_prefetch import hoist_prefetches
 from hyper_offload.passes.release_delay import delay_releases, release_slots
 
 from .planner_strategies import pressured_traces
@@ -105,6 +106,21 @@ def test_delayed_releases_keep_every_rule_and_never_add_stall(trace: ActivationT
     }
     copied = {a.storage for _, _, a in base.schedule.actions() if a.kind is ActionKind.COPY_D2H}
     assert {storage for storage, _ in moved} <= copied
+
+
+def test_a_delay_that_would_cost_time_is_not_kept() -> None:
+    """Found by the property above: holding storage 6's release until its copy is done
+    (after op 3) leaves the 3-byte reload of storage 4 no earlier start than op 5, and the
+    step stalls 12 s against 11 s with the plan's own releases. The pipeline also places
+    the proposal undelayed and keeps the lesser stall."""
+    ops = [{0: "R", 3: "R"}, {0: "R", 4: "R"}, {6: "R"}, {3: "R"}, {}, {4: "R"}, {6: "R"}]
+    sizes = {0: 1, 1: 0, 2: 0, 3: 1, 4: 3, 5: 0, 6: 2}
+    trace = _timed(ActivationTrace.from_accesses(ops, sizes, budget_bytes=4))
+    planned = plan_residency(trace, GreedyResidencyPlanner(), release_waits_for_d2h=True)
+    held = hoist_prefetches(trace, delay_releases(trace, planned.planned), release_waits_for_d2h=True)
+    assert _stall(trace, held) == 12.0  # what keeping the delay alone would cost
+    assert planned.check.ok and planned.predicted_stall_s == _stall(trace, planned.schedule) == 11.0
+    assert _stall(trace, plan_residency(trace, GreedyResidencyPlanner()).schedule) == 11.0
 
 
 def test_where_room_runs_out_the_copy_that_ends_first_is_released() -> None:
