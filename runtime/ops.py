@@ -5,9 +5,10 @@ functionalization, ordered effects) are declared in
 :mod:`hyper_offload.runtime.op_declarations`, which imports nothing of the library so
 that the pure passes can use them; its docstring shows the IR the lowering emits. This
 module adds what moves bytes: one real kernel per op on
-``REAL_KERNEL_KEY`` (``CompositeExplicitAutograd``), each a one-liner into the current
+``REAL_KERNEL_KEY`` (``CompositeExplicitAutograd``), each a one-liner into a
 :class:`~hyper_offload.runtime.transfer_context.TransferRuntime`, which owns engines, pool
-and every rule.
+and every rule: ``copy_d2h`` uses the current runtime, the others the runtime that made
+their tensors (``runtime_of``), so a backward needs no runtime block.
 
 Invariant: importing this module registers the real kernels (replacing the declarations'
 placeholders, which raise "import hyper_offload.runtime.ops") and does nothing else. Any
@@ -33,7 +34,7 @@ from .op_declarations import (
     dim_order_of,
     host_layout,
 )
-from .transfer_context import current_transfer_runtime
+from .transfer_context import current_transfer_runtime, runtime_of
 
 __all__ = [
     "COPY_D2H",
@@ -61,19 +62,19 @@ def _copy_d2h_kernel(src: torch.Tensor, dim_order: list[int] | None = None) -> t
 
 
 def _copy_h2d_kernel(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    runtime = current_transfer_runtime("hyper_offload::copy_h2d")
+    runtime = runtime_of("hyper_offload::copy_h2d", host)
     return runtime.copy_h2d(host, device, *dense_layout(host))
 
 
 def _wait_transfer_kernel(
     tensor: torch.Tensor, keepalive: torch.Tensor | None = None
 ) -> torch.Tensor:
-    current_transfer_runtime("hyper_offload::wait_transfer").wait_transfer(tensor, keepalive)
+    runtime_of("hyper_offload::wait_transfer", tensor, keepalive).wait_transfer(tensor, keepalive)
     return tensor
 
 
 def _release_host_kernel(host: torch.Tensor, after: torch.Tensor | None = None) -> None:
-    current_transfer_runtime("hyper_offload::release_host").release_host(host)
+    runtime_of("hyper_offload::release_host", host).release_host(host)
 
 
 # The placeholders go first: registering over them would be an in-place override, which

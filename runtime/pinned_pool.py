@@ -33,6 +33,10 @@ Rules (each is tested):
   touched it is finished). Pending buffers are reaped on ``acquire``, ``stats`` and
   ``trim``. ``event`` may be anything with ``query()``: a ``torch.Event``, a
   :class:`~hyper_offload.runtime.device.Transfer`, or ``None`` (free now).
+* **Release from a finalizer.** :meth:`release_soon` never blocks: a weakref callback or
+  garbage-collector finalizer may run while this very thread holds the pool's lock (a
+  collection can start at any allocation), so it queues the buffer and applies the
+  release at once when the lock is free, else at the pool's next operation.
 * **One owner at a time.** A buffer is handed out to one caller until released;
   releasing it twice, or releasing a tensor the pool never handed out, raises
   :class:`~hyper_offload.runtime.errors.PoolMisuseError`. Buffers are identified by
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -221,6 +226,9 @@ class PinnedMemoryPool:
         self._free: dict[int, list[_Buffer]] = {}  # capacity -> cached buffers
         self._in_use: dict[int, _Buffer] = {}  # storage key -> buffer
         self._pending: list[tuple[_Buffer, CompletionEvent | None]] = []
+        # Filled without the lock by release_soon (deque.append is atomic); drained by
+        # every locked operation through _reap_locked.
+        self._released_soon: deque[torch.Tensor] = deque()
         self._held = 0  # pool-owned bytes incl. reservations for allocations in progress
         self._in_use_bytes = 0
         self._pending_bytes = 0
@@ -279,14 +287,21 @@ class PinnedMemoryPool:
             record = self._in_use.pop(key, None)
             if record is None:
                 raise PoolMisuseError(self._why_not_in_use_locked(key))
-            if record.pool_owned:
-                self._in_use_bytes -= record.cost
-                self._pending_bytes += record.cost
-            else:
-                self._pageable_in_use -= record.capacity
-            self._pending.append((record, event))
+            self._pend_locked(record, event)
             self._reap_locked()
         self._flush_host_cache()
+
+    def release_soon(self, buffer: torch.Tensor) -> None:
+        """Give ``buffer`` back with no copy touching it, from any context: never blocks
+        and never raises, so finalizers may call it (see the module docstring). Applied
+        at once when the lock is free, else at the next ``acquire``/``release``/``stats``/
+        ``trim``; a buffer this pool does not have in use is ignored."""
+        self._released_soon.append(buffer)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._reap_locked()
+            finally:
+                self._lock.release()
 
     def stats(self) -> PoolStats:
         """Reap completed releases, then snapshot the counters."""
@@ -332,6 +347,7 @@ class PinnedMemoryPool:
     def owns(self, buffer: torch.Tensor) -> bool:
         """Whether ``buffer`` (or a view of it) is currently handed out by this pool."""
         with self._lock:
+            self._reap_locked()
             return _storage_key(buffer) in self._in_use
 
     def __repr__(self) -> str:
@@ -437,7 +453,20 @@ class PinnedMemoryPool:
         except RuntimeError:
             return None
 
+    def _pend_locked(self, record: _Buffer, event: CompletionEvent | None) -> None:
+        """Move a handed-out buffer to the pending list (reaped once ``event`` is done)."""
+        if record.pool_owned:
+            self._in_use_bytes -= record.cost
+            self._pending_bytes += record.cost
+        else:
+            self._pageable_in_use -= record.capacity
+        self._pending.append((record, event))
+
     def _reap_locked(self) -> None:
+        while self._released_soon:
+            record = self._in_use.pop(_storage_key(self._released_soon.popleft()), None)
+            if record is not None:  # else released already, or never ours
+                self._pend_locked(record, None)
         still_pending: list[tuple[_Buffer, CompletionEvent | None]] = []
         for buffer, event in self._pending:
             if event is not None and not event.query():

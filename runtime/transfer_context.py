@@ -2,49 +2,57 @@
 
 The custom ops of :mod:`~hyper_offload.runtime.ops` are stateless functions in a graph;
 the transfers they start, the host buffers they fill and the rules they enforce live
-here, in an object the caller owns and makes current for a step::
+here, in an object the caller owns and makes current for a forward pass::
 
-    with TransferRuntime(pool=PinnedMemoryPool(config.max_host_bytes)):
+    runtime = TransferRuntime(pool=PinnedMemoryPool(config.max_host_bytes))
+    with runtime:
         loss = compiled_model(x)
-        loss.backward()
+    loss.backward()  # the backward reaches the runtime through its host copies
 
-"Current" is a :class:`contextvars.ContextVar`: no module-level mutable state, threads
-that do not inherit the context see no runtime, and the compiled backward, which the
-autograd engine may run on a device thread, still sees it (AOTAutograd re-enters the
-caller's context there). Hand-written eager backward code that the engine runs on a
-device thread does not see it; call the ops from compiled graphs or the calling thread.
+How an op finds its runtime: ``copy_d2h`` uses the *current* one (a
+:class:`contextvars.ContextVar` set by ``with runtime``: no module-level mutable state,
+threads that do not inherit the context see none). Every tensor a runtime creates (host
+copies, H2D destinations) carries a weak link to it on its storage, and the other ops
+follow that link first, so a backward needs no ``with`` block: it may run on the
+autograd engine's device thread, from a graph served by a compile cache, long after the
+forward's block closed (a retained graph's second backward).
 
-State machine of one host copy (keyed by the host buffer's storage)::
+Lifetime of a host copy: its pool buffer is **tied to the tensor**. ``copy_d2h`` hands
+out a tensor on a storage of its own (a view of the pool buffer's bytes that keeps the
+buffer alive); when the last tensor on that storage dies (the autograd graph holding
+it is freed, whichever runtime or session runs next) a finalizer gives the buffer back
+to the pool. No transfer can still touch it then: an in-flight copy keeps its host side
+alive until it is observed complete. So a host copy is readable for exactly as long as
+something can read it, and a buffer is never handed out while a stale reference to it
+exists.
+
+State machine of one host copy (keyed by its storage)::
 
     copy_d2h ──► FILLING ──wait_transfer──► VALID ──release_host──► RELEASED
-                    └──────────── copy_h2d allowed from FILLING or VALID ──┘ (not RELEASED)
+                    └──── copy_h2d allowed from FILLING, VALID and RELEASED ────┘
 
-and of one transfer: started by ``copy_d2h``/``copy_h2d`` (keyed by its destination's
-storage), ended by exactly one ``wait_transfer``. Every violation raises
-:class:`TransferMisuseError` naming the op, the tensor, the rule and the fix; nothing is
-changed by a call that raises.
-
-Host buffers go back to the pool on ``release_host`` gated by an event that completes
-only when every transfer that touched the buffer has completed **and** the host tensor
-handed out by ``copy_d2h`` has been dropped. The second condition keeps a released buffer
-from being handed to the next ``copy_d2h`` while a stale reference to it still exists,
-so a late ``copy_h2d``/``release_host`` on that reference is always caught as
-"released" instead of silently reading another activation's bytes.
+``release_host`` marks the program's last use (the lowering places it after the last
+prefetch of one backward); a retained graph's second backward prefetches and releases
+the same copy again, which is why neither is an error. One transfer is started by
+``copy_d2h``/``copy_h2d`` (keyed by its destination's storage) and ended by exactly
+one ``wait_transfer``. Every violation raises :class:`TransferMisuseError` naming the op,
+the tensor, the rule and the fix; nothing is changed by a call that raises.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
-from collections.abc import Iterable
+from collections import deque
 from contextvars import ContextVar, Token
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from .device import Transfer, TransferDirection, TransferEngine, resolve_device
+from .device import Transfer, TransferEngine, resolve_device
 from .errors import OffloadRuntimeError, TransferFailedError
 from .memory_meter import label_host
 from .pinned_pool import PinnedMemoryPool
@@ -55,128 +63,141 @@ __all__ = [
     "TransferMisuseError",
     "TransferRuntime",
     "current_transfer_runtime",
+    "runtime_of",
 ]
 
 
 class TransferMisuseError(OffloadRuntimeError):
-    """A transfer-op rule was broken (wait without a start, release twice, prefetch of a
-    released host copy, no active runtime, ...). Nothing was changed."""
+    """A transfer-op rule was broken (wait without a start, release of a copy still
+    filling, a tensor that is not a host copy, no active runtime, ...). Nothing was
+    changed."""
 
 
 class HostCopyState(str, Enum):
     FILLING = "FILLING"  # D2H started, not yet waited
     VALID = "VALID"  # D2H waited: the host copy may be prefetched any number of times
-    RELEASED = "RELEASED"  # returned to the pool; any further use is an error
+    RELEASED = "RELEASED"  # the program's last use passed; readable while referenced
 
     def __repr__(self) -> str:
         return self.value
 
 
-_CURRENT: ContextVar[TransferRuntime | None] = ContextVar(
-    "hyper_offload_transfer_runtime", default=None
-)
+class _Scope(NamedTuple):
+    """One ``with runtime`` block: the transfers it started are drained at its exit."""
+
+    runtime: TransferRuntime
+    number: int
+
+
+_CURRENT: ContextVar[_Scope | None] = ContextVar("hyper_offload_transfer_runtime", default=None)
+
+_RUNTIME_LINK = "_hyper_offload_runtime"
+"""Attribute, on the storage of every tensor a runtime creates, holding a weak reference
+to that runtime (torch keeps a storage's Python object, and so its attributes, for as
+long as the storage lives, whichever tensor object reaches it)."""
+_HOST_BUFFER = "_hyper_offload_pool_buffer"
+"""Attribute, on a host copy's storage, holding its pool buffer: the bytes stay valid
+for as long as any tensor on the copy lives, even past its runtime and pool."""
 
 
 def current_transfer_runtime(op: str = "hyper_offload transfer op") -> TransferRuntime:
     """The runtime made current by ``with TransferRuntime(...)``; raises if there is none."""
-    runtime = _CURRENT.get()
-    if runtime is None:
+    scope = _CURRENT.get()
+    if scope is None:
         raise TransferMisuseError(
-            f"{op}: no TransferRuntime is active in this context. Rule: transfer ops run "
-            "inside `with TransferRuntime(pool=...)`, which owns the copy engines and the "
-            "host pool. Fix: wrap the step (forward and backward) in that block"
+            f"{op}: no TransferRuntime is active in this context. Rule: a forward pass "
+            "that offloads runs inside `with TransferRuntime(pool=...)`, which owns the "
+            "copy engines and the host pool. Fix: wrap the forward pass in that block"
         )
-    return runtime
+    return scope.runtime
+
+
+def runtime_of(op: str, *tensors: torch.Tensor | None) -> TransferRuntime:
+    """The runtime that created the first of ``tensors`` made by a runtime, else the
+    current one (see the module docstring)."""
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        link = getattr(tensor.untyped_storage(), _RUNTIME_LINK, None)
+        if link is None:
+            continue
+        runtime = link()
+        if runtime is None:
+            raise TransferMisuseError(
+                f"{op}: {_describe(tensor)} was made by a TransferRuntime that no longer "
+                "exists. Rule: a runtime outlives the graphs that use its host copies. "
+                "Fix: keep the runtime (the compiled model's backend) alive until their "
+                "backward has run"
+            )
+        return runtime
+    return current_transfer_runtime(op)
 
 
 def _describe(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
 
 
+def _key(tensor: torch.Tensor) -> int:
+    # The storage's Python object lives as long as the storage, and every record below
+    # is dropped (by a weakref callback) when its storage dies, so the id is unique for
+    # the record's lifetime.
+    return id(tensor.untyped_storage())
+
+
 @dataclass(eq=False)
 class _HostCopy:
-    """One host copy made by ``copy_d2h``. ``buffer`` is the pool buffer (dropped once
-    released); ``transfers`` every copy that touched it (its release waits for all)."""
+    """One host copy made by ``copy_d2h``: its state, the D2H that fills it (a prefetch
+    is ordered after it) and the weak reference whose callback returns its buffer."""
 
-    buffer: torch.Tensor | None
     state: HostCopyState
-    transfers: list[Transfer] = field(default_factory=list)
-    views: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
-    """Every tensor object on the buffer that the ops handed out or were given."""
-    storage: weakref.ref[torch.UntypedStorage] | None = None
-    """Set once released: drops the record when the storage dies (its id may be reused)."""
-    own_refs: int = 0
-    """References to the buffer's storage that the runtime and the pool hold themselves:
-    more than that means some tensor outside the runtime still reaches the host copy."""
+    d2h: Transfer
+    storage: weakref.ref[torch.UntypedStorage]
+
+    @property
+    def lifetime(self) -> weakref.ref[torch.UntypedStorage]:
+        """The reference whose death ends the record."""
+        return self.storage
 
 
 @dataclass(eq=False)
 class _Pending:
-    """A started transfer whose ``wait_transfer`` has not run yet. Holding ``source``
-    and ``destination`` keeps both alive until the wait, whatever the caller drops."""
+    """A started transfer whose ``wait_transfer`` has not run yet.
+
+    A D2H holds its source and host copy (``keep``): both live until the wait whatever
+    the caller drops, and ``copy_d2h`` runs only inside a block, whose exit drains it. An
+    H2D holds neither: it runs in a backward, outside any block, and one whose
+    destination died unwaited (a backward that raised) must not keep its device tensor
+    or host copy from being freed; its handle keeps the host side alive until it
+    completes, which is all the bytes need.
+    """
 
     op: str
     transfer: Transfer
-    source: torch.Tensor
-    destination: torch.Tensor
+    label: str
+    source: weakref.ref[torch.UntypedStorage]
+    destination: weakref.ref[torch.UntypedStorage]
     host_key: int
+    scope: _Scope | None
+    keep: tuple[torch.Tensor, ...]
+
+    @property
+    def lifetime(self) -> weakref.ref[torch.UntypedStorage]:
+        """The reference whose death ends the record."""
+        return self.destination
 
 
-class _ReleaseGate:
-    """Completion event handed to :meth:`PinnedMemoryPool.release` (see module docstring)."""
-
-    def __init__(
-        self, transfers: Iterable[Transfer], views: Iterable[weakref.ref[torch.Tensor]]
-    ) -> None:
-        self._transfers = tuple(transfers)
-        self._views = tuple(views)
-
-    def query(self) -> bool:
-        # Transfers first: a completed Transfer drops its keepalive, which may hold the
-        # last reference to a host view; checking the views first would wait forever.
-        return all(t.query() for t in self._transfers) and all(v() is None for v in self._views)
-
-
-def _watch(record: _HostCopy, tensor: torch.Tensor) -> None:
-    """Add ``tensor`` to the objects whose death opens the record's release gate."""
-    if not any(ref() is tensor for ref in record.views):
-        record.views.append(weakref.ref(tensor))
-
-
-def _storage_refs(tensor: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-
-
-def _reachable(record: _HostCopy) -> bool:
-    """Whether a tensor outside the runtime still reaches the record's host copy.
-
-    Tensor objects are not enough: Inductor hands the backward a fresh alias of the
-    host tensor (``reinterpret_tensor``), so the object the op returned can die while
-    the autograd graph still holds the bytes. Every tensor on the buffer's storage
-    holds a reference to it, so the storage's use count decides.
-    """
-    if any(view() is not None for view in record.views):
-        return True
-    for transfer in record.transfers:
-        transfer.query()  # a completed transfer drops the tensors it kept alive
-    return record.buffer is not None and _storage_refs(record.buffer) > record.own_refs
-
-
-def _key(tensor: torch.Tensor) -> int:
-    # The storage's Python object lives as long as the storage (torch preserves it), and
-    # the records below hold a tensor on it, so its id is unique while a record exists.
-    return id(tensor.untyped_storage())
+_scope_numbers = itertools.count()  # only ever advanced: distinct ids, no shared state
 
 
 class TransferRuntime:
     """Copy engines, host pool and in-flight transfer records for the transfer ops.
 
     ``pool`` supplies host buffers; ``engines`` pre-supplies a :class:`TransferEngine` per
-    device (others are created on first use). The runtime may be entered several times
-    (e.g. once per step); state carries over. Leaving the block synchronizes every
-    transfer still in flight (a synchronized D2H counts as waited, so its host copy can
-    still be released); leaving it normally with transfers never waited raises. Leaving
-    the outermost block by an exception also runs :meth:`release_all`.
+    device (others are created on first use). The runtime may be entered any number of
+    times, also nested; state carries over. Leaving a block synchronizes the transfers
+    started inside it that are still unwaited (a synchronized D2H counts as waited);
+    leaving it normally with such transfers raises. Host buffers need no cleanup on any
+    path: each goes back to the pool when its host copy dies.
     """
 
     def __init__(self, *, pool: PinnedMemoryPool, engines: Iterable[TransferEngine] = ()) -> None:
@@ -185,21 +206,26 @@ class TransferRuntime:
         self._lock = threading.RLock()
         self._pending: dict[int, _Pending] = {}
         self._hosts: dict[int, _HostCopy] = {}
-        self._tokens: list[Token[TransferRuntime | None]] = []
+        self._tokens: list[Token[_Scope | None]] = []
+        # Keys whose storage died, appended by weakref callbacks (which may run inside
+        # any code, this runtime's included) and applied under the lock by _collect_locked.
+        self._dead: deque[tuple[dict[int, Any], int, weakref.ref[Any]]] = deque()
+        # Transfers not yet seen complete: until then each one's handle holds its host
+        # side, so collect() must look at them for a dead host copy to die.
+        self._unobserved: list[Transfer] = []
 
     # ------------------------------------------------------------------ context
 
     def __enter__(self) -> TransferRuntime:
-        self._tokens.append(_CURRENT.set(self))
+        self._tokens.append(_CURRENT.set(_Scope(self, next(_scope_numbers))))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        scope = _CURRENT.get()
         _CURRENT.reset(self._tokens.pop())
-        leftover = self._drain_pending()
-        if exc_type is not None and not self._tokens:
-            self.release_all()  # the step is abandoned: no host buffer may stay lost
+        leftover = self._drain_pending(scope)
         if leftover and exc_type is None:
-            started = ", ".join(f"{p.op}→{_describe(p.destination)}" for p in leftover)
+            started = ", ".join(f"{p.op}→{p.label}" for p in leftover)
             raise TransferMisuseError(
                 f"TransferRuntime exit: {len(leftover)} transfer(s) were started but never "
                 f"waited ({started}). Rule: every copy_d2h/copy_h2d is followed by one "
@@ -228,9 +254,9 @@ class TransferRuntime:
         first (``torch.accelerator.synchronize()``)."""
         nbytes = src.numel() * src.element_size()
         engine = self.engine(src.device)
+        self.collect()  # a finished copy may hold the last reference to a reusable buffer
         buffer = self.pool.acquire(nbytes)
-        host = buffer[:nbytes].view(src.dtype).as_strided(shape, stride)
-        label_host(host)
+        host = self._host_tensor(buffer, nbytes, src.dtype, shape, stride)
         try:
             transfer = engine.d2h(src, host)
         except Exception as exc:
@@ -243,12 +269,19 @@ class TransferRuntime:
                 "untouched and still the valid copy, the host buffer went back to the pool"
             ) from exc
         key = _key(host)
+        storage = host.untyped_storage()
         with self._lock:
+            self._collect_locked()
             self._hosts[key] = _HostCopy(
-                buffer, HostCopyState.FILLING, [transfer], [weakref.ref(host)],
-                own_refs=_storage_refs(buffer) - 1,  # all but ``host`` itself
+                HostCopyState.FILLING, transfer,
+                weakref.ref(storage, self._on_host_death(key, buffer)),
             )
-            self._pending[key] = _Pending("copy_d2h", transfer, src, host, key)
+            self._pending[key] = self._new_pending(
+                "copy_d2h", transfer, src, host, key, keep=(src, host)
+            )
+            self._unobserved.append(transfer)
+        # Set last: until here a failure leaves a plain tensor that frees its own bytes.
+        setattr(storage, _HOST_BUFFER, buffer)
         return host
 
     def copy_h2d(
@@ -262,18 +295,11 @@ class TransferRuntime:
         ``shape``/``stride``; returns it, readable after ``wait_transfer``."""
         host_key = _key(host)
         with self._lock:
+            self._collect_locked()
             record = self._host_record("hyper_offload::copy_h2d", host)
-            if record.state is HostCopyState.RELEASED:
-                raise TransferMisuseError(
-                    f"hyper_offload::copy_h2d: the host copy {_describe(host)} was already "
-                    "released. Rule: a host copy may be prefetched only until release_host; "
-                    "its buffer may now hold another activation. Fix: move release_host "
-                    "after the last copy_h2d of this host copy"
-                )
-            _watch(record, host)
             # The D2H that filled the host copy, waited or not: a wait orders only the
             # stream it ran on, so name the D2H explicitly (the engine skips it once done).
-            after = [t for t in record.transfers if t.direction is TransferDirection.D2H]
+            after = [record.d2h]
         engine = self.engine(device)
         device_tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
         try:
@@ -285,17 +311,19 @@ class TransferRuntime:
                 f"hyper_offload::copy_h2d of {_describe(host)} to {device} failed; the host "
                 "copy is untouched and still valid, nothing is in flight"
             ) from exc
+        setattr(device_tensor.untyped_storage(), _RUNTIME_LINK, weakref.ref(self))
         with self._lock:
-            record.transfers.append(transfer)
-            self._pending[_key(device_tensor)] = _Pending(
+            self._pending[_key(device_tensor)] = self._new_pending(
                 "copy_h2d", transfer, host, device_tensor, host_key
             )
+            self._unobserved.append(transfer)
         return device_tensor
 
     def wait_transfer(self, tensor: torch.Tensor, keepalive: torch.Tensor | None) -> None:
         """Make the compute stream wait for the transfer whose destination is ``tensor``."""
         key = _key(tensor)
         with self._lock:
+            self._collect_locked()
             pending = self._pending.get(key)
             if pending is None:
                 raise TransferMisuseError(
@@ -304,7 +332,7 @@ class TransferRuntime:
                     "copy_d2h/copy_h2d result is waited exactly once. Fix: pass the tensor "
                     "returned by copy_d2h or copy_h2d, once"
                 )
-            if keepalive is not None and _key(keepalive) != _key(pending.source):
+            if keepalive is not None and keepalive.untyped_storage() is not pending.source():
                 raise TransferMisuseError(
                     f"hyper_offload::wait_transfer: keepalive {_describe(keepalive)} is not "
                     f"the source of the {pending.op} into {_describe(tensor)}. Rule: the "
@@ -316,97 +344,91 @@ class TransferRuntime:
         pending.transfer.query()  # drops the handle's references at once if already done
         if pending.op == "copy_d2h":
             with self._lock:
-                record = self._hosts[pending.host_key]
-                record.state = HostCopyState.VALID
-                _watch(record, tensor)
+                self._hosts[pending.host_key].state = HostCopyState.VALID
 
     def release_host(self, host: torch.Tensor) -> None:
-        """Return the buffer of host copy ``host`` to the pool once no copy touches it."""
-        host_key = _key(host)
+        """Mark the program's last use of host copy ``host``. Its buffer goes back to the
+        pool when the copy dies; releasing a released copy again (a retained graph's
+        second backward) changes nothing."""
         with self._lock:
+            self._collect_locked()
             record = self._host_record("hyper_offload::release_host", host)
-            if record.state is HostCopyState.RELEASED:
-                raise TransferMisuseError(
-                    f"hyper_offload::release_host: the host copy {_describe(host)} was already "
-                    "released. Rule: each host copy is released exactly once. Fix: remove "
-                    "the second release_host"
-                )
             if record.state is HostCopyState.FILLING:
                 raise TransferMisuseError(
                     f"hyper_offload::release_host: the copy_d2h into {_describe(host)} was "
                     "never waited. Rule: a host copy is released only after its D2H was "
                     "waited. Fix: call wait_transfer(host, keepalive=source) first"
                 )
-            _watch(record, host)
-            buffer, gate = self._mark_released_locked(record, host_key)
-        self.pool.release(buffer, gate)
+            record.state = HostCopyState.RELEASED
 
-    def _mark_released_locked(
-        self, record: _HostCopy, host_key: int
-    ) -> tuple[torch.Tensor, _ReleaseGate]:
-        """Flip ``record`` to RELEASED; returns its pool buffer and the gate to release it
-        with. Caller holds the lock and then calls ``pool.release`` outside it."""
-        buffer, record.buffer = record.buffer, None
-        assert buffer is not None, "a record that is not RELEASED owns its buffer"
-        record.state = HostCopyState.RELEASED
-        record.storage = weakref.ref(
-            buffer.untyped_storage(), self._forget_host_callback(host_key)
+    # ------------------------------------------------------------------ lifetimes
+
+    def collect(self) -> None:
+        """Apply the deaths finalizers reported and observe completed copies, so that a
+        host copy whose last holder is a finished copy's handle dies now. Costs one
+        event query per copy not yet seen complete; ``copy_d2h``, ``stats`` and the
+        compile backend (at every forward of every region) call it."""
+        with self._lock:
+            self._collect_locked()
+            transfers, self._unobserved = self._unobserved, []
+        # Outside the lock: a completion drops references, which may run finalizers.
+        running = [transfer for transfer in transfers if not transfer.query()]
+        with self._lock:
+            self._unobserved.extend(running)
+
+    def _collect_locked(self) -> None:
+        while self._dead:
+            table, key, ref = self._dead.popleft()
+            record = table.get(key)
+            # The key may already name a newer record (ids are reused once a storage dies).
+            if record is not None and record.lifetime is ref:
+                del table[key]
+
+    def _on_host_death(self, key: int, buffer: torch.Tensor) -> Callable[[Any], None]:
+        pool, dead, hosts = self.pool, self._dead, self._hosts
+
+        def died(ref: weakref.ref[torch.UntypedStorage]) -> None:
+            # May run inside any code, also while this thread holds the pool's or this
+            # runtime's lock: only non-blocking calls here.
+            pool.release_soon(buffer)
+            dead.append((hosts, key, ref))
+
+        return died
+
+    def _new_pending(
+        self, op: str, transfer: Transfer, source: torch.Tensor, destination: torch.Tensor,
+        host_key: int, *, keep: tuple[torch.Tensor, ...] = (),
+    ) -> _Pending:
+        dead, table, key = self._dead, self._pending, _key(destination)
+        scope = _CURRENT.get()
+        return _Pending(
+            op, transfer, f"{_describe(destination)}",
+            weakref.ref(source.untyped_storage()),
+            weakref.ref(destination.untyped_storage(), lambda ref: dead.append((table, key, ref))),
+            host_key, scope if scope is not None and scope.runtime is self else None, keep,
         )
-        gate = _ReleaseGate(record.transfers, record.views)
-        record.transfers, record.views = [], []
-        return buffer, gate
 
-    def release_all(self) -> int:
-        """Release every host copy not released yet; returns how many (exception-path
-        cleanup, the counterpart of ``ResidencyManager.reset``).
+    def _host_tensor(
+        self, buffer: torch.Tensor, nbytes: int, dtype: torch.dtype,
+        shape: tuple[int, ...], stride: tuple[int, ...],
+    ) -> torch.Tensor:
+        """A tensor on a storage of its own over the first ``nbytes`` of ``buffer``: its
+        death, not the buffer's (which the pool holds), ends the host copy."""
+        # torch's own cudagraph trees build storages over existing bytes the same way.
+        storage = torch._C._construct_storage_from_data_pointer(
+            buffer.data_ptr(), buffer.device, nbytes
+        )
+        setattr(storage, _RUNTIME_LINK, weakref.ref(self))
+        label_host(storage)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, stride)
 
-        Every copy engine is drained first, so no transfer is left in flight. Each buffer
-        returns to the pool only once every tensor on it is dropped, so a stale host copy
-        used afterwards is refused as released, never fed another activation's bytes.
-        """
-        self._drain_pending()
+    def _drain_pending(self, scope: _Scope | None) -> list[_Pending]:
+        """Synchronize and forget the unwaited transfers started in ``scope``; returns
+        them. A drained D2H's host copy is complete, hence VALID."""
         with self._lock:
-            engines = list(self._engines.values())
-        for engine in engines:
-            engine.synchronize()
-        with self._lock:
-            to_release = [
-                self._mark_released_locked(record, key)
-                for key, record in list(self._hosts.items())
-                if record.state is not HostCopyState.RELEASED
-            ]
-        for buffer, gate in to_release:
-            self.pool.release(buffer, gate)
-        return len(to_release)
-
-    def release_orphans(self) -> int:
-        """Release every host copy that nothing can reach any more; returns how many.
-
-        A host copy whose every handed-out tensor has died (the autograd graph holding
-        it was freed without running its backward, e.g. a forward without backward or a
-        backward that raised before this region's part) can never be released by a
-        ``release_host``; without this its pool buffer would stay lost for the
-        runtime's lifetime. Copies with a transfer still pending are left alone.
-        """
-        with self._lock:
-            pending_hosts = {p.host_key for p in self._pending.values()}
-            to_release = [
-                self._mark_released_locked(record, key)
-                for key, record in list(self._hosts.items())
-                if record.state is not HostCopyState.RELEASED
-                and key not in pending_hosts
-                and not _reachable(record)
-            ]
-        for buffer, gate in to_release:
-            self.pool.release(buffer, gate)
-        return len(to_release)
-
-    def _drain_pending(self) -> list[_Pending]:
-        """Synchronize and forget every started transfer; returns them. A drained D2H's
-        host copy is complete, hence VALID."""
-        with self._lock:
-            leftover = list(self._pending.values())
-            self._pending.clear()
+            self._collect_locked()
+            keys = [key for key, p in self._pending.items() if p.scope == scope]
+            leftover = [self._pending.pop(key) for key in keys]
         for pending in leftover:
             pending.transfer.synchronize()  # nothing stays in flight past this point
         with self._lock:
@@ -421,18 +443,28 @@ class TransferRuntime:
     def host_state(self, host: torch.Tensor) -> HostCopyState | None:
         """State of the host copy ``host`` belongs to, or None if this runtime never made it."""
         with self._lock:
+            self._collect_locked()
             record = self._hosts.get(_key(host))
             return None if record is None else record.state
+
+    @property
+    def host_copies(self) -> int:
+        """Host copies alive (some tensor still reaches them), released or not."""
+        self.collect()
+        with self._lock:
+            return len(self._hosts)
 
     @property
     def transfers_pending(self) -> int:
         """Transfers started and not yet waited."""
         with self._lock:
+            self._collect_locked()
             return len(self._pending)
 
     def stats(self) -> RuntimeStats:
         """Host syncs of every engine, the pool's figures (pageable fallbacks included)
         and the transfers started but not yet waited."""
+        self.collect()
         with self._lock:
             counters = [engine.host_syncs for engine in self._engines.values()]
             pending = len(self._pending)
@@ -444,21 +476,6 @@ class TransferRuntime:
             pending = list(self._pending.values())
         for p in pending:
             p.transfer.synchronize()
-
-    def _forget_host_callback(self, key: int) -> Any:
-        # Weak in the runtime: a callback must not keep a finished runtime alive.
-        runtime_ref = weakref.ref(self)
-
-        def forget(_: weakref.ref[torch.UntypedStorage]) -> None:
-            runtime = runtime_ref()
-            if runtime is None:
-                return
-            with runtime._lock:
-                record = runtime._hosts.get(key)
-                if record is not None and record.state is HostCopyState.RELEASED:
-                    del runtime._hosts[key]
-
-        return forget
 
     def _host_record(self, op: str, host: torch.Tensor) -> _HostCopy:
         # Caller holds the lock.
@@ -473,7 +490,7 @@ class TransferRuntime:
 
     def __repr__(self) -> str:
         with self._lock:
-            live = sum(r.state is not HostCopyState.RELEASED for r in self._hosts.values())
+            live = len(self._hosts)
             pending = len(self._pending)
         stats = self.stats()
         return (

@@ -37,18 +37,19 @@ def cuda_like(deferred_engine_cls):  # noqa: ANN001, ANN201
 
 def test_released_host_buffer_returns_to_the_pool_once_its_copies_complete(cuda_like) -> None:  # noqa: ANN001
     engine, pool = cuda_like(), PinnedMemoryPool(1 << 20, pin=False)
-    with TransferRuntime(pool=pool, engines=[engine]):
+    with TransferRuntime(pool=pool, engines=[engine]) as rt:
         act = torch.randn(256)
         host = ops.wait_transfer(ops.copy_d2h(act), act)
         back = ops.wait_transfer(ops.copy_h2d(host, "cpu"), host)
         ops.release_host(host, back)
         del host
-        assert pool.stats().pending_releases == 1  # both copies still in flight
+        assert pool.stats().buffers_in_use == 1  # both copies still in flight hold it
         engine.fire_all()
+        rt.collect()
         stats = pool.stats()
-        # The in-flight handles held the last reference to the host view; once they
-        # complete the buffer must come back (it used to stay pending forever).
-        assert stats.pending_releases == 0 and stats.pinned_bytes_cached == 1024
+        # The in-flight handles held the last reference to the host copy; once they
+        # are observed complete it dies, and the buffer must come back.
+        assert stats.buffers_in_use == 0 and stats.pinned_bytes_cached == 1024
         again = ops.wait_transfer(ops.copy_d2h(torch.randn(256)))
         assert pool.stats().hits == 1
         engine.fire_all()
@@ -79,7 +80,7 @@ def test_offloaded_source_is_freed_at_its_wait_while_the_copy_still_runs(cuda_li
 def test_without_stream_tracking_the_source_lives_until_the_copy_completes(cuda_like) -> None:  # noqa: ANN001
     engine = cuda_like(records_streams=False)
     pool = PinnedMemoryPool(1 << 20, pin=False)
-    with TransferRuntime(pool=pool, engines=[engine]):
+    with TransferRuntime(pool=pool, engines=[engine]) as rt:
         act = torch.randn(1024)
         storage = weakref.ref(act.untyped_storage())
         host = ops.wait_transfer(ops.copy_d2h(act), act)
@@ -89,9 +90,10 @@ def test_without_stream_tracking_the_source_lives_until_the_copy_completes(cuda_
         ops.release_host(host)
         del host
         engine.fire_all()
-        assert pool.stats().pending_releases == 0  # reaping observed the completion...
+        rt.collect()  # observes the completion...
         gc.collect()
-        assert storage() is None  # ...and dropped the last reference
+        assert storage() is None  # ...and the handle dropped the last reference
+        assert pool.stats().buffers_in_use == 0
 
 
 def test_prefetch_is_ordered_after_a_waited_but_unfinished_d2h(cuda_like) -> None:  # noqa: ANN001
@@ -157,7 +159,7 @@ def test_failed_h2d_drains_the_copy_stream_before_dropping_its_destination(
         ops.release_host(host, back)
 
 
-def test_an_exception_in_the_block_returns_every_host_buffer(cuda_like) -> None:  # noqa: ANN001
+def test_an_exception_in_the_block_drains_and_loses_no_host_buffer(cuda_like) -> None:  # noqa: ANN001
     engine, pool = cuda_like(), PinnedMemoryPool(1 << 20, pin=False)
     rt = TransferRuntime(pool=pool, engines=[engine])
     with pytest.raises(ValueError, match="boom"):
@@ -166,14 +168,15 @@ def test_an_exception_in_the_block_returns_every_host_buffer(cuda_like) -> None:
             valid = ops.wait_transfer(ops.copy_d2h(act), act)  # waited, never released
             filling = ops.copy_d2h(torch.randn(64))  # never waited
             raise ValueError("boom")
-    assert rt.transfers_pending == 0 and not engine.in_flight()  # drained
-    assert pool.stats().buffers_in_use == 0  # nothing lost with the aborted step
-    with rt:  # a stale host copy is refused, not silently reused
-        with pytest.raises(TransferMisuseError, match="already released"):
-            ops.copy_h2d(valid, "cpu")
+    assert rt.transfers_pending == 0  # the unwaited copy was synchronized: complete
+    assert rt.host_state(filling) is HostCopyState.VALID
+    back = ops.wait_transfer(ops.copy_h2d(valid, "cpu"), valid)  # still held: still valid
+    assert torch.equal(back, act)
+    engine.fire_all()
     del valid, filling
+    rt.collect()
     stats = pool.stats()
-    assert stats.pending_releases == 0 and stats.pinned_bytes_cached == 2 * 1024
+    assert stats.buffers_in_use == 0 and stats.pinned_bytes_cached == 2 * 1024
 
 
 def test_transfers_drained_at_a_faulty_exit_can_still_be_released(cuda_like) -> None:  # noqa: ANN001
@@ -183,54 +186,54 @@ def test_transfers_drained_at_a_faulty_exit_can_still_be_released(cuda_like) -> 
         with rt:
             host = ops.copy_d2h(torch.arange(4.0))
     assert rt.host_state(host) is HostCopyState.VALID  # synchronized: the copy is complete
-    with rt:
-        ops.release_host(host)
+    ops.release_host(host)  # no block needed: the copy names its runtime
     del host
     assert pool.stats().buffers_in_use == 0 and pool.stats().pinned_bytes_cached == 1024
 
 
-def test_release_orphans_returns_unreachable_host_copies_only() -> None:
-    # A forward whose backward never runs (a later backward raised, or no backward at
-    # all) leaves host copies no release_host will ever reach; they must not stay lost.
-    pool = PinnedMemoryPool(1 << 20, pin=False)
-    runtime = TransferRuntime(pool=pool)
-    with runtime:
-        act = torch.randn(256)
-        kept = ops.wait_transfer(ops.copy_d2h(act), act)
-        orphan = ops.wait_transfer(ops.copy_d2h(torch.randn(128)))
-        done = ops.wait_transfer(ops.copy_d2h(torch.randn(64)))
-        ops.release_host(done)
-    del orphan, done
+def test_an_exit_drains_only_the_transfers_its_block_started(cuda_like) -> None:  # noqa: ANN001
+    # A backward runs outside any block (possibly on another thread) while a later
+    # forward's block opens and closes: that exit must leave the backward's copy alone.
+    engine = cuda_like()
+    rt = TransferRuntime(pool=PinnedMemoryPool(1 << 20, pin=False), engines=[engine])
+    with rt:
+        src = torch.arange(8.0)
+        host = ops.wait_transfer(ops.copy_d2h(src), src)
+    prefetch = ops.copy_h2d(host, "cpu")  # the "backward": no block
+    with rt:
+        other = ops.wait_transfer(ops.copy_d2h(torch.ones(4)))
+    assert rt.transfers_pending == 1  # still the backward's to wait
+    back = ops.wait_transfer(prefetch, host)
+    engine.fire_all()
+    assert torch.equal(back, src)
+    del other
+
+
+def test_a_prefetch_whose_destination_died_unwaited_frees_its_host_copy(cuda_like) -> None:  # noqa: ANN001
+    # A backward that raised between a copy_h2d and its wait: nothing will wait, and
+    # neither the device tensor nor the host copy may stay held by the record.
+    engine, pool = cuda_like(), PinnedMemoryPool(1 << 20, pin=False)
+    rt = TransferRuntime(pool=pool, engines=[engine])
+    with rt:
+        host = ops.wait_transfer(ops.copy_d2h(torch.ones(256)))
+    engine.fire_all()
+    prefetch = ops.copy_h2d(host, "cpu")
+    device_side = weakref.ref(prefetch.untyped_storage())
+    del prefetch, host
     gc.collect()
-    assert pool.stats().buffers_in_use == 2
-    assert runtime.release_orphans() == 1  # the live one stays, the released one is done
-    assert pool.stats().buffers_in_use == 1
-    assert runtime.host_state(kept) is HostCopyState.VALID
-    assert runtime.release_orphans() == 0
-    with runtime:
-        ops.release_host(kept)
+    assert device_side() is None, "the pending record kept the prefetched tensor"
+    assert rt.transfers_pending == 0
+    engine.fire_all()
+    rt.collect()
     assert pool.stats().buffers_in_use == 0
 
 
-def test_a_host_copy_reached_only_through_a_fresh_alias_is_not_an_orphan() -> None:
-    # Inductor hands the backward a new tensor object on the host copy's storage
-    # (reinterpret_tensor); the object the op returned dies. A forward of the same region
-    # that runs again before that backward (one compiled layer reused by several layers)
-    # calls release_orphans: the copy is still reachable and must survive it.
-    pool = PinnedMemoryPool(1 << 20, pin=False)
-    runtime = TransferRuntime(pool=pool)
-    with runtime:
-        returned = ops.wait_transfer(ops.copy_d2h(torch.randn(8, 4)))
-    alias = torch.as_strided(returned, (4, 8), (8, 1))  # another object, same storage
-    del returned
-    gc.collect()
-    assert runtime.release_orphans() == 0
-    assert runtime.host_state(alias) is HostCopyState.VALID
-    with runtime:
-        back = ops.wait_transfer(ops.copy_h2d(alias, torch.device("cpu")))
-        ops.release_host(alias)
-    assert back.shape == (4, 8)
-    del alias
-    gc.collect()
-    assert runtime.release_orphans() == 0  # released by release_host, not an orphan
-    assert pool.stats().buffers_in_use == 0
+def test_host_copies_outlive_the_block_and_name_their_runtime() -> None:
+    outer, inner = (TransferRuntime(pool=PinnedMemoryPool(1 << 20, pin=False)) for _ in range(2))
+    with outer:
+        host = ops.wait_transfer(ops.copy_d2h(torch.arange(4.0)))
+    with inner:  # another runtime is current: the copy still goes to its own
+        back = ops.wait_transfer(ops.copy_h2d(host, "cpu"), host)
+        ops.release_host(host, back)
+    assert outer.host_state(host) is HostCopyState.RELEASED and inner.host_state(host) is None
+    assert torch.equal(back, torch.arange(4.0))
