@@ -13,24 +13,22 @@ backend=hyper_offload.backend(config))``. For every region Dynamo hands over:
    ``hyper_offload::`` transfer ops and checks the lowered graphs again;
 3. the inner compiler (Inductor, or aot_eager's nop compiler) compiles both graphs.
 
-Each region owns a :class:`TransferRuntime` and pinned pool; the compiled forward and
-the compiled backward (which runs inside ``loss.backward()``) are wrapped so that the
-runtime is current while they run, and an exception leaves nothing in flight.
-
-Inductor is configured for this compilation only: ``custom_partitioner_fn`` is set
-with ``torch._inductor.config.patch`` around the compile. Its ``uuid()`` carries a
-per-region nonce, so Inductor's and AOTAutograd's caches never hand this region's
-compiled code to another compilation (a plain ``torch.compile`` has no partitioner in
-its key) nor serve a cached region without running the partitioner, which is what
-installs the runtime wrappers.
+Each region owns a :class:`TransferRuntime` and pinned pool. The callable returned to
+Dynamo makes the runtime current around the forward; the backward needs nothing around
+it (its transfer ops reach the runtime through the host copies they read), so the
+compiled graphs carry no per-process state and AOTAutograd's and Inductor's caches may
+serve them to another region or process: a warm restart runs the partitioner for no
+region. The partitioner's ``uuid()`` (a hash of the planning sources and the options)
+keeps a plain ``torch.compile``, or other options, from sharing those entries, and
+:mod:`.region_cache` stores each region's plan so that a cached region still reports it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,20 +38,12 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # The compiled graphs call the transfer ops: importing .ops registers their real kernels
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
+from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
-from hyper_offload.passes import (
-    fx_lowering,
-    fx_saved,
-    fx_trace,
-    greedy_planner,
-    planning,
-    refine_prefetch,
-    release_delay,
-)
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime, op_declarations
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 
-from . import recompute_search, region_plan
+from . import region_cache
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import search_region
 from .region_plan import PlannedRegion, lower_region
@@ -61,32 +51,36 @@ from .region_report import LOGGER, RegionReport, log_region_report
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
 
-# The sources whose code decides a region's rewritten graphs: the partitioner's cache
-# key hashes them, so an edited planner or lowering never reuses a stale cached graph.
-# Read from the imported modules, so the paths hold in the repository and when installed.
-_SOURCES = tuple(
-    str(module.__file__)
-    for module in (region_plan, recompute_search, planning, greedy_planner, refine_prefetch, release_delay,
-                   fx_trace, fx_saved, fx_lowering, op_declarations)
+# The code that decides a region's rewritten graphs: every planning pass, this package
+# and the op declarations. Its hash is in the partitioner's cache key, so an edited
+# planner or lowering never reuses a stale cached graph (paths read from the imported
+# modules, so they hold in the repository and when installed).
+_PLANNING_CODE = (
+    Path(passes.__file__).parent, Path(__file__).parent, Path(op_declarations.__file__),
 )
 
 
 class _Region:
-    """Per-region state: the runtime made current around its compiled code, the plan."""
+    """Per-region state: the runtime made current around its forward, and the plan."""
 
-    def __init__(self, index: int, options: BackendOptions) -> None:
+    def __init__(self, index: int, options: BackendOptions, example_inputs: Sequence[Any]) -> None:
         self.index = index
         self.runtime = TransferRuntime(pool=PinnedMemoryPool(options.config.max_host_bytes))
         self.planned: PlannedRegion | None = None
+        self.from_cache = False
+        """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
-        self.fw_symbol_hints: dict[int, tuple[str, int]] = {}
+        self.symbol_hints = {
+            i: (str(v), int(v.node.hint)) for i, v in enumerate(example_inputs)
+            if isinstance(v, torch.SymInt) and v.node.hint is not None
+        }
         self.hint_warned = False
 
     def check_hints(self, args: Sequence[Any]) -> None:
         """Warn once if a dynamic size differs from the hint the plan was made for."""
         if self.hint_warned:
             return
-        for index, (symbol, hint) in self.fw_symbol_hints.items():
+        for index, (symbol, hint) in self.symbol_hints.items():
             if index < len(args) and isinstance(args[index], int) and args[index] != hint:
                 self.hint_warned = True
                 LOGGER.warning(
@@ -99,34 +93,31 @@ class _Region:
                 return
 
 
-class _WithRuntime:
-    """A compiled forward or backward that runs with its region's runtime current."""
+class _RegionForward:
+    """What Dynamo calls for a region: its compiled forward, with the runtime current."""
 
-    def __init__(self, compiled: Callable[..., Any], region: _Region, *, forward: bool) -> None:
+    def __init__(self, compiled: Callable[..., Any], region: _Region, backend: HyperOffloadBackend) -> None:
         self._compiled = compiled
         self._region = region
-        self._forward = forward
-        self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not class attrs
+        self._backend = backend
 
-    def __call__(self, args: list[Any]) -> Any:
-        if self._forward:
-            self._region.check_hints(args)
-            # Host copies of a step whose backward never ran (no backward, or a backward
-            # that raised elsewhere) are unreachable now: give their buffers back.
-            self._region.runtime.release_orphans()
+    def __call__(self, *args: Any) -> Any:
+        self._region.check_hints(args)
+        # Copies seen complete drop their hold on host copies whose graph died (a step
+        # that raised, a forward without backward), in every region: buffers come back
+        # whichever region runs next.
+        self._backend.collect()
         with self._region.runtime:
-            if getattr(self._compiled, "_boxed_call", False):
-                return self._compiled(args)
             return self._compiled(*args)
 
 
 class _OffloadPartitioner(CustomPartitionerFn):
     """Stock min-cut partition (searched with recompute), then :func:`lower_region`."""
 
-    def __init__(self, backend: HyperOffloadBackend, region: _Region) -> None:
+    def __init__(self, backend: HyperOffloadBackend, region: _Region, plan_key: str) -> None:
         self._backend = backend
         self._region = region
-        self._nonce = uuid.uuid4().hex
+        self._plan_key = plan_key
 
     def __call__(
         self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -145,16 +136,14 @@ class _OffloadPartitioner(CustomPartitionerFn):
             bandwidth=self._backend.bandwidth, region=region.index,
         )
         fw, bw = choice.fw, choice.bw
-        for index, node in enumerate(fw.graph.find_nodes(op="placeholder")):
-            value = node.meta.get("val")
-            if isinstance(value, torch.SymInt) and value.node.hint is not None:
-                region.fw_symbol_hints[index] = (str(value), int(value.node.hint))
         region.planned = lower_region(
             fw, bw, choice.plan, num_fwd_outputs=num_fwd_outputs, options=options,
             region=region.index, recompute=choice.report,
             search_seconds=time.perf_counter() - started,
         )
         region.graphs = (fw, bw)
+        if options.inner_compiler == "inductor":  # the only inner compiler with a cache
+            region_cache.store_plan(self._plan_key, region.planned)
         log_region_report(region.planned.report)
         return fw, bw
 
@@ -163,10 +152,13 @@ class _OffloadPartitioner(CustomPartitionerFn):
         # carries its region (runtime, locks) by reference on purpose.
         return self
 
-    def uuid(self) -> Any:
-        from torch._inductor.custom_graph_pass import get_hash_for_files
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Inductor pickles its config into cache keys: stand for this object by its
+        # uuid (its region's runtime and locks neither pickle nor belong in a key).
+        return (str, (repr(self.uuid()),))
 
-        return (get_hash_for_files(_SOURCES).hex(), self._backend.options.cache_key(), self._nonce)
+    def uuid(self) -> Any:
+        return (self._backend.planning_code, self._backend.options.cache_key())
 
 
 class HyperOffloadBackend:
@@ -179,6 +171,7 @@ class HyperOffloadBackend:
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
         self.regions: list[_Region] = []
+        self.planning_code = region_cache.source_digest(_PLANNING_CODE)
         self._bandwidth: dict[torch.device, TransferBandwidth] = {}
         self._counter = itertools.count()
 
@@ -202,10 +195,18 @@ class HyperOffloadBackend:
             self._bandwidth[device] = profile_transfer_bandwidth(device)
         return self._bandwidth[device]
 
+    def collect(self) -> None:
+        """Let every region's runtime observe finished copies (see ``TransferRuntime.collect``)."""
+        for region in self.regions:
+            region.runtime.collect()
+
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        region = _Region(next(self._counter), self.options)
+        region = _Region(next(self._counter), self.options, example_inputs)
         self.regions.append(region)
-        partitioner = _OffloadPartitioner(self, region)
+        plan_key = region_cache.cache_key(
+            gm, example_inputs, self.options.cache_key(), self.planning_code
+        )
+        partitioner = _OffloadPartitioner(self, region, plan_key)
         if self.options.inner_compiler == "inductor":
             if self.options.drops_cudagraphs and region.index == 0:
                 LOGGER.warning(
@@ -213,46 +214,41 @@ class HyperOffloadBackend:
                     "without them (their transfers keep host-side state a graph replay would "
                     "skip); the mode's other Inductor settings apply", self.options.mode,
                 )
-            return _compile_inductor(gm, example_inputs, partitioner, region, self.options)
-        return _compile_aot_eager(gm, example_inputs, partitioner, region)
+            compiled = _compile_inductor(gm, example_inputs, partitioner, self.options)
+            if region.planned is None:  # served by AOTAutograd's cache (or inference)
+                region.planned = region_cache.load_plan(plan_key)
+                region.from_cache = region.planned is not None
+                if region.planned is not None:
+                    LOGGER.info("hyper_offload region %d: compiled code and plan served "
+                                "from the cache", region.index)
+                    log_region_report(region.planned.report)
+        else:
+            compiled = _compile_aot_eager(gm, example_inputs, partitioner)
+        return _RegionForward(compiled, region, self)
 
 
 def _compile_inductor(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any, region: _Region,
-    options: BackendOptions,
+    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any, options: BackendOptions,
 ) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        compiled = compile_fx_inner(graph, inputs, **kwargs)
-        return _WithRuntime(compiled, region, forward=not kwargs.get("is_backward", False))
+    from torch._inductor.compile_fx import compile_fx
 
     # The mode's settings go through compile_fx's config_patches, which also wraps the
     # inner compile: the backward is compiled lazily, at the first backward, outside
     # this ``with`` (the partitioner runs inside it, at the forward's compile).
     with inductor_config.patch(custom_partitioner_fn=partitioner):
-        return compile_fx(
-            gm, example_inputs, inner_compile=inner_compile,
-            config_patches=options.inductor_patches() or None,
-        )
+        return compile_fx(gm, example_inputs, config_patches=options.inductor_patches() or None)
 
 
 def _compile_aot_eager(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any, region: _Region
+    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any
 ) -> Callable[..., Any]:
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
-    def compiler(forward: bool) -> Callable[..., Any]:
-        def compile_graph(graph: fx.GraphModule, inputs: Sequence[Any]) -> Any:
-            return _WithRuntime(boxed_nop(graph, inputs), region, forward=forward)
-
-        return compile_graph
-
     return aot_autograd(
-        fw_compiler=compiler(True),
-        bw_compiler=compiler(False),
+        fw_compiler=boxed_nop,
+        bw_compiler=boxed_nop,
         partition_fn=partitioner,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

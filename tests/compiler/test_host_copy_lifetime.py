@@ -1,0 +1,98 @@
+"""A host copy lives exactly as long as autograd can read it (issue 18, bugs 1 and 2).
+
+Regression tests: a retained graph's second backward (failed with "the host copy ... was
+already released" while release_host ended a copy's life), and host buffers of a region
+that never runs again (stayed in use for the rest of the run while only that region's
+next forward returned them)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyper_offload
+from .compile_models import INNER_COMPILERS, deterministic  # noqa: F401 (autouse)
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    )
+
+
+def _options(inner: str) -> dict[str, object]:
+    return {"inner_compiler": inner, "max_resident_activation_fraction": 0.5}
+
+
+def _grads(net: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("inner", INNER_COMPILERS)
+def test_a_retained_graph_runs_its_second_backward_exactly(inner: str) -> None:
+    torch._dynamo.reset()
+    x = torch.randn(32, 64)
+    results = []
+    for backend in (inner, hyper_offload.backend(**_options(inner))):
+        net = _net()
+        y = torch.compile(net, backend=backend)(x).pow(2).mean()
+        y.backward(retain_graph=True)
+        first = _grads(net)
+        y.backward()
+        results.append((first, _grads(net)))
+    assert backend.reports[0].offloaded, "nothing was offloaded: the test would prove nothing"
+    (plain_first, plain_second), (ours_first, ours_second) = results
+    assert all(map(torch.equal, plain_first, ours_first))
+    assert all(map(torch.equal, plain_second, ours_second))
+    assert not torch.equal(ours_first[0], ours_second[0])  # the second pass accumulated
+
+
+def test_autograd_grad_twice_on_one_graph_is_exact() -> None:
+    torch._dynamo.reset()
+    x = torch.randn(32, 64)
+    grads = []
+    for backend in ("aot_eager", hyper_offload.backend(**_options("aot_eager"))):
+        net = _net()
+        y = torch.compile(net, backend=backend)(x).pow(2).mean()
+        params = list(net.parameters())
+        first = torch.autograd.grad(y, params, retain_graph=True)
+        second = torch.autograd.grad(y, params)
+        grads.append(first + second)
+    assert all(map(torch.equal, *grads))
+
+
+def test_a_second_backward_without_retain_graph_gets_autograds_own_error() -> None:
+    # The misuse is the caller's; the message must be autograd's, not one about our ops.
+    torch._dynamo.reset()
+    net = _net()
+    y = torch.compile(net, backend=hyper_offload.backend(**_options("aot_eager")))(
+        torch.randn(32, 64)
+    ).pow(2).mean()
+    y.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as err:
+        y.backward()
+    assert "hyper_offload" not in str(err.value)
+
+
+def test_host_copies_of_a_region_that_never_runs_again_come_back() -> None:
+    # A step of another batch size (its own region with dynamic=False) whose loss raises
+    # after the region's forward: its autograd graph dies with the exception.
+    torch._dynamo.reset()
+    net = _net()
+    backend = hyper_offload.backend(**_options("aot_eager"))
+    compiled = torch.compile(net, backend=backend, dynamic=False)
+    F.mse_loss(compiled(torch.randn(32, 64)), torch.zeros(32, 64)).backward()
+    with pytest.raises(RuntimeError, match="size"):
+        F.mse_loss(compiled(torch.randn(16, 64)), torch.zeros(4, 64)).backward()
+    assert len(backend.regions) == 2 and all(r.planned.report.offloaded for r in backend.regions)
+    gc.collect()
+    in_use = [r.runtime.pool.stats().buffers_in_use for r in backend.regions]
+    assert in_use == [0, 0], f"host buffers still in use per region: {in_use}"
+    for _ in range(3):
+        F.mse_loss(compiled(torch.randn(32, 64)), torch.zeros(32, 64)).backward()
+        pinned = [r.runtime.pool.stats().pinned_bytes_in_use for r in backend.regions]
+        assert pinned == [0, 0]

@@ -1,0 +1,31 @@
+"""Test-session settings shared by every test directory.
+
+AOTAutograd's cache is off for the session (and for the worker processes tests spawn):
+with it, a test that compiles a model another test already compiled is served the
+compiled code without running our partitioner, so its lowered graphs
+(``regions[i].graphs``) and everything a test inspects of one compile depend on test
+order. The cached path is tested on purpose, with the cache on, in
+``tests/compiler/test_warm_restart.py`` (in-process and across processes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from torch._functorch import config as functorch_config
+
+AUTOGRAD_CACHE_ENV = "TORCHINDUCTOR_AUTOGRAD_CACHE"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_autograd_cache() -> Iterator[None]:
+    previous = os.environ.get(AUTOGRAD_CACHE_ENV)
+    os.environ[AUTOGRAD_CACHE_ENV] = "0"
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield
+    if previous is None:
+        del os.environ[AUTOGRAD_CACHE_ENV]
+    else:
+        os.environ[AUTOGRAD_CACHE_ENV] = previous
