@@ -18,6 +18,7 @@ from __future__ import annotations
 from .._lazy import lazy_getattr
 
 _LAZY = {
+    "OffloadBudgetWarning": ".executor_base",
     "OffloadSession": ".session",
     "OffloadSessionError": ".executor_base",
     "ReplayMismatchError": "hyper_offload.passes.op_guide",

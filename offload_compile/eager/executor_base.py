@@ -34,11 +34,16 @@ from hyper_offload.runtime.physical_buffer import BufferState
 
 from .dispatch_mode import device_test, flat_tensors
 
-__all__ = ["BaseExecutor", "OffloadSessionError", "StepStats"]
+__all__ = ["BaseExecutor", "OffloadBudgetWarning", "OffloadSessionError", "StepStats"]
 
 
 class OffloadSessionError(RuntimeError):
     """Misuse of an ``OffloadSession`` or an unsafe access it refused to run."""
+
+
+class OffloadBudgetWarning(UserWarning):
+    """The warmup step's plan cannot meet the session's budget at some ops: later steps
+    run exactly, at the plan's (higher) peak. Warned once, at the end of warmup."""
 
 
 @dataclass
@@ -49,8 +54,13 @@ class StepStats:
     ops: int = 0
     peak_resident_bytes: int = 0
     """Highest device-resident bytes of tracked activation storages, measured right
-    after each op ran (before its post actions): the quantity ``check_schedule``'s
-    ``resident_bytes`` predicts."""
+    after each op ran (before its post actions), and at the end of the step, when
+    whatever outlives it is on the device: the quantities ``check_schedule``'s
+    ``resident_bytes`` predicts (its model keeps ``retained`` storages resident after the
+    last op)."""
+    end_resident_bytes: int = 0
+    """Device bytes of the tracked storages that outlive the step (gradients, outputs,
+    anything still referenced), all on the device when the step ends."""
     resident_curve: list[int] = field(default_factory=list, repr=False)
     """Device-resident activation bytes after each traced op (same point as above)."""
     bytes_d2h: int = 0

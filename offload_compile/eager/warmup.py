@@ -28,12 +28,14 @@ replay then issues each ``COPY_H2D`` some ops before the ``WAIT_H2D`` of its rea
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+from hyper_offload.config import MIB
 from hyper_offload.passes.planner_protocol import ResidencyPlanner
 from hyper_offload.passes.planning import PlanningError, plan_residency
 from hyper_offload.passes.schedule import ResidencySchedule
@@ -44,7 +46,7 @@ from hyper_offload.runtime.op_clock import OpClock
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 
 from .dispatch_mode import tensor_leaves, written_arguments
-from .executor_base import BaseExecutor, OffloadSessionError
+from .executor_base import BaseExecutor, OffloadBudgetWarning, OffloadSessionError
 from .tracker import ActivationTracker
 
 __all__ = ["WarmupExecutor", "WarmupResult"]
@@ -305,6 +307,13 @@ class WarmupExecutor(BaseExecutor):
                 "not read those tensors, and call session.reset() before the next step"
             )
         retained = frozenset(e.sid for e in self.tracker if e.alive)
+        # What outlives the step is on the device now (paged back just above): that
+        # moment is part of the step's peak, as it is of the trace's model.
+        sizes = self.tracker.sizes()
+        self.stats.end_resident_bytes = sum(sizes[sid] for sid in retained)
+        self.stats.peak_resident_bytes = max(
+            self.stats.peak_resident_bytes, self.stats.end_resident_bytes
+        )
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
         trace = ActivationTrace(
             ops=self._timed_ops(),
@@ -321,8 +330,38 @@ class WarmupExecutor(BaseExecutor):
             planned = plan_residency(trace, self.planner, earliest_prefetch_op=0, where="eager warmup")
         except PlanningError as error:
             raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
+        if planned.check.infeasible_ops:
+            warnings.warn(
+                OffloadBudgetWarning(_infeasible_message(trace, planned.check, self.stats.peak_resident_bytes)),
+                stacklevel=3,  # the user's `with session:` (through OffloadSession.__exit__)
+            )
         self.tracker.clear()
         return WarmupResult(trace, planned.schedule, planned.check, self.funcs)
+
+
+def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:
+    """Why the budget cannot be met, with the figures a user needs to fix it."""
+    worst = max(check.infeasible_ops, key=lambda op: op.required_bytes)
+    retained = sum(trace.storage_sizes[sid] for sid in trace.retained)
+    message = (
+        f"OffloadSession warmup: no schedule meets the budget of {trace.budget_bytes} B at "
+        f"{len(check.infeasible_ops)} op(s) (the most: op {worst.op_index}, "
+        f"{trace.ops[worst.op_index].name}, needs {worst.required_bytes} B on the device). "
+        f"Later steps run exactly, at the plan's peak of {check.peak_resident_bytes} B; "
+        f"the warmup step itself reached {measured_peak} B, counting the end of the step."
+    )
+    if retained > trace.budget_bytes:
+        message += (
+            f" At the end of the step every tensor that outlives it is on the device: "
+            f"{retained} B here (gradients, outputs, anything still referenced), above the "
+            "budget by itself. Free what the next step does not need before leaving the "
+            "session (e.g. optimizer.zero_grad(set_to_none=True) after optimizer.step()), or"
+        )
+    else:
+        message += " Split the op's inputs (e.g. a smaller micro-batch), or"
+    return message + (
+        f" raise max_resident_activation_mb to at least {check.peak_resident_bytes / MIB:.4g}"
+    )
 
 
 def _estimate_new_bytes(

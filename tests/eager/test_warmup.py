@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -9,7 +13,7 @@ from torch import nn
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.eager import OffloadSessionError
 from hyper_offload.config import MIB
-from hyper_offload.passes import AccessKind, ResidencySchedule
+from hyper_offload.passes import AccessKind, ResidencySchedule, resident_bytes_without_offload
 from hyper_offload.runtime import DeviceMemoryMeter
 
 KIB = 1024
@@ -139,3 +143,59 @@ def test_warmup_numerics_with_module() -> None:
     assert session.last_stats.evictions > 0
     assert torch.equal(loss, expected)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+# ------------------------------------------------------------------ budgets warmup cannot meet
+
+
+def _gpt_step_session(zero_grad_inside: bool) -> tuple[list, list, float]:
+    """The tiny GPT of ``benchmarks/eager_step.py`` (``opt.step()`` inside the session)
+    at half its trace's peak: the warnings of warmup, every step's peak, the budget."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=64, dim=32, layers=2, heads=2, seq_len=16))
+    idx = torch.randint(0, 64, (2, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(idx, torch.roll(idx, -1, dims=1)).backward()
+        opt.step()
+        if zero_grad_inside:
+            opt.zero_grad(set_to_none=True)
+
+    probe = OffloadSession(OffloadConfig())
+    with probe:
+        step()
+    budget = max(resident_bytes_without_offload(probe.trace)) // 2
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+    peaks = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with session:
+                step()
+            peaks.append(session.last_stats.peak_resident_bytes)
+    return [w for w in caught if w.category.__name__ == "OffloadBudgetWarning"], peaks, budget
+
+
+def test_warmup_counts_what_outlives_the_step_and_warns_with_the_figures() -> None:
+    # Regression: warmup reported 88,192 B (under the 89,088 B budget) and every replay
+    # 112,128 B. Warmup had left out the end of the step, where the gradients (112,128 B,
+    # more than the budget by themselves) are paged back to the device.
+    warned, peaks, budget = _gpt_step_session(zero_grad_inside=False)
+    warmup_peak, *replay_peaks = peaks
+    assert all(peak <= warmup_peak for peak in replay_peaks), peaks  # never above warmup
+    assert warmup_peak > budget
+    (warning,) = warned
+    text = str(warning.message)
+    assert f"budget of {budget} B" in text and f"plan's peak of {replay_peaks[0]} B" in text
+    assert "outlives it" in text and "zero_grad(set_to_none=True)" in text
+    assert warning.filename == __file__  # points at the caller's `with session:`
+
+
+def test_freeing_the_gradients_in_the_session_meets_the_budget_without_a_warning() -> None:
+    warned, peaks, budget = _gpt_step_session(zero_grad_inside=True)
+    assert warned == [] and all(peak <= budget for peak in peaks), (peaks, budget)
