@@ -35,8 +35,8 @@ Rules (each is tested):
   :class:`~hyper_offload.runtime.device.Transfer`, or ``None`` (free now).
 * **Release from a finalizer.** :meth:`release_soon` never blocks: a weakref callback or
   garbage-collector finalizer may run while this very thread holds the pool's lock (a
-  collection can start at any allocation), so it queues the buffer and applies the
-  release at once when the lock is free, else at the pool's next operation.
+  collection can start at any allocation), so it only queues the buffer; every locked
+  operation applies the queue first, so no caller can tell the difference.
 * **One owner at a time.** A buffer is handed out to one caller until released;
   releasing it twice, or releasing a tensor the pool never handed out, raises
   :class:`~hyper_offload.runtime.errors.PoolMisuseError`. Buffers are identified by
@@ -292,16 +292,12 @@ class PinnedMemoryPool:
         self._flush_host_cache()
 
     def release_soon(self, buffer: torch.Tensor) -> None:
-        """Give ``buffer`` back with no copy touching it, from any context: never blocks
-        and never raises, so finalizers may call it (see the module docstring). Applied
-        at once when the lock is free, else at the next ``acquire``/``release``/``stats``/
-        ``trim``; a buffer this pool does not have in use is ignored."""
+        """Give ``buffer`` back with no copy touching it, from any context: never blocks,
+        takes no lock and never raises, so finalizers may call it (see the module
+        docstring). Applied by the next ``acquire``/``release``/``stats``/``trim``/``owns``,
+        which is before anyone can observe or reuse it; a buffer this pool does not have
+        in use is ignored."""
         self._released_soon.append(buffer)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._reap_locked()
-            finally:
-                self._lock.release()
 
     def stats(self) -> PoolStats:
         """Reap completed releases, then snapshot the counters."""
