@@ -28,8 +28,8 @@ exists.
 
 State machine of one host copy (keyed by its storage)::
 
-    copy_d2h ──► FILLING ──wait_transfer──► VALID ──release_host──► RELEASED
-                    └──── copy_h2d allowed from FILLING, VALID and RELEASED ────┘
+    copy_d2h ─► FILLING ─wait_transfer─► VALID ─release_host─► RELEASED
+                 └── copy_h2d allowed from FILLING, VALID and RELEASED ──┘
 
 ``release_host`` marks the program's last use (the lowering places it after the last
 prefetch of one backward); a retained graph's second backward prefetches and releases

@@ -96,7 +96,9 @@ class _Region:
 class _RegionForward:
     """What Dynamo calls for a region: its compiled forward, with the runtime current."""
 
-    def __init__(self, compiled: Callable[..., Any], region: _Region, backend: HyperOffloadBackend) -> None:
+    def __init__(
+        self, compiled: Callable[..., Any], region: _Region, backend: HyperOffloadBackend
+    ) -> None:
         self._compiled = compiled
         self._region = region
         self._backend = backend

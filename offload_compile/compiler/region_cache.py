@@ -48,7 +48,8 @@ def source_digest(paths: Iterable[Path]) -> str:
     for root in paths:
         files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
         for path in files:
-            digest.update(path.name.encode() if path == root else str(path.relative_to(root)).encode())
+            name = path.name if path == root else str(path.relative_to(root))
+            digest.update(name.encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -332,7 +332,9 @@ class WarmupExecutor(BaseExecutor):
             raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
         if planned.check.infeasible_ops:
             warnings.warn(
-                OffloadBudgetWarning(_infeasible_message(trace, planned.check, self.stats.peak_resident_bytes)),
+                OffloadBudgetWarning(
+                    _infeasible_message(trace, planned.check, self.stats.peak_resident_bytes)
+                ),
                 stacklevel=3,  # the user's `with session:` (through OffloadSession.__exit__)
             )
         self.tracker.clear()
