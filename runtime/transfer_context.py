@@ -41,14 +41,13 @@ the tensor, the rule and the fix; nothing is changed by a call that raises.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections import deque
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -82,11 +81,12 @@ class HostCopyState(str, Enum):
         return self.value
 
 
-class _Scope(NamedTuple):
-    """One ``with runtime`` block: the transfers it started are drained at its exit."""
+@dataclass(frozen=True, eq=False)
+class _Scope:
+    """One ``with runtime`` block (compared by identity): the transfers it started are
+    drained at its exit."""
 
     runtime: TransferRuntime
-    number: int
 
 
 _CURRENT: ContextVar[_Scope | None] = ContextVar("hyper_offload_transfer_runtime", default=None)
@@ -186,9 +186,6 @@ class _Pending:
         return self.destination
 
 
-_scope_numbers = itertools.count()  # only ever advanced: distinct ids, no shared state
-
-
 class TransferRuntime:
     """Copy engines, host pool and in-flight transfer records for the transfer ops.
 
@@ -217,7 +214,7 @@ class TransferRuntime:
     # ------------------------------------------------------------------ context
 
     def __enter__(self) -> TransferRuntime:
-        self._tokens.append(_CURRENT.set(_Scope(self, next(_scope_numbers))))
+        self._tokens.append(_CURRENT.set(_Scope(self)))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -427,7 +424,7 @@ class TransferRuntime:
         them. A drained D2H's host copy is complete, hence VALID."""
         with self._lock:
             self._collect_locked()
-            keys = [key for key, p in self._pending.items() if p.scope == scope]
+            keys = [key for key, p in self._pending.items() if p.scope is scope]
             leftover = [self._pending.pop(key) for key in keys]
         for pending in leftover:
             pending.transfer.synchronize()  # nothing stays in flight past this point
