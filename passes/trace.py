@@ -166,6 +166,11 @@ class ActivationTrace:
         """Every storage some op touches, sorted by id."""
         return tuple(sorted(self._accesses_by_storage))
 
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes of the ``retained`` storages: all on the device after the last op."""
+        return sum(self.storage_sizes[sid] for sid in self.retained)
+
     def operand_bytes(self, op_index: int) -> int:
         """Bytes of the distinct storages op ``op_index`` touches."""
         return sum(self.storage_sizes[s] for s in self.ops[op_index].storages)

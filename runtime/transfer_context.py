@@ -151,12 +151,8 @@ class _HostCopy:
 
     state: HostCopyState
     d2h: Transfer
-    storage: weakref.ref[torch.UntypedStorage]
-
-    @property
-    def lifetime(self) -> weakref.ref[torch.UntypedStorage]:
-        """The reference whose death ends the record."""
-        return self.storage
+    lifetime: weakref.ref[torch.UntypedStorage]
+    """To the copy's storage; its death ends the record (and returns the buffer)."""
 
 
 @dataclass(eq=False)
@@ -175,15 +171,11 @@ class _Pending:
     transfer: Transfer
     label: str
     source: weakref.ref[torch.UntypedStorage]
-    destination: weakref.ref[torch.UntypedStorage]
+    lifetime: weakref.ref[torch.UntypedStorage]
+    """To the destination's storage; its death (unwaited) ends the record."""
     host_key: int
     scope: _Scope | None
     keep: tuple[torch.Tensor, ...]
-
-    @property
-    def lifetime(self) -> weakref.ref[torch.UntypedStorage]:
-        """The reference whose death ends the record."""
-        return self.destination
 
 
 class TransferRuntime:

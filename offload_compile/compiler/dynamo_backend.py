@@ -116,7 +116,9 @@ class _RegionForward:
 class _OffloadPartitioner(CustomPartitionerFn):
     """Stock min-cut partition (searched with recompute), then :func:`lower_region`."""
 
-    def __init__(self, backend: HyperOffloadBackend, region: _Region, plan_key: str) -> None:
+    def __init__(
+        self, backend: HyperOffloadBackend, region: _Region, plan_key: str | None
+    ) -> None:
         self._backend = backend
         self._region = region
         self._plan_key = plan_key
@@ -144,7 +146,7 @@ class _OffloadPartitioner(CustomPartitionerFn):
             search_seconds=time.perf_counter() - started,
         )
         region.graphs = (fw, bw)
-        if options.inner_compiler == "inductor":  # the only inner compiler with a cache
+        if self._plan_key is not None:  # an inner compiler with a cache (Inductor)
             region_cache.store_plan(self._plan_key, region.planned)
         log_region_report(region.planned.report)
         return fw, bw
@@ -205,27 +207,27 @@ class HyperOffloadBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         region = _Region(next(self._counter), self.options, example_inputs)
         self.regions.append(region)
+        if self.options.inner_compiler != "inductor":  # aot_eager: no cache, always planned
+            partitioner = _OffloadPartitioner(self, region, plan_key=None)
+            return _RegionForward(_compile_aot_eager(gm, example_inputs, partitioner), region, self)
         plan_key = region_cache.cache_key(
             gm, example_inputs, self.options.cache_key(), self.planning_code
         )
         partitioner = _OffloadPartitioner(self, region, plan_key)
-        if self.options.inner_compiler == "inductor":
-            if self.options.drops_cudagraphs and region.index == 0:
-                LOGGER.warning(
-                    "hyper_offload: mode=%r asks for CUDA graphs; hyper_offload regions run "
-                    "without them (their transfers keep host-side state a graph replay would "
-                    "skip); the mode's other Inductor settings apply", self.options.mode,
-                )
-            compiled = _compile_inductor(gm, example_inputs, partitioner, self.options)
-            if region.planned is None:  # served by AOTAutograd's cache (or inference)
-                region.planned = region_cache.load_plan(plan_key)
-                region.from_cache = region.planned is not None
-                if region.planned is not None:
-                    LOGGER.info("hyper_offload region %d: compiled code and plan served "
-                                "from the cache", region.index)
-                    log_region_report(region.planned.report)
-        else:
-            compiled = _compile_aot_eager(gm, example_inputs, partitioner)
+        if self.options.drops_cudagraphs and region.index == 0:
+            LOGGER.warning(
+                "hyper_offload: mode=%r asks for CUDA graphs; hyper_offload regions run "
+                "without them (their transfers keep host-side state a graph replay would "
+                "skip); the mode's other Inductor settings apply", self.options.mode,
+            )
+        compiled = _compile_inductor(gm, example_inputs, partitioner, self.options)
+        if region.planned is None:  # served by AOTAutograd's cache (or inference)
+            region.planned = region_cache.load_plan(plan_key)
+            region.from_cache = region.planned is not None
+            if region.planned is not None:
+                LOGGER.info("hyper_offload region %d: compiled code and plan served "
+                            "from the cache", region.index)
+                log_region_report(region.planned.report)
         return _RegionForward(compiled, region, self)
 
 

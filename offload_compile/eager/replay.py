@@ -279,8 +279,7 @@ class ReplayExecutor(BaseExecutor):
             ]
             manager.reset(restore_offloaded=True)
         self.bound.clear()
-        trace = self.plan.trace
-        self.stats.end_resident_bytes = sum(trace.storage_sizes[sid] for sid in trace.retained)
+        self.stats.end_resident_bytes = self.plan.trace.retained_bytes
         if stranded:
             shown = ", ".join(str(s) for s in stranded[:10])
             raise OffloadSessionError(

@@ -307,13 +307,6 @@ class WarmupExecutor(BaseExecutor):
                 "not read those tensors, and call session.reset() before the next step"
             )
         retained = frozenset(e.sid for e in self.tracker if e.alive)
-        # What outlives the step is on the device now (paged back just above): that
-        # moment is part of the step's peak, as it is of the trace's model.
-        sizes = self.tracker.sizes()
-        self.stats.end_resident_bytes = sum(sizes[sid] for sid in retained)
-        self.stats.peak_resident_bytes = max(
-            self.stats.peak_resident_bytes, self.stats.end_resident_bytes
-        )
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
         trace = ActivationTrace(
             ops=self._timed_ops(),
@@ -326,6 +319,10 @@ class WarmupExecutor(BaseExecutor):
                 else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps, "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
             ),
         )
+        # What outlives the step is on the device now (paged back just above): that
+        # moment is part of the step's peak, as it is of the trace's model.
+        self.stats.end_resident_bytes = trace.retained_bytes
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, trace.retained_bytes)
         try:
             planned = plan_residency(trace, self.planner, earliest_prefetch_op=0, where="eager warmup")
         except PlanningError as error:
@@ -344,7 +341,6 @@ class WarmupExecutor(BaseExecutor):
 def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:
     """Why the budget cannot be met, with the figures a user needs to fix it."""
     worst = max(check.infeasible_ops, key=lambda op: op.required_bytes)
-    retained = sum(trace.storage_sizes[sid] for sid in trace.retained)
     message = (
         f"OffloadSession warmup: no schedule meets the budget of {trace.budget_bytes} B at "
         f"{len(check.infeasible_ops)} op(s) (the most: op {worst.op_index}, "
@@ -352,11 +348,11 @@ def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_
         f"Later steps run exactly, at the plan's peak of {check.peak_resident_bytes} B; "
         f"the warmup step itself reached {measured_peak} B, counting the end of the step."
     )
-    if retained > trace.budget_bytes:
+    if trace.retained_bytes > trace.budget_bytes:
         message += (
             f" At the end of the step every tensor that outlives it is on the device: "
-            f"{retained} B here (gradients, outputs, anything still referenced), above the "
-            "budget by itself. Free what the next step does not need before leaving the "
+            f"{trace.retained_bytes} B here (gradients, outputs, anything still referenced), "
+            "above the budget by itself. Free what the next step does not need before leaving the "
             "session (e.g. optimizer.zero_grad(set_to_none=True) after optimizer.step()), or"
         )
     else:
