@@ -23,6 +23,7 @@ from .check_order import (
 )
 from .meta_step import MetaStep, StepKind, format_order, parse_order
 from .orders import SCHEDULES, PipelineLayout, layout_for
+from .residency import StageFootprint, StageFootprints, predicted_peak, step_curve
 from .swap_cost import (
     ActivationSizes,
     SwapCostModel,
@@ -42,6 +43,8 @@ __all__ = [
     "OrderViolation",
     "PipelineLayout",
     "SCHEDULES",
+    "StageFootprint",
+    "StageFootprints",
     "StepKind",
     "SwapCostModel",
     "SwapCostReport",
@@ -58,7 +61,9 @@ __all__ = [
     "parse_order",
     "plan_rank_swaps",
     "plan_swaps",
+    "predicted_peak",
     "resident_curve",
+    "step_curve",
     "torch_pipeline_order",
 ]
 

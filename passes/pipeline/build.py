@@ -5,7 +5,9 @@
       → add P2P                               plain SEND/RECV leaves
       → [inject FSDP]                         unshard lookahead / reshard / reduce-grad
       → rewrite transport                     plain | batch | boundary
-      → [inject swap]                         last: sees the final FSDP and P2P containers
+      → [inject swap]                         last: sees the final FSDP and P2P containers;
+                                              activation windows and, under dx/dw split,
+                                              dW-state windows
 
 What each schedule supports (ranks R, stages per rank V, micro-batches M):
 
@@ -51,11 +53,16 @@ def build_rank_orders(
     overlap: bool = False,
     swap_only: Mapping[int, Collection[tuple[int, int]]] | None = None,
     unsharded_load: str = "cover",
+    weight_swap: bool = True,
+    weight_swap_only: Mapping[int, Collection[tuple[int, int]]] | None = None,
 ) -> dict[int, list[MetaStep]]:
     """Every rank's finalized order for ``schedule`` (see the module docstring).
 
     ``swap_only`` (rank → chunks) restricts swap injection per rank to the given eligible
     ``(stage, micro)`` chunks; ranks absent from it swap every eligible chunk.
+    ``weight_swap`` also swaps the dW state across each eligible BWD_INPUT → BWD_WEIGHT
+    gap (orders that split dx/dw only); ``weight_swap_only`` restricts it per rank the
+    same way.
     """
     layout = layout_for(schedule, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
     orders = compute_orders(
@@ -72,9 +79,13 @@ def build_rank_orders(
     passes.append((f"rewrite_transport[{transport}]", lambda o, r: rewrite_transport(o, transport)))
     if swap:
         chosen = {} if swap_only is None else dict(swap_only)
+        chosen_weight = {} if weight_swap_only is None else dict(weight_swap_only)
         passes.append((
             f"inject_swap_steps[min_gap={min_gap}]",
-            lambda o, r: inject_swap_steps(o, min_gap=min_gap, only=chosen.get(r), unsharded_load=unsharded_load),
+            lambda o, r: inject_swap_steps(
+                o, min_gap=min_gap, only=chosen.get(r), unsharded_load=unsharded_load,
+                weight_swap=weight_swap, weight_only=chosen_weight.get(r),
+            ),
         ))
     logger.debug("%s: pass order %s", schedule, " -> ".join(name for name, _ in passes))
     return {rank: _run_passes(order, rank, passes) for rank, order in orders.items()}

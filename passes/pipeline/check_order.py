@@ -19,6 +19,12 @@ judges the pass rather than repeating it. Rules (:class:`OrderRule`):
   is hidden, and the activation does not come back earlier than it must;
 * SWAP_WAIT_LOAD comes before the chunk's first backward consumer (BWD or BWD_INPUT), and
   the next compute slot after it is that consumer's slot — a BWD_WEIGHT never loads;
+* the dW-state window of a chunk (BWD_INPUT → BWD_WEIGHT, under dx/dw split) follows the
+  same rules with its own four steps DW_LAUNCH_OFFLOAD, DW_WAIT_OFFLOAD, DW_LAUNCH_LOAD,
+  DW_WAIT_LOAD, the BWD_INPUT in the forward's role and the BWD_WEIGHT in the consumer's:
+  launched right after the BWD_INPUT, waited after one compute slot, loaded at the last
+  cover point, waited right before the BWD_WEIGHT. The chosen set is ``weight_swapped``
+  when given, else every eligible window (``gap >= min_gap`` between the two slots);
 * no swap step sits inside a container (BATCH_SEND_RECV or OVERLAP composite);
 * with FSDP on the stage: when an FSDP_UNSHARD of the stage after SWAP_WAIT_OFFLOAD feeds the
   consumer (no compute of the stage in between), the order is SWAP_LAUNCH_LOAD →
@@ -37,7 +43,7 @@ from collections.abc import Callable, Collection, Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from .meta_step import SWAP_SEQUENCE, MetaStep, StepFormatError, StepKind, validate_step
+from .meta_step import SWAP_PHASE_OF, SWAP_SEQUENCES, MetaStep, StepFormatError, StepKind, SwapPhase, validate_step
 from .swap import MIN_SWAP_GAP  # the default threshold only; the rules are re-derived here
 
 
@@ -115,8 +121,12 @@ def check_order(
     swapped: Collection[tuple[int, int]] | None = None,
     reference: Sequence[MetaStep] | None = None,
     unsharded_load: str = "cover",
+    weight_swapped: Collection[tuple[int, int]] | None = None,
 ) -> list[OrderViolation]:
-    """Every violation of the rules in the module docstring, in step order."""
+    """Every violation of the rules in the module docstring, in step order.
+
+    ``swapped`` / ``weight_swapped``: the chunks whose activation / dW-state window must be
+    swapped (``None``: every eligible one)."""
     out: list[OrderViolation] = []
 
     def report(step: int, chunk: _Where, rule: OrderRule, message: str) -> None:
@@ -125,30 +135,38 @@ def check_order(
     _check_structure(order, report)
     slot_of = _slot_index(order)
     chunks, weights = _pair_chunks(order, slot_of)
-    eligible = {k for k, c in chunks.items() if c.consumer_slot - c.forward_slot >= min_gap}
-    chosen = eligible if swapped is None else {tuple(k) for k in swapped}
-    for key in sorted(chosen - eligible):
-        where = chunks[key].forward_pos if key in chunks else 0
-        gap = chunks[key].consumer_slot - chunks[key].forward_slot if key in chunks else None
-        report(where, key, OrderRule.CHOSEN_INELIGIBLE,
-               f"chunk is in the chosen set but is not eligible (gap {gap}, min_gap {min_gap})")
-
-    steps_of: dict[tuple[int, int], dict[StepKind, list[int]]] = defaultdict(lambda: defaultdict(list))
+    windows = {
+        SwapPhase.ACTIVATIONS: chunks,
+        SwapPhase.WEIGHT_STATE: _weight_windows(order, slot_of),
+    }
+    steps_of: dict[tuple[int, int, SwapPhase], dict[StepKind, list[int]]] = defaultdict(lambda: defaultdict(list))
     for pos, step in enumerate(order):
         if step.is_swap and step.chunk is not None:
-            steps_of[step.chunk][step.kind].append(pos)
-    for key, by_kind in sorted(steps_of.items()):
-        first = min(p for ps in by_kind.values() for p in ps)
-        if key not in chunks:
-            report(first, key, OrderRule.UNKNOWN_CHUNK,
-                   "swap step for a chunk without a forward and a backward consumer on this rank; remove it")
-        elif key not in chosen:
-            rule = OrderRule.NOT_CHOSEN_SWAPPED
-            why = "eligible but not in the chosen set" if key in eligible else "not eligible (gap < min_gap)"
-            report(first, key, rule, f"chunk has swap steps but is {why}; it must stay resident")
-    for key in sorted(chosen & set(chunks)):
-        _check_chunk(order, key, chunks[key], steps_of.get(key, {}), weights.get(key, []), slot_of, report,
-                     unsharded_load)
+            steps_of[(*step.chunk, SWAP_PHASE_OF[step.kind])][step.kind].append(pos)
+    for phase, given in ((SwapPhase.ACTIVATIONS, swapped), (SwapPhase.WEIGHT_STATE, weight_swapped)):
+        found = windows[phase]
+        eligible = {k for k, c in found.items() if c.consumer_slot - c.forward_slot >= min_gap}
+        chosen = eligible if given is None else {tuple(k) for k in given}
+        label = _PHASE_LABEL[phase]
+        for key in sorted(chosen - eligible):
+            where = found[key].forward_pos if key in found else 0
+            gap = found[key].consumer_slot - found[key].forward_slot if key in found else None
+            report(where, key, OrderRule.CHOSEN_INELIGIBLE,
+                   f"{label} is in the chosen set but is not eligible (gap {gap}, min_gap {min_gap})")
+        for (stage, micro, step_phase), by_kind in sorted(steps_of.items()):
+            key = (stage, micro)
+            if step_phase is not phase:
+                continue
+            first = min(p for ps in by_kind.values() for p in ps)
+            if key not in found:
+                report(first, key, OrderRule.UNKNOWN_CHUNK,
+                       f"swap step for a chunk without the {_PHASE_PAIR[phase]} pair on this rank; remove it")
+            elif key not in chosen:
+                why = "eligible but not in the chosen set" if key in eligible else "not eligible (gap < min_gap)"
+                report(first, key, OrderRule.NOT_CHOSEN_SWAPPED, f"{label} has swap steps but is {why}; it must stay resident")
+        for key in sorted(chosen & set(found)):
+            _check_chunk(order, key, found[key], steps_of.get((*key, phase), {}), weights.get(key, []), slot_of,
+                         report, unsharded_load, phase)
     if reference is not None:
         _check_reference(order, reference, report)
     return sorted(out, key=lambda v: v.step)
@@ -162,10 +180,12 @@ def assert_valid_order(
     swapped: Collection[tuple[int, int]] | None = None,
     reference: Sequence[MetaStep] | None = None,
     unsharded_load: str = "cover",
+    weight_swapped: Collection[tuple[int, int]] | None = None,
 ) -> None:
     """Raise :class:`OrderError` listing every violation, with the order printed as a table."""
     violations = check_order(
-        order, rank=rank, min_gap=min_gap, swapped=swapped, reference=reference, unsharded_load=unsharded_load
+        order, rank=rank, min_gap=min_gap, swapped=swapped, reference=reference, unsharded_load=unsharded_load,
+        weight_swapped=weight_swapped,
     )
     if not violations:
         return
@@ -241,6 +261,40 @@ def _pair_chunks(
     return chunks, weights
 
 
+def _weight_windows(order: Sequence[MetaStep], slot_of: dict[int, int]) -> dict[tuple[int, int], _Chunk]:
+    """Chunks with a BWD_INPUT and a later BWD_WEIGHT: the dW window, I in the forward's role."""
+    inputs: dict[tuple[int, int], int] = {}
+    weights: dict[tuple[int, int], int] = {}
+    for pos in slot_of:
+        for leaf in order[pos].leaves():
+            if leaf.chunk is None:
+                continue
+            if leaf.kind is StepKind.BWD_INPUT:
+                inputs.setdefault(leaf.chunk, pos)
+            elif leaf.kind is StepKind.BWD_WEIGHT and leaf.chunk in inputs:
+                weights.setdefault(leaf.chunk, pos)
+    return {
+        key: _Chunk(slot_of[i], i, slot_of[weights[key]], weights[key]) for key, i in inputs.items() if key in weights
+    }
+
+
+def _in_weight_terms(report: _Report) -> _Report:
+    """The activation window's messages, named for the dW window (same rules, other steps)."""
+    words = (("SWAP_", "DW_"), ("backward consumer", "BWD_WEIGHT"), ("the consumer", "the BWD_WEIGHT"),
+             ("the forward", "the BWD_INPUT"), ("forward slot", "BWD_INPUT slot"))
+
+    def renamed(step: int, chunk: _Where, rule: OrderRule, message: str) -> None:
+        for old, new in words:
+            message = message.replace(old, new)
+        report(step, chunk, rule, f"dW state: {message}")
+
+    return renamed
+
+
+_PHASE_LABEL = {SwapPhase.ACTIVATIONS: "chunk", SwapPhase.WEIGHT_STATE: "dW-state window"}
+_PHASE_PAIR = {SwapPhase.ACTIVATIONS: "forward + backward consumer", SwapPhase.WEIGHT_STATE: "BWD_INPUT + BWD_WEIGHT"}
+
+
 def _check_chunk(
     order: Sequence[MetaStep],
     key: tuple[int, int],
@@ -250,19 +304,25 @@ def _check_chunk(
     slot_of: dict[int, int],
     report: _Report,
     unsharded_load: str = "cover",
+    phase: SwapPhase = SwapPhase.ACTIVATIONS,
 ) -> None:
+    """One chosen window's four steps. For the dW window ``chunk`` holds the BWD_INPUT in
+    the forward's place and the BWD_WEIGHT in the consumer's; the rules are the same."""
+    if phase is SwapPhase.WEIGHT_STATE:
+        report = _in_weight_terms(report)
     positions: dict[StepKind, int] = {}
-    for kind in SWAP_SEQUENCE:
+    sequence = SWAP_SEQUENCES[phase]
+    for kind in sequence:
         found = by_kind.get(kind, [])
         if not found:
-            report(chunk.forward_pos, key, OrderRule.MISSING_SWAP_STEP, f"chosen chunk has no {kind.name}")
+            report(chunk.forward_pos, key, OrderRule.MISSING_SWAP_STEP, f"chosen {_PHASE_LABEL[phase]} has no {kind.name}")
         elif len(found) > 1:
             report(found[1], key, OrderRule.DUPLICATE_SWAP_STEP, f"{kind.name} appears {len(found)} times")
         else:
             positions[kind] = found[0]
     if len(positions) != 4:
         return
-    launch_off, wait_off, launch_load, wait_load = (positions[k] for k in SWAP_SEQUENCE)
+    launch_off, wait_off, launch_load, wait_load = (positions[k] for k in sequence)
     if not launch_off < wait_off < launch_load < wait_load:
         report(launch_off, key, OrderRule.SWAP_STEP_ORDER,
                f"swap steps at {launch_off}, {wait_off}, {launch_load}, {wait_load}; expected "
@@ -277,7 +337,7 @@ def _check_chunk(
                f"SWAP_WAIT_LOAD after the backward consumer at step {chunk.consumer_pos}")
     else:
         next_slot = min((p for p in slot_of if p > wait_load), default=None)
-        if next_slot in weight_positions and next_slot != chunk.consumer_pos:
+        if phase is SwapPhase.ACTIVATIONS and next_slot in weight_positions and next_slot != chunk.consumer_pos:
             report(wait_load, key, OrderRule.WEIGHT_LOADS,
                    f"SWAP_WAIT_LOAD feeds the BWD_WEIGHT at step {next_slot}; only BWD / BWD_INPUT load")
         elif next_slot != chunk.consumer_pos:

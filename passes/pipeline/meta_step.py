@@ -6,7 +6,8 @@ sub-steps that run as one unit.
 
 Compact text form (``repr``), parsed back by :meth:`MetaStep.from_str`::
 
-    leaf       {stage}{KIND}{micro}      e.g. ``1F3``, ``0SWAP_LAUNCH_OFFLOAD2``, ``0UNSHARD``
+    leaf       {stage}{KIND}{micro}      e.g. ``1F3``, ``0SWAP_LAUNCH_OFFLOAD2``, ``0DW_WAIT_LOAD2``,
+                                              ``0UNSHARD``
     composite  ({sub};{sub};...){KIND}   e.g. ``(0F3;3B1)OVERLAP_B_F``,
                                               ``(0SEND_F1;0RECV_B0)BATCH_SEND_RECV``
 
@@ -52,6 +53,11 @@ class StepKind(str, Enum):
     SWAP_WAIT_OFFLOAD = "SWAP_WAIT_OFFLOAD"
     SWAP_LAUNCH_LOAD = "SWAP_LAUNCH_LOAD"
     SWAP_WAIT_LOAD = "SWAP_WAIT_LOAD"
+    # The dW state (what BWD_WEIGHT reads) across the BWD_INPUT -> BWD_WEIGHT gap.
+    DW_LAUNCH_OFFLOAD = "DW_LAUNCH_OFFLOAD"
+    DW_WAIT_OFFLOAD = "DW_WAIT_OFFLOAD"
+    DW_LAUNCH_LOAD = "DW_LAUNCH_LOAD"
+    DW_WAIT_LOAD = "DW_WAIT_LOAD"
 
     def __repr__(self) -> str:
         return self.name
@@ -63,21 +69,43 @@ OVERLAP_KINDS = frozenset({StepKind.OVERLAP_B_F, StepKind.OVERLAP_F_B})
 COMPOSITE_KINDS = OVERLAP_KINDS | {StepKind.BATCH_SEND_RECV}
 P2P_KINDS = frozenset({StepKind.SEND_F, StepKind.RECV_F, StepKind.SEND_B, StepKind.RECV_B})
 FSDP_KINDS = frozenset({StepKind.FSDP_UNSHARD, StepKind.FSDP_RESHARD, StepKind.REDUCE_GRAD})
-SWAP_KINDS = frozenset(
-    {
-        StepKind.SWAP_LAUNCH_OFFLOAD,
-        StepKind.SWAP_WAIT_OFFLOAD,
-        StepKind.SWAP_LAUNCH_LOAD,
-        StepKind.SWAP_WAIT_LOAD,
-    }
-)
-#: The four swap steps of one chunk, in the only order they may appear.
+
+
+class SwapPhase(str, Enum):
+    """Which window of a chunk a swap step covers.
+
+    ``ACTIVATIONS``: the saved activations, from the FWD to the first backward consumer
+    (BWD, or BWD_INPUT under dx/dw split). ``WEIGHT_STATE``: what BWD_WEIGHT reads (the
+    retained saved activations and the gradients at the weight-path intermediates), from
+    BWD_INPUT to BWD_WEIGHT.
+    """
+
+    ACTIVATIONS = "activations"
+    WEIGHT_STATE = "weight_state"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+#: The four swap steps of one chunk's activation window, in the only order they may appear.
 SWAP_SEQUENCE = (
     StepKind.SWAP_LAUNCH_OFFLOAD,
     StepKind.SWAP_WAIT_OFFLOAD,
     StepKind.SWAP_LAUNCH_LOAD,
     StepKind.SWAP_WAIT_LOAD,
 )
+#: The four swap steps of one chunk's dW-state window, in the only order they may appear.
+DW_SWAP_SEQUENCE = (
+    StepKind.DW_LAUNCH_OFFLOAD,
+    StepKind.DW_WAIT_OFFLOAD,
+    StepKind.DW_LAUNCH_LOAD,
+    StepKind.DW_WAIT_LOAD,
+)
+SWAP_SEQUENCES = {SwapPhase.ACTIVATIONS: SWAP_SEQUENCE, SwapPhase.WEIGHT_STATE: DW_SWAP_SEQUENCE}
+SWAP_KINDS = frozenset(SWAP_SEQUENCE + DW_SWAP_SEQUENCE)
+#: Phase of every swap kind, and its place (0..3) in the phase's sequence.
+SWAP_PHASE_OF = {kind: phase for phase, seq in SWAP_SEQUENCES.items() for kind in seq}
+SWAP_INDEX_OF = {kind: seq.index(kind) for seq in SWAP_SEQUENCES.values() for kind in seq}
 # Leaves that name a stage but no micro-batch (they act on the stage's parameters).
 _STAGE_ONLY_KINDS = FSDP_KINDS
 

@@ -11,7 +11,17 @@ compute step is one *slot* — an OVERLAP composite counts once, so two concurre
 never counted as two hiding windows. ``compute_index`` numbers the slots 0, 1, 2, ...
 
 Pairing. A chunk pairs its FWD with its BWD, or with its BWD_INPUT under dx/dw split;
-BWD_WEIGHT is never a consumer (it reuses what BWD_INPUT kept) and never loads.
+BWD_WEIGHT is never a consumer of the activation window (it reuses what BWD_INPUT kept).
+
+The dW window (phase WEIGHT_STATE, :func:`find_weight_windows`). Under dx/dw split what
+BWD_WEIGHT reads — the saved activations its weight gradients need, kept alive by the
+retained autograd graph, and the gradients BWD_INPUT left at the weight-path
+intermediates — stays on the device from BWD_INPUT to BWD_WEIGHT. Zero-bubble schedules
+delay W on purpose, so that gap is long. It is swapped by four more steps, DW_LAUNCH_OFFLOAD,
+DW_WAIT_OFFLOAD, DW_LAUNCH_LOAD and DW_WAIT_LOAD, placed by exactly the rules below with
+BWD_INPUT in the forward's role and BWD_WEIGHT in the backward's (same ``min_gap``, same
+cover points, same FSDP lookahead). A chunk may have both windows swapped: its
+activations come back for BWD_INPUT and what BWD_INPUT left goes out again after it.
 ``gap = backward.compute_index - forward.compute_index``; the chunk is eligible when
 ``gap >= min_gap`` (default 4: at gap 1 no load window exists, at 2 the freed memory is
 claimed back at once, at 3 one edge window rarely hides the copies). ``min_gap`` below 2 is
@@ -51,21 +61,25 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
-from .meta_step import SWAP_SEQUENCE, MetaStep, StepKind
+from .meta_step import SWAP_SEQUENCES, MetaStep, StepKind, SwapPhase
 
 #: Default threshold: a chunk is swapped only if its window spans at least this many slots.
 MIN_SWAP_GAP = 4
 #: Where SWAP_LAUNCH_LOAD goes when the chunk's stage stays unsharded under FSDP.
 UNSHARDED_LOAD_PLACEMENTS = ("cover", "delay")
 _CONSUMER_KINDS = (StepKind.BWD, StepKind.BWD_INPUT)
+_PAIR_NAMES = {"only": "forward + backward", "weight_only": "BWD_INPUT + BWD_WEIGHT"}
 
 
 class SwapChunk(NamedTuple):
-    """One (stage, micro) chunk's forward→backward window on this rank.
+    """One (stage, micro) chunk's swap window on this rank.
 
-    ``forward_index`` / ``backward_index`` are compute-slot indices (composites count once);
-    ``forward_step`` / ``backward_step`` are top-level positions in the analysed order.
-    ``gap = backward_index - forward_index``; ``eligible`` is ``gap >= min_gap``.
+    ``phase`` ACTIVATIONS: the window runs from the FWD to the first backward consumer;
+    WEIGHT_STATE: from the BWD_INPUT to the BWD_WEIGHT (the "forward" / "backward" fields
+    then name those two steps). ``forward_index`` / ``backward_index`` are compute-slot
+    indices (composites count once); ``forward_step`` / ``backward_step`` are top-level
+    positions in the analysed order. ``gap = backward_index - forward_index``;
+    ``eligible`` is ``gap >= min_gap``.
     """
 
     stage: int
@@ -76,6 +90,7 @@ class SwapChunk(NamedTuple):
     eligible: bool
     forward_step: int
     backward_step: int
+    phase: SwapPhase = SwapPhase.ACTIVATIONS
 
     @property
     def key(self) -> tuple[int, int]:
@@ -115,6 +130,37 @@ def find_swap_chunks(order: Sequence[MetaStep], *, min_gap: int = MIN_SWAP_GAP) 
     return sorted(chunks, key=lambda c: c.forward_step)
 
 
+def find_weight_windows(order: Sequence[MetaStep], *, min_gap: int = MIN_SWAP_GAP) -> list[SwapChunk]:
+    """Analyse ``order``: every chunk with a BWD_INPUT and a later BWD_WEIGHT on this rank
+    (phase WEIGHT_STATE), by BWD_INPUT position. Swap steps in ``order`` are ignored."""
+    _check_min_gap(min_gap)
+    inputs: dict[tuple[int, int], tuple[int, int]] = {}
+    weights: dict[tuple[int, int], tuple[int, int]] = {}
+    slot = -1
+    for pos, step in enumerate(order):
+        if not step.is_compute_slot:
+            continue
+        slot += 1
+        for leaf in step.leaves():
+            key = leaf.chunk
+            if key is None:
+                continue
+            if leaf.kind is StepKind.BWD_INPUT:
+                inputs.setdefault(key, (slot, pos))
+            elif leaf.kind is StepKind.BWD_WEIGHT and key in inputs:
+                weights.setdefault(key, (slot, pos))
+    windows = []
+    for key, (i_slot, i_pos) in inputs.items():
+        if key not in weights:
+            continue
+        w_slot, w_pos = weights[key]
+        gap = w_slot - i_slot
+        windows.append(
+            SwapChunk(key[0], key[1], i_slot, w_slot, gap, gap >= min_gap, i_pos, w_pos, SwapPhase.WEIGHT_STATE)
+        )
+    return sorted(windows, key=lambda c: c.forward_step)
+
+
 class SwapAnchor(NamedTuple):
     """Insert ``step`` right before top-level position ``position`` of the analysed order
     (``position == len(order)`` appends)."""
@@ -145,7 +191,7 @@ def swap_anchors(
             _launch_load_position(order, chunk, slot_positions, wait_offload, fsdp_stages, unsharded_load),
             chunk.backward_step,
         )
-        for kind_order, (kind, position) in enumerate(zip(SWAP_SEQUENCE, positions)):
+        for kind_order, (kind, position) in enumerate(zip(SWAP_SEQUENCES[chunk.phase], positions)):
             anchor = SwapAnchor(position, MetaStep(kind, chunk.stage, chunk.micro))
             keyed.append((position, kind_order, chunk.forward_step, anchor))
     return [anchor for *_, anchor in sorted(keyed, key=lambda t: t[:3])]
@@ -173,15 +219,20 @@ def inject_swap_steps(
     min_gap: int = MIN_SWAP_GAP,
     only: Collection[tuple[int, int]] | None = None,
     unsharded_load: str = "cover",
+    weight_swap: bool = True,
+    weight_only: Collection[tuple[int, int]] | None = None,
 ) -> list[MetaStep]:
-    """Insert the four swap steps for each eligible chunk (or each chunk of ``only``).
+    """Insert the four swap steps for each eligible chunk (or each chunk of ``only``), and
+    the four DW_* steps for each eligible BWD_INPUT → BWD_WEIGHT window (or each chunk of
+    ``weight_only``; none with ``weight_swap=False``).
 
     ``unsharded_load`` places the load of a chunk whose stage stays unsharded under FSDP
     (see the module docstring): ``"cover"`` or ``"delay"``.
 
-    ``only`` restricts injection to a subset of the eligible ``(stage, micro)`` chunks (a
-    cost model's choice); naming a chunk that is unknown or ineligible raises ValueError.
-    Removing the swap steps from the result gives back ``order`` exactly.
+    ``only`` / ``weight_only`` restrict injection to a subset of the eligible
+    ``(stage, micro)`` windows (a cost model's choice); naming a chunk that is unknown or
+    ineligible raises ValueError. Removing the swap steps from the result gives back
+    ``order`` exactly.
     """
     for pos, step in enumerate(order):
         if step.is_swap:
@@ -193,7 +244,11 @@ def inject_swap_steps(
         raise ValueError(
             f"unsharded_load must be one of {', '.join(UNSHARDED_LOAD_PLACEMENTS)}, got {unsharded_load!r}"
         )
-    chosen = _choose(find_swap_chunks(order, min_gap=min_gap), only, min_gap)
+    chosen = _choose(find_swap_chunks(order, min_gap=min_gap), only, min_gap, "only")
+    if weight_swap:
+        chosen += _choose(find_weight_windows(order, min_gap=min_gap), weight_only, min_gap, "weight_only")
+    elif weight_only:
+        raise ValueError("weight_only names dW windows to swap, but weight_swap=False swaps none")
     return apply_swap_anchors(order, swap_anchors(order, chosen, unsharded_load=unsharded_load))
 
 
@@ -240,7 +295,7 @@ def lookahead_unshard_position(
 
 
 def _choose(
-    chunks: list[SwapChunk], only: Collection[tuple[int, int]] | None, min_gap: int
+    chunks: list[SwapChunk], only: Collection[tuple[int, int]] | None, min_gap: int, name: str
 ) -> list[SwapChunk]:
     if only is None:
         return [c for c in chunks if c.eligible]
@@ -250,12 +305,12 @@ def _choose(
         chunk = by_key.get(key)  # type: ignore[arg-type]
         if chunk is None:
             raise ValueError(
-                f"only: chunk (stage {key[0]}, micro {key[1]}) has no forward + backward pair on this rank; "
-                f"known chunks: {sorted(by_key)}"
+                f"{name}: chunk (stage {key[0]}, micro {key[1]}) has no {_PAIR_NAMES[name]} pair on this "
+                f"rank; known chunks: {sorted(by_key)}"
             )
         if not chunk.eligible:
             raise ValueError(
-                f"only: chunk (stage {key[0]}, micro {key[1]}) has gap {chunk.gap} < min_gap {min_gap}; "
+                f"{name}: chunk (stage {key[0]}, micro {key[1]}) has gap {chunk.gap} < min_gap {min_gap}; "
                 "only eligible chunks can be swapped"
             )
     return [c for c in chunks if c.key in wanted]

@@ -1,38 +1,40 @@
-"""Cost-aware swap eligibility: swap only chunks whose copies hide and that lower the peak.
+"""Cost-aware swap eligibility: swap only windows whose copies hide and that lower the peak.
 
-The gap rule (``gap >= min_gap``) says when a chunk *may* be swapped. This module, the
-design document's own future work, decides which eligible chunks are *worth* swapping on
-one rank, from three inputs: activation bytes per chunk (:class:`ActivationSizes`), D2H /
-H2D bandwidth and per-step compute durations (:class:`SwapCostModel`).
+The gap rule (``gap >= min_gap``) says when a window *may* be swapped: a chunk's
+activation window (FWD → first backward consumer) or, under dx/dw split, its dW-state
+window (BWD_INPUT → BWD_WEIGHT). This module, the design document's own future work,
+decides which eligible windows are *worth* swapping on one rank, from three inputs: the
+bytes each chunk keeps alive (:class:`ActivationSizes` for activations only, or the full
+:class:`~.residency.StageFootprints`), D2H / H2D bandwidth and per-step compute durations
+(:class:`SwapCostModel`).
 
 Analysis and rewrite are separate: :func:`choose_swaps` reads an order in which every
-candidate chunk already has its four swap steps (the gap rule's output) and returns a
-:class:`SwapCostReport`; the caller hands ``report.chosen`` to
-``inject_swap_steps(order, only=...)``. :func:`plan_swaps` does both analysis calls for a
-plain order.
+candidate window already has its four swap steps (the gap rule's output) and returns a
+:class:`SwapCostReport`; the caller hands ``report.chosen`` and ``report.chosen_weight``
+to ``inject_swap_steps(order, only=..., weight_only=...)``. :func:`plan_swaps` does both
+analysis calls for a plain order.
 
-Model (all of it is in these functions; nothing is measured here):
+Model (all of it is in these functions and in :mod:`.residency`; nothing is measured here):
 
-* **Residency.** A chunk's activations occupy the device from the top-level step holding
-  its FWD leaf through the step holding its first consumer (BWD, or BWD_INPUT under dx/dw
-  split; to the end of the order if there is none). A swapped chunk is off the device from
-  its ``SWAP_WAIT_OFFLOAD`` (which frees the device storage) up to, not including, its
-  ``SWAP_LAUNCH_LOAD`` (which allocates it again). The curve is sampled at every top-level
-  step; its maximum is the rank's peak of resident activation bytes.
+* **Residency.** The residency model of :mod:`.residency`: per chunk, levels that change
+  at its FWD, BWD / BWD_INPUT / BWD_WEIGHT and swap steps, summed per top-level step. A
+  swapped window's bytes are off the device from its WAIT_OFFLOAD (which frees the device
+  storage) up to, not including, its LAUNCH_LOAD (which allocates it again). The curve's
+  maximum is the rank's predicted peak.
 * **Time.** A rank-local clock advances only at compute slots: a compute leaf takes
   ``SwapCostModel.seconds(kind, stage)``; an ``OVERLAP_*`` composite runs its sub-steps
   concurrently and takes the longest of them. Other steps take no time. Cross-rank
-  bubbles are ignored, which can only *under*-estimate a window: a chunk judged hideable
+  bubbles are ignored, which can only *under*-estimate a window: a window judged hideable
   is hideable.
 * **Copy stream.** All D2H and H2D copies of a rank share one in-order copy stream: a copy
-  starts at ``max(launch time, end of the previous copy)``. A chunk is hideable when, with
-  every chosen chunk on the stream, its offload ends by its ``SWAP_WAIT_OFFLOAD`` and its
-  load by its ``SWAP_WAIT_LOAD``.
-* **Choice.** Greedy on the peak: repeatedly take the hideable chunk that is off the
+  starts at ``max(launch time, end of the previous copy)``. A window is hideable when, with
+  every chosen window on the stream, its offload ends by its WAIT_OFFLOAD and its load by
+  its WAIT_LOAD.
+* **Choice.** Greedy on the peak: repeatedly take the hideable window that is off the
   device at a peak position and lowers ``(peak, number of peak positions)`` the most
-  (largest chunk first on ties); stop when nothing lowers it or the target is met. Then
-  drop, latest choice first, any chunk whose removal leaves the peak unchanged: swapping a
-  chunk that is not resident at the peak costs bandwidth and saves nothing.
+  (largest first on ties); stop when nothing lowers it or the target is met. Then drop,
+  latest choice first, any window whose removal leaves the peak unchanged: swapping bytes
+  that are not resident at the peak costs bandwidth and saves nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 
-from .meta_step import MetaStep, StepKind
+from .meta_step import SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
+from .residency import ChunkSizes, StageFootprint, step_curve
 from .swap import MIN_SWAP_GAP, find_swap_chunks, inject_swap_steps
 
 ChunkKey = tuple[int, int]
@@ -86,6 +89,10 @@ class ActivationSizes:
         if chunk in self.per_chunk:
             return self.per_chunk[chunk]
         return self.per_stage.get(chunk[0], self.default_bytes)
+
+    def footprint(self, chunk: ChunkKey) -> StageFootprint:
+        """Activations only: every other level of the residency model is 0."""
+        return StageFootprint(activations=self.bytes_of(chunk))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,9 +158,11 @@ class RejectedChunk:
     micro: int
     reason: RejectReason
     detail: str
+    phase: SwapPhase = SwapPhase.ACTIVATIONS
 
     def __str__(self) -> str:
-        return f"stage {self.stage} micro-batch {self.micro}: {self.reason.value} ({self.detail})"
+        window = "" if self.phase is SwapPhase.ACTIVATIONS else " dW state"
+        return f"stage {self.stage} micro-batch {self.micro}{window}: {self.reason.value} ({self.detail})"
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,7 @@ class ChunkWindow:
     load_window_s: float
     d2h_s: float
     h2d_s: float
+    phase: SwapPhase = SwapPhase.ACTIVATIONS
 
     @property
     def hides_alone(self) -> bool:
@@ -178,13 +188,19 @@ def fits(copy_s: float, window_s: float) -> bool:
     return copy_s <= window_s * (1 + 1e-9) + 1e-12
 
 
+WindowKey = tuple[int, int, SwapPhase]
+"""``(stage, micro, phase)``: one swap window of one chunk."""
+
+
 @dataclass(frozen=True)
 class SwapCostReport:
     """The decision for one rank.
 
-    ``peak_without`` is the rank's peak of resident activation bytes with no chunk swapped;
-    ``peak_with`` with exactly ``chosen`` swapped (``peak_with <= peak_without``). Every
-    chunk of the order is either in ``chosen`` or in ``rejected``, never both.
+    ``peak_without`` is the rank's predicted peak (the residency model of
+    :mod:`.residency`) with no window swapped; ``peak_with`` with exactly ``chosen``
+    (activation windows) and ``chosen_weight`` (dW-state windows) swapped
+    (``peak_with <= peak_without``). Every window of the order is either chosen or in
+    ``rejected`` (with its phase), never both.
     """
 
     peak_without: int
@@ -192,6 +208,7 @@ class SwapCostReport:
     chosen: tuple[ChunkKey, ...]
     rejected: tuple[RejectedChunk, ...]
     windows: tuple[ChunkWindow, ...]
+    chosen_weight: tuple[ChunkKey, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -200,129 +217,137 @@ class SwapCostReport:
 
 @dataclass(frozen=True)
 class ChunkLife:
-    """Top-level positions of one chunk's FWD, first consumer and swap steps in an order."""
+    """Top-level positions of one chunk's FWD, first consumer, BWD_WEIGHT and swap steps."""
 
     stage: int
     micro: int
     forward: int
     consumer: int | None
-    launch_offload: int | None = None
-    wait_offload: int | None = None
-    launch_load: int | None = None
-    wait_load: int | None = None
+    swaps: Mapping[SwapPhase, tuple[int | None, ...]] = field(default_factory=dict)
+    """Per phase: positions of its LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
 
     @property
     def key(self) -> ChunkKey:
         return (self.stage, self.micro)
 
-    @property
-    def has_swap_steps(self) -> bool:
-        return None not in (self.launch_offload, self.wait_offload, self.launch_load, self.wait_load)
+    def has_swap_steps(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> bool:
+        positions = self.swaps.get(phase)
+        return positions is not None and None not in positions
 
-    def resident_span(self, order_length: int) -> range:
-        end = order_length - 1 if self.consumer is None else self.consumer
-        return range(self.forward, end + 1)
-
-    @property
-    def swap_positions(self) -> tuple[int, int, int, int]:
-        """Positions of LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
-        positions = (self.launch_offload, self.wait_offload, self.launch_load, self.wait_load)
-        if None in positions:
+    def swap_positions(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> tuple[int, int, int, int]:
+        """Positions of the phase's LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
+        if not self.has_swap_steps(phase):
             raise ValueError(
-                f"stage {self.stage} micro-batch {self.micro} is treated as swapped but the order "
-                "lacks some of its four swap steps; inject them first (inject_swap_steps)"
+                f"stage {self.stage} micro-batch {self.micro} is treated as swapped ({phase.value}) but "
+                "the order lacks some of its four swap steps; inject them first (inject_swap_steps)"
             )
-        return positions  # type: ignore[return-value]
+        return self.swaps[phase]  # type: ignore[return-value]
 
-    def away_span(self) -> range:
-        """Positions at which a swapped chunk is off the device (empty if it has no swap steps)."""
-        if not self.has_swap_steps:
+    def away_span(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> range:
+        """Positions at which the window's bytes are off the device (empty without swap steps)."""
+        if not self.has_swap_steps(phase):
             return range(0)
-        _, wait_offload, launch_load, _ = self.swap_positions
+        _, wait_offload, launch_load, _ = self.swap_positions(phase)
         return range(wait_offload, launch_load)
 
 
 def chunk_lives(order: Sequence[MetaStep]) -> dict[ChunkKey, ChunkLife]:
     """Where each chunk's FWD, first consumer and swap steps sit (top-level positions)."""
-    found: dict[ChunkKey, dict[str, int]] = {}
-    swap_fields = {
-        StepKind.SWAP_LAUNCH_OFFLOAD: "launch_offload",
-        StepKind.SWAP_WAIT_OFFLOAD: "wait_offload",
-        StepKind.SWAP_LAUNCH_LOAD: "launch_load",
-        StepKind.SWAP_WAIT_LOAD: "wait_load",
-    }
+    forward: dict[ChunkKey, int] = {}
+    consumer: dict[ChunkKey, int] = {}
+    swaps: dict[ChunkKey, dict[SwapPhase, list[int | None]]] = {}
     for position, step in enumerate(order):
         for leaf in step.leaves():
             key = leaf.chunk
             if key is None:
                 continue
             if leaf.kind is StepKind.FWD:
-                found.setdefault(key, {}).setdefault("forward", position)
+                forward.setdefault(key, position)
             elif leaf.kind in _CONSUMER_KINDS:
-                found.setdefault(key, {}).setdefault("consumer", position)
-            elif leaf.kind in swap_fields:
-                found.setdefault(key, {}).setdefault(swap_fields[leaf.kind], position)
+                consumer.setdefault(key, position)
+            elif leaf.kind in SWAP_PHASE_OF:
+                slots = swaps.setdefault(key, {}).setdefault(SWAP_PHASE_OF[leaf.kind], [None] * 4)
+                index = SWAP_INDEX_OF[leaf.kind]
+                if slots[index] is None:
+                    slots[index] = position
     return {
-        key: ChunkLife(stage=key[0], micro=key[1], consumer=places.get("consumer"), **_without(places, "consumer"))
-        for key, places in sorted(found.items())
-        if "forward" in places
+        key: ChunkLife(
+            key[0], key[1], forward[key], consumer.get(key),
+            {phase: tuple(p) for phase, p in swaps.get(key, {}).items()},
+        )
+        for key in sorted(forward)
     }
 
 
-def _without(mapping: Mapping[str, int], name: str) -> dict[str, int]:
-    return {k: v for k, v in mapping.items() if k != name}
+def _windows_present(lives: Mapping[ChunkKey, ChunkLife], phase: SwapPhase) -> set[ChunkKey]:
+    return {k for k, life in lives.items() if life.has_swap_steps(phase)}
 
 
 def resident_curve(
-    order: Sequence[MetaStep], sizes: ActivationSizes, swapped: Iterable[ChunkKey] | None = None
+    order: Sequence[MetaStep],
+    sizes: ChunkSizes,
+    swapped: Iterable[ChunkKey] | None = None,
+    weight_swapped: Iterable[ChunkKey] | None = None,
 ) -> list[int]:
-    """Resident activation bytes at each top-level step of ``order``.
+    """The residency model's curve of ``order`` (:func:`.residency.step_curve`), after
+    checking that every window counted as swapped has its four steps in ``order``.
 
-    ``swapped`` lists the chunks counted as swapped (each must have its four swap steps in
-    ``order``); ``None`` means every chunk that has them.
+    ``swapped`` / ``weight_swapped`` list the chunks whose activation / dW-state window
+    counts as swapped; ``None`` means every window that has its swap steps.
     """
     lives = chunk_lives(order)
-    chosen = {k for k, life in lives.items() if life.has_swap_steps} if swapped is None else set(swapped)
-    unknown = sorted(chosen - set(lives))
-    if unknown:
-        raise ValueError(f"resident_curve: swapped chunks {unknown} have no FWD in the order; known: {sorted(lives)}")
-    curve = [0] * len(order)
-    for key, life in lives.items():
-        if key in chosen:
-            _ = life.swap_positions  # raises, naming the chunk, if one of its swap steps is missing
-        away = life.away_span() if key in chosen else range(0)
-        size = sizes.bytes_of(key)
-        for position in life.resident_span(len(order)):
-            if position not in away:
-                curve[position] += size
-    return curve
+    for name, chosen, phase in (
+        ("swapped", swapped, SwapPhase.ACTIVATIONS), ("weight_swapped", weight_swapped, SwapPhase.WEIGHT_STATE)
+    ):
+        if chosen is None:
+            continue
+        unknown = sorted(set(chosen) - set(lives))
+        if unknown:
+            raise ValueError(f"resident_curve: {name} chunks {unknown} have no FWD in the order; known: {sorted(lives)}")
+        for key in chosen:
+            lives[key].swap_positions(phase)  # raises, naming the chunk, if a swap step is missing
+    return step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped)
 
 
 def peak_bytes(
-    order: Sequence[MetaStep], sizes: ActivationSizes, swapped: Iterable[ChunkKey] | None = None
+    order: Sequence[MetaStep],
+    sizes: ChunkSizes,
+    swapped: Iterable[ChunkKey] | None = None,
+    weight_swapped: Iterable[ChunkKey] | None = None,
 ) -> int:
-    return max(resident_curve(order, sizes, swapped), default=0)
+    return max(resident_curve(order, sizes, swapped, weight_swapped), default=0)
+
+
+def _window_bytes(sizes: ChunkSizes, window: WindowKey) -> int:
+    footprint = sizes.footprint(window[:2])  # type: ignore[arg-type]
+    return footprint.activations if window[2] is SwapPhase.ACTIVATIONS else footprint.weight_state
+
+
+def _as_windows(chosen: Iterable[ChunkKey | WindowKey]) -> list[WindowKey]:
+    """Window keys; a bare ``(stage, micro)`` names the activation window."""
+    return [(c[0], c[1], SwapPhase.ACTIVATIONS) if len(c) == 2 else c for c in chosen]  # type: ignore[misc]
 
 
 def copy_stream_misses(
     order: Sequence[MetaStep],
     lives: Mapping[ChunkKey, ChunkLife],
-    chosen: Iterable[ChunkKey],
-    sizes: ActivationSizes,
+    chosen: Iterable[ChunkKey | WindowKey],
+    sizes: ChunkSizes,
     cost: SwapCostModel,
-) -> list[ChunkKey]:
-    """Chunks among ``chosen`` whose offload or load is not done by its wait step when all of
-    ``chosen`` share one in-order copy stream (empty: every copy hides)."""
+) -> list[ChunkKey | WindowKey]:
+    """Windows among ``chosen`` whose offload or load is not done by its wait step when all
+    of ``chosen`` share one in-order copy stream (empty: every copy hides). A bare
+    ``(stage, micro)`` names the activation window and is reported the same way."""
     clock = _step_start_times(order, cost)
-    copies: list[tuple[int, int, float, ChunkKey]] = []  # (launch pos, wait pos, seconds, chunk)
-    for key in chosen:
-        launch_offload, wait_offload, launch_load, wait_load = lives[key].swap_positions
-        size = sizes.bytes_of(key)
-        copies.append((launch_offload, wait_offload, size / cost.d2h_bytes_per_s, key))
-        copies.append((launch_load, wait_load, size / cost.h2d_bytes_per_s, key))
+    copies: list[tuple[int, int, float, ChunkKey | WindowKey]] = []  # (launch, wait, seconds, as given)
+    for given, window in zip(list(chosen), _as_windows(list(chosen))):
+        launch_offload, wait_offload, launch_load, wait_load = lives[window[:2]].swap_positions(window[2])  # type: ignore[index]
+        size = _window_bytes(sizes, window)
+        copies.append((launch_offload, wait_offload, size / cost.d2h_bytes_per_s, given))
+        copies.append((launch_load, wait_load, size / cost.h2d_bytes_per_s, given))
     stream_free = 0.0
-    missed: list[ChunkKey] = []
-    for launch, wait, seconds, key in sorted(copies):
+    missed: list[ChunkKey | WindowKey] = []
+    for launch, wait, seconds, key in sorted(copies, key=lambda c: c[:3]):
         done = max(clock[launch], stream_free) + seconds
         stream_free = done
         if not fits(done, clock[wait]) and key not in missed:
@@ -340,16 +365,16 @@ def _step_start_times(order: Sequence[MetaStep], cost: SwapCostModel) -> list[fl
 
 
 def chunk_windows(
-    order: Sequence[MetaStep], sizes: ActivationSizes, cost: SwapCostModel
+    order: Sequence[MetaStep], sizes: ChunkSizes, cost: SwapCostModel, phase: SwapPhase = SwapPhase.ACTIVATIONS
 ) -> dict[ChunkKey, ChunkWindow]:
-    """Copy budget of every chunk that has its four swap steps in ``order``."""
+    """Copy budget of every chunk whose ``phase`` window has its four swap steps in ``order``."""
     clock = _step_start_times(order, cost)
     windows = {}
     for key, life in chunk_lives(order).items():
-        if not life.has_swap_steps:
+        if not life.has_swap_steps(phase):
             continue
-        launch_offload, wait_offload, launch_load, wait_load = life.swap_positions
-        size = sizes.bytes_of(key)
+        launch_offload, wait_offload, launch_load, wait_load = life.swap_positions(phase)
+        size = _window_bytes(sizes, (*key, phase))
         windows[key] = ChunkWindow(
             stage=key[0],
             micro=key[1],
@@ -358,6 +383,7 @@ def chunk_windows(
             load_window_s=clock[wait_load] - clock[launch_load],
             d2h_s=size / cost.d2h_bytes_per_s,
             h2d_s=size / cost.h2d_bytes_per_s,
+            phase=phase,
         )
     return windows
 
@@ -365,78 +391,103 @@ def chunk_windows(
 def choose_swaps(
     swapped_order: Sequence[MetaStep],
     *,
-    sizes: ActivationSizes,
+    sizes: ChunkSizes,
     cost: SwapCostModel,
     target_peak_bytes: int | None = None,
     ineligible_detail: Mapping[ChunkKey, str] | None = None,
 ) -> SwapCostReport:
-    """Decide which candidate chunks of one rank to swap (see the module docstring).
+    """Decide which candidate windows of one rank to swap (see the module docstring).
 
     ``swapped_order`` is the rank's order with the four swap steps of every *candidate*
-    chunk (e.g. ``inject_swap_steps(order)``); chunks without them are rejected as
-    ``NOT_ELIGIBLE`` (``ineligible_detail`` may say why, e.g. their gap). The greedy stops
-    early once the peak is ``<= target_peak_bytes``.
+    window (e.g. ``inject_swap_steps(order)``); chunks without activation swap steps are
+    rejected as ``NOT_ELIGIBLE`` (``ineligible_detail`` may say why, e.g. their gap), and
+    so are dW windows without DW_* steps. The greedy stops early once the peak is
+    ``<= target_peak_bytes``.
     """
     if target_peak_bytes is not None:
         _check_bytes("choose_swaps: target_peak_bytes", target_peak_bytes)
     lives = chunk_lives(swapped_order)
-    windows = chunk_windows(swapped_order, sizes, cost)
-    rejected: dict[ChunkKey, RejectedChunk] = {}
+    weight_pairs = _weight_pairs(swapped_order)
+    rejected: dict[WindowKey, RejectedChunk] = {}
+    windows: dict[WindowKey, ChunkWindow] = {}
+    for phase in SwapPhase:
+        for key, window in chunk_windows(swapped_order, sizes, cost, phase).items():
+            windows[(*key, phase)] = window
     for key in lives:
-        if key not in windows:
-            detail = (ineligible_detail or {}).get(key, "no swap steps in the order (gap below the minimum)")
-            rejected[key] = RejectedChunk(*key, RejectReason.NOT_ELIGIBLE, detail)
-        else:
-            verdict = _alone_verdict(windows[key])
-            if verdict is not None:
-                rejected[key] = verdict
+        for phase, exists in ((SwapPhase.ACTIVATIONS, True), (SwapPhase.WEIGHT_STATE, key in weight_pairs)):
+            window_key = (*key, phase)
+            if not exists:
+                continue
+            if window_key not in windows:
+                detail = (ineligible_detail or {}).get(key, "") if phase is SwapPhase.ACTIVATIONS else ""
+                rejected[window_key] = RejectedChunk(
+                    *key, RejectReason.NOT_ELIGIBLE, detail or "no swap steps in the order (gap below the minimum)",
+                    phase,
+                )
+            else:
+                verdict = _alone_verdict(windows[window_key])
+                if verdict is not None:
+                    rejected[window_key] = verdict
     candidates = [k for k in windows if k not in rejected]
-    base = resident_curve(swapped_order, sizes, swapped=())
+    base = step_curve(swapped_order, sizes, swapped=(), weight_swapped=())
     chosen = _greedy_on_peak(swapped_order, lives, base, candidates, sizes, cost, target_peak_bytes, rejected)
     chosen = _drop_unneeded(lives, base, chosen, sizes)
     final_peak = _peak(base, lives, chosen, sizes)
     for key, verdict in list(rejected.items()):
-        # A chunk refused for the copy stream while the greedy chased a plateau may not matter
-        # for the final peak at all; then that is the more useful reason to report.
+        # A window refused for the copy stream while the greedy chased a plateau may not
+        # matter for the final peak at all; then that is the more useful reason to report.
         if verdict.reason is RejectReason.COPY_STREAM_BUSY and _peak(base, lives, [*chosen, key], sizes) >= final_peak:
             del rejected[key]
+    met = target_peak_bytes is not None and final_peak <= target_peak_bytes
     for key in candidates:
         if key not in chosen and key not in rejected:
-            met = target_peak_bytes is not None and _peak(base, lives, chosen, sizes) <= target_peak_bytes
             reason = RejectReason.TARGET_MET if met else RejectReason.NOT_AT_PEAK
             detail = (
                 f"peak already <= target {target_peak_bytes} bytes"
                 if met
                 else "off the device only where the rank is below its peak; swapping it would not lower the peak"
             )
-            rejected[key] = RejectedChunk(*key, reason, detail)
+            rejected[key] = RejectedChunk(key[0], key[1], reason, detail, key[2])
     return SwapCostReport(
         peak_without=max(base, default=0),
-        peak_with=_peak(base, lives, chosen, sizes),
-        chosen=tuple(sorted(chosen)),
+        peak_with=final_peak,
+        chosen=tuple(sorted(k[:2] for k in chosen if k[2] is SwapPhase.ACTIVATIONS)),  # type: ignore[misc]
         rejected=tuple(rejected[k] for k in sorted(rejected)),
         windows=tuple(windows[k] for k in sorted(windows)),
+        chosen_weight=tuple(sorted(k[:2] for k in chosen if k[2] is SwapPhase.WEIGHT_STATE)),  # type: ignore[misc]
     )
+
+
+def _weight_pairs(order: Sequence[MetaStep]) -> set[ChunkKey]:
+    """Chunks with both a BWD_INPUT and a BWD_WEIGHT in ``order`` (a dW window exists)."""
+    seen: dict[ChunkKey, set[StepKind]] = {}
+    for step in order:
+        for leaf in step.leaves():
+            if leaf.kind in (StepKind.BWD_INPUT, StepKind.BWD_WEIGHT) and leaf.chunk is not None:
+                seen.setdefault(leaf.chunk, set()).add(leaf.kind)
+    return {k for k, kinds in seen.items() if len(kinds) == 2}
 
 
 def plan_swaps(
     order: Sequence[MetaStep],
     *,
-    sizes: ActivationSizes,
+    sizes: ChunkSizes,
     cost: SwapCostModel,
     min_gap: int = MIN_SWAP_GAP,
     target_peak_bytes: int | None = None,
+    weight_swap: bool = True,
 ) -> SwapCostReport:
     """Cost-aware choice for one rank's order *before* the swap pass.
 
     The gap rule names the candidates (``inject_swap_steps(order, min_gap=min_gap)`` gives
     their anchors); :func:`choose_swaps` picks among them. Apply the result with
-    ``inject_swap_steps(order, min_gap=min_gap, only=report.chosen)``.
+    ``inject_swap_steps(order, min_gap=min_gap, only=report.chosen,
+    weight_only=report.chosen_weight)``.
     """
     chunks = find_swap_chunks(order, min_gap=min_gap)
     detail = {c.key: f"gap {c.gap} < min gap {min_gap}" for c in chunks if not c.eligible}
     return choose_swaps(
-        inject_swap_steps(order, min_gap=min_gap),
+        inject_swap_steps(order, min_gap=min_gap, weight_swap=weight_swap),
         sizes=sizes,
         cost=cost,
         target_peak_bytes=target_peak_bytes,
@@ -447,14 +498,18 @@ def plan_swaps(
 def plan_rank_swaps(
     orders: Mapping[int, Sequence[MetaStep]],
     *,
-    sizes: ActivationSizes,
+    sizes: ChunkSizes,
     cost: SwapCostModel,
     min_gap: int = MIN_SWAP_GAP,
     target_peak_bytes: int | None = None,
+    weight_swap: bool = True,
 ) -> dict[int, SwapCostReport]:
     """:func:`plan_swaps` for every rank; ``{rank: report}``."""
     return {
-        rank: plan_swaps(order, sizes=sizes, cost=cost, min_gap=min_gap, target_peak_bytes=target_peak_bytes)
+        rank: plan_swaps(
+            order, sizes=sizes, cost=cost, min_gap=min_gap, target_peak_bytes=target_peak_bytes,
+            weight_swap=weight_swap,
+        )
         for rank, order in orders.items()
     }
 
@@ -462,13 +517,14 @@ def plan_rank_swaps(
 def _alone_verdict(window: ChunkWindow) -> RejectedChunk | None:
     key = (window.stage, window.micro)
     if window.bytes == 0:
-        return RejectedChunk(*key, RejectReason.NO_ACTIVATIONS, "0 activation bytes")
+        return RejectedChunk(*key, RejectReason.NO_ACTIVATIONS, "0 bytes to move", window.phase)
     if not fits(window.d2h_s, window.offload_window_s):
         return RejectedChunk(
             *key,
             RejectReason.OFFLOAD_WINDOW_TOO_SHORT,
             f"D2H of {window.bytes} bytes takes {window.d2h_s * 1e3:.3g} ms, the offload window "
             f"covers {window.offload_window_s * 1e3:.3g} ms of compute",
+            window.phase,
         )
     if not fits(window.h2d_s, window.load_window_s):
         return RejectedChunk(
@@ -476,23 +532,26 @@ def _alone_verdict(window: ChunkWindow) -> RejectedChunk | None:
             RejectReason.LOAD_WINDOW_TOO_SHORT,
             f"H2D of {window.bytes} bytes takes {window.h2d_s * 1e3:.3g} ms, the load window "
             f"covers {window.load_window_s * 1e3:.3g} ms of compute",
+            window.phase,
         )
     return None
 
 
 def _curve_with(
-    base: Sequence[int], lives: Mapping[ChunkKey, ChunkLife], chosen: Iterable[ChunkKey], sizes: ActivationSizes
+    base: Sequence[int], lives: Mapping[ChunkKey, ChunkLife], chosen: Iterable[WindowKey], sizes: ChunkSizes
 ) -> list[int]:
+    """``base`` with each chosen window's bytes removed over its away span (the curve is
+    additive over chunks, see :mod:`.residency`)."""
     curve = list(base)
-    for key in chosen:
-        size = sizes.bytes_of(key)
-        for position in lives[key].away_span():
+    for window in chosen:
+        size = _window_bytes(sizes, window)
+        for position in lives[window[:2]].away_span(window[2]):  # type: ignore[index]
             curve[position] -= size
     return curve
 
 
 def _peak(
-    base: Sequence[int], lives: Mapping[ChunkKey, ChunkLife], chosen: Iterable[ChunkKey], sizes: ActivationSizes
+    base: Sequence[int], lives: Mapping[ChunkKey, ChunkLife], chosen: Iterable[WindowKey], sizes: ChunkSizes
 ) -> int:
     return max(_curve_with(base, lives, chosen, sizes), default=0)
 
@@ -501,14 +560,14 @@ def _greedy_on_peak(
     order: Sequence[MetaStep],
     lives: Mapping[ChunkKey, ChunkLife],
     base: Sequence[int],
-    candidates: Sequence[ChunkKey],
-    sizes: ActivationSizes,
+    candidates: Sequence[WindowKey],
+    sizes: ChunkSizes,
     cost: SwapCostModel,
     target: int | None,
-    rejected: dict[ChunkKey, RejectedChunk],
-) -> list[ChunkKey]:
-    """Add chunks while one lowers ``(peak, number of peak positions)``; see the module docstring."""
-    chosen: list[ChunkKey] = []
+    rejected: dict[WindowKey, RejectedChunk],
+) -> list[WindowKey]:
+    """Add windows while one lowers ``(peak, number of peak positions)``; see the module docstring."""
+    chosen: list[WindowKey] = []
     while True:
         curve = _curve_with(base, lives, chosen, sizes)
         peak = max(curve, default=0)
@@ -519,7 +578,7 @@ def _greedy_on_peak(
         for key in candidates:
             if key in chosen or key in rejected:
                 continue
-            away, size = lives[key].away_span(), sizes.bytes_of(key)
+            away, size = lives[key[:2]].away_span(key[2]), _window_bytes(sizes, key)  # type: ignore[index]
             if not any(p in away for p in at_peak):
                 continue
             lowered = [v - size if p in away else v for p, v in enumerate(curve)]
@@ -531,10 +590,11 @@ def _greedy_on_peak(
                 break
             if copy_stream_misses(order, lives, [*chosen, key], sizes, cost):
                 rejected[key] = RejectedChunk(
-                    *key,
+                    key[0], key[1],
                     RejectReason.COPY_STREAM_BUSY,
-                    "its copies hide alone but not behind the copies of the chunks chosen "
+                    "its copies hide alone but not behind the copies of the windows chosen "
                     "before it on the shared copy stream",
+                    key[2],
                 )
                 continue
             picked = key
@@ -545,11 +605,11 @@ def _greedy_on_peak(
 
 
 def _drop_unneeded(
-    lives: Mapping[ChunkKey, ChunkLife], base: Sequence[int], chosen: Sequence[ChunkKey], sizes: ActivationSizes
-) -> list[ChunkKey]:
-    """Remove, latest choice first, chunks whose removal keeps the peak where it is.
+    lives: Mapping[ChunkKey, ChunkLife], base: Sequence[int], chosen: Sequence[WindowKey], sizes: ChunkSizes
+) -> list[WindowKey]:
+    """Remove, latest choice first, windows whose removal keeps the peak where it is.
 
-    Removing a chunk never makes the remaining copies slower, so the rest stays hideable.
+    Removing a window never makes the remaining copies slower, so the rest stays hideable.
     """
     kept = list(chosen)
     peak = _peak(base, lives, kept, sizes)

@@ -15,7 +15,12 @@ from hyper_offload.passes.pipeline import (
     check_order,
     layout_for,
 )
-from hyper_offload.passes.pipeline.swap import find_swap_chunks, inject_swap_steps, strip_swap_steps
+from hyper_offload.passes.pipeline.swap import (
+    find_swap_chunks,
+    find_weight_windows,
+    inject_swap_steps,
+    strip_swap_steps,
+)
 from hyper_offload.passes.pipeline.execution import check_execution
 
 _V_CHOICES = {
@@ -68,6 +73,18 @@ def _gaps_by_hand(order: list[MetaStep]) -> dict[tuple[int, int], int]:
     return {k: bwd[k] - fwd[k] for k in fwd if k in bwd}
 
 
+def _weight_gaps_by_hand(order: list[MetaStep]) -> dict[tuple[int, int], int]:
+    """dW gap = slot of BWD_WEIGHT - slot of BWD_INPUT, composites counting once."""
+    first: dict[StepKind, dict[tuple[int, int], int]] = {StepKind.BWD_INPUT: {}, StepKind.BWD_WEIGHT: {}}
+    slots = [s for s in order if s.is_compute_slot]
+    for i, step in enumerate(slots):
+        for leaf in step.leaves():
+            if leaf.kind in first:
+                first[leaf.kind].setdefault((leaf.stage, leaf.micro), i)
+    inputs, weights = first[StepKind.BWD_INPUT], first[StepKind.BWD_WEIGHT]
+    return {k: weights[k] - inputs[k] for k in inputs if k in weights}
+
+
 @settings(max_examples=120, deadline=None)
 @given(configs())
 def test_swap_pass_invariants(cfg: dict[str, Any]) -> None:
@@ -83,6 +100,10 @@ def test_swap_pass_invariants(cfg: dict[str, Any]) -> None:
         assert all(c.eligible == (c.gap >= cfg["min_gap"]) for c in chunks)
         offloaded = {s.chunk for s in order if s.kind is StepKind.SWAP_LAUNCH_OFFLOAD}
         assert offloaded == {k for k, g in gaps.items() if g >= cfg["min_gap"]}
+        weight_gaps = _weight_gaps_by_hand(reference[rank])
+        assert {c.key: c.gap for c in find_weight_windows(reference[rank], min_gap=cfg["min_gap"])} == weight_gaps
+        weight_offloaded = {s.chunk for s in order if s.kind is StepKind.DW_LAUNCH_OFFLOAD}
+        assert weight_offloaded == {k for k, g in weight_gaps.items() if g >= cfg["min_gap"]}
         for step in order:  # swap steps only at top level
             assert not any(leaf.is_swap for leaf in step.leaves()) or not step.is_composite
     assert check_execution(swapped, layout) == []
@@ -92,13 +113,17 @@ def test_swap_pass_invariants(cfg: dict[str, Any]) -> None:
 @given(configs(), st.data())
 def test_chosen_subset(cfg: dict[str, Any], data: st.DataObject) -> None:
     reference = _build(cfg)
+    gap = cfg["min_gap"]
     for rank, base in reference.items():
-        eligible = sorted(c.key for c in find_swap_chunks(base, min_gap=cfg["min_gap"]) if c.eligible)
+        eligible = sorted(c.key for c in find_swap_chunks(base, min_gap=gap) if c.eligible)
+        weight_eligible = sorted(c.key for c in find_weight_windows(base, min_gap=gap) if c.eligible)
         chosen = data.draw(st.sets(st.sampled_from(eligible)) if eligible else st.just(set()))
-        order = inject_swap_steps(base, min_gap=cfg["min_gap"], only=chosen)
-        assert check_order(order, rank=rank, min_gap=cfg["min_gap"], swapped=chosen, reference=base) == []
-        judged_as_all = check_order(order, rank=rank, min_gap=cfg["min_gap"], reference=base)
-        assert (judged_as_all == []) == (set(chosen) == set(eligible))
+        weight = data.draw(st.sets(st.sampled_from(weight_eligible)) if weight_eligible else st.just(set()))
+        order = inject_swap_steps(base, min_gap=gap, only=chosen, weight_only=weight)
+        kw = dict(rank=rank, min_gap=gap, reference=base)
+        assert check_order(order, swapped=chosen, weight_swapped=weight, **kw) == []
+        judged_as_all = check_order(order, **kw)
+        assert (judged_as_all == []) == (set(chosen) == set(eligible) and set(weight) == set(weight_eligible))
 
 
 @settings(max_examples=80, deadline=None)
@@ -118,19 +143,22 @@ def test_mutations_are_caught(cfg: dict[str, Any], data: st.DataObject) -> None:
         expected = OrderRule.MISSING_SWAP_STEP
     elif mutation == "early_load":
         # launch the H2D one compute slot earlier than its anchor: the activation comes back early
-        i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind is StepKind.SWAP_LAUNCH_LOAD]))
+        loads = (StepKind.SWAP_LAUNCH_LOAD, StepKind.DW_LAUNCH_LOAD)
+        i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind in loads]))
         earlier = max(j for j in range(i) if order[j].is_compute_slot)
         broken = order[:earlier] + [order[i]] + order[earlier:i] + order[i + 1 :]
         rules = {v.rule for v in check_order(broken, **kw)}
         assert rules & {OrderRule.LOAD_NOT_AT_COVER_POINT, OrderRule.FSDP_LOAD_ORDER, OrderRule.SWAP_STEP_ORDER}
         return
     elif mutation == "late_wait":
-        i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind is StepKind.SWAP_WAIT_LOAD]))
+        waits = (StepKind.SWAP_WAIT_LOAD, StepKind.DW_WAIT_LOAD)
+        i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind in waits]))
         consumer = next(j for j in range(i + 1, len(order)) if order[j].is_compute_slot)
         broken = order[:i] + order[i + 1 : consumer + 1] + [order[i]] + order[consumer + 1 :]
         expected = OrderRule.LOAD_AFTER_CONSUMER
     elif mutation == "early_offload":
-        i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind is StepKind.SWAP_LAUNCH_OFFLOAD]))
+        launches = (StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.DW_LAUNCH_OFFLOAD)
+        i = data.draw(st.sampled_from([p for p in swap_positions if order[p].kind in launches]))
         fwd = max(j for j in range(i) if order[j].is_compute_slot)
         broken = order[:fwd] + [order[i]] + order[fwd:i] + order[i + 1 :]
         expected = OrderRule.OFFLOAD_BEFORE_FORWARD

@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from hyper_offload.passes.pipeline.build import build_rank_orders
 from hyper_offload.passes.pipeline.check_order import check_order
-from hyper_offload.passes.pipeline.meta_step import StepKind
-from hyper_offload.passes.pipeline.swap import find_swap_chunks, inject_swap_steps
+from hyper_offload.passes.pipeline.meta_step import StepKind, SwapPhase
+from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
+from hyper_offload.passes.pipeline.swap import find_swap_chunks, find_weight_windows, inject_swap_steps
 from hyper_offload.passes.pipeline.swap_cost import (
     ActivationSizes,
     RejectReason,
@@ -219,9 +220,10 @@ SHAPES = [
     min_gap=st.integers(2, 6),
     chunk_mb=st.sampled_from([20, 100, 250]),
     d2h_gbps=st.sampled_from([5, 20]),
+    with_weight_state=st.booleans(),
 )
 def test_every_choice_is_hideable_minimal_and_never_raises_the_peak(
-    shape, num_ranks: int, rounds: int, min_gap: int, chunk_mb: int, d2h_gbps: int
+    shape, num_ranks: int, rounds: int, min_gap: int, chunk_mb: int, d2h_gbps: int, with_weight_state: bool
 ) -> None:
     schedule, stages_per_rank, extra = shape
     orders = build_rank_orders(
@@ -231,21 +233,39 @@ def test_every_choice_is_hideable_minimal_and_never_raises_the_peak(
         num_microbatches=num_ranks * rounds,
         **extra,
     )
-    chunk_sizes = ActivationSizes(default_bytes=chunk_mb * MB, per_stage={0: 2 * chunk_mb * MB})
+    chunk_sizes: ActivationSizes | StageFootprints = ActivationSizes(
+        default_bytes=chunk_mb * MB, per_stage={0: 2 * chunk_mb * MB}
+    )
+    if with_weight_state:  # the full residency model: dW state, tails, transients
+        full = StageFootprint(
+            activations=chunk_mb * MB, forward_resident=MB, weight_state=chunk_mb * MB * 3 // 2,
+            weight_resident=MB, tail_bytes=MB // 2, working={StepKind.BWD_INPUT: chunk_mb * MB},
+        )
+        chunk_sizes = StageFootprints(default=full)
     cost = SwapCostModel(d2h_bytes_per_s=d2h_gbps * 1e9)
     reports = plan_rank_swaps(orders, sizes=chunk_sizes, cost=cost, min_gap=min_gap)
     for rank, report in reports.items():
         plain = orders[rank]
-        swapped = inject_swap_steps(plain, min_gap=min_gap, only=report.chosen)
-        assert check_order(swapped, rank=rank, min_gap=min_gap, swapped=report.chosen, reference=plain) == []
+        weight = report.chosen_weight
+        swapped = inject_swap_steps(plain, min_gap=min_gap, only=report.chosen, weight_only=weight)
+        assert check_order(
+            swapped, rank=rank, min_gap=min_gap, swapped=report.chosen, weight_swapped=weight, reference=plain
+        ) == []
         assert report.peak_with <= report.peak_without
         assert report.peak_without == peak_bytes(plain, chunk_sizes)
         assert report.peak_with == peak_bytes(swapped, chunk_sizes)
-        keys = {c.key for c in find_swap_chunks(plain, min_gap=min_gap)}
-        decided = set(report.chosen) | {(r.stage, r.micro) for r in report.rejected}
-        assert set(report.chosen).isdisjoint({(r.stage, r.micro) for r in report.rejected})
-        assert keys <= decided
-        assert copy_stream_misses(swapped, chunk_lives(swapped), report.chosen, chunk_sizes, cost) == []
-        for key in report.chosen:  # minimal: dropping any chosen chunk raises the peak
+        for phase, chosen, windows in (
+            (SwapPhase.ACTIVATIONS, report.chosen, find_swap_chunks(plain, min_gap=min_gap)),
+            (SwapPhase.WEIGHT_STATE, weight, find_weight_windows(plain, min_gap=min_gap)),
+        ):
+            rejected = {(r.stage, r.micro) for r in report.rejected if r.phase is phase}
+            assert set(chosen).isdisjoint(rejected)
+            assert {c.key for c in windows} <= set(chosen) | rejected
+        all_windows = [*report.chosen, *((*k, SwapPhase.WEIGHT_STATE) for k in weight)]
+        assert copy_stream_misses(swapped, chunk_lives(swapped), all_windows, chunk_sizes, cost) == []
+        for key in report.chosen:  # minimal: dropping any chosen window raises the peak
             rest = [k for k in report.chosen if k != key]
-            assert peak_bytes(swapped, chunk_sizes, swapped=rest) > report.peak_with
+            assert peak_bytes(swapped, chunk_sizes, swapped=rest, weight_swapped=weight) > report.peak_with
+        for key in weight:
+            rest = [k for k in weight if k != key]
+            assert peak_bytes(swapped, chunk_sizes, swapped=report.chosen, weight_swapped=rest) > report.peak_with

@@ -1,0 +1,205 @@
+"""Residency model of one rank's order: the device bytes every step keeps alive.
+
+The swap pass and its cost model judge an order by this one model; the executor's
+measured peak is what it predicts (``benchmarks/pp_swap.py`` compares the two per rank).
+
+A chunk ``(stage, micro)`` holds, on the device, a level of bytes that changes only at its
+own steps (:class:`StageFootprint` names the levels, the same for every micro-batch of a
+stage)::
+
+    FWD          -> forward_bytes     its saved activations, output, loss
+    BWD          -> tail_bytes        what outlives the backward until the step ends
+    BWD_INPUT    -> weight_bytes      the dW state (retained saved activations, the
+                                      gradients at the weight-path intermediates) and
+                                      the input gradient it sends
+    BWD_WEIGHT   -> tail_bytes
+    SWAP_WAIT_OFFLOAD / SWAP_LAUNCH_LOAD   -activations / +activations
+    DW_WAIT_OFFLOAD   / DW_LAUNCH_LOAD     -weight_state / +weight_state
+
+``tail_bytes`` are the P2P buffers in flight: the executor waits for its sends at the end
+of the step, so a chunk's sent output and sent input gradient stay alive until then.
+
+The rank's level is the sum over its chunks. Each top-level step ``p`` gets one value,
+``curve[p]``:
+
+* a compute step: the level before it plus the most the step adds while it runs,
+  ``max(working, delta, 0)`` per leaf (an OVERLAP composite runs its leaves one after the
+  other), where ``working`` is the transient of that kind of leaf above the level it
+  started from (:attr:`StageFootprint.working`) — so a backward still counts the chunk it
+  frees;
+* any other step: the level after it (a WAIT_OFFLOAD no longer counts what it freed, a
+  LAUNCH_LOAD counts what it allocated).
+
+Invariants: the curve is additive over chunks (a chunk's contribution at every step is
+independent of the others), so moving one chunk's bytes off the device over a span of
+steps lowers the curve by exactly those bytes there; with every ``working`` 0 and every
+level but ``activations`` 0 it is the activation-only curve of the original swap pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from .meta_step import COMPUTE_KINDS, MetaStep, StepKind
+
+ChunkKey = tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageFootprint:
+    """Device bytes one micro-batch of a stage keeps alive, phase by phase (see the module
+    docstring). Every field is a byte count ``>= 0``; ``activations <= forward_bytes`` and
+    ``weight_state <= weight_bytes`` (the swappable parts)."""
+
+    activations: int = 0
+    """Bytes of the swap group: what SWAP_WAIT_OFFLOAD frees and SWAP_LAUNCH_LOAD restores."""
+    forward_resident: int = 0
+    """Other bytes the FWD leaves alive until the consumer (its output, the loss, saved
+    tensors no wrapper selected)."""
+    weight_state: int = 0
+    """The part of the dW state that DW_WAIT_OFFLOAD frees and DW_LAUNCH_LOAD restores."""
+    weight_resident: int = 0
+    """Other bytes BWD_INPUT leaves alive until BWD_WEIGHT (its sent input gradient, ...)."""
+    tail_bytes: int = 0
+    """Bytes that outlive the chunk's last backward until the end of the step (P2P sends)."""
+    working: Mapping[StepKind, int] = field(default_factory=dict)
+    """Transient bytes above the starting level while a leaf of that compute kind runs."""
+
+    def __post_init__(self) -> None:
+        for name in _FOOTPRINT_FIELDS:
+            _check_bytes(f"StageFootprint.{name}", getattr(self, name))
+        table = dict(self.working)
+        for kind, value in table.items():
+            if kind not in COMPUTE_KINDS:
+                raise ValueError(f"StageFootprint.working: {kind!r} is not a compute kind (F, B, I, W)")
+            _check_bytes(f"StageFootprint.working[{kind!r}]", value)
+        object.__setattr__(self, "working", MappingProxyType(table))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable (ranks gather footprints) although ``working`` is a read-only proxy.
+        fields = {f: getattr(self, f) for f in _FOOTPRINT_FIELDS}
+        return (_rebuild, (StageFootprint, {**fields, "working": dict(self.working)}))
+
+    @property
+    def forward_bytes(self) -> int:
+        return self.activations + self.forward_resident
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight_state + self.weight_resident
+
+    def delta(self, kind: StepKind) -> int:
+        """How a leaf of ``kind`` changes this chunk's level (0 for non-compute kinds)."""
+        if kind is StepKind.FWD:
+            return self.forward_bytes
+        if kind is StepKind.BWD:
+            return self.tail_bytes - self.forward_bytes
+        if kind is StepKind.BWD_INPUT:
+            return self.weight_bytes - self.forward_bytes
+        if kind is StepKind.BWD_WEIGHT:
+            return self.tail_bytes - self.weight_bytes
+        return 0
+
+
+_FOOTPRINT_FIELDS = ("activations", "forward_resident", "weight_state", "weight_resident", "tail_bytes")
+
+
+def _rebuild(cls: type, kwargs: dict[str, object]) -> object:
+    return cls(**kwargs)
+
+
+class ChunkSizes(Protocol):
+    """Anything that gives each chunk its footprint (``ActivationSizes``, ``StageFootprints``)."""
+
+    def footprint(self, chunk: ChunkKey) -> StageFootprint: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageFootprints:
+    """Footprint of every stage: ``per_stage[stage]``, else ``default``."""
+
+    per_stage: Mapping[int, StageFootprint] = field(default_factory=dict)
+    default: StageFootprint = field(default_factory=StageFootprint)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_stage", MappingProxyType(dict(self.per_stage)))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (StageFootprints, {"per_stage": dict(self.per_stage), "default": self.default}))
+
+    def footprint(self, chunk: ChunkKey) -> StageFootprint:
+        return self.per_stage.get(chunk[0], self.default)
+
+    def bytes_of(self, chunk: ChunkKey) -> int:
+        """Bytes the activation window moves (the cost model's copy size)."""
+        return self.footprint(chunk).activations
+
+
+_AWAY_STEPS = {
+    StepKind.SWAP_WAIT_OFFLOAD: ("activations", -1),
+    StepKind.SWAP_LAUNCH_LOAD: ("activations", +1),
+    StepKind.DW_WAIT_OFFLOAD: ("weight_state", -1),
+    StepKind.DW_LAUNCH_LOAD: ("weight_state", +1),
+}
+
+
+def step_curve(
+    order: Sequence[MetaStep],
+    sizes: ChunkSizes,
+    *,
+    swapped: Iterable[ChunkKey] | None = None,
+    weight_swapped: Iterable[ChunkKey] | None = None,
+) -> list[int]:
+    """``curve[p]`` of every top-level step (module docstring).
+
+    ``swapped`` / ``weight_swapped``: the chunks whose activation / dW-state swap steps in
+    ``order`` count; ``None`` counts every swap step present, ``()`` none (the order as if
+    it were not swapped).
+    """
+    counted = {
+        "activations": None if swapped is None else set(swapped),
+        "weight_state": None if weight_swapped is None else set(weight_swapped),
+    }
+    level = 0
+    curve: list[int] = []
+    for step in order:
+        if step.is_compute_slot:
+            peak = level
+            for leaf in step.leaves():
+                footprint = sizes.footprint(leaf.chunk)  # type: ignore[arg-type]
+                delta = footprint.delta(leaf.kind)
+                peak = max(peak, level + max(footprint.working.get(leaf.kind, 0), delta, 0))
+                level += delta
+            curve.append(peak)
+            continue
+        away = _AWAY_STEPS.get(step.kind)
+        if away is not None:
+            name, sign = away
+            chosen = counted[name]
+            if chosen is None or step.chunk in chosen:
+                level += sign * getattr(sizes.footprint(step.chunk), name)  # type: ignore[arg-type]
+        curve.append(level)
+    return curve
+
+
+def predicted_peak(
+    order: Sequence[MetaStep],
+    sizes: ChunkSizes,
+    *,
+    swapped: Iterable[ChunkKey] | None = None,
+    weight_swapped: Iterable[ChunkKey] | None = None,
+) -> int:
+    """The rank's predicted peak device bytes over one step: ``max(step_curve(...))``."""
+    return max(step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped), default=0)
+
+
+def _check_bytes(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a byte count (int >= 0), got {value!r}")
+
+
+__all__ = ["ChunkSizes", "StageFootprint", "StageFootprints", "predicted_peak", "step_curve"]
+
