@@ -42,15 +42,6 @@ def _example() -> Any:
     return module
 
 
-def predicted_drop(schedule: str, ranks: int, micro: int, rank: int, spr: int) -> float:
-    from hyper_offload.passes.pipeline import ActivationSizes, build_rank_orders, resident_curve
-
-    order = build_rank_orders(schedule, num_ranks=ranks, stages_per_rank=spr, num_microbatches=micro, swap=True)[rank]
-    sizes = ActivationSizes(default_bytes=1)
-    without = max(resident_curve(order, sizes, swapped=()), default=0)
-    return 1 - max(resident_curve(order, sizes), default=0) / without if without else 0.0
-
-
 def worker(rank: int, world: int, bench: argparse.Namespace) -> None:
     example = _example()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
@@ -68,12 +59,12 @@ def worker(rank: int, world: int, bench: argparse.Namespace) -> None:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, (result, error))
             if rank == 0:
-                _emit(schedule, world, bench, example.stages_per_rank(schedule), gathered)
+                _emit(example, schedule, world, bench, gathered)
     finally:
         dist.destroy_process_group()
 
 
-def _emit(schedule: str, world: int, bench: argparse.Namespace, spr: int, gathered: list[Any]) -> None:
+def _emit(example: Any, schedule: str, world: int, bench: argparse.Namespace, gathered: list[Any]) -> None:
     rows = []
     for result, error in gathered:
         row = {"bench": "pp_swap", "schedule": schedule, "ranks": world, "micro": bench.micro, "rank": result["rank"]}
@@ -85,7 +76,7 @@ def _emit(schedule: str, world: int, bench: argparse.Namespace, spr: int, gather
                 peak_with=result["peak_with"],
                 drop=round(1 - result["peak_with"] / result["peak_without"], 4),
                 time_ratio=round(result["time_with"] / result["time_without"], 3),
-                predicted_drop=round(predicted_drop(schedule, world, bench.micro, result["rank"], spr), 4),
+                **_predicted(example, result),
                 losses_identical=result["losses_with"] == result["losses_without"],
             )
         rows.append(row)
@@ -98,6 +89,16 @@ def _emit(schedule: str, world: int, bench: argparse.Namespace, spr: int, gather
             "max_time_ratio": max(r["time_ratio"] for r in ok),
             "losses_identical": all(r["losses_identical"] for r in ok),
         }), flush=True)
+
+
+def _predicted(example: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """The residency model's peaks (footprints measured on an earlier step of the run)."""
+    without, with_swap = example.predicted_peaks(result)
+    return {
+        "predicted_peak_without": without,
+        "predicted_peak_with": with_swap,
+        "predicted_drop": round(1 - with_swap / without, 4) if without else 0.0,
+    }
 
 
 def main() -> None:

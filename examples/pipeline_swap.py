@@ -28,9 +28,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt_model import Block, GPTConfig  # the examples' shared GPT block
-from hyper_offload.passes.pipeline import SCHEDULES, build_rank_orders, build_timeline, layout_for
+from hyper_offload.passes.pipeline import (
+    SCHEDULES,
+    StageFootprints,
+    build_rank_orders,
+    build_timeline,
+    layout_for,
+    parse_order,
+    predicted_peak,
+)
 from hyper_offload.pipeline import PipelineSwapSchedule, swap_wrapper
 from hyper_offload.runtime import DeviceMemoryMeter
+from hyper_offload.runtime.pipeline import FootprintRecorder
 
 V_OR_INTERLEAVED = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
 
@@ -94,24 +103,52 @@ def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.devi
             if device.type != "cpu":
                 torch.accelerator.synchronize()
             times.append(time.perf_counter() - start)
+        key = "with" if swap else "without"
+        if swap:  # calibrate the residency model on one step, predict the next one
+            out["footprints"] = measure_footprints(sched, inputs, targets, losses, device)
+            out["order"] = [repr(step) for step in sched.order]
         meter = DeviceMemoryMeter(device)  # one more step, metered (the meter slows it down)
         with meter:
             sched.step(inputs, target=targets, losses=losses)
         peak = meter.allocator_peak_bytes if meter.allocator_peak_bytes is not None else meter.peak_bytes
         sched.close()
-        key = "with" if swap else "without"
         out[f"peak_{key}"] = peak  # a warm step: the host pool and the stages are set up
         out[f"time_{key}"] = statistics.median(times[1:] or times)
         out[f"losses_{key}"] = [loss.item() for loss in losses]
     return out
 
 
+def measure_footprints(
+    sched: PipelineSwapSchedule, inputs: torch.Tensor, targets: torch.Tensor, losses: list, device: torch.device
+) -> StageFootprints:
+    """Each local stage's footprint, measured on one metered step (the residency model's input)."""
+    meter = DeviceMemoryMeter(device)
+    recorder = FootprintRecorder(meter, sched.session)
+    sched.observer = recorder
+    try:
+        with meter:
+            sched.step(inputs, target=targets, losses=losses)
+    finally:
+        sched.observer = None
+    return recorder.footprints()
+
+
+def predicted_peaks(result: dict[str, Any]) -> tuple[int, int]:
+    """The residency model's peak of this rank's order without and with swap (bytes)."""
+    order = parse_order(result["order"])
+    footprints = result["footprints"]
+    without = predicted_peak(order, footprints, swapped=(), weight_swapped=())
+    return without, predicted_peak(order, footprints)
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"schedule={args.schedule} ranks={len(results)} micro-batches={args.micro} transport={args.transport}")
-    print(f"{'rank':>4} {'peak w/o swap':>14} {'peak with swap':>15} {'drop':>6}")
+    print(f"{'rank':>4} {'peak w/o swap':>14} {'peak with swap':>15} {'drop':>6} {'predicted':>9}")
     for r in results:
         drop = 1 - r["peak_with"] / r["peak_without"] if r["peak_without"] else 0.0
-        print(f"{r['rank']:>4} {r['peak_without']:>14,} {r['peak_with']:>15,} {drop:>6.1%}")
+        without, with_swap = predicted_peaks(r)
+        predicted = 1 - with_swap / without if without else 0.0
+        print(f"{r['rank']:>4} {r['peak_without']:>14,} {r['peak_with']:>15,} {drop:>6.1%} {predicted:>9.1%}")
     ratio = max(r["time_with"] for r in results) / max(r["time_without"] for r in results)
     print(f"step time with swap / without: {ratio:.2f}")
     same = all(r["losses_with"] == r["losses_without"] for r in results)

@@ -41,3 +41,8 @@ class TransferFailedError(OffloadRuntimeError):
 class DataLostError(OffloadRuntimeError):
     """The bytes of a storage were requested but neither a device nor a host copy exists
     any more (both were released). Raised instead of handing out garbage."""
+
+
+class SwapStateError(OffloadRuntimeError):
+    """A pipeline swap step ran out of order, or a swapped-out activation was read before
+    its wait-load step. Raised before any kernel touches the missing bytes."""

@@ -229,6 +229,20 @@ class DeviceMemoryMeter(TorchDispatchMode):
         with self._lock:
             return self._peak
 
+    @property
+    def sample_count(self) -> int:
+        """Number of samples taken so far (an index for :meth:`peak_since`)."""
+        with self._lock:
+            return len(self._samples)
+
+    def peak_since(self, index: int) -> int | None:
+        """Highest ``live_bytes`` of the samples from ``index`` on (``None`` if none yet);
+        cheap: it does not copy the sample list."""
+        with self._lock:
+            if index >= len(self._samples):
+                return None
+            return max(self._samples[i].live_bytes for i in range(index, len(self._samples)))
+
     def curve(self) -> list[int]:
         """``live_bytes`` of every sample: the resident-bytes curve, one entry per op."""
         return [sample.live_bytes for sample in self.samples]

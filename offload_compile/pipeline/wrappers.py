@@ -14,10 +14,12 @@ nothing outside such a schedule's FWD leaves of eligible chunks.
   tensors of a nested structure with the current group and returns the input unchanged.
   Outside any pipeline FWD it warns (once per call site) and does nothing.
 
-``group_swap`` is accepted for compatibility with the design's interface. A chunk's
-group is always moved as one unit — each swap step issues the copies (or frees) of all
-its storages back to back — so ``group_swap=True`` changes nothing here; it does not
-pack the group into one host buffer.
+``group_swap=True`` (the design's "group / bulk copy"): the tensors it selects move in
+their chunk's one packed host buffer, with a single copy each way for all of them
+(:class:`~hyper_offload.runtime.pipeline.packed_copy.PackedCopy`), instead of one copy
+per storage. The cost is a device staging buffer of the packed size while each copy is
+issued (the members and the pack coexist for that moment); the gain is one large copy
+instead of many small ones, which matters when a chunk saves many small tensors.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def swap_wrapper(
             cls = type(module)
             module.__class__ = type(f"Swap{cls.__name__}", (SwapWrapped, cls), {})
         module._swap_policy_fn = policy_fn  # type: ignore[attr-defined]
+        module._swap_group_swap = group_swap  # type: ignore[attr-defined]
         return module  # type: ignore[return-value]
     if not callable(module_or_callable):
         raise TypeError(
@@ -72,7 +75,7 @@ def swap_wrapper(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return _run_collecting(policy_fn, fn, *args, **kwargs)
+        return _run_collecting(policy_fn, group_swap, fn, *args, **kwargs)
 
     return wrapped  # type: ignore[return-value]
 
@@ -81,15 +84,20 @@ class SwapWrapped:
     """Mixin put in front of a wrapped module's class by :func:`swap_wrapper`."""
 
     _swap_policy_fn: Policy | None = None
+    _swap_group_swap: bool = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _run_collecting(self._swap_policy_fn, super().forward, *args, **kwargs)  # type: ignore[misc]
+        return _run_collecting(
+            self._swap_policy_fn, self._swap_group_swap, super().forward, *args, **kwargs  # type: ignore[misc]
+        )
 
 
-def _run_collecting(policy_fn: Policy | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _run_collecting(
+    policy_fn: Policy | None, group_swap: bool, fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
     if current_group() is None:
         return fn(*args, **kwargs)
-    with saved_tensor_hooks(collect=True, policy_fn=policy_fn):
+    with saved_tensor_hooks(collect=True, policy_fn=policy_fn, packed=group_swap):
         return fn(*args, **kwargs)
 
 
@@ -111,7 +119,7 @@ def swap_tensor_wrapper(tensor_or_nested: T, tag: str | None = None, group_swap:
         return tensor_or_nested
     for leaf in tree_leaves(tensor_or_nested):
         if isinstance(leaf, torch.Tensor):
-            group.add(leaf, tag)
+            group.add(leaf, tag, packed=group_swap)
     return tensor_or_nested
 
 

@@ -6,7 +6,8 @@ rank, top to bottom; in each band a row of compute slots (``F3`` forward, ``B3``
 composite), grey hatching where the rank idles (pipeline bubbles), and under it one lane of
 offload windows and one of load windows (sub-lanes where windows of one rank overlap).
 ``C·F3`` marks a forward whose activations are collected for swap; ``W·B3`` a consumer
-preceded by its ``SWAP_WAIT_LOAD``. The x axis counts logical compute slots, not seconds.
+preceded by its ``SWAP_WAIT_LOAD`` (``W·W3``: a BWD_WEIGHT preceded by its
+``DW_WAIT_LOAD``). The dW state's windows get lanes of their own ("dW offload", "dW load"). The x axis counts logical compute slots, not seconds.
 
 matplotlib is an optional dependency (``pip install hyper-offload[plot]``); it is imported
 only when a picture is drawn, and only its object-oriented API is used (no pyplot state).
@@ -37,7 +38,10 @@ __all__ = ["PlotDependencyError", "draw_timeline", "plot_timeline"]
 
 #: Artist group ids, so that callers and tests can find what was drawn.
 GID_COMPUTE, GID_BUBBLE = "compute", "bubble"
-GID_WINDOW = {WindowKind.OFFLOAD: "offload", WindowKind.LOAD: "load"}
+GID_WINDOW = {
+    WindowKind.OFFLOAD: "offload", WindowKind.LOAD: "load",
+    WindowKind.WEIGHT_OFFLOAD: "dw_offload", WindowKind.WEIGHT_LOAD: "dw_load",
+}
 
 _KIND_COLOUR = {
     StepKind.FWD: "#4c72b0",
@@ -47,7 +51,10 @@ _KIND_COLOUR = {
     StepKind.OVERLAP_B_F: "#8172b2",
     StepKind.OVERLAP_F_B: "#8172b2",
 }
-_WINDOW_COLOUR = {WindowKind.OFFLOAD: "#dd8452", WindowKind.LOAD: "#c44e52"}
+_WINDOW_COLOUR = {
+    WindowKind.OFFLOAD: "#dd8452", WindowKind.LOAD: "#c44e52",
+    WindowKind.WEIGHT_OFFLOAD: "#8172b3", WindowKind.WEIGHT_LOAD: "#64b5cd",
+}
 _KIND_NAME = {
     StepKind.FWD: "forward (F)",
     StepKind.BWD: "backward (B)",
@@ -82,10 +89,11 @@ def draw_timeline(timeline: Timeline, *, title: str | None = None) -> Figure:
     multi_stage = max(virtual.values(), default=0) > 0
     swapped_fwd = {(w.rank, w.stage, w.micro) for w in timeline.windows if w.kind is WindowKind.OFFLOAD}
     loaded = {(w.rank, w.stage, w.micro) for w in timeline.windows if w.kind is WindowKind.LOAD}
+    weight_loaded = {(w.rank, w.stage, w.micro) for w in timeline.windows if w.kind is WindowKind.WEIGHT_LOAD}
     ticks: list[tuple[float, str]] = []
     for rank, top in layout[:-1]:
         for slot in timeline.slots_of(rank):
-            _draw_slot(ax, Rectangle, slot, top, virtual, swapped_fwd, loaded)
+            _draw_slot(ax, Rectangle, slot, top, virtual, swapped_fwd, loaded, weight_loaded)
         for bubble in timeline.bubbles_of(rank):
             ax.add_patch(Rectangle((bubble.start, top), bubble.end - bubble.start, _COMPUTE_H,
                                    facecolor="#eeeeee", edgecolor="#999999", hatch="///",
@@ -149,6 +157,7 @@ def _band_layout(
 def _draw_slot(
     ax: Axes, Rectangle: Any, slot: ComputeSlot, top: float, virtual: dict[tuple[int, int], int],
     swapped_fwd: set[tuple[int, int, int]], loaded: set[tuple[int, int, int]],
+    weight_loaded: set[tuple[int, int, int]] = frozenset(),  # type: ignore[assignment]
 ) -> None:
     multi_stage = max(virtual.values(), default=0) > 0
     colour = _shade(_KIND_COLOUR[slot.step.kind], virtual[(slot.rank, slot.leaves[0].stage)])  # type: ignore[index]
@@ -160,6 +169,7 @@ def _draw_slot(
         letter = COMPUTE_LETTER[leaf.kind]
         mark = "C·" if leaf.kind is StepKind.FWD and key in swapped_fwd else ""
         mark = "W·" if leaf.kind in (StepKind.BWD, StepKind.BWD_INPUT) and key in loaded else mark
+        mark = "W·" if leaf.kind is StepKind.BWD_WEIGHT and key in weight_loaded else mark
         parts.append(f"{mark}{letter}{leaf.micro}")
     text = "\n".join(parts)
     if multi_stage:

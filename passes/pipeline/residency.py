@@ -13,8 +13,11 @@ stage)::
                                       gradients at the weight-path intermediates) and
                                       the input gradient it sends
     BWD_WEIGHT   -> tail_bytes
+    (first BWD / BWD_WEIGHT of the stage: + grad_bytes, the parameter gradients)
     SWAP_WAIT_OFFLOAD / SWAP_LAUNCH_LOAD   -activations / +activations
     DW_WAIT_OFFLOAD   / DW_LAUNCH_LOAD     -weight_state / +weight_state
+    with group_swap, each LAUNCH adds a staging buffer of the packed bytes, its WAIT
+    frees it (packed_activations, packed_weight_state)
 
 ``tail_bytes`` are the P2P buffers in flight: the executor waits for its sends at the end
 of the step, so a chunk's sent output and sent input gradient stay alive until then.
@@ -65,6 +68,15 @@ class StageFootprint:
     """Other bytes BWD_INPUT leaves alive until BWD_WEIGHT (its sent input gradient, ...)."""
     tail_bytes: int = 0
     """Bytes that outlive the chunk's last backward until the end of the step (P2P sends)."""
+    packed_activations: int = 0
+    """The part of ``activations`` moved as one packed buffer (``group_swap=True``): a
+    device staging buffer of that size lives from each LAUNCH to its WAIT."""
+    packed_weight_state: int = 0
+    """The same for ``weight_state``."""
+    grad_bytes: int = 0
+    """Parameter gradients the stage's first weight-gradient leaf (BWD, or BWD_WEIGHT under
+    dx/dw split) allocates once per step, when they start from ``None`` (``zero_grad(
+    set_to_none=True)``); later leaves accumulate in place."""
     working: Mapping[StepKind, int] = field(default_factory=dict)
     """Transient bytes above the starting level while a leaf of that compute kind runs."""
 
@@ -104,7 +116,10 @@ class StageFootprint:
         return 0
 
 
-_FOOTPRINT_FIELDS = ("activations", "forward_resident", "weight_state", "weight_resident", "tail_bytes")
+_FOOTPRINT_FIELDS = (
+    "activations", "forward_resident", "weight_state", "weight_resident", "tail_bytes",
+    "packed_activations", "packed_weight_state", "grad_bytes",
+)
 
 
 def _rebuild(cls: type, kwargs: dict[str, object]) -> object:
@@ -138,11 +153,17 @@ class StageFootprints:
         return self.footprint(chunk).activations
 
 
+_WEIGHT_GRAD_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+# Per swap step: the window it belongs to, then (field, sign) of each level change.
 _AWAY_STEPS = {
-    StepKind.SWAP_WAIT_OFFLOAD: ("activations", -1),
-    StepKind.SWAP_LAUNCH_LOAD: ("activations", +1),
-    StepKind.DW_WAIT_OFFLOAD: ("weight_state", -1),
-    StepKind.DW_LAUNCH_LOAD: ("weight_state", +1),
+    StepKind.SWAP_LAUNCH_OFFLOAD: ("activations", (("packed_activations", +1),)),
+    StepKind.SWAP_WAIT_OFFLOAD: ("activations", (("activations", -1), ("packed_activations", -1))),
+    StepKind.SWAP_LAUNCH_LOAD: ("activations", (("activations", +1), ("packed_activations", +1))),
+    StepKind.SWAP_WAIT_LOAD: ("activations", (("packed_activations", -1),)),
+    StepKind.DW_LAUNCH_OFFLOAD: ("weight_state", (("packed_weight_state", +1),)),
+    StepKind.DW_WAIT_OFFLOAD: ("weight_state", (("weight_state", -1), ("packed_weight_state", -1))),
+    StepKind.DW_LAUNCH_LOAD: ("weight_state", (("weight_state", +1), ("packed_weight_state", +1))),
+    StepKind.DW_WAIT_LOAD: ("weight_state", (("packed_weight_state", -1),)),
 }
 
 
@@ -165,22 +186,27 @@ def step_curve(
     }
     level = 0
     curve: list[int] = []
+    graded: set[int] = set()  # stages whose parameter gradients exist already
     for step in order:
         if step.is_compute_slot:
             peak = level
             for leaf in step.leaves():
                 footprint = sizes.footprint(leaf.chunk)  # type: ignore[arg-type]
                 delta = footprint.delta(leaf.kind)
+                if leaf.kind in _WEIGHT_GRAD_KINDS and leaf.stage not in graded:
+                    graded.add(leaf.stage)  # type: ignore[arg-type]
+                    delta += footprint.grad_bytes
                 peak = max(peak, level + max(footprint.working.get(leaf.kind, 0), delta, 0))
                 level += delta
             curve.append(peak)
             continue
         away = _AWAY_STEPS.get(step.kind)
         if away is not None:
-            name, sign = away
-            chosen = counted[name]
+            window, changes = away
+            chosen = counted[window]
             if chosen is None or step.chunk in chosen:
-                level += sign * getattr(sizes.footprint(step.chunk), name)  # type: ignore[arg-type]
+                footprint = sizes.footprint(step.chunk)  # type: ignore[arg-type]
+                level += sum(sign * getattr(footprint, name) for name, sign in changes)
         curve.append(level)
     return curve
 

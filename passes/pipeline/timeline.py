@@ -18,7 +18,8 @@ Model (earliest-start list schedule, deterministic):
 * every other step (send, FSDP, swap) takes no time and happens at the rank's clock.
 
 A copy window runs from the time of the chunk's ``SWAP_LAUNCH_*`` step to the time of its
-``SWAP_WAIT_*`` step. Offload and load are separate windows; on one copy stream they do not
+``SWAP_WAIT_*`` step (``DW_LAUNCH_*`` to ``DW_WAIT_*`` for the dW state of a dx/dw split
+order: the "dW offload" / "dW load" windows). Offload and load are separate windows; on one copy stream they do not
 run at the same time, the picture only draws them in separate lanes for readability.
 """
 
@@ -44,6 +45,8 @@ class WindowKind(str, Enum):
 
     OFFLOAD = "offload"
     LOAD = "load"
+    WEIGHT_OFFLOAD = "dW offload"
+    WEIGHT_LOAD = "dW load"
 
     def __repr__(self) -> str:
         return self.value
@@ -261,6 +264,10 @@ _WINDOW_STEPS = {
     StepKind.SWAP_WAIT_OFFLOAD: (WindowKind.OFFLOAD, False),
     StepKind.SWAP_LAUNCH_LOAD: (WindowKind.LOAD, True),
     StepKind.SWAP_WAIT_LOAD: (WindowKind.LOAD, False),
+    StepKind.DW_LAUNCH_OFFLOAD: (WindowKind.WEIGHT_OFFLOAD, True),
+    StepKind.DW_WAIT_OFFLOAD: (WindowKind.WEIGHT_OFFLOAD, False),
+    StepKind.DW_LAUNCH_LOAD: (WindowKind.WEIGHT_LOAD, True),
+    StepKind.DW_WAIT_LOAD: (WindowKind.WEIGHT_LOAD, False),
 }
 
 

@@ -4,6 +4,8 @@
   the :class:`~hyper_offload.runtime.residency.ResidencyManager`;
 * :class:`PipelineSwapSession` — run-scoped groups of one rank's order (one generation
   per ``step()``);
+* :class:`FootprintRecorder` — measures each stage's footprint (the residency model's
+  input) from one metered step;
 * :class:`PipelineSwapSchedule` — a torch-style schedule executing the finalized orders of
   :mod:`hyper_offload.passes.pipeline` on ``torch.distributed`` (``PipelineStage`` for
   compute and P2P, FSDP2 for unshard / reshard / reduce-grad).
@@ -15,10 +17,12 @@ The user-facing door is :mod:`hyper_offload.pipeline` (``swap_wrapper``,
 
 from importlib import import_module
 
+from .footprint import FootprintRecorder
 from .session import PipelineSwapSession
 from .swap_group import GroupState, SwapGroup, SwapStateError
 
 __all__ = [
+    "FootprintRecorder",
     "GroupState",
     "PipelineSwapSchedule",
     "PipelineSwapSession",

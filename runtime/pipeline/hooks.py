@@ -95,18 +95,19 @@ def _unpack(saved: object) -> torch.Tensor:
 
 
 def saved_tensor_hooks(
-    *, collect: bool, policy_fn: Callable[[torch.Tensor], bool] | None = None
+    *, collect: bool, policy_fn: Callable[[torch.Tensor], bool] | None = None, packed: bool = False
 ) -> torch.autograd.graph.saved_tensors_hooks:
     """Hooks for code running in the current group: every saved tensor is guarded on
     unpack; with ``collect`` the ones ``policy_fn`` accepts (all by default) join the group
-    (parameters and protected storages never do, see ``SwapGroup.add``)."""
+    (parameters and protected storages never do, see ``SwapGroup.add``), in its packed
+    buffer with ``packed`` (``group_swap=True``)."""
 
     def pack(tensor: torch.Tensor) -> object:
         group = current_group()
         if group is None:
             return tensor
         if collect and (policy_fn is None or policy_fn(tensor)):
-            group.add(tensor)
+            group.add(tensor, packed=packed)
         # Detached: an op's *output* arrives here with its grad_fn, which owns this saved
         # value; keeping the grad_fn would form a reference cycle (node → SavedRef →
         # tensor → node) that only the cyclic GC frees, so a chunk's activations would

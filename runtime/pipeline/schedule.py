@@ -38,6 +38,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 from hyper_offload.passes.pipeline import (
     ActivationSizes,
     SwapCostModel,
+    StageFootprints,
     SwapCostReport,
     assert_valid_order,
     build_rank_orders,
@@ -71,7 +72,9 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
     ``activation_sizes`` turns on the cost-aware eligibility: every rank's chunks are
     chosen by :func:`~hyper_offload.passes.pipeline.plan_rank_swaps` (the decision for this
     rank is kept in ``swap_report``). ``timeout`` (seconds or a ``timedelta``) bounds
-    every P2P wait.
+    every P2P wait. ``weight_swap`` (default on) also swaps each chunk's dW state across
+    its BWD_INPUT → BWD_WEIGHT gap in orders that split dx/dw (zero-bubble schedules),
+    under the same gap rule (and, with ``swap_cost``, the same cost-aware choice).
     """
 
     def __init__(
@@ -90,8 +93,9 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         swap_only: Mapping[int, Collection[tuple[int, int]]] | None = None,
         unsharded_load: str = "cover",
         swap_cost: SwapCostModel | None = None,
-        activation_sizes: ActivationSizes | None = None,
+        activation_sizes: ActivationSizes | StageFootprints | None = None,
         target_peak_bytes: int | None = None,
+        weight_swap: bool = True,
         scale_grads: bool = True,
         timeout: timedelta | float | None = None,
         pool: PinnedMemoryPool | None = None,
@@ -126,10 +130,14 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
                 dxdw_split=dxdw_split, overlap=overlap,
             )
             reports = plan_rank_swaps(
-                plain, sizes=activation_sizes, cost=swap_cost, min_gap=min_gap, target_peak_bytes=target_peak_bytes
+                plain, sizes=activation_sizes, cost=swap_cost, min_gap=min_gap,
+                target_peak_bytes=target_peak_bytes, weight_swap=weight_swap,
             )
             swap_only = {rank: report.chosen for rank, report in reports.items()}
+            weight_swap_only = {rank: report.chosen_weight for rank, report in reports.items()}
             self.swap_report = reports[self.rank]
+        else:
+            weight_swap_only = None
         self.order: list[MetaStep] = build_rank_orders(
             schedule,
             num_ranks=self.pp_group_size,
@@ -143,6 +151,8 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             overlap=overlap,
             swap_only=swap_only,
             unsharded_load=unsharded_load,
+            weight_swap=weight_swap,
+            weight_swap_only=weight_swap_only,
         )[self.rank]
         self._check_fsdp(stages, real_overlap)
         if swap:
@@ -151,6 +161,10 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
                 self.order, rank=self.rank, min_gap=min_gap,
                 swapped=None if swap_only is None or self.rank not in swap_only else swap_only[self.rank],
                 unsharded_load=unsharded_load,
+                weight_swapped=(
+                    () if not weight_swap
+                    else None if weight_swap_only is None else weight_swap_only.get(self.rank, ())
+                ),
             )
         self.swap = swap
         self.session = PipelineSwapSession(self.order, device=stages[0].device, pool=pool) if swap else None

@@ -5,7 +5,7 @@ is one *generation*: :meth:`begin` starts it, :meth:`end` (normal exit) or :meth
 (exception) finishes it, and after either no group of that generation is left.
 
 * **Eligible chunks** are the ``(stage, micro)`` keys that have a ``SWAP_LAUNCH_OFFLOAD``
-  in the order. Only their FWD leaves get a group (:meth:`forward_scope`); every other
+  or a ``DW_LAUNCH_OFFLOAD`` in the order. Only their FWD leaves get a group (:meth:`forward_scope`); every other
   FWD leaf runs with the no-window marker, so wrappers pass its tensors through and no
   group exists for it.
 * **Group names** are ``pp_swap_run{generation}_s{stage}_m{micro}``.
@@ -13,6 +13,11 @@ is one *generation*: :meth:`begin` starts it, :meth:`end` (normal exit) or :meth
   by storage), buffers and the leaf's inputs (first-stage inputs, receive buffers, a
   same-rank predecessor's output) are protected; right after it, the FWD output and the
   loss root (:meth:`protect`). Protected storages are never released.
+* **dW state.** For a chunk with DW_* steps, right after its BWD_INPUT the group becomes
+  the dW state (:meth:`SwapGroup.hold_weight_state`): the storages the retained graph
+  still holds plus the gradients at the weight-path intermediates, never the input
+  gradient being sent or the stage's inputs and output. The DW_* steps move it like
+  the four activation steps.
 * **Lifetime.** A group is closed right after its chunk's last backward leaf (BWD, or
   BWD_WEIGHT under dx/dw split), so its bytes die with autograd's saved tensors.
 * **Bytes** move through one :class:`ResidencyManager` (copy engine + host pool) owned by
@@ -27,7 +32,13 @@ from itertools import count
 
 import torch
 
-from hyper_offload.passes.pipeline.meta_step import BACKWARD_KINDS, MetaStep, StepKind
+from hyper_offload.passes.pipeline.meta_step import (
+    BACKWARD_KINDS,
+    SWAP_INDEX_OF,
+    SWAP_PHASE_OF,
+    MetaStep,
+    StepKind,
+)
 
 from ..device import TransferEngine, resolve_device
 from ..pinned_pool import PinnedMemoryPool
@@ -54,10 +65,15 @@ class PipelineSwapSession:
     ) -> None:
         self.device = resolve_device(device)
         self.order = list(order)
+        self.weight_swapped: frozenset[ChunkKey] = frozenset(
+            step.chunk for step in self.order if step.kind is StepKind.DW_LAUNCH_OFFLOAD and step.chunk is not None
+        )
+        """Chunks whose dW state is swapped across their BWD_INPUT -> BWD_WEIGHT gap."""
         self.eligible: frozenset[ChunkKey] = frozenset(
             leaf.chunk for step in self.order for leaf in step.leaves()
             if leaf.kind is StepKind.SWAP_LAUNCH_OFFLOAD and leaf.chunk is not None
-        )
+        ) | self.weight_swapped
+        """Chunks that get a group: an activation window or a dW window is swapped."""
         self._last_backward = _last_backward_leaves(self.order)
         missing = sorted(self.eligible - set(self._last_backward))
         if missing:
@@ -72,8 +88,13 @@ class PipelineSwapSession:
         self._groups: dict[ChunkKey, SwapGroup] = {}
         self._active = False
         self._sids = count()
+        self._closed_copies = dict.fromkeys(_COPY_COUNTS, 0)  # what this generation's closed groups issued
         self.group_bytes: dict[ChunkKey, int] = {}
         """Bytes collected per chunk in the latest generation (what the cost model sizes)."""
+        self.weight_bytes: dict[ChunkKey, int] = {}
+        """Bytes of each chunk's dW state in the latest generation (dW-swapped chunks only)."""
+        self.packed_bytes: dict[tuple[ChunkKey, str], int] = {}
+        """``((stage, micro), "activations" | "weight_state") -> bytes`` moved packed."""
 
     # ------------------------------------------------------------------ generations
 
@@ -89,6 +110,9 @@ class PipelineSwapSession:
         self.generation += 1
         self._active = True
         self.group_bytes = {}
+        self.weight_bytes = {}
+        self.packed_bytes = {}
+        self._closed_copies = dict.fromkeys(_COPY_COUNTS, 0)
         return self.generation
 
     def end(self) -> None:
@@ -149,6 +173,7 @@ class PipelineSwapSession:
         with group_scope(group):
             yield group
         self.group_bytes[key] = group.nbytes
+        self.packed_bytes[(key, "activations")] = group.packed_bytes()
 
     def protect(self, key: ChunkKey, tensors: Iterable[torch.Tensor]) -> None:
         """Protect the FWD output / loss root of chunk ``key`` (no-op for unswapped chunks)."""
@@ -156,6 +181,7 @@ class PipelineSwapSession:
         if group is not None:
             group.protect(tensors)
             self.group_bytes[key] = group.nbytes
+            self.packed_bytes[(key, "activations")] = group.packed_bytes()
 
     # ------------------------------------------------------------------ swap steps
 
@@ -168,27 +194,50 @@ class PipelineSwapSession:
                 f"{step!r}: chunk (stage {step.stage}, micro {step.micro}) has no live group in "
                 f"generation {self.generation}; its FWD must run before its swap steps"
             )
-        if step.kind is StepKind.SWAP_LAUNCH_OFFLOAD:
-            group.launch_offload()
-        elif step.kind is StepKind.SWAP_WAIT_OFFLOAD:
-            group.wait_offload()
-        elif step.kind is StepKind.SWAP_LAUNCH_LOAD:
-            group.launch_load()
-        elif step.kind is StepKind.SWAP_WAIT_LOAD:
-            group.wait_load()
-        else:
+        if step.kind not in SWAP_PHASE_OF:
             raise ValueError(f"run_swap_step: {step!r} is not a swap step")
+        action = _ACTIONS[SWAP_INDEX_OF[step.kind]]
+        getattr(group, action)(SWAP_PHASE_OF[step.kind])
 
-    def after_compute(self, leaf: MetaStep) -> None:
-        """Close the chunk's group once its last backward leaf has run."""
+    def after_compute(
+        self,
+        leaf: MetaStep,
+        weight_state: Iterable[torch.Tensor] = (),
+        protected: Iterable[torch.Tensor] = (),
+    ) -> None:
+        """After a backward leaf: a BWD_INPUT of a dW-swapped chunk hands the group its dW
+        state (``weight_state``: the gradients at the weight-path intermediates;
+        ``protected``: what must stay, e.g. the input gradient being sent); the chunk's
+        last backward leaf closes the group."""
         key = leaf.chunk
-        if key is None or self._last_backward.get(key) != leaf.kind:
+        if key is None:
+            return
+        if leaf.kind is StepKind.BWD_INPUT and key in self.weight_swapped:
+            group = self._groups.get(key)
+            if group is None:
+                raise SwapStateError(f"{leaf!r}: chunk {key} has dW swap steps but no live group (its FWD never ran)")
+            group.hold_weight_state(weight_state, protected)
+            self.weight_bytes[key] = group.resident_bytes()
+            self.packed_bytes[(key, "weight_state")] = group.packed_bytes()
+        if self._last_backward.get(key) != leaf.kind:
             return
         group = self._groups.pop(key, None)
         if group is not None:
             group.close()
+            for name, value in _copy_counts(group).items():
+                self._closed_copies[name] += value
 
     # ------------------------------------------------------------------ inspection
+
+    def copies(self) -> dict[str, int]:
+        """Engine copies and bytes the groups of the latest generation issued: ``d2h``,
+        ``h2d`` (one per storage, or one per packed group with ``group_swap=True``) and
+        ``bytes`` sent to the host."""
+        counts = dict(self._closed_copies)
+        for group in self._groups.values():
+            for name, value in _copy_counts(group).items():
+                counts[name] += value
+        return counts
 
     def live_groups(self) -> list[str]:
         return [g.name for g in self._groups.values()]
@@ -206,6 +255,14 @@ class PipelineSwapSession:
     def _require_active(self, what: str) -> None:
         if not self._active:
             raise SwapStateError(f"{what}: no step is running (call begin() first)")
+
+
+_ACTIONS = ("launch_offload", "wait_offload", "launch_load", "wait_load")
+_COPY_COUNTS = ("d2h", "h2d", "bytes")
+
+
+def _copy_counts(group: SwapGroup) -> dict[str, int]:
+    return {"d2h": group.d2h_copies, "h2d": group.h2d_copies, "bytes": group.moved_bytes}
 
 
 def _last_backward_leaves(order: Sequence[MetaStep]) -> dict[ChunkKey, StepKind]:

@@ -235,7 +235,12 @@ class StepRun:
             )
             if s - 1 in self.stages:
                 self.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(m), m)
-        if self.session is not None:
+        if self.session is None:
+            return
+        if leaf.kind is StepKind.BWD_INPUT and leaf.chunk in self.session.weight_swapped:
+            grads, keep = _weight_state(stage, m)
+            self.session.after_compute(leaf, grads, [*keep, *_protected(stage.submod, [])])
+        else:
             self.session.after_compute(leaf)
 
     def _overlap(self, step: MetaStep, pool: ThreadPoolExecutor | None) -> None:
@@ -354,6 +359,24 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             yield leaf
+
+
+def _weight_state(stage: Any, micro: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What a BWD_INPUT left for its BWD_WEIGHT, from torch's ``PipelineStage``: the
+    gradients at the weight-path intermediates (``backward_state[micro]``'s param groups,
+    read by ``stage_backward_weight``), and what must stay on the device: the stage's
+    inputs, output and output gradients kept there, and the input gradients waiting to
+    be sent (``bwd_cache``)."""
+    state = stage.backward_state.get(micro)
+    if state is None:  # a custom dw_runner keeps its own state: nothing we can move
+        return [], []
+    input_values, param_groups, stage_output, output_grads = state[:4]
+    grads = [
+        g for group in param_groups for grads_tuple in group.get("grads") or () for g in grads_tuple
+        if isinstance(g, torch.Tensor)
+    ]
+    keep = list(_tensors((input_values, stage_output, output_grads, stage.bwd_cache.get(micro))))
+    return grads, keep
 
 
 def _protected(module: torch.nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -93,3 +93,22 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp
     with pytest.raises(PlotDependencyError, match=r"pip install hyper-offload\[plot\]"):
         plot_timeline(timeline_of("gpipe", 2, 2), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_zero_bubble_timeline_draws_the_dw_state_windows() -> None:
+    """ZBV swaps the dW state across its BWD_INPUT -> BWD_WEIGHT gaps: the picture shows
+    those copy windows in lanes of their own, and marks each BWD_WEIGHT that waits for one."""
+    pytest.importorskip("matplotlib")
+    from hyper_offload.passes.pipeline import build_rank_orders, build_timeline
+    from hyper_offload.passes.pipeline.timeline import WindowKind
+    from hyper_offload.viz import draw_timeline
+
+    orders = build_rank_orders("zbv", num_ranks=4, stages_per_rank=2, num_microbatches=8, swap=True)
+    timeline = build_timeline(orders)
+    dw_windows = [w for w in timeline.windows if w.kind in (WindowKind.WEIGHT_OFFLOAD, WindowKind.WEIGHT_LOAD)]
+    assert dw_windows
+    figure = draw_timeline(timeline)
+    gids = [patch.get_gid() for patch in figure.axes[0].patches]
+    assert gids.count("dw_offload") + gids.count("dw_load") == len(dw_windows)
+    texts = [t.get_text() for t in figure.axes[0].texts]
+    assert any(text.startswith("W·W") for text in texts)

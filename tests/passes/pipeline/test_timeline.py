@@ -164,10 +164,16 @@ def test_built_orders_respect_data_dependencies_and_rank_order(schedule, stages_
                 assert all(end_of[need] <= slot.start for need in needs), (rank, slot)
         for window in timeline.windows_of(rank):
             assert window.start <= window.end
+            key = (window.stage, window.micro)
             if window.kind is WindowKind.OFFLOAD:
-                assert window.start >= end_of[("fwd", window.stage, window.micro)]
-            else:
-                assert window.end <= end_of[("dx", window.stage, window.micro)] - 1
+                assert window.start >= end_of[("fwd", *key)]
+            elif window.kind is WindowKind.LOAD:
+                assert window.end <= end_of[("dx", *key)] - 1
+            elif window.kind is WindowKind.WEIGHT_OFFLOAD:  # the dW state leaves after its BWD_INPUT
+                assert window.start >= end_of[("dx", *key)]
+            else:  # and is back before its BWD_WEIGHT starts
+                assert window.end <= end_of[("dw", *key)] - 1
+    launches = ("SWAP_LAUNCH_OFFLOAD", "DW_LAUNCH_OFFLOAD")
     assert len(timeline.windows) == 2 * sum(
-        step.kind.value == "SWAP_LAUNCH_OFFLOAD" for order in orders.values() for step in order
+        step.kind.value in launches for order in orders.values() for step in order
     )

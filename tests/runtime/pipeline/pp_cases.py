@@ -34,6 +34,7 @@ class Case:
     steps: int = 2
     measure: bool = True
     reshard_after_forward: bool = False
+    group_swap: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -42,7 +43,8 @@ class Case:
 
     def label(self) -> str:
         parts = [self.schedule, f"{self.ranks}r", f"{self.micro}mb", self.transport]
-        parts += [name for name in ("fsdp", "dxdw_split", "overlap", "real_overlap") if getattr(self, name)]
+        parts += [name for name in ("fsdp", "dxdw_split", "overlap", "real_overlap", "group_swap") if getattr(self, name)]
+        parts += [f"{k}={v}" for k, v in sorted(self.extra.items())]
         return "-".join(parts)
 
 
@@ -97,7 +99,7 @@ def _stage_modules(case: Case, swap_wrapped: bool) -> dict[int, nn.Module]:
         stage = copy.deepcopy(stage)
         if swap_wrapped:
             for i, block in enumerate(stage):
-                stage[i] = swap_wrapper(block)
+                stage[i] = swap_wrapper(block, group_swap=case.group_swap)
         modules[index] = stage
     return modules
 
@@ -106,9 +108,9 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
     """One configuration on this rank: ``steps`` steps; returns losses, grads, memory."""
     from torch.distributed.pipelining import PipelineStage
 
-    from hyper_offload.passes.pipeline import layout_for
+    from hyper_offload.passes.pipeline import layout_for, predicted_peak
     from hyper_offload.runtime import DeviceMemoryMeter
-    from hyper_offload.runtime.pipeline import PipelineSwapSchedule
+    from hyper_offload.runtime.pipeline import FootprintRecorder, PipelineSwapSchedule
 
     case, swap = arg
     group = ctx.group(case.ranks)
@@ -134,25 +136,33 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
         **extra,
     )
     x, y = batch(case)
-    result: dict[str, Any] = {"losses": [], "peaks": [], "live_groups": [], "pool_bytes": []}
+    result: dict[str, Any] = {"losses": [], "peaks": [], "live_groups": [], "pool_bytes": [], "copies": []}
     if sched.swap_report is not None:
         result["chosen"] = sorted(sched.swap_report.chosen)
         result["eligible"] = sorted(sched.session.eligible)
     recorder = _Recorder(sched) if swap and case.measure else None
-    sched.observer = recorder
+    footprints = None
     try:
-        for _ in range(case.steps):
+        for step in range(case.steps):
             for module in modules.values():
                 module.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
             meter = DeviceMemoryMeter("cpu")
+            # Step 1 calibrates the residency model (stage footprints); later steps are
+            # predicted from it and measured.
+            calibrating = swap and case.measure and step == 0
+            sched.observer = _Both(recorder, FootprintRecorder(meter, sched.session)) if calibrating else recorder
             with meter if case.measure else _null():
                 sched.step(x, target=y, losses=losses)
+            if calibrating:
+                footprints = sched.observer.second.footprints()
             result["losses"].append([loss.detach() for loss in losses])
             result["peaks"].append(meter.peak_bytes)
             if sched.session is not None:
                 result["live_groups"].append(len(sched.session.live_groups()))
                 result["pool_bytes"].append(sched.session.manager.pool.stats().pinned_bytes_held)
+                result["copies"].append(sched.session.copies())
+                result["weight_swapped"] = sorted(sched.session.weight_swapped)
     finally:
         sched.close()
     result["grads"] = {
@@ -162,7 +172,28 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
     result["generation"] = sched.session.generation if sched.session is not None else 0
     if recorder is not None:
         result.update(recorder.summary())
+    if footprints is not None:
+        result["footprint_peak"] = predicted_peak(sched.order, footprints)
+        result["footprint_peak_activations_only"] = predicted_peak(sched.order, footprints, weight_swapped=())
+        result["footprint_peak_without"] = predicted_peak(sched.order, footprints, swapped=(), weight_swapped=())
     return result
+
+
+class _Both:
+    """Two step observers, called in turn."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def before_step(self, position: int, step: Any) -> None:
+        for observer in (self.first, self.second):
+            if observer is not None:
+                observer.before_step(position, step)
+
+    def after_step(self, position: int, step: Any) -> None:
+        for observer in (self.first, self.second):
+            if observer is not None:
+                observer.after_step(position, step)
 
 
 class _null:
