@@ -394,7 +394,7 @@ class SwapGroup:
         if self.state is not need:
             after = "the chunk's FWD" if phase is SwapPhase.ACTIVATIONS else "the chunk's BWD_INPUT (hold_weight_state)"
             raise SwapStateError(
-                f"{self.name}: {action} ({phase.value}) needs state {need.value}, found {self.state.value}. "
+                f"{self.name}: {action} needs state {need.value}, found {self.state.value} ({phase.value} window). "
                 f"Rule: LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD run once each, in "
                 f"that order, after {after}"
             )
