@@ -12,7 +12,8 @@ stage)::
     BWD_INPUT    -> weight_bytes      the dW state (retained saved activations, the
                                       gradients at the weight-path intermediates) and
                                       the input gradient it sends
-    BWD_WEIGHT   -> tail_bytes
+    BWD_WEIGHT   -> weight_tail_bytes (what outlives BWD_INPUT + BWD_WEIGHT; more than
+                                      tail_bytes when W leaves nodes unvisited)
     (first BWD / BWD_WEIGHT of the stage: + grad_bytes, the parameter gradients)
     SWAP_WAIT_OFFLOAD / SWAP_LAUNCH_LOAD   -activations / +activations
     DW_WAIT_OFFLOAD   / DW_LAUNCH_LOAD     -weight_state / +weight_state
@@ -67,7 +68,11 @@ class StageFootprint:
     weight_resident: int = 0
     """Other bytes BWD_INPUT leaves alive until BWD_WEIGHT (its sent input gradient, ...)."""
     tail_bytes: int = 0
-    """Bytes that outlive the chunk's last backward until the end of the step (P2P sends)."""
+    """Bytes that outlive the chunk's full BWD until the end of the step (P2P sends)."""
+    split_tail_bytes: int | None = None
+    """Bytes that outlive BWD_INPUT + BWD_WEIGHT (``None``: ``tail_bytes``). They can
+    differ: BWD_WEIGHT visits only the weight paths, so nodes a kept output still
+    references keep their saved tensors."""
     packed_activations: int = 0
     """The part of ``activations`` moved as one packed buffer (``group_swap=True``): a
     device staging buffer of that size lives from each LAUNCH to its WAIT."""
@@ -83,6 +88,8 @@ class StageFootprint:
     def __post_init__(self) -> None:
         for name in _FOOTPRINT_FIELDS:
             _check_bytes(f"StageFootprint.{name}", getattr(self, name))
+        if self.split_tail_bytes is not None:
+            _check_bytes("StageFootprint.split_tail_bytes", self.split_tail_bytes)
         table = dict(self.working)
         for kind, value in table.items():
             if kind not in COMPUTE_KINDS:
@@ -92,7 +99,7 @@ class StageFootprint:
 
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable (ranks gather footprints) although ``working`` is a read-only proxy.
-        fields = {f: getattr(self, f) for f in _FOOTPRINT_FIELDS}
+        fields = {f: getattr(self, f) for f in (*_FOOTPRINT_FIELDS, "split_tail_bytes")}
         return (_rebuild, (StageFootprint, {**fields, "working": dict(self.working)}))
 
     @property
@@ -103,6 +110,10 @@ class StageFootprint:
     def weight_bytes(self) -> int:
         return self.weight_state + self.weight_resident
 
+    @property
+    def weight_tail_bytes(self) -> int:
+        return self.tail_bytes if self.split_tail_bytes is None else self.split_tail_bytes
+
     def delta(self, kind: StepKind) -> int:
         """How a leaf of ``kind`` changes this chunk's level (0 for non-compute kinds)."""
         if kind is StepKind.FWD:
@@ -112,7 +123,7 @@ class StageFootprint:
         if kind is StepKind.BWD_INPUT:
             return self.weight_bytes - self.forward_bytes
         if kind is StepKind.BWD_WEIGHT:
-            return self.tail_bytes - self.weight_bytes
+            return self.weight_tail_bytes - self.weight_bytes
         return 0
 
 
