@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from hyper_offload.passes.pipeline.meta_step import OVERLAP_KINDS, MetaStep, StepKind
 
@@ -126,6 +126,8 @@ class StepRun:
         self.unsharded: set[int] = set()
         self.backward_count: Counter[int] = Counter()
         self.reduced: set[int] = set()
+        self.kept_outputs: dict[tuple[int, int], int] = {}
+        """(last stage, micro) -> index of its output in ``stage.output_chunks``."""
 
     # ------------------------------------------------------------------ driver
 
@@ -205,6 +207,8 @@ class StepRun:
             output = stage.forward_one_chunk(
                 m, self.arg_mbs[m], self.kwarg_mbs[m], save_forward_output=self.return_outputs
             )
+            if stage.is_last and self.return_outputs:
+                self.kept_outputs[(s, m)] = len(stage.output_chunks) - 1
             self._maybe_compute_loss(stage, output, m)
         if self.session is not None:
             roots = list(_tensors(output))
@@ -233,6 +237,7 @@ class StepRun:
             stage.backward_one_chunk(
                 m, loss=loss, full_backward=full, last_backward=full and self._is_last_backward(s)
             )
+            self._detach_kept_output(stage, s, m)
             if s - 1 in self.stages:
                 self.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(m), m)
         if self.session is None:
@@ -242,6 +247,20 @@ class StepRun:
             self.session.after_compute(leaf, grads, [*keep, *_protected(stage.submod, [])])
         else:
             self.session.after_compute(leaf)
+
+    def _detach_kept_output(self, stage: Any, s: int, m: int) -> None:
+        """After a last-stage chunk's backward, its output kept for the caller
+        (``return_outputs``) no longer needs its autograd graph.
+
+        torch detaches it in place for the same reason, but skips views, which cannot be
+        detached in place — and a ``Linear`` on a 3-D input returns one. Its graph then
+        keeps every node the backward did not free (under dx/dw split, every node above
+        the weight-path intermediates, with their saved tensors) alive until the step
+        ends: 1.06 MB per micro-batch on the example GPT's last stage. An out-of-place
+        detach in ``output_chunks`` frees them; the values returned are the same."""
+        index = self.kept_outputs.pop((s, m), None)
+        if index is not None:
+            stage.output_chunks[index] = tree_map_only(torch.Tensor, torch.Tensor.detach, stage.output_chunks[index])
 
     def _overlap(self, step: MetaStep, pool: ThreadPoolExecutor | None) -> None:
         forwards = [leaf for leaf in step.sub_steps if leaf.kind is StepKind.FWD]

@@ -110,3 +110,28 @@ def test_one_rank_step_matches_the_plain_model_bit_for_bit(one_rank: None) -> No
         for got, want in zip(got_grads, reference.parameters()):
             assert torch.allclose(got, want.grad, rtol=0, atol=1e-7), (got - want.grad).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_a_kept_last_stage_output_drops_its_graph_after_its_backward(one_rank: None) -> None:
+    """``Linear`` on a 3-D input returns a view, which torch cannot detach in place after
+    the backward; kept for ``return_outputs`` it would hold the chunk's unfreed autograd
+    nodes (and their saved tensors) until the step ends. The runner detaches it out of
+    place: the returned output has no graph and the same values."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from hyper_offload.runtime.pipeline import PipelineSwapSchedule
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    sched = PipelineSwapSchedule([stage], _MICRO, schedule="gpipe", loss_fn=_loss_fn)
+    x = torch.randn(8, 3, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 3, 4, generator=torch.Generator().manual_seed(2))
+    try:
+        sched.step(x, target=y, losses=[])  # initialises the stage
+        out = sched.step(x, target=y, losses=[])
+    finally:
+        sched.close()
+    assert out.grad_fn is None and all(chunk.grad_fn is None for chunk in stage.output_chunks)
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
