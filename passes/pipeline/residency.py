@@ -203,11 +203,12 @@ def step_curve(
             peak = level
             for leaf in step.leaves():
                 footprint = sizes.footprint(leaf.chunk)  # type: ignore[arg-type]
-                delta = footprint.delta(leaf.kind)
+                delta, grads = footprint.delta(leaf.kind), 0
                 if leaf.kind in _WEIGHT_GRAD_KINDS and leaf.stage not in graded:
                     graded.add(leaf.stage)  # type: ignore[arg-type]
-                    delta += footprint.grad_bytes
-                peak = max(peak, level + max(footprint.working.get(leaf.kind, 0), delta, 0))
+                    grads = footprint.grad_bytes  # allocated while the chunk's bytes still live
+                    delta += grads
+                peak = max(peak, level + max(footprint.working.get(leaf.kind, 0) + grads, delta, 0))
                 level += delta
             curve.append(peak)
             continue

@@ -312,3 +312,49 @@ def test_check_order_does_not_reuse_the_swap_pass() -> None:
     reused = sorted(name for name, value in vars(validator).items() if id(value) in defined_by_pass)
     assert reused == []
     assert defined_by_pass  # the probe itself sees the pass's functions
+
+
+# One stage, dx/dw split: W of micro 0 runs five slots after its I (a dW window).
+SPLIT_BASE = parse_order("0F0 0F1 0I0 0F2 0I1 0F3 0I2 0W0 0I3 0W1 0W2 0W3")
+SPLIT_SWAPPED = inject_swap_steps(SPLIT_BASE, min_gap=4, only=())
+
+
+def _split_rules(order: list[MetaStep], **kwargs: object) -> set[OrderRule]:
+    return {v.rule for v in check_order(order, rank=0, min_gap=4, swapped=(), reference=SPLIT_BASE, **kwargs)}  # type: ignore[arg-type]
+
+
+def test_dw_windows_are_placed_by_the_activation_rules_and_accepted() -> None:
+    dw = [repr(s) for s in SPLIT_SWAPPED if s.is_swap and s.micro == 0]
+    assert dw == ["0DW_LAUNCH_OFFLOAD0", "0DW_WAIT_OFFLOAD0", "0DW_LAUNCH_LOAD0", "0DW_WAIT_LOAD0"]
+    texts = [repr(s) for s in SPLIT_SWAPPED]
+    assert texts[texts.index("0I0") + 1] == "0DW_LAUNCH_OFFLOAD0"  # right after its BWD_INPUT
+    assert texts[texts.index("0W0") - 1] == "0DW_WAIT_LOAD0"  # right before its BWD_WEIGHT
+    assert _split_rules(SPLIT_SWAPPED) == set()
+
+
+def test_a_dw_wait_load_after_its_weight_step_is_caught_and_named() -> None:
+    broken = list(SPLIT_SWAPPED)
+    wait = _index(broken, "0DW_WAIT_LOAD0")
+    step = broken.pop(wait)
+    broken.insert(_index(broken, "0W0") + 1, step)
+    violations = check_order(broken, rank=0, min_gap=4, swapped=(), reference=SPLIT_BASE)
+    assert OrderRule.LOAD_AFTER_CONSUMER in {v.rule for v in violations}
+    message = next(v.message for v in violations if v.rule is OrderRule.LOAD_AFTER_CONSUMER)
+    assert message.startswith("dW state:") and "DW_WAIT_LOAD" in message and "BWD_WEIGHT" in message
+
+
+def test_a_dw_offload_before_its_input_step_and_a_missing_dw_step_are_caught() -> None:
+    early = list(SPLIT_SWAPPED)
+    launch = early.pop(_index(early, "0DW_LAUNCH_OFFLOAD0"))
+    early.insert(_index(early, "0I0"), launch)
+    assert OrderRule.OFFLOAD_BEFORE_FORWARD in _split_rules(early)
+    dropped = [s for s in SPLIT_SWAPPED if repr(s) != "0DW_LAUNCH_LOAD0"]
+    assert OrderRule.MISSING_SWAP_STEP in _split_rules(dropped)
+
+
+def test_the_chosen_dw_set_is_checked_like_the_activation_set() -> None:
+    assert OrderRule.NOT_CHOSEN_SWAPPED in _split_rules(SPLIT_SWAPPED, weight_swapped=())
+    plain = inject_swap_steps(SPLIT_BASE, min_gap=4, only=(), weight_swap=False)
+    assert OrderRule.MISSING_SWAP_STEP in _split_rules(plain)  # every eligible window by default
+    assert _split_rules(plain, weight_swapped=()) == set()
+    assert OrderRule.CHOSEN_INELIGIBLE in _split_rules(plain, weight_swapped=[(0, 3)])
