@@ -4,8 +4,11 @@ without swap, measured in the same run, plus the swap pass's prediction.
 Prints one JSON object per line (``"bench": "pp_swap"``) with: schedule, ranks,
 micro-batches, rank, ``peak_without`` / ``peak_with`` (measured, bytes), ``drop`` (1 -
 with/without), ``time_ratio`` (this rank's median step time with swap / without),
-``predicted_drop`` (the pass's resident-activation peak ratio for this rank's order, every
-chunk the same size) and whether losses were identical. Then one ``pp_swap.table`` line per
+``predicted_peak_without`` / ``predicted_peak_with`` / ``predicted_drop`` (the residency
+model of the order pass, fed the stage footprints ``FootprintRecorder`` measured on the
+step before the metered one), ``copies_d2h`` / ``copies_h2d`` / ``moved_bytes`` (what the
+swap groups issued in the metered step; ``--group-swap`` packs each group: one copy each
+way per window) and whether losses were identical. Then one ``pp_swap.table`` line per
 schedule with the worst rank.
 
     python benchmarks/pp_swap.py [--nproc 4] [--micro 8] [--schedules gpipe 1f1b ...]
@@ -49,7 +52,7 @@ def worker(rank: int, world: int, bench: argparse.Namespace) -> None:
         for schedule in bench.schedules:
             args = example.parse_args([
                 "--schedule", schedule, "--micro", str(bench.micro), "--steps", str(bench.steps),
-                "--transport", bench.transport,
+                "--transport", bench.transport, *(["--group-swap"] if bench.group_swap else []),
             ])
             try:
                 result = example.run_rank(args, rank, world, torch.device("cpu"))
@@ -77,6 +80,10 @@ def _emit(example: Any, schedule: str, world: int, bench: argparse.Namespace, ga
                 drop=round(1 - result["peak_with"] / result["peak_without"], 4),
                 time_ratio=round(result["time_with"] / result["time_without"], 3),
                 **_predicted(example, result),
+                copies_d2h=result["copies"]["d2h"],
+                copies_h2d=result["copies"]["h2d"],
+                moved_bytes=result["copies"]["bytes"],
+                group_swap=bench.group_swap,
                 losses_identical=result["losses_with"] == result["losses_without"],
             )
         rows.append(row)
@@ -107,6 +114,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--transport", default="plain")
+    parser.add_argument("--group-swap", action="store_true", help="pack each group: one copy each way")
     parser.add_argument(
         "--schedules", nargs="+",
         default=["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"],

@@ -53,7 +53,9 @@ class GPTStage(nn.Module):
         self.pos = nn.Parameter(torch.zeros(args.seq, args.dim)) if first else None
         # The blocks' saved activations may be swapped; which ones move is the schedule's call.
         block_shape = GPTConfig(vocab=args.vocab, seq_len=args.seq, dim=args.dim, heads=args.heads)
-        self.blocks = nn.ModuleList(swap_wrapper(Block(block_shape)) for _ in range(args.blocks))
+        self.blocks = nn.ModuleList(
+            swap_wrapper(Block(block_shape), group_swap=args.group_swap) for _ in range(args.blocks)
+        )
         self.head = nn.Sequential(nn.LayerNorm(args.dim), nn.Linear(args.dim, args.vocab)) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,8 @@ def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.devi
         with meter:
             sched.step(inputs, target=targets, losses=losses)
         peak = meter.allocator_peak_bytes if meter.allocator_peak_bytes is not None else meter.peak_bytes
+        if sched.session is not None:
+            out["copies"] = sched.session.copies()  # of the metered step
         sched.close()
         out[f"peak_{key}"] = peak  # a warm step: the host pool and the stages are set up
         out[f"time_{key}"] = statistics.median(times[1:] or times)
@@ -195,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=2, help="transformer blocks per stage")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--transport", choices=("plain", "batch", "boundary"), default="plain")
+    parser.add_argument("--group-swap", action="store_true", help="swap_wrapper(..., group_swap=True)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any P2P wait may take")
     parser.add_argument("--plot", default=None, help="write the swap timeline picture here (needs matplotlib)")
