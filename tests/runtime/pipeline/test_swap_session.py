@@ -14,6 +14,7 @@ from torch import nn
 
 from hyper_offload.pipeline import SwapOutsideGroupWarning, swap_tensor_wrapper, swap_wrapper
 from hyper_offload.passes.pipeline import MetaStep, StepKind, build_rank_orders
+from hyper_offload.passes.pipeline.meta_step import SwapPhase
 from hyper_offload.runtime.pipeline import GroupState, PipelineSwapSession, SwapStateError
 from hyper_offload.runtime.pipeline.hooks import current_group
 
@@ -282,3 +283,36 @@ def test_wrapped_module_keeps_names_and_survives_deepcopy(xs) -> None:
         clone(xs[0])
     assert group.num_storages == 1  # relu's output (b's input): the copy still collects
     session.abort()
+
+
+def test_the_dw_state_is_what_survives_bwd_input_plus_its_gradients_and_moves_whole() -> None:
+    """After BWD_INPUT the group keeps the storages something else still holds (the
+    retained graph), drops the ones only its bindings kept, adds the intermediate
+    gradients, never the protected input gradient; DW_* steps move them and give the
+    same bytes back; reading one while it is away raises."""
+    from hyper_offload.runtime.pipeline import SwapGroup
+
+    session = PipelineSwapSession(_order(), device="cpu")
+    group = SwapGroup("dw_test", (0, 0), session.manager, iter(range(100)), device=torch.device("cpu"))
+    retained = torch.arange(64, dtype=torch.float32)  # still referenced: the retained graph
+    freed = torch.ones(256)  # referenced by nothing but the group after BWD_INPUT
+    assert group.add(retained) and group.add(freed)
+    del freed
+    grad = torch.full((16,), 3.0)  # a gradient at a weight-path intermediate
+    sent = torch.full((8,), 2.0)  # the input gradient being sent: protected
+    group.hold_weight_state([grad, sent], protected=[sent])
+    assert group.state is GroupState.HELD
+    assert group.is_member(retained) and group.is_member(grad) and not group.is_member(sent)
+    assert group.num_storages == 2 and group.resident_bytes() == (64 + 16) * 4
+    expected = (retained.clone(), grad.clone())
+    group.launch_offload(SwapPhase.WEIGHT_STATE)
+    group.wait_offload(SwapPhase.WEIGHT_STATE)
+    assert group.resident_bytes() == 0 and sent.untyped_storage().nbytes() == 8 * 4
+    with pytest.raises(SwapStateError, match="DW_OFFLOADED"):
+        group.check_readable(retained, "test")
+    group.launch_load(SwapPhase.WEIGHT_STATE)
+    group.wait_load(SwapPhase.WEIGHT_STATE)
+    assert torch.equal(retained, expected[0]) and torch.equal(grad, expected[1])
+    assert (group.d2h_copies, group.h2d_copies) == (2, 2)
+    group.close()
+    assert group.state is GroupState.CLOSED and session.manager.host_bytes() == 0
