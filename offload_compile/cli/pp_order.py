@@ -25,11 +25,11 @@ from typing import Any
 
 from hyper_offload.passes.pipeline.build import build_rank_orders
 from hyper_offload.passes.pipeline.check_order import check_order
-from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
+from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.orders import SCHEDULES
-from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP, find_swap_chunks, strip_swap_steps
+from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
+from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, strip_swap_steps
 from hyper_offload.passes.pipeline.swap_cost import (
-    ActivationSizes,
     SwapCostModel,
     SwapCostReport,
     peak_bytes,
@@ -67,6 +67,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                       help="swap only chunks whose copies hide and that lower the peak (implies --swap)")
     cost.add_argument("--activation-mb", type=float, default=None,
                       help="activation MiB per chunk (peaks are reported in chunks without it)")
+    cost.add_argument("--weight-state-mb", type=float, default=None,
+                      help="dW-state MiB per chunk under dx/dw split, BWD_INPUT -> BWD_WEIGHT "
+                           "(default: the activation size)")
     cost.add_argument("--d2h-gbps", type=float, default=None, help="device-to-host GB/s (default 20)")
     cost.add_argument("--h2d-gbps", type=float, default=None, help="host-to-device GB/s (default 20)")
     cost.add_argument("--fwd-ms", type=float, default=None, help="forward ms per chunk (default 10)")
@@ -97,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     violations = [
         v for rank, order in orders.items()
         for v in check_order(order, rank=rank, min_gap=args.min_gap,
-                             swapped=_expected_swaps(args, reports, rank), reference=plain[rank])
+                             swapped=_expected_swaps(args, reports, rank),
+                             weight_swapped=_expected_weight_swaps(args, reports, rank), reference=plain[rank])
     ]
     shown = {r: o for r, o in orders.items() if args.rank is None or r == args.rank}
     peaks = _peaks(orders, args) if args.swap else {}
@@ -173,14 +177,17 @@ def _build(args: argparse.Namespace) -> tuple[_Orders, _Orders, dict[int, SwapCo
             target_peak_bytes=None if args.target_peak_mb is None else int(args.target_peak_mb * MIB),
         )
         only = {rank: report.chosen for rank, report in reports.items()}
-        return plain, build_rank_orders(args.schedule, swap=True, swap_only=only, **options), reports
+        weight_only = {rank: report.chosen_weight for rank, report in reports.items()}
+        final = build_rank_orders(args.schedule, swap=True, swap_only=only, weight_swap_only=weight_only, **options)
+        return plain, final, reports
     except ValueError as error:  # the passes' errors name the rule and the fix
         raise _BadInput(f"{args.schedule}: {error}") from None
 
 
-def _sizes(args: argparse.Namespace) -> ActivationSizes:
+def _sizes(args: argparse.Namespace) -> StageFootprints:
     per_chunk = 1 if args.activation_mb is None else int(args.activation_mb * MIB)
-    return ActivationSizes(default_bytes=per_chunk)
+    weight = per_chunk if args.weight_state_mb is None else int(args.weight_state_mb * MIB)
+    return StageFootprints(default=StageFootprint(activations=per_chunk, weight_state=weight))
 
 
 def _cost_model(args: argparse.Namespace) -> SwapCostModel:
@@ -207,6 +214,15 @@ def _expected_swaps(
     return reports[rank].chosen if args.cost_aware else None
 
 
+def _expected_weight_swaps(
+    args: argparse.Namespace, reports: Mapping[int, SwapCostReport], rank: int
+) -> Collection[tuple[int, int]] | None:
+    """The same for the dW-state windows."""
+    if not args.swap:
+        return ()
+    return reports[rank].chosen_weight if args.cost_aware else None
+
+
 def _swapped_chunks(order: Sequence[MetaStep]) -> set[tuple[int, int]]:
     return {s.chunk for s in order if s.kind is StepKind.SWAP_LAUNCH_OFFLOAD and s.chunk is not None}
 
@@ -216,14 +232,19 @@ def _peaks(orders: Mapping[int, Sequence[MetaStep]], args: argparse.Namespace) -
     unit = "chunks" if args.activation_mb is None else "bytes"
     result = {}
     for rank, order in orders.items():
-        chunks = find_swap_chunks(strip_swap_steps(order), min_gap=args.min_gap)
+        plain = strip_swap_steps(order)
+        chunks = find_swap_chunks(plain, min_gap=args.min_gap)
+        weight_windows = find_weight_windows(plain, min_gap=args.min_gap)
         result[rank] = {
-            "without": peak_bytes(order, sizes, swapped=()),
+            "without": peak_bytes(order, sizes, swapped=(), weight_swapped=()),
             "with": peak_bytes(order, sizes),
             "unit": unit,
             "swapped": len(_swapped_chunks(order)),
             "eligible": sum(c.eligible for c in chunks),
             "chunks": len(chunks),
+            "weight_swapped": sum(s.kind is StepKind.DW_LAUNCH_OFFLOAD for s in order),
+            "weight_eligible": sum(c.eligible for c in weight_windows),
+            "weight_windows": len(weight_windows),
         }
     return result
 
@@ -279,8 +300,10 @@ def _as_json(args: argparse.Namespace, orders: Mapping[int, Sequence[MetaStep]],
         result["cost"] = {
             str(rank): {
                 "chosen": [list(key) for key in reports[rank].chosen],
+                "chosen_weight": [list(key) for key in reports[rank].chosen_weight],
                 "rejected": [
-                    {"stage": r.stage, "micro": r.micro, "reason": r.reason.value, "detail": r.detail}
+                    {"stage": r.stage, "micro": r.micro, "reason": r.reason.value, "detail": r.detail,
+                     "window": r.phase.value}
                     for r in reports[rank].rejected
                 ],
             }
@@ -327,14 +350,20 @@ def _peak_line(peak: Mapping[str, Any]) -> str:
 
     before, after = peak["without"], peak["with"]
     change = f" ({(after - before) / before:+.1%})" if before else ""
-    return (f"  swapped {peak['swapped']} of {peak['chunks']} chunks ({peak['eligible']} eligible); "
-            f"peak resident activations {amount(before)} -> {amount(after)}{change}")
+    weight = (f", dW state of {peak['weight_swapped']} of {peak['weight_windows']} "
+              f"({peak['weight_eligible']} eligible)" if peak["weight_windows"] else "")
+    return (f"  swapped {peak['swapped']} of {peak['chunks']} chunks ({peak['eligible']} eligible){weight}; "
+            f"predicted peak {amount(before)} -> {amount(after)}{change}")
 
 
 def _cost_lines(report: SwapCostReport) -> list[str]:
     by_reason: dict[str, list[str]] = {}
     for rejected in report.rejected:
-        by_reason.setdefault(rejected.reason.value, []).append(f"{rejected.stage}:{rejected.micro}")
+        suffix = "" if rejected.phase is SwapPhase.ACTIVATIONS else "w"
+        by_reason.setdefault(rejected.reason.value, []).append(f"{rejected.stage}:{rejected.micro}{suffix}")
     kept = "; ".join(f"{reason} {' '.join(keys)}" for reason, keys in sorted(by_reason.items()))
     chosen = " ".join(f"{s}:{m}" for s, m in report.chosen) or "none"
-    return [f"  cost-aware: swapped (stage:micro) {chosen}", f"  kept resident: {kept or 'none'}"]
+    lines = [f"  cost-aware: swapped (stage:micro) {chosen}"]
+    if report.chosen_weight:
+        lines.append(f"  cost-aware: dW state swapped (stage:micro) {' '.join(f'{s}:{m}' for s, m in report.chosen_weight)}")
+    return [*lines, f"  kept resident: {kept or 'none'}"]

@@ -115,7 +115,7 @@ def test_swap_reports_the_peak_drop(capsys) -> None:
     code, out, _ = run_cli(capsys, "--schedule", "gpipe", "--ranks", "4", "--microbatches", "8", "--swap",
                            "--activation-mb", "100")
     assert code == 0
-    assert "peak resident activations 800.0 MiB -> " in out
+    assert "predicted peak 800.0 MiB -> " in out
 
 
 def test_cost_aware_swaps_a_subset_and_explains_the_rest(capsys) -> None:
@@ -230,3 +230,26 @@ def test_order_rejected_by_check_order_exits_3_and_still_prints(capsys, monkeypa
     assert set(json.loads(out)["orders"]) == {"0", "1"}  # the order is still shown, for the bug report
     assert len(err.splitlines()) == 1
     assert "rank 1, step 3 (stage 1, micro 0): [missing-swap-step]" in err and "this is a bug" in err
+
+
+def test_zero_bubble_orders_swap_the_dw_state_and_the_peak_counts_it(capsys) -> None:
+    argv = ["--schedule", "zbv", "--ranks", "4", "--stages-per-rank", "2", "--microbatches", "8", "--swap"]
+    result = run_json(capsys, *argv)
+    for rank, peak in result["peaks"].items():
+        steps = result["orders"][rank]
+        assert peak["weight_swapped"] == sum("DW_LAUNCH_OFFLOAD" in s for s in steps) == peak["weight_eligible"]
+    assert any(p["weight_swapped"] for p in result["peaks"].values())
+    # The reported peak counts the dW swap: it is what the model gives with it, lower than
+    # without it on some rank (same sizes: one unit of dW state per chunk).
+    from hyper_offload.passes.pipeline import StageFootprint, StageFootprints
+    from hyper_offload.passes.pipeline.swap_cost import peak_bytes
+
+    sizes = StageFootprints(default=StageFootprint(activations=1, weight_state=1))
+    lowered = []
+    for rank, peak in result["peaks"].items():
+        order = [MetaStep.from_str(s) for s in result["orders"][rank]]
+        assert peak["with"] == peak_bytes(order, sizes)
+        lowered.append(peak["with"] < peak_bytes(order, sizes, weight_swapped=()))
+    assert any(lowered)
+    code, out, _ = run_cli(capsys, *argv[:-1], "--cost-aware", "--activation-mb", "100")
+    assert code == 0 and "dW state swapped (stage:micro)" in out
