@@ -17,8 +17,9 @@ stage)::
     (first BWD / BWD_WEIGHT of the stage: + grad_bytes, the parameter gradients)
     SWAP_WAIT_OFFLOAD / SWAP_LAUNCH_LOAD   -activations / +activations
     DW_WAIT_OFFLOAD   / DW_LAUNCH_LOAD     -weight_state / +weight_state
-    with group_swap, each LAUNCH adds a staging buffer of the packed bytes, its WAIT
-    frees it (packed_activations, packed_weight_state)
+    with group_swap the packed bytes move as one staging buffer that takes the members'
+    place: the same levels, plus a transient of the packed bytes while LAUNCH_OFFLOAD packs
+    and WAIT_LOAD unpacks (packed_activations, packed_weight_state)
 
 ``tail_bytes`` are the P2P buffers in flight: the executor waits for its sends at the end
 of the step, so a chunk's sent output and sent input gradient stay alive until then.
@@ -32,7 +33,7 @@ The rank's level is the sum over its chunks. Each top-level step ``p`` gets one 
   started from (:attr:`StageFootprint.working`) — so a backward still counts the chunk it
   frees;
 * any other step: the level after it (a WAIT_OFFLOAD no longer counts what it freed, a
-  LAUNCH_LOAD counts what it allocated).
+  LAUNCH_LOAD counts what it allocated), plus a group_swap pack / unpack transient.
 
 Invariants: the curve is additive over chunks (a chunk's contribution at every step is
 independent of the others), so moving one chunk's bytes off the device over a span of
@@ -74,8 +75,9 @@ class StageFootprint:
     differ: BWD_WEIGHT visits only the weight paths, so nodes a kept output still
     references keep their saved tensors."""
     packed_activations: int = 0
-    """The part of ``activations`` moved as one packed buffer (``group_swap=True``): a
-    device staging buffer of that size lives from each LAUNCH to its WAIT."""
+    """The part of ``activations`` moved as one packed buffer (``group_swap=True``): its
+    staging buffer replaces the members from LAUNCH_OFFLOAD to WAIT_LOAD, and both exist
+    while the pack and the unpack run."""
     packed_weight_state: int = 0
     """The same for ``weight_state``."""
     grad_bytes: int = 0
@@ -165,16 +167,18 @@ class StageFootprints:
 
 
 _WEIGHT_GRAD_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
-# Per swap step: the window it belongs to, then (field, sign) of each level change.
+# Per swap step: its window, the level it changes (field, sign), and the transient a
+# packed window (group_swap) adds while the step runs: the pack and the members coexist
+# while LAUNCH_OFFLOAD packs them and while WAIT_LOAD unpacks them, never in between.
 _AWAY_STEPS = {
-    StepKind.SWAP_LAUNCH_OFFLOAD: ("activations", (("packed_activations", +1),)),
-    StepKind.SWAP_WAIT_OFFLOAD: ("activations", (("activations", -1), ("packed_activations", -1))),
-    StepKind.SWAP_LAUNCH_LOAD: ("activations", (("activations", +1), ("packed_activations", +1))),
-    StepKind.SWAP_WAIT_LOAD: ("activations", (("packed_activations", -1),)),
-    StepKind.DW_LAUNCH_OFFLOAD: ("weight_state", (("packed_weight_state", +1),)),
-    StepKind.DW_WAIT_OFFLOAD: ("weight_state", (("weight_state", -1), ("packed_weight_state", -1))),
-    StepKind.DW_LAUNCH_LOAD: ("weight_state", (("weight_state", +1), ("packed_weight_state", +1))),
-    StepKind.DW_WAIT_LOAD: ("weight_state", (("packed_weight_state", -1),)),
+    StepKind.SWAP_LAUNCH_OFFLOAD: ("activations", None, "packed_activations"),
+    StepKind.SWAP_WAIT_OFFLOAD: ("activations", ("activations", -1), None),
+    StepKind.SWAP_LAUNCH_LOAD: ("activations", ("activations", +1), None),
+    StepKind.SWAP_WAIT_LOAD: ("activations", None, "packed_activations"),
+    StepKind.DW_LAUNCH_OFFLOAD: ("weight_state", None, "packed_weight_state"),
+    StepKind.DW_WAIT_OFFLOAD: ("weight_state", ("weight_state", -1), None),
+    StepKind.DW_LAUNCH_LOAD: ("weight_state", ("weight_state", +1), None),
+    StepKind.DW_WAIT_LOAD: ("weight_state", None, "packed_weight_state"),
 }
 
 
@@ -213,13 +217,17 @@ def step_curve(
             curve.append(peak)
             continue
         away = _AWAY_STEPS.get(step.kind)
+        transient = 0
         if away is not None:
-            window, changes = away
+            window, change, packed = away
             chosen = counted[window]
             if chosen is None or step.chunk in chosen:
                 footprint = sizes.footprint(step.chunk)  # type: ignore[arg-type]
-                level += sum(sign * getattr(footprint, name) for name, sign in changes)
-        curve.append(level)
+                if change is not None:
+                    level += change[1] * getattr(footprint, change[0])
+                if packed is not None:
+                    transient = getattr(footprint, packed)
+        curve.append(level + transient)
     return curve
 
 

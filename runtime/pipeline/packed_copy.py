@@ -7,11 +7,12 @@ a single engine copy each way::
     launch_offload   staging = cat(bytes(s) for s in members)       (compute stream)
                      host    = pool.acquire(nbytes)
                      d2h     = engine.d2h(staging, host)             (copy stream)
-    wait_offload     d2h.order_before_free(); drop staging; s.resize_(0) for s in members
-    launch_load      s.resize_(n_s) for s in members; staging = empty(nbytes)
+                     s.resize_(0) for s in members (the staging buffer holds the bytes)
+    wait_offload     d2h.order_before_free(); drop staging
+    launch_load      staging = empty(nbytes)
                      h2d     = engine.h2d(host, staging, after=d2h)  (copy stream)
-    wait_load        h2d.wait() (a stream wait); bytes(s) <- staging slice (compute stream)
-                     drop staging; pool.release(host, gated by d2h and h2d)
+    wait_load        h2d.wait() (a stream wait); s.resize_(n_s); bytes(s) <- staging slice
+                     (compute stream); drop staging; pool.release(host, gated by both copies)
 
 States: ``IDLE → OFFLOADING → OFFLOADED → LOADING → LOADED``; :meth:`PackedCopy.abort`
 leads from any state to ``CLOSED``. A step called out of order raises
@@ -22,10 +23,12 @@ Invariants:
 * **One copy each way.** A cycle issues exactly one ``engine.d2h`` and one ``engine.h2d``
   whatever the number of members (zero when the members hold no bytes);
   ``d2h_copies``/``h2d_copies`` count them (an abort's reload counts as an H2D).
-* **Cost of one copy.** The staging buffer lives only in ``OFFLOADING`` and ``LOADING``;
-  there the device holds the members *and* the staging buffer: a transient of ``nbytes``.
-* **Members are snapshotted at launch_offload** and stay readable until ``wait_offload``;
-  they hold no bytes in ``OFFLOADED`` and ``LOADING`` and must not be read then.
+* **Cost of one copy.** The staging buffer lives only in ``OFFLOADING`` and ``LOADING``,
+  in place of the members (they are freed right after the pack and grown right before
+  the unpack): the level is what a per-storage swap holds, and the members and the pack
+  coexist only inside ``launch_offload`` and ``wait_load`` (a transient of ``nbytes``).
+* **Members are snapshotted at launch_offload**; they hold no bytes from then until
+  ``wait_load`` returns and must not be read in between.
 * **No reuse mid-copy, no host block.** The D2H is issued ``free_before_wait=True`` (the
   staging buffer is dropped before any stream wait): the engine ``record_stream``-s it, or
   ``order_before_free`` orders the compute stream after the copy. The staging buffer of a
@@ -168,22 +171,25 @@ class PackedCopy:
                 ) from exc
             self._d2h_copies += 1
             self._staging, self._host = staging, host
+            # The staging buffer holds the bytes now: the members go at once, so the pack
+            # replaces them instead of doubling them. Safe under a caching allocator: the
+            # pack kernel that read them is queued on this (compute) stream before any reuse.
+            for storage, _ in self._members:
+                storage.resize_(0)
         self.state = PackState.OFFLOADING
 
     def wait_offload(self) -> None:
-        """Free the members' device bytes and the staging buffer (no host block)."""
+        """Free the staging buffer once the D2H no longer needs it (no host block)."""
         self._check("wait_offload")
         if self._d2h is not None:
             # A no-op when the engine record_stream-ed the staging buffer or the copy is
             # done; otherwise the compute stream (which reuses the block) waits for the D2H.
             self._d2h.order_before_free()
         self._staging = None
-        for storage, _ in self._members:
-            storage.resize_(0)
         self.state = PackState.OFFLOADED
 
     def launch_load(self) -> None:
-        """Grow the members back and start the one H2D into a fresh staging buffer."""
+        """Start the one H2D into a fresh staging buffer (the members grow at wait_load)."""
         self._check("launch_load")
         self._start_load()
         self.state = PackState.LOADING
@@ -206,7 +212,10 @@ class PackedCopy:
         try:
             if self.state is PackState.OFFLOADED:
                 self._start_load()
-            self._finish_load()
+            if self.state is PackState.OFFLOADING:
+                self._unpack()  # the staging buffer still holds the bytes
+            else:
+                self._finish_load()
         except Exception as exc:  # keep cleaning up; report below
             lost = exc
         for transfer in (self._d2h, self._h2d):
@@ -226,17 +235,11 @@ class PackedCopy:
         if not self._nbytes:
             return
         assert self._host is not None
-        grown: list[torch.UntypedStorage] = []
         try:
-            for storage, nbytes in self._members:
-                storage.resize_(nbytes)
-                grown.append(storage)
             staging = torch.empty(self._nbytes, dtype=torch.uint8, device=self.device)
             after = [self._d2h] if self._d2h is not None else []
             self._h2d = self.engine.h2d(self._host[: self._nbytes], staging, after=after)
         except Exception as exc:
-            for storage in grown:  # never leave members with unfilled bytes visible
-                storage.resize_(0)
             raise TransferFailedError(
                 f"{self.name}: the packed H2D of {self._nbytes} B could not start: {exc}. The "
                 "host copy is intact and the members stay offloaded; free device memory and "
@@ -249,14 +252,19 @@ class PackedCopy:
         if self._h2d is None:
             return
         self._h2d.wait()  # the compute stream, which runs the unpack, follows the copy
+        self._unpack()
+        self._release_host()
+
+    def _unpack(self) -> None:
+        """Grow the members and copy the staging buffer into them (compute stream)."""
         staging, offset = self._staging, 0
         assert staging is not None
         for storage, nbytes in self._members:
+            storage.resize_(nbytes)
             byte_view(storage, nbytes).copy_(staging[offset : offset + nbytes])
             offset += nbytes
-        # The unpack was queued after the H2D on the compute stream, so the block may go.
+        # The unpack was queued on the compute stream, so the block may go.
         self._staging = None
-        self._release_host()
 
     def _release_host(self) -> None:
         if self._host is None:

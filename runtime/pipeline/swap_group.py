@@ -380,7 +380,11 @@ class SwapGroup:
     def check_readable(self, tensor: torch.Tensor, where: str) -> None:
         """Raise :class:`SwapStateError` if ``tensor``'s storage is a member that is not on
         the device for the compute stream right now."""
-        if self.state in _READABLE or not self.is_member(tensor):
+        if not self.is_member(tensor):
+            return
+        member = self._members[storage_key(tensor)]
+        packed_away = member.packed and self.state in (GroupState.OFFLOADING, GroupState.DW_OFFLOADING)
+        if self.state in _READABLE and not packed_away:  # a packed member leaves at its launch
             return
         raise SwapStateError(
             f"{where}: a saved activation of {self.name} was read while the group is "

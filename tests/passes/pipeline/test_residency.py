@@ -56,12 +56,23 @@ def test_a_dw_swap_lowers_the_curve_exactly_over_its_away_span() -> None:
     ]
 
 
-def test_group_swap_staging_is_counted_from_each_launch_to_its_wait() -> None:
+def test_group_swap_packs_in_place_of_the_members_with_a_transient_at_pack_and_unpack() -> None:
     packed = StageFootprints(default=StageFootprint(activations=100, packed_activations=100))
+    plain = StageFootprints(default=StageFootprint(activations=100))
     order = inject_swap_steps(parse_order("0F0 0F1 0F2 0F3 0F4 0B0 0B1 0B2 0B3 0B4"), min_gap=4)
-    curve = step_curve(order, packed)
-    launch = [i for i, s in enumerate(order) if s.kind is StepKind.SWAP_LAUNCH_OFFLOAD and s.chunk == (0, 0)][0]
-    assert curve[launch] == curve[launch - 1] + 100  # the staging buffer beside the members
+    with_pack, without = step_curve(order, packed), step_curve(order, plain)
+    steps = {s.kind: i for i, s in enumerate(order) if s.chunk == (0, 0) and s.is_swap}
+    transients = {steps[StepKind.SWAP_LAUNCH_OFFLOAD], steps[StepKind.SWAP_WAIT_LOAD]}
+    for i, (a, b) in enumerate(zip(with_pack, without)):
+        extra = sum(i == steps_of[k] for steps_of in _swap_positions(order)
+                    for k in (StepKind.SWAP_LAUNCH_OFFLOAD, StepKind.SWAP_WAIT_LOAD))
+        assert a == b + 100 * extra, i
+    assert transients <= {i for i, (a, b) in enumerate(zip(with_pack, without)) if a > b}
+
+
+def _swap_positions(order: list) -> list[dict]:
+    chunks = sorted({s.chunk for s in order if s.is_swap})
+    return [{s.kind: i for i, s in enumerate(order) if s.chunk == c and s.is_swap} for c in chunks]
 
 
 def test_activation_sizes_give_the_activation_only_curve_of_the_swap_pass() -> None:
