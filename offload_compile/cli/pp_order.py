@@ -365,5 +365,6 @@ def _cost_lines(report: SwapCostReport) -> list[str]:
     chosen = " ".join(f"{s}:{m}" for s, m in report.chosen) or "none"
     lines = [f"  cost-aware: swapped (stage:micro) {chosen}"]
     if report.chosen_weight:
-        lines.append(f"  cost-aware: dW state swapped (stage:micro) {' '.join(f'{s}:{m}' for s, m in report.chosen_weight)}")
+        weight = " ".join(f"{s}:{m}" for s, m in report.chosen_weight)
+        lines.append(f"  cost-aware: dW state swapped (stage:micro) {weight}")
     return [*lines, f"  kept resident: {kept or 'none'}"]

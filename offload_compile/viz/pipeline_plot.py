@@ -7,7 +7,8 @@ composite), grey hatching where the rank idles (pipeline bubbles), and under it 
 offload windows and one of load windows (sub-lanes where windows of one rank overlap).
 ``C·F3`` marks a forward whose activations are collected for swap; ``W·B3`` a consumer
 preceded by its ``SWAP_WAIT_LOAD`` (``W·W3``: a BWD_WEIGHT preceded by its
-``DW_WAIT_LOAD``). The dW state's windows get lanes of their own ("dW offload", "dW load"). The x axis counts logical compute slots, not seconds.
+``DW_WAIT_LOAD``). The dW state's windows get lanes of their own ("dW offload",
+"dW load"). The x axis counts logical compute slots, not seconds.
 
 matplotlib is an optional dependency (``pip install hyper-offload[plot]``); it is imported
 only when a picture is drawn, and only its object-oriented API is used (no pyplot state).

@@ -163,7 +163,8 @@ def check_order(
                        f"swap step for a chunk without the {_PHASE_PAIR[phase]} pair on this rank; remove it")
             elif key not in chosen:
                 why = "eligible but not in the chosen set" if key in eligible else "not eligible (gap < min_gap)"
-                report(first, key, OrderRule.NOT_CHOSEN_SWAPPED, f"{label} has swap steps but is {why}; it must stay resident")
+                report(first, key, OrderRule.NOT_CHOSEN_SWAPPED,
+                       f"{label} has swap steps but is {why}; it must stay resident")
         for key in sorted(chosen & set(found)):
             _check_chunk(order, key, found[key], steps_of.get((*key, phase), {}), weights.get(key, []), slot_of,
                          report, unsharded_load, phase)
@@ -315,7 +316,8 @@ def _check_chunk(
     for kind in sequence:
         found = by_kind.get(kind, [])
         if not found:
-            report(chunk.forward_pos, key, OrderRule.MISSING_SWAP_STEP, f"chosen {_PHASE_LABEL[phase]} has no {kind.name}")
+            report(chunk.forward_pos, key, OrderRule.MISSING_SWAP_STEP,
+                   f"chosen {_PHASE_LABEL[phase]} has no {kind.name}")
         elif len(found) > 1:
             report(found[1], key, OrderRule.DUPLICATE_SWAP_STEP, f"{kind.name} appears {len(found)} times")
         else:

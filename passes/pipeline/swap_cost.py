@@ -303,7 +303,9 @@ def resident_curve(
             continue
         unknown = sorted(set(chosen) - set(lives))
         if unknown:
-            raise ValueError(f"resident_curve: {name} chunks {unknown} have no FWD in the order; known: {sorted(lives)}")
+            raise ValueError(
+                f"resident_curve: {name} chunks {unknown} have no FWD in the order; known: {sorted(lives)}"
+            )
         for key in chosen:
             lives[key].swap_positions(phase)  # raises, naming the chunk, if a swap step is missing
     return step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped)
@@ -341,7 +343,8 @@ def copy_stream_misses(
     clock = _step_start_times(order, cost)
     copies: list[tuple[int, int, float, ChunkKey | WindowKey]] = []  # (launch, wait, seconds, as given)
     for given, window in zip(list(chosen), _as_windows(list(chosen))):
-        launch_offload, wait_offload, launch_load, wait_load = lives[window[:2]].swap_positions(window[2])  # type: ignore[index]
+        life = lives[window[:2]]  # type: ignore[index]
+        launch_offload, wait_offload, launch_load, wait_load = life.swap_positions(window[2])
         size = _window_bytes(sizes, window)
         copies.append((launch_offload, wait_offload, size / cost.d2h_bytes_per_s, given))
         copies.append((launch_load, wait_load, size / cost.h2d_bytes_per_s, given))

@@ -5,9 +5,9 @@ is one *generation*: :meth:`begin` starts it, :meth:`end` (normal exit) or :meth
 (exception) finishes it, and after either no group of that generation is left.
 
 * **Eligible chunks** are the ``(stage, micro)`` keys that have a ``SWAP_LAUNCH_OFFLOAD``
-  or a ``DW_LAUNCH_OFFLOAD`` in the order. Only their FWD leaves get a group (:meth:`forward_scope`); every other
-  FWD leaf runs with the no-window marker, so wrappers pass its tensors through and no
-  group exists for it.
+  or a ``DW_LAUNCH_OFFLOAD`` in the order. Only their FWD leaves get a group
+  (:meth:`forward_scope`); every other FWD leaf runs with the no-window marker, so
+  wrappers pass its tensors through and no group exists for it.
 * **Group names** are ``pp_swap_run{generation}_s{stage}_m{micro}``.
 * **Protection.** Before the FWD runs, the stage's parameters (sharded or FSDP-unsharded,
   by storage), buffers and the leaf's inputs (first-stage inputs, receive buffers, a

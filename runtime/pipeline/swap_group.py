@@ -308,7 +308,6 @@ class SwapGroup:
                 f"{self.name}: hold_weight_state in state {self.state.value}; it runs once, right after "
                 "BWD_INPUT, when the chunk's activations are on the device"
             )
-        survivors: list[torch.UntypedStorage] = []
         for key, member in list(self._members.items()):
             if member.bound:
                 # Drop the binding first, so that a storage only the binding kept alive dies
@@ -318,8 +317,6 @@ class SwapGroup:
             storage = member.ref()
             if storage is None or storage.nbytes() == 0:
                 del self._members[key]
-            else:
-                survivors.append(storage)
         keep = {storage_key(t) for t in protected if isinstance(t, torch.Tensor) and t.layout is torch.strided}
         self._protected |= keep
         for key, member in list(self._members.items()):
@@ -386,9 +383,11 @@ class SwapGroup:
         packed_away = member.packed and self.state in (GroupState.OFFLOADING, GroupState.DW_OFFLOADING)
         if self.state in _READABLE and not packed_away:  # a packed member leaves at its launch
             return
+        loading = self.state in (GroupState.LOADING, GroupState.DW_LOADING)
+        where_bytes = "still loading" if loading else "on the host"
         raise SwapStateError(
             f"{where}: a saved activation of {self.name} was read while the group is "
-            f"{self.state.value} (its bytes are {'on the host' if self.state in (GroupState.OFFLOADED, GroupState.DW_OFFLOADED) else 'still loading'}). "
+            f"{self.state.value} (its bytes are {where_bytes}). "
             "Rule: a swapped chunk is read only after its SWAP_WAIT_LOAD. Fix: run the chunk's "
             "backward after SWAP_WAIT_LOAD (check the order with check_order)"
         )
