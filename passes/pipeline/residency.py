@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from .meta_step import COMPUTE_KINDS, MetaStep, StepKind
+from .meta_step import COMPUTE_KINDS, SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
 
 ChunkKey = tuple[int, int]
 
@@ -89,14 +89,14 @@ class StageFootprint:
 
     def __post_init__(self) -> None:
         for name in _FOOTPRINT_FIELDS:
-            _check_bytes(f"StageFootprint.{name}", getattr(self, name))
+            check_bytes(f"StageFootprint.{name}", getattr(self, name))
         if self.split_tail_bytes is not None:
-            _check_bytes("StageFootprint.split_tail_bytes", self.split_tail_bytes)
+            check_bytes("StageFootprint.split_tail_bytes", self.split_tail_bytes)
         table = dict(self.working)
         for kind, value in table.items():
             if kind not in COMPUTE_KINDS:
                 raise ValueError(f"StageFootprint.working: {kind!r} is not a compute kind (F, B, I, W)")
-            _check_bytes(f"StageFootprint.working[{kind!r}]", value)
+            check_bytes(f"StageFootprint.working[{kind!r}]", value)
         object.__setattr__(self, "working", MappingProxyType(table))
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -161,25 +161,15 @@ class StageFootprints:
     def footprint(self, chunk: ChunkKey) -> StageFootprint:
         return self.per_stage.get(chunk[0], self.default)
 
-    def bytes_of(self, chunk: ChunkKey) -> int:
-        """Bytes the activation window moves (the cost model's copy size)."""
-        return self.footprint(chunk).activations
-
 
 _WEIGHT_GRAD_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
-# Per swap step: its window, the level it changes (field, sign), and the transient a
-# packed window (group_swap) adds while the step runs: the pack and the members coexist
-# while LAUNCH_OFFLOAD packs them and while WAIT_LOAD unpacks them, never in between.
-_AWAY_STEPS = {
-    StepKind.SWAP_LAUNCH_OFFLOAD: ("activations", None, "packed_activations"),
-    StepKind.SWAP_WAIT_OFFLOAD: ("activations", ("activations", -1), None),
-    StepKind.SWAP_LAUNCH_LOAD: ("activations", ("activations", +1), None),
-    StepKind.SWAP_WAIT_LOAD: ("activations", None, "packed_activations"),
-    StepKind.DW_LAUNCH_OFFLOAD: ("weight_state", None, "packed_weight_state"),
-    StepKind.DW_WAIT_OFFLOAD: ("weight_state", ("weight_state", -1), None),
-    StepKind.DW_LAUNCH_LOAD: ("weight_state", ("weight_state", +1), None),
-    StepKind.DW_WAIT_LOAD: ("weight_state", None, "packed_weight_state"),
-}
+# How each swap step changes its window's level, by its place in the phase's sequence:
+# WAIT_OFFLOAD frees the window's bytes, LAUNCH_LOAD allocates them again; LAUNCH_OFFLOAD
+# (the pack) and WAIT_LOAD (the unpack) leave the level, but a packed window (group_swap)
+# holds the pack beside the members while they run. The window's footprint fields are
+# named by the phase: ``activations`` / ``packed_activations``, ``weight_state`` /
+# ``packed_weight_state``.
+_LEVEL_SIGN = {1: -1, 2: +1}
 
 
 def step_curve(
@@ -196,8 +186,8 @@ def step_curve(
     it were not swapped).
     """
     counted = {
-        "activations": None if swapped is None else set(swapped),
-        "weight_state": None if weight_swapped is None else set(weight_swapped),
+        SwapPhase.ACTIVATIONS: None if swapped is None else set(swapped),
+        SwapPhase.WEIGHT_STATE: None if weight_swapped is None else set(weight_swapped),
     }
     level = 0
     curve: list[int] = []
@@ -216,17 +206,16 @@ def step_curve(
                 level += delta
             curve.append(peak)
             continue
-        away = _AWAY_STEPS.get(step.kind)
         transient = 0
-        if away is not None:
-            window, change, packed = away
-            chosen = counted[window]
-            if chosen is None or step.chunk in chosen:
-                footprint = sizes.footprint(step.chunk)  # type: ignore[arg-type]
-                if change is not None:
-                    level += change[1] * getattr(footprint, change[0])
-                if packed is not None:
-                    transient = getattr(footprint, packed)
+        phase = SWAP_PHASE_OF.get(step.kind)
+        chosen = counted[phase] if phase is not None else set()
+        if phase is not None and (chosen is None or step.chunk in chosen):
+            footprint = sizes.footprint(step.chunk)  # type: ignore[arg-type]
+            sign = _LEVEL_SIGN.get(SWAP_INDEX_OF[step.kind])
+            if sign is not None:
+                level += sign * getattr(footprint, phase.value)
+            else:
+                transient = getattr(footprint, f"packed_{phase.value}")
         curve.append(level + transient)
     return curve
 
@@ -242,10 +231,11 @@ def predicted_peak(
     return max(step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped), default=0)
 
 
-def _check_bytes(name: str, value: object) -> None:
+def check_bytes(name: str, value: object) -> None:
+    """Raise ValueError, naming ``name``, unless ``value`` is a byte count (an int >= 0)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}: expected a byte count (int >= 0), got {value!r}")
 
 
-__all__ = ["ChunkSizes", "StageFootprint", "StageFootprints", "predicted_peak", "step_curve"]
+__all__ = ["ChunkSizes", "StageFootprint", "StageFootprints", "check_bytes", "predicted_peak", "step_curve"]
 

@@ -45,7 +45,7 @@ from enum import Enum
 from types import MappingProxyType
 
 from .meta_step import SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
-from .residency import ChunkSizes, StageFootprint, step_curve
+from .residency import ChunkSizes, StageFootprint, check_bytes, step_curve
 from .swap import MIN_SWAP_GAP, find_swap_chunks, inject_swap_steps
 
 ChunkKey = tuple[int, int]
@@ -78,11 +78,11 @@ class ActivationSizes:
     """``(stage, micro) -> bytes``; wins over ``per_stage``."""
 
     def __post_init__(self) -> None:
-        _check_bytes("ActivationSizes.default_bytes", self.default_bytes)
+        check_bytes("ActivationSizes.default_bytes", self.default_bytes)
         for name in ("per_stage", "per_chunk"):
             table = dict(getattr(self, name))
             for key, value in table.items():
-                _check_bytes(f"ActivationSizes.{name}[{key!r}]", value)
+                check_bytes(f"ActivationSizes.{name}[{key!r}]", value)
             object.__setattr__(self, name, MappingProxyType(table))
 
     def bytes_of(self, chunk: ChunkKey) -> int:
@@ -279,10 +279,6 @@ def chunk_lives(order: Sequence[MetaStep]) -> dict[ChunkKey, ChunkLife]:
     }
 
 
-def _windows_present(lives: Mapping[ChunkKey, ChunkLife], phase: SwapPhase) -> set[ChunkKey]:
-    return {k for k, life in lives.items() if life.has_swap_steps(phase)}
-
-
 def resident_curve(
     order: Sequence[MetaStep],
     sizes: ChunkSizes,
@@ -321,8 +317,8 @@ def peak_bytes(
 
 
 def _window_bytes(sizes: ChunkSizes, window: WindowKey) -> int:
-    footprint = sizes.footprint(window[:2])  # type: ignore[arg-type]
-    return footprint.activations if window[2] is SwapPhase.ACTIVATIONS else footprint.weight_state
+    """Bytes a window moves: its chunk's footprint field named by the phase."""
+    return getattr(sizes.footprint(window[:2]), window[2].value)  # type: ignore[arg-type]
 
 
 def _as_windows(chosen: Iterable[ChunkKey | WindowKey]) -> list[WindowKey]:
@@ -408,7 +404,7 @@ def choose_swaps(
     ``<= target_peak_bytes``.
     """
     if target_peak_bytes is not None:
-        _check_bytes("choose_swaps: target_peak_bytes", target_peak_bytes)
+        check_bytes("choose_swaps: target_peak_bytes", target_peak_bytes)
     lives = chunk_lives(swapped_order)
     weight_pairs = _weight_pairs(swapped_order)
     rejected: dict[WindowKey, RejectedChunk] = {}
@@ -621,8 +617,3 @@ def _drop_unneeded(
         if _peak(base, lives, trial, sizes) <= peak:
             kept = trial
     return kept
-
-
-def _check_bytes(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected a byte count (int >= 0), got {value!r}")
