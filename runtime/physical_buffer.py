@@ -53,7 +53,7 @@ from .errors import DataLostError, ResidencyMisuseError, TransferFailedError
 from .pinned_pool import PinnedMemoryPool
 
 
-__all__ = ["BufferState", "PhysicalBuffer", "TensorLayout", "byte_view"]
+__all__ = ["AllDone", "BufferState", "PhysicalBuffer", "TensorLayout", "byte_view"]
 
 
 class BufferState(str, Enum):
@@ -86,8 +86,9 @@ class TensorLayout:
         )
 
 
-class _AllDone:
-    """Completion event of a group of transfers, for the pool's pending list."""
+class AllDone:
+    """Completion event of a group of transfers, for the pool's pending list (a host
+    buffer released with it is reused only once every one of them completed)."""
 
     def __init__(self, transfers: Sequence[Transfer]) -> None:
         self._transfers = list(transfers)
@@ -286,7 +287,7 @@ class PhysicalBuffer:
             )
         touching = (self.host_event, *self._host_readers)
         pending = [t for t in touching if t is not None and not t.query()]
-        self._pool.release(self.host_buffer, _AllDone(pending) if pending else None)
+        self._pool.release(self.host_buffer, AllDone(pending) if pending else None)
         self.host_buffer, self.host_event, self._host_readers = None, None, []
 
     # ------------------------------------------------------------------ access

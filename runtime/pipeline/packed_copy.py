@@ -52,7 +52,7 @@ import torch
 
 from ..device import Transfer, TransferEngine
 from ..errors import DataLostError, ResidencyMisuseError, SwapStateError, TransferFailedError
-from ..physical_buffer import byte_view
+from ..physical_buffer import AllDone, byte_view
 from ..pinned_pool import PinnedMemoryPool
 
 __all__ = ["PackState", "PackedCopy"]
@@ -77,17 +77,6 @@ _TRANSITIONS = {
     "launch_load": (PackState.OFFLOADED, PackState.LOADING),
     "wait_load": (PackState.LOADING, PackState.LOADED),
 }
-
-
-class _AllDone:
-    """Completion of several transfers, for the pool's release gate."""
-
-    def __init__(self, transfers: Sequence[Transfer]) -> None:
-        self._transfers = list(transfers)
-
-    def query(self) -> bool:
-        self._transfers = [t for t in self._transfers if not t.query()]
-        return not self._transfers
 
 
 class PackedCopy:
@@ -270,7 +259,7 @@ class PackedCopy:
         if self._host is None:
             return
         pending = [t for t in (self._d2h, self._h2d) if t is not None and not t.query()]
-        self.pool.release(self._host, _AllDone(pending) if pending else None)
+        self.pool.release(self._host, AllDone(pending) if pending else None)
         self._host = None
 
     def _check(self, step: str) -> None:
