@@ -102,40 +102,28 @@ def find_swap_chunks(order: Sequence[MetaStep], *, min_gap: int = MIN_SWAP_GAP) 
 
     Swap steps already in ``order`` are ignored (they are not compute).
     """
-    _check_min_gap(min_gap)
-    forwards: dict[tuple[int, int], tuple[int, int]] = {}
-    consumers: dict[tuple[int, int], tuple[int, int]] = {}
-    slot = -1
-    for pos, step in enumerate(order):
-        if not step.is_compute_slot:
-            continue
-        slot += 1
-        for leaf in step.leaves():
-            key = leaf.chunk
-            if key is None:
-                continue
-            if leaf.kind is StepKind.FWD:
-                if key in forwards:
-                    raise ValueError(f"step {pos} ({step!r}): second FWD for stage {key[0]} micro {key[1]}")
-                forwards[key] = (slot, pos)
-            elif leaf.kind in _CONSUMER_KINDS and key not in consumers:
-                consumers[key] = (slot, pos)
-    chunks = []
-    for key, (f_slot, f_pos) in forwards.items():
-        if key not in consumers:
-            continue  # forward-only on this rank: nothing consumes the activations here
-        b_slot, b_pos = consumers[key]
-        gap = b_slot - f_slot
-        chunks.append(SwapChunk(key[0], key[1], f_slot, b_slot, gap, gap >= min_gap, f_pos, b_pos))
-    return sorted(chunks, key=lambda c: c.forward_step)
+    return _windows(order, (StepKind.FWD,), _CONSUMER_KINDS, SwapPhase.ACTIVATIONS, min_gap)
 
 
 def find_weight_windows(order: Sequence[MetaStep], *, min_gap: int = MIN_SWAP_GAP) -> list[SwapChunk]:
     """Analyse ``order``: every chunk with a BWD_INPUT and a later BWD_WEIGHT on this rank
     (phase WEIGHT_STATE), by BWD_INPUT position. Swap steps in ``order`` are ignored."""
+    return _windows(order, (StepKind.BWD_INPUT,), (StepKind.BWD_WEIGHT,), SwapPhase.WEIGHT_STATE, min_gap)
+
+
+def _windows(
+    order: Sequence[MetaStep],
+    opens: tuple[StepKind, ...],
+    closes: tuple[StepKind, ...],
+    phase: SwapPhase,
+    min_gap: int,
+) -> list[SwapChunk]:
+    """Each chunk's first ``opens`` leaf and its first ``closes`` leaf, counted in compute
+    slots, as windows sorted by where they open. A dW window closes only after it opened
+    (a BWD_WEIGHT pairs with the BWD_INPUT before it); a second FWD of a chunk is refused."""
     _check_min_gap(min_gap)
-    inputs: dict[tuple[int, int], tuple[int, int]] = {}
-    weights: dict[tuple[int, int], tuple[int, int]] = {}
+    opened: dict[tuple[int, int], tuple[int, int]] = {}  # chunk -> (slot, position)
+    closed: dict[tuple[int, int], tuple[int, int]] = {}
     slot = -1
     for pos, step in enumerate(order):
         if not step.is_compute_slot:
@@ -145,18 +133,21 @@ def find_weight_windows(order: Sequence[MetaStep], *, min_gap: int = MIN_SWAP_GA
             key = leaf.chunk
             if key is None:
                 continue
-            if leaf.kind is StepKind.BWD_INPUT:
-                inputs.setdefault(key, (slot, pos))
-            elif leaf.kind is StepKind.BWD_WEIGHT and key in inputs:
-                weights.setdefault(key, (slot, pos))
+            if leaf.kind in opens:
+                if leaf.kind is StepKind.FWD and key in opened:
+                    raise ValueError(f"step {pos} ({step!r}): second FWD for stage {key[0]} micro {key[1]}")
+                opened.setdefault(key, (slot, pos))
+            elif leaf.kind in closes and key not in closed:
+                if phase is SwapPhase.ACTIVATIONS or key in opened:
+                    closed[key] = (slot, pos)
     windows = []
-    for key, (i_slot, i_pos) in inputs.items():
-        if key not in weights:
-            continue
-        w_slot, w_pos = weights[key]
-        gap = w_slot - i_slot
+    for key, (open_slot, open_pos) in opened.items():
+        if key not in closed:
+            continue  # e.g. forward-only on this rank: nothing consumes the activations here
+        close_slot, close_pos = closed[key]
+        gap = close_slot - open_slot
         windows.append(
-            SwapChunk(key[0], key[1], i_slot, w_slot, gap, gap >= min_gap, i_pos, w_pos, SwapPhase.WEIGHT_STATE)
+            SwapChunk(key[0], key[1], open_slot, close_slot, gap, gap >= min_gap, open_pos, close_pos, phase)
         )
     return sorted(windows, key=lambda c: c.forward_step)
 

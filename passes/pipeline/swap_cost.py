@@ -46,7 +46,7 @@ from types import MappingProxyType
 
 from .meta_step import SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
 from .residency import ChunkSizes, StageFootprint, check_bytes, step_curve
-from .swap import MIN_SWAP_GAP, find_swap_chunks, inject_swap_steps
+from .swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, inject_swap_steps
 
 ChunkKey = tuple[int, int]
 """``(stage, micro)``: the unit the swap pass works on."""
@@ -406,7 +406,7 @@ def choose_swaps(
     if target_peak_bytes is not None:
         check_bytes("choose_swaps: target_peak_bytes", target_peak_bytes)
     lives = chunk_lives(swapped_order)
-    weight_pairs = _weight_pairs(swapped_order)
+    weight_pairs = {w.key for w in find_weight_windows(swapped_order)}
     rejected: dict[WindowKey, RejectedChunk] = {}
     windows: dict[WindowKey, ChunkWindow] = {}
     for phase in SwapPhase:
@@ -455,16 +455,6 @@ def choose_swaps(
         windows=tuple(windows[k] for k in sorted(windows)),
         chosen_weight=tuple(sorted(k[:2] for k in chosen if k[2] is SwapPhase.WEIGHT_STATE)),  # type: ignore[misc]
     )
-
-
-def _weight_pairs(order: Sequence[MetaStep]) -> set[ChunkKey]:
-    """Chunks with both a BWD_INPUT and a BWD_WEIGHT in ``order`` (a dW window exists)."""
-    seen: dict[ChunkKey, set[StepKind]] = {}
-    for step in order:
-        for leaf in step.leaves():
-            if leaf.kind in (StepKind.BWD_INPUT, StepKind.BWD_WEIGHT) and leaf.chunk is not None:
-                seen.setdefault(leaf.chunk, set()).add(leaf.kind)
-    return {k for k, kinds in seen.items() if len(kinds) == 2}
 
 
 def plan_swaps(
