@@ -99,9 +99,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     violations = [
         v for rank, order in orders.items()
-        for v in check_order(order, rank=rank, min_gap=args.min_gap,
-                             swapped=_expected_swaps(args, reports, rank),
-                             weight_swapped=_expected_weight_swaps(args, reports, rank), reference=plain[rank])
+        for v in check_order(order, rank=rank, min_gap=args.min_gap, reference=plain[rank],
+                             **_expected_swaps(args, reports, rank))
     ]
     shown = {r: o for r, o in orders.items() if args.rank is None or r == args.rank}
     peaks = _peaks(orders, args) if args.swap else {}
@@ -207,20 +206,14 @@ def _cost_model(args: argparse.Namespace) -> SwapCostModel:
 
 def _expected_swaps(
     args: argparse.Namespace, reports: Mapping[int, SwapCostReport], rank: int
-) -> Collection[tuple[int, int]] | None:
-    """What check_order must find swapped: nothing, every eligible chunk (None), or the choice."""
+) -> dict[str, Collection[tuple[int, int]] | None]:
+    """What check_order must find swapped, per window (its ``swapped`` and
+    ``weight_swapped``): nothing, every eligible window (None), or the cost model's choice."""
     if not args.swap:
-        return ()
-    return reports[rank].chosen if args.cost_aware else None
-
-
-def _expected_weight_swaps(
-    args: argparse.Namespace, reports: Mapping[int, SwapCostReport], rank: int
-) -> Collection[tuple[int, int]] | None:
-    """The same for the dW-state windows."""
-    if not args.swap:
-        return ()
-    return reports[rank].chosen_weight if args.cost_aware else None
+        return {"swapped": (), "weight_swapped": ()}
+    if not args.cost_aware:
+        return {"swapped": None, "weight_swapped": None}
+    return {"swapped": reports[rank].chosen, "weight_swapped": reports[rank].chosen_weight}
 
 
 def _swapped_chunks(order: Sequence[MetaStep]) -> set[tuple[int, int]]:

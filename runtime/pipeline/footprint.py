@@ -37,7 +37,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
-from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
+from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
 
 from ..memory_meter import DeviceMemoryMeter
@@ -138,8 +138,8 @@ class FootprintRecorder:
         full_tail = level(StepKind.FWD, StepKind.BWD)
         split_tail = level(StepKind.FWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT)
         packed_of = {
-            window: _median_of(n for ((s, _), name), n in packed.items() if s == stage and name == window)
-            for window in ("activations", "weight_state")
+            window: _median_of(n for ((s, _), name), n in packed.items() if s == stage and name is window)
+            for window in SwapPhase
         }
         tail = full_tail if full_tail is not None else (split_tail or 0)
         return StageFootprint(
@@ -149,8 +149,8 @@ class FootprintRecorder:
             weight_resident=weight - weight_state,
             tail_bytes=tail,
             split_tail_bytes=None if split_tail in (None, tail) else split_tail,
-            packed_activations=min(activations, packed_of["activations"]),
-            packed_weight_state=min(weight_state, packed_of["weight_state"]),
+            packed_activations=min(activations, packed_of[SwapPhase.ACTIVATIONS]),
+            packed_weight_state=min(weight_state, packed_of[SwapPhase.WEIGHT_STATE]),
             grad_bytes=grads,
             working={kind: _median_of(v) for (s, kind), v in self._working.items() if s == stage},
         )

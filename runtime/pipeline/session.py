@@ -38,6 +38,7 @@ from hyper_offload.passes.pipeline.meta_step import (
     SWAP_PHASE_OF,
     MetaStep,
     StepKind,
+    SwapPhase,
 )
 
 from ..device import TransferEngine, resolve_device
@@ -93,8 +94,8 @@ class PipelineSwapSession:
         """Bytes collected per chunk in the latest generation (what the cost model sizes)."""
         self.weight_bytes: dict[ChunkKey, int] = {}
         """Bytes of each chunk's dW state in the latest generation (dW-swapped chunks only)."""
-        self.packed_bytes: dict[tuple[ChunkKey, str], int] = {}
-        """``((stage, micro), "activations" | "weight_state") -> bytes`` moved packed."""
+        self.packed_bytes: dict[tuple[ChunkKey, SwapPhase], int] = {}
+        """``((stage, micro), window) -> bytes`` moved packed (``group_swap=True``)."""
 
     # ------------------------------------------------------------------ generations
 
@@ -173,7 +174,7 @@ class PipelineSwapSession:
         with group_scope(group):
             yield group
         self.group_bytes[key] = group.nbytes
-        self.packed_bytes[(key, "activations")] = group.packed_bytes()
+        self.packed_bytes[(key, SwapPhase.ACTIVATIONS)] = group.packed_bytes()
 
     def protect(self, key: ChunkKey, tensors: Iterable[torch.Tensor]) -> None:
         """Protect the FWD output / loss root of chunk ``key`` (no-op for unswapped chunks)."""
@@ -181,7 +182,7 @@ class PipelineSwapSession:
         if group is not None:
             group.protect(tensors)
             self.group_bytes[key] = group.nbytes
-            self.packed_bytes[(key, "activations")] = group.packed_bytes()
+            self.packed_bytes[(key, SwapPhase.ACTIVATIONS)] = group.packed_bytes()
 
     # ------------------------------------------------------------------ swap steps
 
@@ -218,7 +219,7 @@ class PipelineSwapSession:
                 raise SwapStateError(f"{leaf!r}: chunk {key} has dW swap steps but no live group (its FWD never ran)")
             group.hold_weight_state(weight_state, protected)
             self.weight_bytes[key] = group.resident_bytes()
-            self.packed_bytes[(key, "weight_state")] = group.packed_bytes()
+            self.packed_bytes[(key, SwapPhase.WEIGHT_STATE)] = group.packed_bytes()
         if self._last_backward.get(key) != leaf.kind:
             return
         group = self._groups.pop(key, None)
