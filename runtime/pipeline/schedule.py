@@ -159,12 +159,9 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             # The executor trusts the anchors; prove them before the first step.
             assert_valid_order(
                 self.order, rank=self.rank, min_gap=min_gap,
-                swapped=None if swap_only is None or self.rank not in swap_only else swap_only[self.rank],
+                swapped=_chosen(swap_only, self.rank),
                 unsharded_load=unsharded_load,
-                weight_swapped=(
-                    () if not weight_swap
-                    else None if weight_swap_only is None else weight_swap_only.get(self.rank, ())
-                ),
+                weight_swapped=_chosen(weight_swap_only, self.rank) if weight_swap else (),
             )
         self.swap = swap
         self.session = PipelineSwapSession(self.order, device=stages[0].device, pool=pool) if swap else None
@@ -283,6 +280,14 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def _chosen(
+    per_rank: Mapping[int, Collection[tuple[int, int]]] | None, rank: int
+) -> Collection[tuple[int, int]] | None:
+    """What ``build_rank_orders`` swapped on ``rank`` from a per-rank choice: the rank's
+    chunks, or every eligible one (``None``) where the choice does not name the rank."""
+    return None if per_rank is None or rank not in per_rank else per_rank[rank]
 
 
 def reshards_after_forward(module: FSDPModule) -> bool:
