@@ -134,11 +134,8 @@ def check_order(
 
     _check_structure(order, report)
     slot_of = _slot_index(order)
-    chunks, weights = _pair_chunks(order, slot_of)
-    windows = {
-        SwapPhase.ACTIVATIONS: chunks,
-        SwapPhase.WEIGHT_STATE: _weight_windows(order, slot_of),
-    }
+    chunks, weights, weight_windows = _pair_chunks(order, slot_of)
+    windows = {SwapPhase.ACTIVATIONS: chunks, SwapPhase.WEIGHT_STATE: weight_windows}
     steps_of: dict[tuple[int, int, SwapPhase], dict[StepKind, list[int]]] = defaultdict(lambda: defaultdict(list))
     for pos, step in enumerate(order):
         if step.is_swap and step.chunk is not None:
@@ -238,10 +235,13 @@ def _slot_index(order: Sequence[MetaStep]) -> dict[int, int]:
 
 def _pair_chunks(
     order: Sequence[MetaStep], slot_of: dict[int, int]
-) -> tuple[dict[tuple[int, int], _Chunk], dict[tuple[int, int], list[int]]]:
-    """Chunks with a forward and a first backward consumer; positions of each chunk's BWD_WEIGHTs."""
+) -> tuple[dict[tuple[int, int], _Chunk], dict[tuple[int, int], list[int]], dict[tuple[int, int], _Chunk]]:
+    """Chunks with a forward and a first backward consumer; positions of each chunk's
+    BWD_WEIGHTs; and the dW windows: a BWD_INPUT and the first BWD_WEIGHT after it, the
+    BWD_INPUT in the forward's role."""
     forwards: dict[tuple[int, int], int] = {}
     consumers: dict[tuple[int, int], int] = {}
+    inputs: dict[tuple[int, int], int] = {}
     weights: dict[tuple[int, int], list[int]] = defaultdict(list)
     for pos in slot_of:
         for leaf in order[pos].leaves():
@@ -252,6 +252,8 @@ def _pair_chunks(
                 forwards.setdefault(key, pos)
             elif leaf.kind in (StepKind.BWD, StepKind.BWD_INPUT):
                 consumers.setdefault(key, pos)
+                if leaf.kind is StepKind.BWD_INPUT:
+                    inputs.setdefault(key, pos)
             elif leaf.kind is StepKind.BWD_WEIGHT:
                 weights[key].append(pos)
     chunks = {
@@ -259,24 +261,12 @@ def _pair_chunks(
         for key, f in forwards.items()
         if key in consumers
     }
-    return chunks, weights
-
-
-def _weight_windows(order: Sequence[MetaStep], slot_of: dict[int, int]) -> dict[tuple[int, int], _Chunk]:
-    """Chunks with a BWD_INPUT and a later BWD_WEIGHT: the dW window, I in the forward's role."""
-    inputs: dict[tuple[int, int], int] = {}
-    weights: dict[tuple[int, int], int] = {}
-    for pos in slot_of:
-        for leaf in order[pos].leaves():
-            if leaf.chunk is None:
-                continue
-            if leaf.kind is StepKind.BWD_INPUT:
-                inputs.setdefault(leaf.chunk, pos)
-            elif leaf.kind is StepKind.BWD_WEIGHT and leaf.chunk in inputs:
-                weights.setdefault(leaf.chunk, pos)
-    return {
-        key: _Chunk(slot_of[i], i, slot_of[weights[key]], weights[key]) for key, i in inputs.items() if key in weights
-    }
+    weight_windows = {}
+    for key, i in inputs.items():
+        w = next((p for p in weights.get(key, ()) if p > i), None)
+        if w is not None:
+            weight_windows[key] = _Chunk(slot_of[i], i, slot_of[w], w)
+    return chunks, weights, weight_windows
 
 
 def _in_weight_terms(report: _Report) -> _Report:
