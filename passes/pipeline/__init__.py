@@ -7,7 +7,8 @@ actions → rewrite P2P transport → inject swap steps. Every pass is a pure
 Public here: the order IR, building and checking orders, planning swaps, the timeline,
 and the bridge to torch's pipelining actions. The individual passes (``compute_orders``,
 ``inject_swap_steps``, ``rewrite_transport``, ...) live in their modules: ``orders``,
-``fsdp``, ``transport``, ``swap``, ``swap_cost``, ``execution``, ``torch_actions``.
+``fsdp``, ``transport``, ``swap``, ``swap_cost``, ``execution``, ``send_release``,
+``residency``, ``torch_actions``.
 """
 
 from importlib import import_module
@@ -24,6 +25,7 @@ from .check_order import (
 from .meta_step import MetaStep, StepKind, format_order, parse_order
 from .orders import SCHEDULES, PipelineLayout, layout_for
 from .residency import StageFootprint, StageFootprints, predicted_peak, step_curve
+from .send_release import SendReleases, send_releases
 from .swap_cost import (
     ActivationSizes,
     SwapCostModel,
@@ -43,6 +45,7 @@ __all__ = [
     "OrderViolation",
     "PipelineLayout",
     "SCHEDULES",
+    "SendReleases",
     "StageFootprint",
     "StageFootprints",
     "StepKind",
@@ -63,6 +66,7 @@ __all__ = [
     "plan_swaps",
     "predicted_peak",
     "resident_curve",
+    "send_releases",
     "step_curve",
     "torch_pipeline_order",
 ]

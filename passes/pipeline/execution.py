@@ -31,7 +31,9 @@ from .check_order import OrderRule, OrderViolation
 from .meta_step import P2P_KINDS, MetaStep, StepKind
 from .orders import PipelineLayout
 
-_Key = tuple[StepKind, int, int]  # (kind, stage, micro) of a P2P or compute leaf
+P2PKey = tuple[StepKind, int, int]
+"""``(kind, stage, micro)`` of a P2P (or compute) leaf."""
+_Key = P2PKey
 _RECV_KINDS = (StepKind.RECV_F, StepKind.RECV_B)
 # P2P kind -> (kind of the matching op, stage offset of the matching op)
 _PARTNER = {
@@ -47,7 +49,7 @@ def _key(step: MetaStep) -> _Key:
     return (step.kind, step.stage, step.micro)
 
 
-def _peer(key: _Key) -> _Key:
+def matching_p2p(key: P2PKey) -> P2PKey:
     """The P2P op that matches ``key`` on the neighbouring stage's rank."""
     kind, offset = _PARTNER[key[0]]
     return (kind, key[1] + offset, key[2])
@@ -105,7 +107,7 @@ class _Simulation:
             state.posted_at.add(state.pc)
         strict = self.batch_waits_sends and step.kind is StepKind.BATCH_SEND_RECV
         blocking = leaves if strict else [leaf for leaf in leaves if leaf.kind in _RECV_KINDS]
-        if any(_peer(_key(leaf)) not in self.posted for leaf in blocking):
+        if any(matching_p2p(_key(leaf)) not in self.posted for leaf in blocking):
             return False
         state.done.update(_key(leaf) for leaf in leaves)
         return True
@@ -164,15 +166,15 @@ def check_execution(
     for state in ranks:
         if state.pc < len(state.order):
             step = state.order[state.pc]
-            waiting = [_text(_peer(_key(leaf))) for leaf in step.leaves()
-                       if leaf.kind in P2P_KINDS and _peer(_key(leaf)) not in sim.posted]
+            waiting = [_text(matching_p2p(_key(leaf))) for leaf in step.leaves()
+                       if leaf.kind in P2P_KINDS and matching_p2p(_key(leaf)) not in sim.posted]
             sim.out.append(OrderViolation(
                 state.rank, state.pc, step.stage, step.micro, OrderRule.DEADLOCK,
                 f"{step!r} waits forever for {', '.join(waiting)} from a peer rank",
             ))
-    for key in sorted(k for k in sim.posted if _peer(k) not in sim.posted):
+    for key in sorted(k for k in sim.posted if matching_p2p(k) not in sim.posted):
         sim.out.append(OrderViolation(
             layout.rank_of(key[1]), -1, key[1], key[2], OrderRule.UNMATCHED_P2P,
-            f"{_text(key)} is posted but no rank posts the matching {_text(_peer(key))}",
+            f"{_text(key)} is posted but no rank posts the matching {_text(matching_p2p(key))}",
         ))
     return sim.out
