@@ -8,7 +8,8 @@ with/without), ``time_ratio`` (this rank's median step time with swap / without)
 model of the order pass, fed the stage footprints ``FootprintRecorder`` measured on the
 step before the metered one), ``copies_d2h`` / ``copies_h2d`` / ``moved_bytes`` (what the
 swap groups issued in the metered step; ``--group-swap`` packs each group: one copy each
-way per window) and whether losses were identical. Then one ``pp_swap.table`` line per
+way per window), ``release_sends`` (sends waited once proven received, the default; off
+with ``--wait-sends-at-end``) and whether losses were identical. Then one ``pp_swap.table`` line per
 schedule with the worst rank.
 
     python benchmarks/pp_swap.py [--nproc 4] [--micro 8] [--schedules gpipe 1f1b ...]
@@ -53,6 +54,7 @@ def worker(rank: int, world: int, bench: argparse.Namespace) -> None:
             args = example.parse_args([
                 "--schedule", schedule, "--micro", str(bench.micro), "--steps", str(bench.steps),
                 "--transport", bench.transport, *(["--group-swap"] if bench.group_swap else []),
+                *(["--wait-sends-at-end"] if bench.wait_sends_at_end else []),
             ])
             try:
                 result = example.run_rank(args, rank, world, torch.device("cpu"))
@@ -84,6 +86,7 @@ def _emit(example: Any, schedule: str, world: int, bench: argparse.Namespace, ga
                 copies_h2d=result["copies"]["h2d"],
                 moved_bytes=result["copies"]["bytes"],
                 group_swap=bench.group_swap,
+                release_sends=not bench.wait_sends_at_end,
                 losses_identical=result["losses_with"] == result["losses_without"],
             )
         rows.append(row)
@@ -115,6 +118,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--transport", default="plain")
     parser.add_argument("--group-swap", action="store_true", help="pack each group: one copy each way")
+    parser.add_argument(
+        "--wait-sends-at-end", action="store_true",
+        help="baseline: wait every P2P send at the end of the step instead of once it is proven received",
+    )
     parser.add_argument(
         "--schedules", nargs="+",
         default=["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"],

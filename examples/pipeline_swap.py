@@ -96,7 +96,7 @@ def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.devi
         stages = [PipelineStage(modules[s], s, layout.num_stages, device) for s in layout.stages_of(rank)]
         sched = PipelineSwapSchedule(
             stages, args.micro, schedule=args.schedule, loss_fn=loss_fn, swap=swap,
-            transport=args.transport, timeout=args.timeout,
+            transport=args.transport, timeout=args.timeout, release_sends=not args.wait_sends_at_end,
         )
         times, losses = [], []
         for _ in range(args.steps):  # step 1 also initialises the stages: not timed
@@ -109,6 +109,7 @@ def run_rank(args: argparse.Namespace, rank: int, world: int, device: torch.devi
         if swap:  # calibrate the residency model on one step, predict the next one
             out["footprints"] = measure_footprints(sched, inputs, targets, losses, device)
             out["order"] = [repr(step) for step in sched.order]
+            out["releases"] = dict(sched.send_releases or {})
         meter = DeviceMemoryMeter(device)  # one more step, metered (the meter slows it down)
         with meter:
             sched.step(inputs, target=targets, losses=losses)
@@ -134,15 +135,15 @@ def measure_footprints(
             sched.step(inputs, target=targets, losses=losses)
     finally:
         sched.observer = None
-    return recorder.footprints()
+    return recorder.footprints(sched.last_sends)
 
 
 def predicted_peaks(result: dict[str, Any]) -> tuple[int, int]:
     """The residency model's peak of this rank's order without and with swap (bytes)."""
     order = parse_order(result["order"])
-    footprints = result["footprints"]
-    without = predicted_peak(order, footprints, swapped=(), weight_swapped=())
-    return without, predicted_peak(order, footprints)
+    footprints, releases = result["footprints"], result["releases"]
+    without = predicted_peak(order, footprints, swapped=(), weight_swapped=(), releases=releases)
+    return without, predicted_peak(order, footprints, releases=releases)
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -200,6 +201,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--transport", choices=("plain", "batch", "boundary"), default="plain")
     parser.add_argument("--group-swap", action="store_true", help="swap_wrapper(..., group_swap=True)")
+    parser.add_argument(
+        "--wait-sends-at-end", action="store_true",
+        help="wait every P2P send at the end of the step (release_sends=False), as before send release",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds any P2P wait may take")
     parser.add_argument("--plot", default=None, help="write the swap timeline picture here (needs matplotlib)")

@@ -21,8 +21,14 @@ stage)::
     place: the same levels, plus a transient of the packed bytes while LAUNCH_OFFLOAD packs
     and WAIT_LOAD unpacks (packed_activations, packed_weight_state)
 
-``tail_bytes`` are the P2P buffers in flight: the executor waits for its sends at the end
-of the step, so a chunk's sent output and sent input gradient stay alive until then.
+The levels count a chunk's sent tensors as if every send were waited at the end of the
+step: its output (``sent_output``, alive from FWD) and its input gradient (``sent_grad``,
+alive from BWD / BWD_INPUT) are part of what the chunk keeps until then. With ``releases``
+(:func:`~.send_release.send_releases`, the executor's default) a send is waited, and its
+tensor dropped, right after the receive that proves its peer has it: the input gradient
+leaves the level there; the output leaves it there too if the chunk's backward (BWD, or
+BWD_WEIGHT under dx/dw split, which is when torch's stage drops its own reference) ran
+already, else at that backward.
 
 The rank's level is the sum over its chunks. Each top-level step ``p`` gets one value,
 ``curve[p]``:
@@ -49,6 +55,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from .meta_step import COMPUTE_KINDS, SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
+from .send_release import SendReleases
 
 ChunkKey = tuple[int, int]
 
@@ -69,7 +76,8 @@ class StageFootprint:
     weight_resident: int = 0
     """Other bytes BWD_INPUT leaves alive until BWD_WEIGHT (its sent input gradient, ...)."""
     tail_bytes: int = 0
-    """Bytes that outlive the chunk's full BWD until the end of the step (P2P sends)."""
+    """Bytes that outlive the chunk's full BWD until the end of the step, counting its sends
+    as waited there (``sent_output``, ``sent_grad``)."""
     split_tail_bytes: int | None = None
     """Bytes that outlive BWD_INPUT + BWD_WEIGHT (``None``: ``tail_bytes``). They can
     differ: BWD_WEIGHT visits only the weight paths, so nodes a kept output still
@@ -80,6 +88,12 @@ class StageFootprint:
     while the pack and the unpack run."""
     packed_weight_state: int = 0
     """The same for ``weight_state``."""
+    sent_output: int = 0
+    """Bytes of the output its SEND_F sends: part of ``forward_resident``, ``weight_resident``
+    and the tails until the send is released."""
+    sent_grad: int = 0
+    """Bytes of the input gradient its SEND_B sends: part of ``weight_resident`` and the tails
+    until the send is released."""
     grad_bytes: int = 0
     """Parameter gradients the stage's first weight-gradient leaf (BWD, or BWD_WEIGHT under
     dx/dw split) allocates once per step, when they start from ``None`` (``zero_grad(
@@ -131,7 +145,7 @@ class StageFootprint:
 
 _FOOTPRINT_FIELDS = (
     "activations", "forward_resident", "weight_state", "weight_resident", "tail_bytes",
-    "packed_activations", "packed_weight_state", "grad_bytes",
+    "packed_activations", "packed_weight_state", "sent_output", "sent_grad", "grad_bytes",
 )
 
 
@@ -178,12 +192,14 @@ def step_curve(
     *,
     swapped: Iterable[ChunkKey] | None = None,
     weight_swapped: Iterable[ChunkKey] | None = None,
+    releases: SendReleases | None = None,
 ) -> list[int]:
     """``curve[p]`` of every top-level step (module docstring).
 
     ``swapped`` / ``weight_swapped``: the chunks whose activation / dW-state swap steps in
     ``order`` count; ``None`` counts every swap step present, ``()`` none (the order as if
-    it were not swapped).
+    it were not swapped). ``releases``: this rank's send release points (``None``: every
+    send is waited at the end of the step).
     """
     counted = {
         SwapPhase.ACTIVATIONS: None if swapped is None else set(swapped),
@@ -192,12 +208,13 @@ def step_curve(
     level = 0
     curve: list[int] = []
     graded: set[int] = set()  # stages whose parameter gradients exist already
+    sends = _SendLevels(sizes, releases)
     for step in order:
         if step.is_compute_slot:
             peak = level
             for leaf in step.leaves():
                 footprint = sizes.footprint(leaf.chunk)  # type: ignore[arg-type]
-                delta, grads = footprint.delta(leaf.kind), 0
+                delta, grads = footprint.delta(leaf.kind) + sends.at_compute(leaf), 0
                 if leaf.kind in _WEIGHT_GRAD_KINDS and leaf.stage not in graded:
                     graded.add(leaf.stage)  # type: ignore[arg-type]
                     grads = footprint.grad_bytes  # allocated while the chunk's bytes still live
@@ -205,6 +222,10 @@ def step_curve(
                 peak = max(peak, level + max(footprint.working.get(leaf.kind, 0) + grads, delta, 0))
                 level += delta
             curve.append(peak)
+            continue
+        if step.is_p2p:
+            level += sends.at_p2p(step)
+            curve.append(level)
             continue
         transient = 0
         phase = SWAP_PHASE_OF.get(step.kind)
@@ -220,15 +241,55 @@ def step_curve(
     return curve
 
 
+_OUTPUT_FREEING_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+
+
+class _SendLevels:
+    """How early send releases change the level (module docstring): one walk's state."""
+
+    def __init__(self, sizes: ChunkSizes, releases: SendReleases | None) -> None:
+        self.sizes = sizes
+        self.releases = releases if releases is not None else {}
+        self.released_outputs: set[ChunkKey] = set()  # SEND_F waited before the backward
+        self.backward_done: set[ChunkKey] = set()
+
+    def at_compute(self, leaf: MetaStep) -> int:
+        """Correction to ``leaf``'s delta: its backward frees an output already released."""
+        if not self.releases or leaf.kind not in _OUTPUT_FREEING_KINDS:
+            return 0
+        chunk = leaf.chunk
+        assert chunk is not None
+        self.backward_done.add(chunk)
+        return -self.sizes.footprint(chunk).sent_output if chunk in self.released_outputs else 0
+
+    def at_p2p(self, step: MetaStep) -> int:
+        """Level change of the sends ``step``'s receives prove received."""
+        change = 0
+        for leaf in step.leaves():
+            if leaf.kind not in (StepKind.RECV_F, StepKind.RECV_B):
+                continue
+            for kind, stage, micro in self.releases.get((leaf.kind, leaf.stage, leaf.micro), ()):  # type: ignore[arg-type]
+                footprint = self.sizes.footprint((stage, micro))
+                if kind is StepKind.SEND_B:
+                    change -= footprint.sent_grad
+                elif (stage, micro) in self.backward_done:
+                    change -= footprint.sent_output
+                else:
+                    self.released_outputs.add((stage, micro))
+        return change
+
+
 def predicted_peak(
     order: Sequence[MetaStep],
     sizes: ChunkSizes,
     *,
     swapped: Iterable[ChunkKey] | None = None,
     weight_swapped: Iterable[ChunkKey] | None = None,
+    releases: SendReleases | None = None,
 ) -> int:
     """The rank's predicted peak device bytes over one step: ``max(step_curve(...))``."""
-    return max(step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped), default=0)
+    curve = step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped, releases=releases)
+    return max(curve, default=0)
 
 
 def check_bytes(name: str, value: object) -> None:

@@ -46,6 +46,7 @@ from types import MappingProxyType
 
 from .meta_step import SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
 from .residency import ChunkSizes, StageFootprint, check_bytes, step_curve
+from .send_release import SendReleases, send_releases
 from .swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, inject_swap_steps
 
 ChunkKey = tuple[int, int]
@@ -394,6 +395,7 @@ def choose_swaps(
     cost: SwapCostModel,
     target_peak_bytes: int | None = None,
     ineligible_detail: Mapping[ChunkKey, str] | None = None,
+    releases: SendReleases | None = None,
 ) -> SwapCostReport:
     """Decide which candidate windows of one rank to swap (see the module docstring).
 
@@ -401,7 +403,8 @@ def choose_swaps(
     window (e.g. ``inject_swap_steps(order)``); chunks without activation swap steps are
     rejected as ``NOT_ELIGIBLE`` (``ineligible_detail`` may say why, e.g. their gap), and
     so are dW windows without DW_* steps. The greedy stops early once the peak is
-    ``<= target_peak_bytes``.
+    ``<= target_peak_bytes``. ``releases``: the rank's send release points
+    (:func:`.send_release.send_releases`), which the executor applies by default.
     """
     if target_peak_bytes is not None:
         check_bytes("choose_swaps: target_peak_bytes", target_peak_bytes)
@@ -428,7 +431,7 @@ def choose_swaps(
                 if verdict is not None:
                     rejected[window_key] = verdict
     candidates = [k for k in windows if k not in rejected]
-    base = step_curve(swapped_order, sizes, swapped=(), weight_swapped=())
+    base = step_curve(swapped_order, sizes, swapped=(), weight_swapped=(), releases=releases)
     chosen = _greedy_on_peak(swapped_order, lives, base, candidates, sizes, cost, target_peak_bytes, rejected)
     chosen = _drop_unneeded(lives, base, chosen, sizes)
     final_peak = _peak(base, lives, chosen, sizes)
@@ -465,6 +468,7 @@ def plan_swaps(
     min_gap: int = MIN_SWAP_GAP,
     target_peak_bytes: int | None = None,
     weight_swap: bool = True,
+    releases: SendReleases | None = None,
 ) -> SwapCostReport:
     """Cost-aware choice for one rank's order *before* the swap pass.
 
@@ -481,6 +485,7 @@ def plan_swaps(
         cost=cost,
         target_peak_bytes=target_peak_bytes,
         ineligible_detail=detail,
+        releases=releases,
     )
 
 
@@ -492,12 +497,16 @@ def plan_rank_swaps(
     min_gap: int = MIN_SWAP_GAP,
     target_peak_bytes: int | None = None,
     weight_swap: bool = True,
+    release_sends: bool = True,
 ) -> dict[int, SwapCostReport]:
-    """:func:`plan_swaps` for every rank; ``{rank: report}``."""
+    """:func:`plan_swaps` for every rank; ``{rank: report}``. ``orders`` are every rank's
+    orders of one pipeline; ``release_sends`` prices each rank's sends as the executor
+    waits them by default (once proven received, :func:`.send_release.send_releases`)."""
+    releases = send_releases(orders) if release_sends else {}
     return {
         rank: plan_swaps(
             order, sizes=sizes, cost=cost, min_gap=min_gap, target_peak_bytes=target_peak_bytes,
-            weight_swap=weight_swap,
+            weight_swap=weight_swap, releases=releases.get(rank),
         )
         for rank, order in orders.items()
     }

@@ -10,8 +10,8 @@ around every top-level step and the swap session's group sizes::
     schedule.observer = recorder
     with meter:
         schedule.step(x, target=y)
-    footprints = recorder.footprints()          # StageFootprints, one per local stage
-    predicted_peak(order, footprints)            # bytes; compare with the meter's peak
+    footprints = recorder.footprints(schedule.last_sends)   # StageFootprints, one per local stage
+    predicted_peak(order, footprints, releases=schedule.send_releases)  # compare with the meter
 
 Per stage, over its micro-batches (medians, so one odd micro-batch does not decide):
 
@@ -21,6 +21,10 @@ Per stage, over its micro-batches (medians, so one odd micro-batch does not deci
   dW state the session moved (``session.weight_bytes``), the rest is ``weight_resident``;
 * ``tail_bytes``: what is left after a full BWD; ``split_tail_bytes`` after BWD_INPUT and
   BWD_WEIGHT (they differ when a kept output holds nodes BWD_WEIGHT never visits);
+* ``sent_output`` / ``sent_grad``: the bytes of its SEND_F / SEND_B (from the step's send
+  log). A backward that ran after its output's send was released frees that output too;
+  the recorder adds it back, so every level counts the sends as waited at the step end,
+  the way the model defines them;
 * ``grad_bytes``: what the stage's first BWD / BWD_WEIGHT adds beyond the others (the
   parameter gradients, allocated once per step when they start from ``None``);
 * ``working[kind]``: the highest live bytes while a leaf of that kind ran, above the level
@@ -35,17 +39,33 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
+from hyper_offload.passes.pipeline.execution import P2PKey
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
 
 from ..memory_meter import DeviceMemoryMeter
+from .p2p import SentTensor
 from .session import PipelineSwapSession
 
 __all__ = ["FootprintRecorder"]
 
 _WEIGHT_GRAD_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+# Torch's stage drops its own reference to a chunk's output here (fwd_cache at BWD,
+# backward_state at BWD_WEIGHT); a released send's output dies with it.
+_OUTPUT_FREEING_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+
+
+class _Sample(NamedTuple):
+    """One compute slot as the meter saw it."""
+
+    position: int
+    leaves: tuple[MetaStep, ...]
+    delta: int
+    working: int
+    first_grads: frozenset[int]  # stages whose first weight-gradient leaf ran here
 
 
 class FootprintRecorder:
@@ -58,12 +78,8 @@ class FootprintRecorder:
         self.session = session
         self._before = 0
         self._first_sample = 0
-        self._deltas: dict[tuple[int, StepKind], list[int]] = defaultdict(list)
-        self._working: dict[tuple[int, StepKind], list[int]] = defaultdict(list)
-        self._first_weight_grad: dict[int, int] = {}  # stage -> delta of its first BWD / BWD_WEIGHT
         self._graded: set[int] = set()  # stages that ran a weight-gradient leaf already
-        # OVERLAP composites: (leaves, level change, stages whose first weight-gradient leaf ran there).
-        self._composites: list[tuple[tuple[MetaStep, ...], int, frozenset[int]]] = []
+        self._samples: list[_Sample] = []
 
     def before_step(self, position: int, step: MetaStep) -> None:
         self._before = self.meter.live_bytes
@@ -72,30 +88,44 @@ class FootprintRecorder:
     def after_step(self, position: int, step: MetaStep) -> None:
         if not step.is_compute_slot:
             return
+        leaves = tuple(step.leaves())
         first_grads = frozenset(
-            leaf.stage for leaf in step.leaves()  # type: ignore[misc]
+            leaf.stage for leaf in leaves  # type: ignore[misc]
             if leaf.kind in _WEIGHT_GRAD_KINDS and leaf.stage not in self._graded
         )
         self._graded |= first_grads
         after = self.meter.live_bytes
-        delta = after - self._before
-        if not step.is_compute or step.stage is None:
-            # An OVERLAP composite: only the sum of its leaves is seen (footprints() infers
-            # a leaf never run alone from it).
-            self._composites.append((tuple(step.leaves()), delta, first_grads))
-            return
         peak = self.meter.peak_since(self._first_sample)
-        key = (step.stage, step.kind)
-        if step.stage in first_grads:
-            self._first_weight_grad[step.stage] = delta
-        self._deltas[key].append(delta)
-        self._working[key].append(max(0, (peak if peak is not None else after) - self._before))
+        working = max(0, (peak if peak is not None else after) - self._before)
+        self._samples.append(_Sample(position, leaves, after - self._before, working, first_grads))
 
-    def footprints(self) -> StageFootprints:
-        """One :class:`StageFootprint` per stage seen (raises if nothing was recorded)."""
-        known = {key: _median_of(values) for key, values in self._deltas.items()}
+    def footprints(self, sends: Mapping[P2PKey, SentTensor] | None = None) -> StageFootprints:
+        """One :class:`StageFootprint` per stage seen (raises if nothing was recorded).
+
+        ``sends``: the step's send log (``PipelineSwapSchedule.last_sends``); without it the
+        sends count 0 bytes and no backward is corrected for an early release.
+        """
+        sends = sends if sends is not None else {}
+        deltas: dict[tuple[int, StepKind], list[int]] = defaultdict(list)
+        working: dict[tuple[int, StepKind], list[int]] = defaultdict(list)
+        first_weight_grad: dict[int, int] = {}  # stage -> delta of its first BWD / BWD_WEIGHT
+        composites: list[tuple[tuple[MetaStep, ...], int, frozenset[int]]] = []
+        for sample in self._samples:
+            delta = sample.delta + _released_outputs(sample, sends)
+            step = sample.leaves[0]
+            if len(sample.leaves) > 1:
+                # An OVERLAP composite: only the sum of its leaves is seen; a leaf never run
+                # alone is inferred from it below.
+                composites.append((sample.leaves, delta, sample.first_grads))
+                continue
+            key = (step.stage, step.kind)
+            if step.stage in sample.first_grads:
+                first_weight_grad[step.stage] = delta  # type: ignore[index]
+            deltas[key].append(delta)  # type: ignore[index]
+            working[key].append(sample.working)  # type: ignore[index]
+        known = {key: _median_of(values) for key, values in deltas.items()}
         inferred: dict[tuple[int, StepKind], list[int]] = defaultdict(list)
-        for leaves, delta, first_grads in self._composites:
+        for leaves, delta, first_grads in composites:
             unknown = [(leaf.stage, leaf.kind) for leaf in leaves if (leaf.stage, leaf.kind) not in known]
             if len(unknown) == 1 and not first_grads:
                 rest = sum(known[(leaf.stage, leaf.kind)] for leaf in leaves if (leaf.stage, leaf.kind) in known)
@@ -107,22 +137,19 @@ class FootprintRecorder:
                 "FootprintRecorder: no compute leaf was recorded; set it as the schedule's observer "
                 "and run one step with its meter active"
             )
-        grads = self._grad_bytes(known)
-        return StageFootprints(per_stage={s: self._stage(s, known, grads.get(s, 0)) for s in stages})
+        grads = _grad_bytes(known, deltas, first_weight_grad, composites)
+        return StageFootprints(per_stage={
+            s: self._stage(s, known, working, grads.get(s, 0), sends) for s in stages
+        })
 
-    def _grad_bytes(self, known: dict[tuple[int, StepKind], int]) -> dict[int, int]:
-        """Per stage: what its first weight-gradient leaf added beyond the usual."""
-        grads = {}
-        for stage, delta in self._first_weight_grad.items():
-            kind = StepKind.BWD if (stage, StepKind.BWD) in self._deltas else StepKind.BWD_WEIGHT
-            grads[stage] = max(0, delta - known.get((stage, kind), 0))
-        for leaves, delta, first_grads in self._composites:
-            if len(first_grads) == 1 and all((leaf.stage, leaf.kind) in known for leaf in leaves):
-                stage = next(iter(first_grads))
-                grads[stage] = max(0, delta - sum(known[(leaf.stage, leaf.kind)] for leaf in leaves))
-        return grads
-
-    def _stage(self, stage: int, known: dict[tuple[int, StepKind], int], grads: int) -> StageFootprint:
+    def _stage(
+        self,
+        stage: int,
+        known: Mapping[tuple[int, StepKind], int],
+        working: Mapping[tuple[int, StepKind], list[int]],
+        grads: int,
+        sends: Mapping[P2PKey, SentTensor],
+    ) -> StageFootprint:
         def level(*kinds: StepKind) -> int | None:
             if any((stage, kind) not in known for kind in kinds):
                 return None
@@ -151,9 +178,40 @@ class FootprintRecorder:
             split_tail_bytes=None if split_tail in (None, tail) else split_tail,
             packed_activations=min(activations, packed_of[SwapPhase.ACTIVATIONS]),
             packed_weight_state=min(weight_state, packed_of[SwapPhase.WEIGHT_STATE]),
+            sent_output=_median_of(t.nbytes for (k, s, _), t in sends.items() if (k, s) == (StepKind.SEND_F, stage)),
+            sent_grad=_median_of(t.nbytes for (k, s, _), t in sends.items() if (k, s) == (StepKind.SEND_B, stage)),
             grad_bytes=grads,
-            working={kind: _median_of(v) for (s, kind), v in self._working.items() if s == stage},
+            working={kind: _median_of(v) for (s, kind), v in working.items() if s == stage},
         )
+
+
+def _grad_bytes(
+    known: Mapping[tuple[int, StepKind], int],
+    deltas: Mapping[tuple[int, StepKind], list[int]],
+    first_weight_grad: Mapping[int, int],
+    composites: Sequence[tuple[tuple[MetaStep, ...], int, frozenset[int]]],
+) -> dict[int, int]:
+    """Per stage: what its first weight-gradient leaf added beyond the usual."""
+    grads = {}
+    for stage, delta in first_weight_grad.items():
+        kind = StepKind.BWD if (stage, StepKind.BWD) in deltas else StepKind.BWD_WEIGHT
+        grads[stage] = max(0, delta - known.get((stage, kind), 0))
+    for leaves, delta, first_grads in composites:
+        if len(first_grads) == 1 and all((leaf.stage, leaf.kind) in known for leaf in leaves):
+            stage = next(iter(first_grads))
+            grads[stage] = max(0, delta - sum(known[(leaf.stage, leaf.kind)] for leaf in leaves))
+    return grads
+
+
+def _released_outputs(sample: _Sample, sends: Mapping[P2PKey, SentTensor]) -> int:
+    """Bytes of outputs whose send was released before this slot's backward leaves freed them."""
+    total = 0
+    for leaf in sample.leaves:
+        if leaf.kind in _OUTPUT_FREEING_KINDS:
+            sent = sends.get((StepKind.SEND_F, leaf.stage, leaf.micro))  # type: ignore[arg-type]
+            if sent is not None and sent.released_after is not None and sent.released_after < sample.position:
+                total += sent.nbytes
+    return total
 
 
 def _median_of(values: Iterable[int]) -> int:

@@ -10,6 +10,17 @@
   that completes a batch only when the peer has posted the matching ops of *its* next
   batch (see docs/architecture.md). Where the backend coalesces the batch into a single
   request (NCCL), that one request covers the sends too and is waited as a whole.
+* A pending send is waited for as soon as the order proves its receiver has it
+  (:func:`~hyper_offload.passes.pipeline.send_release.send_releases`: after the step of
+  a receive whose message the receiver posted after its matching receive). That wait
+  returns at once, and dropping the request frees the sent tensor there instead of at the
+  end of the step. Sends never proven are waited at the end of the step.
+* A sent input gradient has a second owner: torch's stage stores it as the ``.grad`` of
+  the chunk's receive buffer (``stage_backward`` accumulates into the inputs) and clears
+  those only when the next step starts (``clear_runtime_states``). Once the send is proven,
+  the tracker clears the ``.grad`` of that chunk's buffers whose storage it sent, which is
+  what torch does for every chunk at the next step, done as early as the gradient is no
+  longer needed.
 * Every op carries a tag unique to its ``(direction, sending stage, micro)``. Gloo (and
   NCCL) match messages between two ranks in posting order per tag; with one tag for all,
   a rank whose order receives ``RECV_F 3 m`` before ``RECV_B 1 m'`` while its peer sends
@@ -24,12 +35,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 
+from hyper_offload.passes.pipeline.execution import P2PKey
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
+from hyper_offload.passes.pipeline.send_release import SendReleases
 
-__all__ = ["P2PTracker", "PipelineCommError"]
+__all__ = ["P2PTracker", "PipelineCommError", "SentTensor"]
 
 _RECV_KINDS = (StepKind.RECV_F, StepKind.RECV_B)
 
@@ -38,20 +52,47 @@ class PipelineCommError(RuntimeError):
     """A P2P operation of the pipeline failed or timed out."""
 
 
-class P2PTracker:
-    """Posts the P2P ops of one step and remembers what is still to be waited for."""
+class SentTensor(NamedTuple):
+    """What one send leaf of a step kept alive, and until when."""
 
-    def __init__(self, stages: Mapping[int, object], timeout: timedelta | None, num_stages: int) -> None:
+    nbytes: int
+    """Bytes of the distinct storages it sent (what the device meter counts)."""
+    released_after: int | None
+    """Position of the step after which it was waited (proven received); ``None``: waited
+    with the sends left at the end of the step (or at once, in a coalesced batch)."""
+
+
+class P2PTracker:
+    """Posts the P2P ops of one step and remembers what is still to be waited for.
+
+    ``releases`` (this rank's :func:`send_releases` table) says after which receive each
+    send is proven received; ``None`` waits every send at the end of the step. ``sent``
+    records every send leaf of the step (its bytes, where it was released).
+    """
+
+    def __init__(
+        self,
+        stages: Mapping[int, object],
+        timeout: timedelta | None,
+        num_stages: int,
+        releases: SendReleases | None = None,
+    ) -> None:
         self._stages = stages
         self._num_stages = num_stages
         self._timeout = timeout
-        self._sends: list[tuple[MetaStep, dist.Work]] = []
-        self.received: set[tuple[StepKind, int, int]] = set()
+        self._releases = releases if releases is not None else {}
+        # send -> (leaf, its requests, the storages it sent)
+        self._sends: dict[P2PKey, tuple[MetaStep, list[dist.Work], frozenset[int]]] = {}
+        self.received: set[P2PKey] = set()
+        self.sent: dict[P2PKey, SentTensor] = {}
 
-    def run(self, step: MetaStep) -> None:
-        """Execute one plain P2P leaf or one ``BATCH_SEND_RECV``."""
+    def run(self, step: MetaStep, position: int = -1) -> None:
+        """Execute one plain P2P leaf or one ``BATCH_SEND_RECV`` (``position`` in the order)."""
         leaves = list(step.leaves())
         ops_per_leaf = [self._ops_of(leaf) for leaf in leaves]
+        for leaf, ops in zip(leaves, ops_per_leaf):
+            if leaf.kind not in _RECV_KINDS:
+                self.sent[_key(leaf)] = SentTensor(_storage_bytes(ops), None)
         flat = [op for ops in ops_per_leaf for op in ops]
         if not flat:
             self._mark_received(leaves)
@@ -70,19 +111,47 @@ class P2PTracker:
                 for work in mine:
                     self._wait(leaf, work)
             else:
-                self._sends.extend((leaf, work) for work in mine)
+                self._sends[_key(leaf)] = (leaf, mine, _storages(ops))
         self._mark_received(leaves)
+        self._release_proven(leaves, position)
 
     def wait_sends(self) -> None:
-        """End of step: every posted send must complete."""
-        sends, self._sends = self._sends, []
-        for leaf, work in sends:
-            self._wait(leaf, work)
+        """End of step: every send still pending must complete."""
+        sends, self._sends = self._sends, {}
+        for leaf, works, _ in sends.values():
+            for work in works:
+                self._wait(leaf, work)
 
     def drop(self) -> None:
         """Exception path: forget posted sends (their requests die with the process group)."""
         self._sends.clear()
         self.received.clear()
+
+    def _release_proven(self, leaves: Sequence[MetaStep], position: int) -> None:
+        """Wait the sends this step's receives prove received, dropping their requests (and
+        with them the last reference to the sent tensors)."""
+        for leaf in leaves:
+            if leaf.kind not in _RECV_KINDS:
+                continue
+            for send in self._releases.get(_key(leaf), ()):
+                pending = self._sends.pop(send, None)
+                if pending is None:
+                    continue  # a send of an empty op list, or one waited already
+                sent_leaf, works, storages = pending
+                for work in works:
+                    self._wait(sent_leaf, work)
+                if sent_leaf.kind is StepKind.SEND_B:
+                    self._drop_input_grads(sent_leaf, storages)
+                self.sent[send] = self.sent[send]._replace(released_after=position)
+
+    def _drop_input_grads(self, leaf: MetaStep, storages: frozenset[int]) -> None:
+        """Clear the ``.grad`` of the chunk's receive buffers that hold the gradient just sent."""
+        stage = self._stages[leaf.stage]  # type: ignore[index]
+        for info in getattr(stage, "args_recv_info", {}).get(leaf.micro, ()):
+            buffer = getattr(info, "buffer", None)
+            grad = getattr(buffer, "grad", None)
+            if grad is not None and grad.untyped_storage().data_ptr() in storages:
+                buffer.grad = None
 
     def _ops_of(self, leaf: MetaStep) -> list[dist.P2POp]:
         stage = self._stages[leaf.stage]  # type: ignore[index]
@@ -123,8 +192,21 @@ class P2PTracker:
     def _mark_received(self, leaves: Sequence[MetaStep]) -> None:
         for leaf in leaves:
             if leaf.kind in _RECV_KINDS:
-                assert leaf.stage is not None and leaf.micro is not None
-                self.received.add((leaf.kind, leaf.stage, leaf.micro))
+                self.received.add(_key(leaf))
+
+
+def _key(leaf: MetaStep) -> P2PKey:
+    assert leaf.stage is not None and leaf.micro is not None
+    return (leaf.kind, leaf.stage, leaf.micro)
+
+
+def _storages(ops: Sequence[dist.P2POp]) -> frozenset[int]:
+    return frozenset(op.tensor.untyped_storage().data_ptr() for op in ops)
+
+
+def _storage_bytes(ops: Sequence[dist.P2POp]) -> int:
+    storages = {op.tensor.untyped_storage().data_ptr(): op.tensor.untyped_storage().nbytes() for op in ops}
+    return sum(storages.values())
 
 
 def _post_one(op: dist.P2POp) -> dist.Work:

@@ -46,10 +46,12 @@ from hyper_offload.passes.pipeline import (
     plan_rank_swaps,
 )
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
+from hyper_offload.passes.pipeline.send_release import SendReleases, send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
 from ..pinned_pool import PinnedMemoryPool
 from .hooks import group_scope
+from .p2p import SentTensor
 from .session import PipelineSwapSession
 from .step_runner import StepContext, StepObserver, StepRun
 
@@ -75,6 +77,8 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
     every P2P wait. ``weight_swap`` (default on) also swaps each chunk's dW state across
     its BWD_INPUT → BWD_WEIGHT gap in orders that split dx/dw (zero-bubble schedules),
     under the same gap rule (and, with ``swap_cost``, the same cost-aware choice).
+    ``release_sends`` (default on) waits each send as soon as the ranks' orders prove its
+    receiver has it, which frees the sent tensor there instead of at the end of the step.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         activation_sizes: ActivationSizes | StageFootprints | None = None,
         target_peak_bytes: int | None = None,
         weight_swap: bool = True,
+        release_sends: bool = True,
         scale_grads: bool = True,
         timeout: timedelta | float | None = None,
         pool: PinnedMemoryPool | None = None,
@@ -131,14 +136,14 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             )
             reports = plan_rank_swaps(
                 plain, sizes=activation_sizes, cost=swap_cost, min_gap=min_gap,
-                target_peak_bytes=target_peak_bytes, weight_swap=weight_swap,
+                target_peak_bytes=target_peak_bytes, weight_swap=weight_swap, release_sends=release_sends,
             )
             swap_only = {rank: report.chosen for rank, report in reports.items()}
             weight_swap_only = {rank: report.chosen_weight for rank, report in reports.items()}
             self.swap_report = reports[self.rank]
         else:
             weight_swap_only = None
-        self.order: list[MetaStep] = build_rank_orders(
+        orders = build_rank_orders(
             schedule,
             num_ranks=self.pp_group_size,
             stages_per_rank=len(stages),
@@ -153,7 +158,16 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             unsharded_load=unsharded_load,
             weight_swap=weight_swap,
             weight_swap_only=weight_swap_only,
-        )[self.rank]
+        )
+        self.order: list[MetaStep] = orders[self.rank]
+        self.send_releases: SendReleases | None = (
+            send_releases(orders)[self.rank] if release_sends else None
+        )
+        """After which receive each of this rank's sends is proven received and waited
+        (:func:`~hyper_offload.passes.pipeline.send_release.send_releases`); ``None`` with
+        ``release_sends=False``: every send is waited at the end of the step."""
+        self.last_sends: Mapping[tuple[StepKind, int, int], SentTensor] = MappingProxyType({})
+        """The last step's send leaves: bytes sent and where each was released."""
         self._check_fsdp(stages, real_overlap)
         if swap:
             # The executor trusts the anchors; prove them before the first step.
@@ -243,6 +257,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             run.run()
             if self.session is not None:
                 self.session.end()
+            self.last_sends = MappingProxyType(dict(run.p2p.sent))
         except BaseException as exc:
             run.abort()
             if self.session is not None:
@@ -273,6 +288,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             timeout=self.timeout,
             observer=self.observer,
             worker=self._worker,
+            send_releases=self.send_releases,
         )
 
     def close(self) -> None:

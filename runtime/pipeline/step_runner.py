@@ -16,7 +16,8 @@ Each top-level step is dispatched by kind:
 * ``OVERLAP_B_F`` / ``OVERLAP_F_B``: leaves in order, or — with ``real_overlap`` — the
   forward leaves on the calling thread and the backward leaves on a worker thread, joined
   before the next step; a worker's exception is re-raised here;
-* P2P leaves and ``BATCH_SEND_RECV`` through :class:`~.p2p.P2PTracker`;
+* P2P leaves and ``BATCH_SEND_RECV`` through :class:`~.p2p.P2PTracker`, which waits a
+  send once the order proves it received (``StepContext.send_releases``);
 * ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` on the stage's FSDP2 modules;
 * the four swap kinds through the session.
 
@@ -41,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from hyper_offload.passes.pipeline.meta_step import OVERLAP_KINDS, MetaStep, StepKind
+from hyper_offload.passes.pipeline.send_release import SendReleases
 
 from .p2p import P2PTracker
 
@@ -96,6 +98,9 @@ class StepContext:
     """Callbacks around every top-level step."""
     worker: ThreadPoolExecutor | None = None
     """The overlap worker thread (``real_overlap``); ``None`` runs OVERLAP leaves in order."""
+    send_releases: SendReleases | None = None
+    """After which receive each send is proven received and waited (``None``: every send
+    is waited at the end of the step)."""
 
 
 class StepRun:
@@ -121,7 +126,7 @@ class StepRun:
         self.target_mbs = target_mbs
         self.return_outputs = return_outputs
         self.loss_kwargs = loss_kwargs
-        self.p2p = P2PTracker(self.stages, context.timeout, context.num_stages)
+        self.p2p = P2PTracker(self.stages, context.timeout, context.num_stages, context.send_releases)
         self.unshard_handles: dict[int, list[Any]] = {}
         self.unsharded: set[int] = set()
         self.backward_count: Counter[int] = Counter()
@@ -139,7 +144,7 @@ class StepRun:
             if observer is not None:
                 observer.before_step(position, step)
             try:
-                self._dispatch(step, context.worker)
+                self._dispatch(step, position, context.worker)
             except Exception as exc:
                 exc.add_note(f"rank {context.rank}: while running step {position} ({step!r}) of its order")
                 raise
@@ -166,13 +171,13 @@ class StepRun:
                     pass
         self.unshard_handles.clear()
 
-    def _dispatch(self, step: MetaStep, pool: ThreadPoolExecutor | None) -> None:
+    def _dispatch(self, step: MetaStep, position: int, pool: ThreadPoolExecutor | None) -> None:
         kind = step.kind
         if step.is_swap:
             assert self.session is not None, "swap steps exist only when the schedule has a session"
             self.session.run_swap_step(step)
         elif step.is_p2p:
-            self.p2p.run(step)
+            self.p2p.run(step, position)
         elif kind is StepKind.FSDP_UNSHARD:
             self._unshard(step.stage)  # type: ignore[arg-type]
         elif kind is StepKind.FSDP_RESHARD:
@@ -267,7 +272,7 @@ class StepRun:
         backwards = [leaf for leaf in step.sub_steps if leaf.kind is not StepKind.FWD]
         if pool is None or not forwards or not backwards:
             for leaf in step.sub_steps:
-                self._dispatch(leaf, None)
+                self._dispatch(leaf, -1, None)
             return
         context = contextvars.copy_context()
         future = pool.submit(context.run, self._run_leaves, backwards)

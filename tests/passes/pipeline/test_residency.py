@@ -103,3 +103,44 @@ def test_footprints_check_their_fields_and_survive_pickling() -> None:
         StageFootprint(working={StepKind.SEND_F: 1})
     sizes = StageFootprints(per_stage={2: FOOT})
     assert pickle.loads(pickle.dumps(sizes)) == sizes
+
+
+# Stage 0 sends its outputs (10 B each, part of forward_resident and of the tail); the
+# table says which receive proves which send (hand-written, as send_releases would give).
+SENDER = parse_order("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 3RECV_F0")
+SENDER_FOOT = StageFootprint(activations=100, forward_resident=10, tail_bytes=12, sent_output=10)
+SENDER_RELEASES = {
+    (StepKind.RECV_B, 0, 0): ((StepKind.SEND_F, 0, 0),),  # before 0B0: the output dies at 0B0
+    (StepKind.RECV_F, 3, 0): ((StepKind.SEND_F, 0, 1),),  # after 0B1: the output dies here
+}
+
+
+def test_a_released_output_leaves_at_its_backward_or_at_its_release_whichever_is_later() -> None:
+    sizes = StageFootprints(default=SENDER_FOOT)
+    # B0: 12 - 110 = -98, and its output (released already) goes too: -108. B1 leaves
+    # 12 + 10 until 3RECV_F0 proves its send.
+    assert step_curve(SENDER, sizes, releases=SENDER_RELEASES) == [
+        110, 110, 220, 220, 220, 220, 112, 112, 4,
+    ]
+    # Every send waited at the step end: both tails keep their 10 B output.
+    assert step_curve(SENDER, sizes) == [110, 110, 220, 220, 220, 220, 122, 122, 24]
+
+
+def test_a_released_input_gradient_leaves_at_its_release_even_before_its_weight_step() -> None:
+    order = parse_order("1RECV_F0 1F0 1RECV_B0 1I0 1SEND_B0 1RECV_F1 1W0")
+    foot = StageFootprint(
+        activations=100, forward_resident=10, weight_state=50, weight_resident=15, tail_bytes=20,
+        sent_output=10, sent_grad=5,
+    )
+    releases = {(StepKind.RECV_F, 1, 1): ((StepKind.SEND_B, 1, 0),)}
+    sizes = StageFootprints(default=foot)
+    # I: 110 -> 65; the gradient (5 of the 15) goes at 1RECV_F1; W: 65 -> 20 as measured.
+    assert step_curve(order, sizes, releases=releases) == [0, 110, 110, 110, 65, 60, 60]
+    assert step_curve(order, sizes) == [0, 110, 110, 110, 65, 65, 65]
+    assert predicted_peak(order, sizes, releases=releases) == 110
+
+
+def test_send_sizes_are_byte_counts() -> None:
+    with pytest.raises(ValueError, match=r"StageFootprint.sent_grad: expected a byte count"):
+        StageFootprint(sent_grad=-1)
+    assert pickle.loads(pickle.dumps(SENDER_FOOT)) == SENDER_FOOT

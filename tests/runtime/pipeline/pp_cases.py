@@ -155,7 +155,7 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
             with meter if case.measure else _null():
                 sched.step(x, target=y, losses=losses)
             if calibrating:
-                footprints = sched.observer.second.footprints()
+                footprints = sched.observer.second.footprints(sched.last_sends)
             result["losses"].append([loss.detach() for loss in losses])
             result["peaks"].append(meter.peak_bytes)
             if sched.session is not None:
@@ -169,13 +169,20 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
         f"{s}.{name}": _full_grad(p) for s in local for name, p in modules[s].named_parameters()
     }
     result["order"] = [repr(step) for step in sched.order]
+    result["send_releases"] = dict(sched.send_releases or {})
+    result["last_sends"] = {key: tuple(sent) for key, sent in sched.last_sends.items()}
     result["generation"] = sched.session.generation if sched.session is not None else 0
     if recorder is not None:
         result.update(recorder.summary())
     if footprints is not None:
-        result["footprint_peak"] = predicted_peak(sched.order, footprints)
-        result["footprint_peak_activations_only"] = predicted_peak(sched.order, footprints, weight_swapped=())
-        result["footprint_peak_without"] = predicted_peak(sched.order, footprints, swapped=(), weight_swapped=())
+        releases = sched.send_releases
+        result["footprint_peak"] = predicted_peak(sched.order, footprints, releases=releases)
+        result["footprint_peak_activations_only"] = predicted_peak(
+            sched.order, footprints, weight_swapped=(), releases=releases
+        )
+        result["footprint_peak_without"] = predicted_peak(
+            sched.order, footprints, swapped=(), weight_swapped=(), releases=releases
+        )
     return result
 
 
