@@ -10,12 +10,14 @@ from hyper_offload.passes.pipeline import (
     StageFootprint,
     StageFootprints,
     StepKind,
+    build_rank_orders,
     parse_order,
     predicted_peak,
     step_curve,
 )
-from hyper_offload.passes.pipeline.swap import inject_swap_steps
-from hyper_offload.passes.pipeline.swap_cost import ActivationSizes, resident_curve
+from hyper_offload.passes.pipeline.meta_step import SwapPhase
+from hyper_offload.passes.pipeline.swap import find_weight_windows, inject_swap_steps
+from hyper_offload.passes.pipeline.swap_cost import ActivationSizes, chunk_lives, resident_curve
 
 # One stage, dx/dw split, 1F1B-like: W of micro 0 waits five slots after its I.
 SPLIT = parse_order("0F0 0F1 0I0 0F2 0I1 0F3 0I2 0W0 0I3 0W1 0W2 0W3")
@@ -144,3 +146,27 @@ def test_send_sizes_are_byte_counts() -> None:
     with pytest.raises(ValueError, match=r"StageFootprint.sent_grad: expected a byte count"):
         StageFootprint(sent_grad=-1)
     assert pickle.loads(pickle.dumps(SENDER_FOOT)) == SENDER_FOOT
+
+
+def test_zbv_rank_1_dw_windows_of_gap_3_hold_no_compute_slot_at_any_min_gap() -> None:
+    """Why ZBV rank 1 (4 ranks, 8 micro-batches) stays below 0.8 x interleaved-1F1B's drop:
+    its stage-1 W steps follow their I three slots later. A window is away only between its
+    WAIT_OFFLOAD (after the first compute following I, so the copy hides) and its
+    LAUNCH_LOAD (before the compute preceding W): even at the smallest min_gap the pass
+    accepts, those windows hold no compute slot, so they cannot lower any step's level."""
+    order = build_rank_orders("zbv", num_ranks=4, stages_per_rank=2, num_microbatches=8)[1]
+    gaps = {w.key: w.gap for w in find_weight_windows(order, min_gap=2)}
+    assert [gaps[(1, m)] for m in range(4, 8)] == [3, 3, 3, 3]
+    swapped = inject_swap_steps(order, min_gap=2)
+    lives = chunk_lives(swapped)
+    for micro in range(4, 8):
+        span = lives[(1, micro)].away_span(SwapPhase.WEIGHT_STATE)
+        assert len(span) == 1 and not any(swapped[p].is_compute_slot for p in span), micro
+    foot = StageFootprint(activations=100, forward_resident=10, weight_state=60, weight_resident=5)
+    sizes = StageFootprints(default=foot)
+    gap3 = [(1, m) for m in range(4, 8)]
+    with_gap3 = step_curve(swapped, sizes, weight_swapped=gap3)
+    without = step_curve(swapped, sizes, weight_swapped=())
+    assert all(a <= b for a, b in zip(with_gap3, without))
+    compute = [p for p, step in enumerate(swapped) if step.is_compute_slot]
+    assert [with_gap3[p] for p in compute] == [without[p] for p in compute]
