@@ -268,7 +268,8 @@ class _SendLevels:
         for leaf in step.leaves():
             if leaf.kind not in (StepKind.RECV_F, StepKind.RECV_B):
                 continue
-            for kind, stage, micro in self.releases.get((leaf.kind, leaf.stage, leaf.micro), ()):  # type: ignore[arg-type]
+            proven = self.releases.get((leaf.kind, leaf.stage, leaf.micro), ())  # type: ignore[arg-type]
+            for kind, stage, micro in proven:
                 footprint = self.sizes.footprint((stage, micro))
                 if kind is StepKind.SEND_B:
                     change -= footprint.sent_grad

@@ -54,7 +54,9 @@ class _Clocks:
         self.posted: dict[P2PKey, tuple[int, ...]] = {}  # send -> its rank's clock at posting
         self.received_at: dict[P2PKey, tuple[int, int]] = {}  # receive -> (rank, step)
         # Per rank, after each step with receives: (step, first receive leaf, clock after it).
-        self.after_receives: dict[int, list[tuple[int, P2PKey, tuple[int, ...]]]] = {r: [] for r in self.ranks}
+        self.after_receives: dict[int, list[tuple[int, P2PKey, tuple[int, ...]]]] = {
+            rank: [] for rank in self.ranks
+        }
         self.sent_at: dict[P2PKey, tuple[int, int]] = {}  # send -> (rank, step)
 
     def post(self, rank: int, position: int, step: MetaStep) -> None:
@@ -65,7 +67,8 @@ class _Clocks:
                 self.sent_at[key] = (rank, position)
 
     def can_complete(self, step: MetaStep) -> bool:
-        return all(matching_p2p(_key(leaf)) in self.posted for leaf in step.leaves() if leaf.kind in _RECV_KINDS)
+        receives = [_key(leaf) for leaf in step.leaves() if leaf.kind in _RECV_KINDS]
+        return all(matching_p2p(key) in self.posted for key in receives)
 
     def complete(self, rank: int, position: int, step: MetaStep) -> None:
         clock = self.known[rank]

@@ -63,6 +63,7 @@ class _Sample(NamedTuple):
 
     position: int
     leaves: tuple[MetaStep, ...]
+    composite: bool  # an OVERLAP composite: only the sum of its leaves is seen
     delta: int
     working: int
     first_grads: frozenset[int]  # stages whose first weight-gradient leaf ran here
@@ -97,7 +98,8 @@ class FootprintRecorder:
         after = self.meter.live_bytes
         peak = self.meter.peak_since(self._first_sample)
         working = max(0, (peak if peak is not None else after) - self._before)
-        self._samples.append(_Sample(position, leaves, after - self._before, working, first_grads))
+        composite = not step.is_compute or step.stage is None
+        self._samples.append(_Sample(position, leaves, composite, after - self._before, working, first_grads))
 
     def footprints(self, sends: Mapping[P2PKey, SentTensor] | None = None) -> StageFootprints:
         """One :class:`StageFootprint` per stage seen (raises if nothing was recorded).
@@ -112,12 +114,10 @@ class FootprintRecorder:
         composites: list[tuple[tuple[MetaStep, ...], int, frozenset[int]]] = []
         for sample in self._samples:
             delta = sample.delta + _released_outputs(sample, sends)
-            step = sample.leaves[0]
-            if len(sample.leaves) > 1:
-                # An OVERLAP composite: only the sum of its leaves is seen; a leaf never run
-                # alone is inferred from it below.
+            if sample.composite:  # a leaf never run alone is inferred from composites below
                 composites.append((sample.leaves, delta, sample.first_grads))
                 continue
+            step = sample.leaves[0]
             key = (step.stage, step.kind)
             if step.stage in sample.first_grads:
                 first_weight_grad[step.stage] = delta  # type: ignore[index]
@@ -178,8 +178,8 @@ class FootprintRecorder:
             split_tail_bytes=None if split_tail in (None, tail) else split_tail,
             packed_activations=min(activations, packed_of[SwapPhase.ACTIVATIONS]),
             packed_weight_state=min(weight_state, packed_of[SwapPhase.WEIGHT_STATE]),
-            sent_output=_median_of(t.nbytes for (k, s, _), t in sends.items() if (k, s) == (StepKind.SEND_F, stage)),
-            sent_grad=_median_of(t.nbytes for (k, s, _), t in sends.items() if (k, s) == (StepKind.SEND_B, stage)),
+            sent_output=_sent_bytes(sends, StepKind.SEND_F, stage),
+            sent_grad=_sent_bytes(sends, StepKind.SEND_B, stage),
             grad_bytes=grads,
             working={kind: _median_of(v) for (s, kind), v in working.items() if s == stage},
         )
@@ -212,6 +212,10 @@ def _released_outputs(sample: _Sample, sends: Mapping[P2PKey, SentTensor]) -> in
             if sent is not None and sent.released_after is not None and sent.released_after < sample.position:
                 total += sent.nbytes
     return total
+
+
+def _sent_bytes(sends: Mapping[P2PKey, SentTensor], kind: StepKind, stage: int) -> int:
+    return _median_of(sent.nbytes for (k, s, _), sent in sends.items() if k is kind and s == stage)
 
 
 def _median_of(values: Iterable[int]) -> int:
