@@ -17,6 +17,11 @@ One JSON line per (backend, dtype, budget, ``emulate_precision_casts``):
   default partition saves (what plain compile's backward reads from memory); ``every``:
   every recomputed low-precision value. Does rounding where plain compile stores make
   recompute exact?
+* ``recompute_exactness.values``: the same budget-0 partition with a tap (an opaque
+  custom op, so an extern kernel: its input is stored and read back) after each
+  recomputed value the default partition saves, compared with the value plain compile's
+  forward stores (tapped after each saved output): are the recomputed values themselves
+  equal, and are the gradients then?
 
 Measured on this machine (CPU). Run: ``.venv/bin/python benchmarks/recompute_exactness.py``
 (~2 min on 2 cores).
@@ -85,7 +90,67 @@ def rows() -> list[dict[str, Any]]:
                     "measured": True,
                 })
     out.extend(realized_rows())
+    out.append(values_row())
     return out
+
+
+_TAPPED: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("recompute_exactness::tap", mutates_args=())
+def _tap(x: torch.Tensor, key: str) -> torch.Tensor:
+    _TAPPED[key] = x.detach().clone()
+    return x.clone()
+
+
+@_tap.register_fake
+def _(x: torch.Tensor, key: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def values_row() -> dict[str, Any]:
+    """Recomputed values against the stored ones, and the gradients (module docstring)."""
+    plain = step("inductor", torch.bfloat16, 1.0, False)
+    _TAPPED.clear()
+    stored = step(partial(_inductor_with, _TappingPartitioner("stored")), torch.bfloat16, 1.0, False)
+    recomputing = _TappingPartitioner("recomputed")
+    got = step(partial(_inductor_with, recomputing), torch.bfloat16, 0.0, False)
+    pairs = [(key, value) for key, value in _TAPPED.items() if key.startswith("recomputed:")]
+    equal = sum(torch.equal(value, _TAPPED["stored:" + key.split(":", 1)[1]]) for key, value in pairs)
+    return {
+        "bench": "recompute_exactness.values", "backend": "inductor", "dtype": str(torch.bfloat16),
+        "activation_memory_budget": 0.0, "recomputed_saved_values": len(pairs),
+        "equal_to_stored": equal, "taps_change_plain": differing(plain, stored),
+        "values": len(plain), "differing": differing(plain, got), "measured": True,
+    }
+
+
+class _TappingPartitioner(CustomPartitionerFn):
+    """``stored``: tap the forward's saved outputs; ``recomputed``: tap the recomputed
+    values the default partition saves, where the backward computes them."""
+
+    def __init__(self, which: str) -> None:
+        self.which = which
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        from hyper_offload.compiler.recompute_search import copy_joint, recomputed_nodes
+
+        with torch._functorch.config.patch(activation_memory_budget=1.0):
+            default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if self.which == "stored":
+            _insert_after(fw, _outputs(fw), lambda node: (torch.ops.recompute_exactness.tap.default,
+                                                         (node, "stored:" + node.name)))
+        else:
+            extra = recomputed_nodes(fw, bw) - recomputed_nodes(default_fw, default_bw)
+            _insert_after(bw, extra & _outputs(default_fw), lambda node: (
+                torch.ops.recompute_exactness.tap.default, (node, "recomputed:" + node.name)))
+        return fw, bw
+
+    def uuid(self) -> Any:
+        return ("recompute_exactness.values", self.which)
 
 
 def realized_rows() -> list[dict[str, Any]]:
@@ -145,19 +210,27 @@ def _realize_after(graph: fx.GraphModule, names: set[str]) -> int:
     """Route every non-output user of the low-precision nodes ``names`` through ``realize``."""
     import torch._inductor.test_operators  # noqa: F401  (defines _inductor_test.realize)
 
+    low = {
+        node.name for node in graph.graph.nodes
+        if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dtype in (torch.bfloat16, torch.float16)
+    }
+    return _insert_after(graph, names & low, lambda node: (torch.ops._inductor_test.realize.default, (node,)))
+
+
+def _insert_after(graph: fx.GraphModule, names: set[str], make: Any) -> int:
+    """After each tensor node in ``names`` with a non-output user, insert ``make(node)``
+    (``(target, args)``) and route those users through it; the output keeps the node."""
     count = 0
     for node in list(graph.graph.nodes):
-        value = node.meta.get("val")
-        if node.name not in names or not isinstance(value, torch.Tensor):
-            continue
         users = [user for user in node.users if user.op != "output"]
-        if value.dtype not in (torch.bfloat16, torch.float16) or not users:
+        if node.name not in names or not isinstance(node.meta.get("val"), torch.Tensor) or not users:
             continue
+        target, args = make(node)
         with graph.graph.inserting_after(node):
-            realized = graph.graph.call_function(torch.ops._inductor_test.realize.default, (node,))
-        realized.meta = dict(node.meta)
+            inserted = graph.graph.call_function(target, args)
+        inserted.meta = dict(node.meta)
         for user in users:
-            user.replace_input_with(node, realized)
+            user.replace_input_with(node, inserted)
         count += 1
     graph.recompile()
     return count
