@@ -22,6 +22,11 @@ One JSON line per (backend, dtype, budget, ``emulate_precision_casts``):
   recomputed value the default partition saves, compared with the value plain compile's
   forward stores (tapped after each saved output): are the recomputed values themselves
   equal, and are the gradients then?
+* ``recompute_exactness.spliced``: the backward built as a recompute prologue (the
+  partition's own recompute nodes, up to each value the default partition saves), an
+  opaque barrier after each of those values, then the default partition's backward
+  graph verbatim. Also listed: what the partition's forward saves beyond the default
+  partition's saves and the graph inputs (``saved_outside_plain``).
 
 Measured on this machine (CPU). Run: ``.venv/bin/python benchmarks/recompute_exactness.py``
 (~2 min on 2 cores).
@@ -91,7 +96,105 @@ def rows() -> list[dict[str, Any]]:
                 })
     out.extend(realized_rows())
     out.append(values_row())
+    out.extend(spliced_rows())
     return out
+
+
+@torch.library.custom_op("recompute_exactness::barrier", mutates_args=())
+def _barrier(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_barrier.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def spliced_rows() -> list[dict[str, Any]]:
+    """Recompute prologue | barrier | the default partition's backward (module docstring)."""
+    plain = step("inductor", torch.bfloat16, 1.0, False)
+    out = []
+    for memory_budget in MEMORY_BUDGETS:
+        partitioner = _SplicingPartitioner()
+        got = step(partial(_inductor_with, partitioner), torch.bfloat16, memory_budget, False)
+        out.append({
+            "bench": "recompute_exactness.spliced", "backend": "inductor", "dtype": str(torch.bfloat16),
+            "activation_memory_budget": memory_budget, **partitioner.counts,
+            "values": len(plain), "differing": differing(plain, got), "measured": True,
+        })
+    return out
+
+
+class _SplicingPartitioner(CustomPartitionerFn):
+    def __init__(self) -> None:
+        self.counts: dict[str, Any] = {}
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        from hyper_offload.compiler.recompute_search import copy_joint
+
+        with torch._functorch.config.patch(activation_memory_budget=1.0):
+            default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        inputs = {node.name for node in fw.graph.nodes if node.op == "placeholder"}
+        spliced, recomputed = _splice(default_bw, bw)
+        self.counts = {
+            "recomputed_saved_values": recomputed,
+            "saved_outside_plain": sorted(_outputs(fw) - _outputs(default_fw) - inputs),
+        }
+        return fw, spliced
+
+    def uuid(self) -> Any:
+        return "recompute_exactness.spliced"
+
+
+def _splice(plain_bw: fx.GraphModule, bw: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """``bw``'s placeholders, then for each input of ``plain_bw`` that ``bw`` recomputes
+    its recompute chain (copied from ``bw``) and a barrier, then ``plain_bw``'s nodes."""
+    graph = fx.Graph()
+    ours = {node.name: node for node in bw.graph.nodes}
+    env: dict[str, fx.Node] = {}
+
+    def copy(node: fx.Node, lookup: dict[str, fx.Node]) -> fx.Node:
+        new = graph.node_copy(node, lambda arg: lookup[arg.name])
+        new.meta = dict(node.meta)
+        return new
+
+    def build(name: str) -> fx.Node:
+        if name not in env:
+            for arg in ours[name].all_input_nodes:
+                build(arg.name)
+            env[name] = copy(ours[name], env)
+        return env[name]
+
+    for node in bw.graph.nodes:
+        if node.op == "placeholder":
+            env[node.name] = copy(node, env)
+    plain: dict[str, fx.Node] = {}
+    recomputed = 0
+
+    def value(name: str) -> fx.Node:  # an input of plain_bw, recomputed right before first use
+        nonlocal recomputed
+        if name not in plain:
+            if ours[name].op == "placeholder":
+                plain[name] = env[name]
+            else:
+                plain[name] = graph.call_function(torch.ops.recompute_exactness.barrier.default, (build(name),))
+                plain[name].meta = dict(ours[name].meta)
+                recomputed += 1
+        return plain[name]
+
+    for node in plain_bw.graph.nodes:
+        if node.op != "placeholder":
+            for arg in node.all_input_nodes:
+                if arg.op == "placeholder":
+                    value(arg.name)
+            plain[node.name] = copy(node, plain)
+    spliced = fx.GraphModule(bw, graph)
+    spliced.graph.eliminate_dead_code()
+    spliced.recompile()
+    return spliced, recomputed
 
 
 _TAPPED: dict[str, torch.Tensor] = {}
