@@ -29,7 +29,7 @@ One JSON line per (backend, dtype, budget, ``emulate_precision_casts``):
   partition's saves and the graph inputs (``saved_outside_plain``).
 
 Measured on this machine (CPU). Run: ``.venv/bin/python benchmarks/recompute_exactness.py``
-(~2 min on 2 cores).
+(~4 min on 2 cores).
 """
 
 from __future__ import annotations
