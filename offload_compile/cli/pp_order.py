@@ -3,6 +3,9 @@
 Builds the finalized rank-local orders with the pipeline passes (compute + P2P → FSDP →
 transport → swap), checks them with ``check_order``, and prints them one compute slot per
 line, followed by the predicted peak of resident activations with and without swap.
+``--send-mb`` also counts each chunk's sent output and input gradient, released where the
+executor releases them (once the ranks' orders prove the peer has them;
+``--wait-sends-at-end``: at the end of the step).
 
 Swap choice: ``--swap`` applies the design document's gap rule (every chunk with
 ``gap >= --min-gap``); ``--cost-aware`` (implies ``--swap``) swaps only the eligible chunks
@@ -20,6 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from hyper_offload.passes.pipeline.check_order import check_order
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.orders import SCHEDULES
 from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
+from hyper_offload.passes.pipeline.send_release import send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, strip_swap_steps
 from hyper_offload.passes.pipeline.swap_cost import (
     SwapCostModel,
@@ -70,6 +75,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     cost.add_argument("--weight-state-mb", type=float, default=None,
                       help="dW-state MiB per chunk under dx/dw split, BWD_INPUT -> BWD_WEIGHT "
                            "(default: the activation size)")
+    cost.add_argument("--send-mb", type=float, default=None,
+                      help="MiB of each chunk's sent output and of its sent input gradient "
+                           "(default 0: sends are not counted)")
+    cost.add_argument("--wait-sends-at-end", action="store_true",
+                      help="price sends as waited at the end of the step, not once proven received")
     cost.add_argument("--d2h-gbps", type=float, default=None, help="device-to-host GB/s (default 20)")
     cost.add_argument("--h2d-gbps", type=float, default=None, help="host-to-device GB/s (default 20)")
     cost.add_argument("--fwd-ms", type=float, default=None, help="forward ms per chunk (default 10)")
@@ -146,7 +156,9 @@ def _validate(args: argparse.Namespace) -> None:
         given = [f"--{name.replace('_', '-')}" for name in _COST_OPTIONS if getattr(args, name) is not None]
         if given:
             raise _BadInput(f"{', '.join(given)} only apply with --cost-aware")
-    for name in ("activation_mb", "target_peak_mb"):
+    if args.send_mb is not None and args.activation_mb is None:
+        raise _BadInput("--send-mb needs --activation-mb (peaks are in bytes once sends are sized)")
+    for name in ("activation_mb", "target_peak_mb", "send_mb"):
         value = getattr(args, name)
         if value is not None and value < 0:
             raise _BadInput(f"--{name.replace('_', '-')} must be >= 0, got {value:g}")
@@ -172,8 +184,9 @@ def _build(args: argparse.Namespace) -> tuple[_Orders, _Orders, dict[int, SwapCo
             final = build_rank_orders(args.schedule, swap=True, **options) if args.swap else plain
             return plain, final, {}
         reports = plan_rank_swaps(
-            plain, sizes=_sizes(args), cost=_cost_model(args), min_gap=args.min_gap,
+            plain, sizes=_sizes(args, plain), cost=_cost_model(args), min_gap=args.min_gap,
             target_peak_bytes=None if args.target_peak_mb is None else int(args.target_peak_mb * MIB),
+            release_sends=not args.wait_sends_at_end,
         )
         only = {rank: report.chosen for rank, report in reports.items()}
         weight_only = {rank: report.chosen_weight for rank, report in reports.items()}
@@ -183,10 +196,30 @@ def _build(args: argparse.Namespace) -> tuple[_Orders, _Orders, dict[int, SwapCo
         raise _BadInput(f"{args.schedule}: {error}") from None
 
 
-def _sizes(args: argparse.Namespace) -> StageFootprints:
+def _sizes(args: argparse.Namespace, orders: Mapping[int, Sequence[MetaStep]]) -> StageFootprints:
+    """Each stage's footprint from the flags. With ``--send-mb`` a stage that sends its
+    output (SEND_F) holds it from its FWD, and one that sends its input gradient (SEND_B)
+    holds that from its backward, both until the send is released."""
     per_chunk = 1 if args.activation_mb is None else int(args.activation_mb * MIB)
     weight = per_chunk if args.weight_state_mb is None else int(args.weight_state_mb * MIB)
-    return StageFootprints(default=StageFootprint(activations=per_chunk, weight_state=weight))
+    base = StageFootprint(activations=per_chunk, weight_state=weight)
+    send = 0 if args.send_mb is None else int(args.send_mb * MIB)
+    if not send:
+        return StageFootprints(default=base)
+    sends: dict[int, set[StepKind]] = {}
+    for order in orders.values():
+        for leaf in (leaf for step in order for leaf in step.leaves()):
+            if leaf.kind in (StepKind.SEND_F, StepKind.SEND_B):
+                sends.setdefault(leaf.stage, set()).add(leaf.kind)  # type: ignore[arg-type]
+    per_stage = {}
+    for stage, kinds in sends.items():
+        output = send if StepKind.SEND_F in kinds else 0
+        grad = send if StepKind.SEND_B in kinds else 0
+        per_stage[stage] = replace(
+            base, forward_resident=output, weight_resident=output + grad, tail_bytes=output + grad,
+            sent_output=output, sent_grad=grad,
+        )
+    return StageFootprints(per_stage=per_stage, default=base)
 
 
 def _cost_model(args: argparse.Namespace) -> SwapCostModel:
@@ -221,16 +254,18 @@ def _swapped_chunks(order: Sequence[MetaStep]) -> set[tuple[int, int]]:
 
 
 def _peaks(orders: Mapping[int, Sequence[MetaStep]], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    sizes = _sizes(args)
+    sizes = _sizes(args, orders)
+    releases = {} if args.wait_sends_at_end else send_releases(orders)
     unit = "chunks" if args.activation_mb is None else "bytes"
     result = {}
     for rank, order in orders.items():
         plain = strip_swap_steps(order)
         chunks = find_swap_chunks(plain, min_gap=args.min_gap)
         weight_windows = find_weight_windows(plain, min_gap=args.min_gap)
+        released = releases.get(rank)
         result[rank] = {
-            "without": peak_bytes(order, sizes, swapped=(), weight_swapped=()),
-            "with": peak_bytes(order, sizes),
+            "without": peak_bytes(order, sizes, swapped=(), weight_swapped=(), releases=released),
+            "with": peak_bytes(order, sizes, releases=released),
             "unit": unit,
             "swapped": len(_swapped_chunks(order)),
             "eligible": sum(c.eligible for c in chunks),

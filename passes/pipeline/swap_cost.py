@@ -285,12 +285,14 @@ def resident_curve(
     sizes: ChunkSizes,
     swapped: Iterable[ChunkKey] | None = None,
     weight_swapped: Iterable[ChunkKey] | None = None,
+    releases: SendReleases | None = None,
 ) -> list[int]:
     """The residency model's curve of ``order`` (:func:`.residency.step_curve`), after
     checking that every window counted as swapped has its four steps in ``order``.
 
     ``swapped`` / ``weight_swapped`` list the chunks whose activation / dW-state window
-    counts as swapped; ``None`` means every window that has its swap steps.
+    counts as swapped; ``None`` means every window that has its swap steps. ``releases``:
+    the rank's send release points (``None``: sends waited at the end of the step).
     """
     lives = chunk_lives(order)
     for name, chosen, phase in (
@@ -305,7 +307,7 @@ def resident_curve(
             )
         for key in chosen:
             lives[key].swap_positions(phase)  # raises, naming the chunk, if a swap step is missing
-    return step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped)
+    return step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped, releases=releases)
 
 
 def peak_bytes(
@@ -313,8 +315,9 @@ def peak_bytes(
     sizes: ChunkSizes,
     swapped: Iterable[ChunkKey] | None = None,
     weight_swapped: Iterable[ChunkKey] | None = None,
+    releases: SendReleases | None = None,
 ) -> int:
-    return max(resident_curve(order, sizes, swapped, weight_swapped), default=0)
+    return max(resident_curve(order, sizes, swapped, weight_swapped, releases), default=0)
 
 
 def _window_bytes(sizes: ChunkSizes, window: WindowKey) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,10 @@ def test_plot_writes_a_png(capsys, tmp_path: Path) -> None:
         (["--schedule", "gpipe", "--ranks", "2", "--microbatches", "4", "--cost-aware", "--activation-mb", "1",
           "--h2d-gbps", "0"], "--h2d-gbps must be > 0"),
         (["--schedule", "dualpipev", "--ranks", "4", "--microbatches", "2"], "dualpipev"),
+        (["--schedule", "zbv", "--ranks", "2", "--microbatches", "4", "--swap", "--send-mb", "1"],
+         "--send-mb needs --activation-mb"),
+        (["--schedule", "zbv", "--ranks", "2", "--microbatches", "4", "--swap", "--activation-mb", "1",
+          "--send-mb", "-1"], "--send-mb must be >= 0, got -1"),
         (["--schedule", "gpipe", "--ranks", "2", "--microbatches", "2", "--plot", "/nonexistent-dir/x.png"],
          "cannot write /nonexistent-dir/x.png"),
     ],
@@ -253,3 +258,29 @@ def test_zero_bubble_orders_swap_the_dw_state_and_the_peak_counts_it(capsys) -> 
     assert any(lowered)
     code, out, _ = run_cli(capsys, *argv[:-1], "--cost-aware", "--activation-mb", "100")
     assert code == 0 and "dW state swapped (stage:micro)" in out
+
+
+def test_sized_sends_count_in_the_peak_and_leave_once_proven_received(capsys) -> None:
+    argv = ["--schedule", "zbv", "--ranks", "4", "--microbatches", "8", "--swap", "--activation-mb", "2",
+            "--weight-state-mb", "3"]
+    unsent = run_json(capsys, *argv)["peaks"]
+    released = run_json(capsys, *argv, "--send-mb", "0.25")["peaks"]
+    at_end = run_json(capsys, *argv, "--send-mb", "0.25", "--wait-sends-at-end")["peaks"]
+    assert run_json(capsys, *argv, "--wait-sends-at-end")["peaks"] == unsent  # no send sized: no change
+    for rank in unsent:
+        for key in ("without", "with"):
+            # Sends cost memory; releasing them once proven costs less than holding them
+            # to the end of the step.
+            assert unsent[rank][key] < released[rank][key] <= at_end[rank][key], (rank, key)
+    assert any(released[r]["with"] < at_end[r]["with"] for r in unsent)
+    # The same figure as the residency model with send_releases over all ranks' orders.
+    from hyper_offload.passes.pipeline import send_releases
+    from hyper_offload.passes.pipeline.swap_cost import peak_bytes
+    from hyper_offload.cli.pp_order import _sizes
+
+    result = run_json(capsys, *argv, "--send-mb", "0.25")
+    orders = {int(r): [MetaStep.from_str(s) for s in steps] for r, steps in result["orders"].items()}
+    args = SimpleNamespace(activation_mb=2, weight_state_mb=3, send_mb=0.25)
+    sizes, releases = _sizes(args, orders), send_releases(orders)
+    for rank, order in orders.items():
+        assert released[str(rank)]["with"] == peak_bytes(order, sizes, releases=releases[rank])
