@@ -2,10 +2,10 @@
 
 * A plain ``RECV_*`` posts its irecv and waits for it at once (the order places it right
   before the compute that needs it; ``check_execution`` proves no rank deadlocks under
-  that rule). A plain ``SEND_*`` posts its isend and moves on; sends are waited for at the
-  end of the step.
+  that rule). A plain ``SEND_*`` posts its isend and moves on; it is waited for later
+  (below).
 * A ``BATCH_SEND_RECV`` posts every op of the batch in one ``batch_isend_irecv`` and then
-  waits **for its receives only**; its sends are waited for lazily, like plain sends.
+  waits **for its receives only**; its sends are waited for later, like plain sends.
   Waiting for the sends too would deadlock interleaved and V-shaped orders on a backend
   that completes a batch only when the peer has posted the matching ops of *its* next
   batch (see docs/architecture.md). Where the backend coalesces the batch into a single
@@ -58,8 +58,8 @@ class SentTensor(NamedTuple):
     nbytes: int
     """Bytes of the distinct storages it sent (what the device meter counts)."""
     released_after: int | None
-    """Position of the step after which it was waited (proven received); ``None``: waited
-    with the sends left at the end of the step (or at once, in a coalesced batch)."""
+    """Position of the step after which it was waited: proven received, or complete with
+    its coalesced batch; ``None``: waited with the sends left at the end of the step."""
 
 
 class P2PTracker:
@@ -102,6 +102,10 @@ class P2PTracker:
             for work in works:
                 self._wait(step, work)
             self._mark_received(leaves)
+            for leaf, ops in zip(leaves, ops_per_leaf):
+                if leaf.kind not in _RECV_KINDS:  # complete with the batch
+                    self._released(leaf, _storages(ops), position)
+            self._release_proven(leaves, position)
             return
         cursor = 0
         for leaf, ops in zip(leaves, ops_per_leaf):
@@ -140,9 +144,15 @@ class P2PTracker:
                 sent_leaf, works, storages = pending
                 for work in works:
                     self._wait(sent_leaf, work)
-                if sent_leaf.kind is StepKind.SEND_B:
-                    self._drop_input_grads(sent_leaf, storages)
-                self.sent[send] = self.sent[send]._replace(released_after=position)
+                self._released(sent_leaf, storages, position)
+
+    def _released(self, leaf: MetaStep, storages: frozenset[int], position: int) -> None:
+        """Bookkeeping of a send waited after step ``position``: its log entry, and the
+        receive buffers' ``.grad`` that still held a sent input gradient."""
+        if leaf.kind is StepKind.SEND_B:
+            self._drop_input_grads(leaf, storages)
+        key = _key(leaf)
+        self.sent[key] = self.sent[key]._replace(released_after=position)
 
     def _drop_input_grads(self, leaf: MetaStep, storages: frozenset[int]) -> None:
         """Clear the ``.grad`` of the chunk's receive buffers that hold the gradient just sent."""
