@@ -239,9 +239,10 @@ MUTATIONS = (
              ("tests/passes/pipeline/test_send_release.py",),
              "a send counts as received before the peer completed its receive"),
     Mutation("released-grad-kept-by-input-buffer", "runtime/pipeline/p2p.py",
-             "                    self._drop_input_grads(sent_leaf, storages)", "                    pass",
-             ("tests/runtime/pipeline/test_pp_swap_dist.py::"
-              "test_releasing_proven_sends_lowers_the_peak_by_what_the_model_predicts",),
+             "            self._drop_input_grads(leaf, storages)", "            pass",
+             ("tests/runtime/pipeline/test_p2p_tracker.py",
+              "tests/runtime/pipeline/test_pp_swap_dist.py::"
+              "test_releasing_proven_sends_lowers_the_peak_by_what_the_model_predicts"),
              "a released input gradient stays alive as the receive buffer's .grad"),
 )
 
