@@ -45,7 +45,7 @@ from ..device import TransferEngine, resolve_device
 from ..pinned_pool import PinnedMemoryPool
 from ..residency import ResidencyManager
 from .hooks import group_scope
-from .swap_group import GroupState, SwapGroup, SwapStateError, group_name
+from .swap_group import GroupState, SwapGroup, SwapStateError, group_name, storage_keys
 
 __all__ = ["PipelineSwapSession"]
 
@@ -165,10 +165,9 @@ class PipelineSwapSession:
             return
         if key in self._groups:
             raise SwapStateError(f"{self._groups[key].name}: FWD of this chunk ran twice in one step")
-        keys = {_storage_key(t) for t in protected if isinstance(t, torch.Tensor) and t.layout is torch.strided}
         group = SwapGroup(
             group_name(self.generation, *key), key, self.manager, self._sids,
-            device=self.device, protected=keys,
+            device=self.device, protected=storage_keys(protected),
         )
         self._groups[key] = group
         with group_scope(group):
@@ -275,6 +274,3 @@ def _last_backward_leaves(order: Sequence[MetaStep]) -> dict[ChunkKey, StepKind]
                 last[leaf.chunk] = leaf.kind
     return last
 
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata

@@ -58,7 +58,7 @@ from ..errors import SwapStateError
 from ..residency import ResidencyManager
 from .packed_copy import PackedCopy
 
-__all__ = ["GroupState", "SwapGroup", "SwapStateError", "group_name"]
+__all__ = ["GroupState", "SwapGroup", "SwapStateError", "group_name", "storage_keys"]
 
 
 class GroupState(str, Enum):
@@ -111,6 +111,12 @@ def group_name(generation: int, stage: int, micro: int) -> str:
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage (shared by all its views)."""
     return tensor.untyped_storage()._cdata
+
+
+def storage_keys(tensors: Iterable[object]) -> set[int]:
+    """The storage identities of the strided tensors among ``tensors`` (others ignored):
+    what a group must never move when they are protected."""
+    return {storage_key(t) for t in tensors if isinstance(t, torch.Tensor) and t.layout is torch.strided}
 
 
 @dataclass(eq=False)
@@ -317,7 +323,7 @@ class SwapGroup:
             storage = member.ref()
             if storage is None or storage.nbytes() == 0:
                 del self._members[key]
-        keep = {storage_key(t) for t in protected if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+        keep = storage_keys(protected)
         self._protected |= keep
         for key, member in list(self._members.items()):
             if key in keep:
