@@ -29,7 +29,7 @@ from typing import Any
 
 from hyper_offload.passes.pipeline.build import build_rank_orders
 from hyper_offload.passes.pipeline.check_order import check_order
-from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, SwapPhase
+from hyper_offload.passes.pipeline.meta_step import SEND_KINDS, MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.orders import SCHEDULES
 from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
 from hyper_offload.passes.pipeline.send_release import send_releases
@@ -209,7 +209,7 @@ def _sizes(args: argparse.Namespace, orders: Mapping[int, Sequence[MetaStep]]) -
     sends: dict[int, set[StepKind]] = {}
     for order in orders.values():
         for leaf in (leaf for step in order for leaf in step.leaves()):
-            if leaf.kind in (StepKind.SEND_F, StepKind.SEND_B):
+            if leaf.kind in SEND_KINDS:
                 sends.setdefault(leaf.stage, set()).add(leaf.kind)  # type: ignore[arg-type]
     per_stage = {}
     for stage, kinds in sends.items():

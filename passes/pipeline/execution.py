@@ -28,13 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from .check_order import OrderRule, OrderViolation
-from .meta_step import P2P_KINDS, MetaStep, StepKind
+from .meta_step import P2P_KINDS, RECV_KINDS, MetaStep, StepKind
 from .orders import PipelineLayout
 
 P2PKey = tuple[StepKind, int, int]
 """``(kind, stage, micro)`` of a P2P (or compute) leaf."""
-_Key = P2PKey
-_RECV_KINDS = (StepKind.RECV_F, StepKind.RECV_B)
 # P2P kind -> (kind of the matching op, stage offset of the matching op)
 _PARTNER = {
     StepKind.SEND_F: (StepKind.RECV_F, 1),
@@ -44,7 +42,8 @@ _PARTNER = {
 }
 
 
-def _key(step: MetaStep) -> _Key:
+def p2p_key(step: MetaStep) -> P2PKey:
+    """``(kind, stage, micro)`` of a leaf."""
     assert step.stage is not None and step.micro is not None
     return (step.kind, step.stage, step.micro)
 
@@ -55,7 +54,7 @@ def matching_p2p(key: P2PKey) -> P2PKey:
     return (kind, key[1] + offset, key[2])
 
 
-def _text(key: _Key) -> str:
+def _text(key: P2PKey) -> str:
     return repr(MetaStep(*key))
 
 
@@ -66,7 +65,7 @@ class _RankState:
         self.rank = rank
         self.order = order
         self.pc = 0
-        self.done: set[_Key] = set()
+        self.done: set[P2PKey] = set()
         self.unsharded: set[int] = set()
         self.fsdp_stages = {s.stage for s in order if s.is_fsdp}
         self.posted_at: set[int] = set()
@@ -76,7 +75,7 @@ class _Simulation:
     def __init__(self, layout: PipelineLayout, batch_waits_sends: bool) -> None:
         self.layout = layout
         self.batch_waits_sends = batch_waits_sends
-        self.posted: set[_Key] = set()
+        self.posted: set[P2PKey] = set()
         self.out: list[OrderViolation] = []
 
     def report(self, state: _RankState, leaf: MetaStep, rule: OrderRule, message: str) -> None:
@@ -94,22 +93,22 @@ class _Simulation:
             leaves = list(step.leaves())
             for leaf in leaves:  # checked before any leaf finishes: they run concurrently
                 self._check_inputs(state, leaf)
-            state.done.update(_key(leaf) for leaf in leaves)
+            state.done.update(p2p_key(leaf) for leaf in leaves)
         return True
 
     def _p2p(self, state: _RankState, step: MetaStep) -> bool:
         leaves = list(step.leaves())
         if state.pc not in state.posted_at:
             for leaf in leaves:
-                if leaf.kind not in _RECV_KINDS:
+                if leaf.kind not in RECV_KINDS:
                     self._check_send_source(state, leaf)
-                self.posted.add(_key(leaf))
+                self.posted.add(p2p_key(leaf))
             state.posted_at.add(state.pc)
         strict = self.batch_waits_sends and step.kind is StepKind.BATCH_SEND_RECV
-        blocking = leaves if strict else [leaf for leaf in leaves if leaf.kind in _RECV_KINDS]
-        if any(matching_p2p(_key(leaf)) not in self.posted for leaf in blocking):
+        blocking = leaves if strict else [leaf for leaf in leaves if leaf.kind in RECV_KINDS]
+        if any(matching_p2p(p2p_key(leaf)) not in self.posted for leaf in blocking):
             return False
-        state.done.update(_key(leaf) for leaf in leaves)
+        state.done.update(p2p_key(leaf) for leaf in leaves)
         return True
 
     def _check_send_source(self, state: _RankState, leaf: MetaStep) -> None:
@@ -127,7 +126,7 @@ class _Simulation:
                 state, leaf, OrderRule.NOT_UNSHARDED, f"{leaf!r} computes while stage {leaf.stage} is sharded"
             )
 
-    def _inputs_of(self, rank: int, leaf: MetaStep) -> list[tuple[_Key, ...]]:
+    def _inputs_of(self, rank: int, leaf: MetaStep) -> list[tuple[P2PKey, ...]]:
         """For each input of ``leaf``: the leaves that can provide it (any one suffices)."""
         s, m = leaf.stage, leaf.micro
         assert s is not None and m is not None
@@ -138,7 +137,7 @@ class _Simulation:
             return [((StepKind.FWD, s - 1, m),) if local(s - 1) == rank else ((StepKind.RECV_F, s, m),)]
         if leaf.kind is StepKind.BWD_WEIGHT:
             return [((StepKind.BWD_INPUT, s, m),)]
-        needs: list[tuple[_Key, ...]] = [((StepKind.FWD, s, m),)]
+        needs: list[tuple[P2PKey, ...]] = [((StepKind.FWD, s, m),)]
         if s < self.layout.num_stages - 1:
             if local(s + 1) == rank:
                 needs.append(((StepKind.BWD, s + 1, m), (StepKind.BWD_INPUT, s + 1, m)))
@@ -166,8 +165,8 @@ def check_execution(
     for state in ranks:
         if state.pc < len(state.order):
             step = state.order[state.pc]
-            waiting = [_text(matching_p2p(_key(leaf))) for leaf in step.leaves()
-                       if leaf.kind in P2P_KINDS and matching_p2p(_key(leaf)) not in sim.posted]
+            waiting = [_text(matching_p2p(p2p_key(leaf))) for leaf in step.leaves()
+                       if leaf.kind in P2P_KINDS and matching_p2p(p2p_key(leaf)) not in sim.posted]
             sim.out.append(OrderViolation(
                 state.rank, state.pc, step.stage, step.micro, OrderRule.DEADLOCK,
                 f"{step!r} waits forever for {', '.join(waiting)} from a peer rank",

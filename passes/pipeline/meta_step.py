@@ -67,7 +67,9 @@ COMPUTE_KINDS = frozenset({StepKind.FWD, StepKind.BWD, StepKind.BWD_INPUT, StepK
 BACKWARD_KINDS = frozenset({StepKind.BWD, StepKind.BWD_INPUT, StepKind.BWD_WEIGHT})
 OVERLAP_KINDS = frozenset({StepKind.OVERLAP_B_F, StepKind.OVERLAP_F_B})
 COMPOSITE_KINDS = OVERLAP_KINDS | {StepKind.BATCH_SEND_RECV}
-P2P_KINDS = frozenset({StepKind.SEND_F, StepKind.RECV_F, StepKind.SEND_B, StepKind.RECV_B})
+SEND_KINDS = frozenset({StepKind.SEND_F, StepKind.SEND_B})
+RECV_KINDS = frozenset({StepKind.RECV_F, StepKind.RECV_B})
+P2P_KINDS = SEND_KINDS | RECV_KINDS
 FSDP_KINDS = frozenset({StepKind.FSDP_UNSHARD, StepKind.FSDP_RESHARD, StepKind.REDUCE_GRAD})
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from .meta_step import COMPUTE_KINDS, SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
+from .meta_step import COMPUTE_KINDS, RECV_KINDS, SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
 from .send_release import SendReleases
 
 ChunkKey = tuple[int, int]
@@ -266,7 +266,7 @@ class _SendLevels:
         """Level change of the sends ``step``'s receives prove received."""
         change = 0
         for leaf in step.leaves():
-            if leaf.kind not in (StepKind.RECV_F, StepKind.RECV_B):
+            if leaf.kind not in RECV_KINDS:
                 continue
             proven = self.releases.get((leaf.kind, leaf.stage, leaf.micro), ())  # type: ignore[arg-type]
             for kind, stage, micro in proven:

@@ -30,16 +30,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from .execution import P2PKey, matching_p2p
-from .meta_step import MetaStep, StepKind
+from .execution import P2PKey, matching_p2p, p2p_key
+from .meta_step import RECV_KINDS, SEND_KINDS, MetaStep
 
 __all__ = ["SendReleases", "send_releases"]
 
 SendReleases = Mapping[P2PKey, tuple[P2PKey, ...]]
 """One rank's release points: receive leaf → the sends proven once its step completes."""
-
-_RECV_KINDS = (StepKind.RECV_F, StepKind.RECV_B)
-
 
 class _Clocks:
     """Vector clocks of every rank while the orders are played against each other.
@@ -61,18 +58,18 @@ class _Clocks:
 
     def post(self, rank: int, position: int, step: MetaStep) -> None:
         for leaf in step.leaves():
-            if leaf.kind in (StepKind.SEND_F, StepKind.SEND_B):
-                key = _key(leaf)
+            if leaf.kind in SEND_KINDS:
+                key = p2p_key(leaf)
                 self.posted[key] = tuple(self.known[rank])
                 self.sent_at[key] = (rank, position)
 
     def can_complete(self, step: MetaStep) -> bool:
-        receives = [_key(leaf) for leaf in step.leaves() if leaf.kind in _RECV_KINDS]
+        receives = [p2p_key(leaf) for leaf in step.leaves() if leaf.kind in RECV_KINDS]
         return all(matching_p2p(key) in self.posted for key in receives)
 
     def complete(self, rank: int, position: int, step: MetaStep) -> None:
         clock = self.known[rank]
-        receives = [_key(leaf) for leaf in step.leaves() if leaf.kind in _RECV_KINDS]
+        receives = [p2p_key(leaf) for leaf in step.leaves() if leaf.kind in RECV_KINDS]
         for key in receives:
             message = self.posted[matching_p2p(key)]
             clock[:] = [max(a, b) for a, b in zip(clock, message)]
@@ -80,11 +77,6 @@ class _Clocks:
         clock[self.slot[rank]] = position + 1
         if receives:
             self.after_receives[rank].append((position, receives[0], tuple(clock)))
-
-
-def _key(leaf: MetaStep) -> P2PKey:
-    assert leaf.stage is not None and leaf.micro is not None
-    return (leaf.kind, leaf.stage, leaf.micro)
 
 
 def _play(orders: Mapping[int, Sequence[MetaStep]]) -> _Clocks:

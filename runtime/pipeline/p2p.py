@@ -39,14 +39,11 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from hyper_offload.passes.pipeline.execution import P2PKey
-from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
+from hyper_offload.passes.pipeline.execution import P2PKey, p2p_key
+from hyper_offload.passes.pipeline.meta_step import RECV_KINDS, MetaStep, StepKind
 from hyper_offload.passes.pipeline.send_release import SendReleases
 
 __all__ = ["P2PTracker", "PipelineCommError", "SentTensor"]
-
-_RECV_KINDS = (StepKind.RECV_F, StepKind.RECV_B)
-
 
 class PipelineCommError(RuntimeError):
     """A P2P operation of the pipeline failed or timed out."""
@@ -91,8 +88,8 @@ class P2PTracker:
         leaves = list(step.leaves())
         ops_per_leaf = [self._ops_of(leaf) for leaf in leaves]
         for leaf, ops in zip(leaves, ops_per_leaf):
-            if leaf.kind not in _RECV_KINDS:
-                self.sent[_key(leaf)] = SentTensor(_storage_bytes(ops), None)
+            if leaf.kind not in RECV_KINDS:
+                self.sent[p2p_key(leaf)] = SentTensor(_storage_bytes(ops), None)
         flat = [op for ops in ops_per_leaf for op in ops]
         if not flat:
             self._mark_received(leaves)
@@ -103,7 +100,7 @@ class P2PTracker:
                 self._wait(step, work)
             self._mark_received(leaves)
             for leaf, ops in zip(leaves, ops_per_leaf):
-                if leaf.kind not in _RECV_KINDS:  # complete with the batch
+                if leaf.kind not in RECV_KINDS:  # complete with the batch
                     self._released(leaf, _storages(ops), position)
             self._release_proven(leaves, position)
             return
@@ -111,11 +108,11 @@ class P2PTracker:
         for leaf, ops in zip(leaves, ops_per_leaf):
             mine = works[cursor : cursor + len(ops)]
             cursor += len(ops)
-            if leaf.kind in _RECV_KINDS:
+            if leaf.kind in RECV_KINDS:
                 for work in mine:
                     self._wait(leaf, work)
             else:
-                self._sends[_key(leaf)] = (leaf, mine, _storages(ops))
+                self._sends[p2p_key(leaf)] = (leaf, mine, _storages(ops))
         self._mark_received(leaves)
         self._release_proven(leaves, position)
 
@@ -135,9 +132,9 @@ class P2PTracker:
         """Wait the sends this step's receives prove received, dropping their requests (and
         with them the last reference to the sent tensors)."""
         for leaf in leaves:
-            if leaf.kind not in _RECV_KINDS:
+            if leaf.kind not in RECV_KINDS:
                 continue
-            for send in self._releases.get(_key(leaf), ()):
+            for send in self._releases.get(p2p_key(leaf), ()):
                 pending = self._sends.pop(send, None)
                 if pending is None:
                     continue  # a send of an empty op list, or one waited already
@@ -151,7 +148,7 @@ class P2PTracker:
         receive buffers' ``.grad`` that still held a sent input gradient."""
         if leaf.kind is StepKind.SEND_B:
             self._drop_input_grads(leaf, storages)
-        key = _key(leaf)
+        key = p2p_key(leaf)
         self.sent[key] = self.sent[key]._replace(released_after=position)
 
     def _drop_input_grads(self, leaf: MetaStep, storages: frozenset[int]) -> None:
@@ -201,13 +198,8 @@ class P2PTracker:
 
     def _mark_received(self, leaves: Sequence[MetaStep]) -> None:
         for leaf in leaves:
-            if leaf.kind in _RECV_KINDS:
-                self.received.add(_key(leaf))
-
-
-def _key(leaf: MetaStep) -> P2PKey:
-    assert leaf.stage is not None and leaf.micro is not None
-    return (leaf.kind, leaf.stage, leaf.micro)
+            if leaf.kind in RECV_KINDS:
+                self.received.add(p2p_key(leaf))
 
 
 def _storages(ops: Sequence[dist.P2POp]) -> frozenset[int]:
