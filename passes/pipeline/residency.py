@@ -176,7 +176,8 @@ class StageFootprints:
         return self.per_stage.get(chunk[0], self.default)
 
 
-_WEIGHT_GRAD_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+WEIGHT_GRAD_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+"""The leaves that allocate a stage's parameter gradients (its first one per step)."""
 # How each swap step changes its window's level, by its place in the phase's sequence:
 # WAIT_OFFLOAD frees the window's bytes, LAUNCH_LOAD allocates them again; LAUNCH_OFFLOAD
 # (the pack) and WAIT_LOAD (the unpack) leave the level, but a packed window (group_swap)
@@ -215,7 +216,7 @@ def step_curve(
             for leaf in step.leaves():
                 footprint = sizes.footprint(leaf.chunk)  # type: ignore[arg-type]
                 delta, grads = footprint.delta(leaf.kind) + sends.at_compute(leaf), 0
-                if leaf.kind in _WEIGHT_GRAD_KINDS and leaf.stage not in graded:
+                if leaf.kind in WEIGHT_GRAD_KINDS and leaf.stage not in graded:
                     graded.add(leaf.stage)  # type: ignore[arg-type]
                     grads = footprint.grad_bytes  # allocated while the chunk's bytes still live
                     delta += grads
@@ -241,7 +242,9 @@ def step_curve(
     return curve
 
 
-_OUTPUT_FREEING_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+OUTPUT_FREEING_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
+"""Where torch's stage drops its own reference to a chunk's output (``fwd_cache`` at BWD,
+``backward_state`` at BWD_WEIGHT): a released send's output dies there."""
 
 
 class _SendLevels:
@@ -255,7 +258,7 @@ class _SendLevels:
 
     def at_compute(self, leaf: MetaStep) -> int:
         """Correction to ``leaf``'s delta: its backward frees an output already released."""
-        if not self.releases or leaf.kind not in _OUTPUT_FREEING_KINDS:
+        if not self.releases or leaf.kind not in OUTPUT_FREEING_KINDS:
             return 0
         chunk = leaf.chunk
         assert chunk is not None
@@ -299,5 +302,8 @@ def check_bytes(name: str, value: object) -> None:
         raise ValueError(f"{name}: expected a byte count (int >= 0), got {value!r}")
 
 
-__all__ = ["ChunkSizes", "StageFootprint", "StageFootprints", "check_bytes", "predicted_peak", "step_curve"]
+__all__ = [
+    "OUTPUT_FREEING_KINDS", "WEIGHT_GRAD_KINDS", "ChunkSizes", "StageFootprint", "StageFootprints",
+    "check_bytes", "predicted_peak", "step_curve",
+]
 

@@ -44,18 +44,18 @@ from typing import NamedTuple
 
 from hyper_offload.passes.pipeline.execution import P2PKey
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, SwapPhase
-from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
+from hyper_offload.passes.pipeline.residency import (
+    OUTPUT_FREEING_KINDS,
+    WEIGHT_GRAD_KINDS,
+    StageFootprint,
+    StageFootprints,
+)
 
 from ..memory_meter import DeviceMemoryMeter
 from .p2p import SentTensor
 from .session import PipelineSwapSession
 
 __all__ = ["FootprintRecorder"]
-
-_WEIGHT_GRAD_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
-# Torch's stage drops its own reference to a chunk's output here (fwd_cache at BWD,
-# backward_state at BWD_WEIGHT); a released send's output dies with it.
-_OUTPUT_FREEING_KINDS = (StepKind.BWD, StepKind.BWD_WEIGHT)
 
 
 class _Sample(NamedTuple):
@@ -92,7 +92,7 @@ class FootprintRecorder:
         leaves = tuple(step.leaves())
         first_grads = frozenset(
             leaf.stage for leaf in leaves  # type: ignore[misc]
-            if leaf.kind in _WEIGHT_GRAD_KINDS and leaf.stage not in self._graded
+            if leaf.kind in WEIGHT_GRAD_KINDS and leaf.stage not in self._graded
         )
         self._graded |= first_grads
         after = self.meter.live_bytes
@@ -207,7 +207,7 @@ def _released_outputs(sample: _Sample, sends: Mapping[P2PKey, SentTensor]) -> in
     """Bytes of outputs whose send was released before this slot's backward leaves freed them."""
     total = 0
     for leaf in sample.leaves:
-        if leaf.kind in _OUTPUT_FREEING_KINDS:
+        if leaf.kind in OUTPUT_FREEING_KINDS:
             sent = sends.get((StepKind.SEND_F, leaf.stage, leaf.micro))  # type: ignore[arg-type]
             if sent is not None and sent.released_after is not None and sent.released_after < sample.position:
                 total += sent.nbytes

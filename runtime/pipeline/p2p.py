@@ -87,9 +87,12 @@ class P2PTracker:
         """Execute one plain P2P leaf or one ``BATCH_SEND_RECV`` (``position`` in the order)."""
         leaves = list(step.leaves())
         ops_per_leaf = [self._ops_of(leaf) for leaf in leaves]
-        for leaf, ops in zip(leaves, ops_per_leaf):
+        sent: dict[int, frozenset[int]] = {}  # leaf index -> the storages it sends
+        for index, (leaf, ops) in enumerate(zip(leaves, ops_per_leaf)):
             if leaf.kind not in RECV_KINDS:
-                self.sent[p2p_key(leaf)] = SentTensor(_storage_bytes(ops), None)
+                storages = _storage_sizes(ops)
+                sent[index] = frozenset(storages)
+                self.sent[p2p_key(leaf)] = SentTensor(sum(storages.values()), None)
         flat = [op for ops in ops_per_leaf for op in ops]
         if not flat:
             self._mark_received(leaves)
@@ -99,20 +102,19 @@ class P2PTracker:
             for work in works:
                 self._wait(step, work)
             self._mark_received(leaves)
-            for leaf, ops in zip(leaves, ops_per_leaf):
-                if leaf.kind not in RECV_KINDS:  # complete with the batch
-                    self._released(leaf, _storages(ops), position)
+            for index, storages in sent.items():  # complete with the batch
+                self._released(leaves[index], storages, position)
             self._release_proven(leaves, position)
             return
         cursor = 0
-        for leaf, ops in zip(leaves, ops_per_leaf):
+        for index, (leaf, ops) in enumerate(zip(leaves, ops_per_leaf)):
             mine = works[cursor : cursor + len(ops)]
             cursor += len(ops)
             if leaf.kind in RECV_KINDS:
                 for work in mine:
                     self._wait(leaf, work)
             else:
-                self._sends[p2p_key(leaf)] = (leaf, mine, _storages(ops))
+                self._sends[p2p_key(leaf)] = (leaf, mine, sent[index])
         self._mark_received(leaves)
         self._release_proven(leaves, position)
 
@@ -202,13 +204,9 @@ class P2PTracker:
                 self.received.add(p2p_key(leaf))
 
 
-def _storages(ops: Sequence[dist.P2POp]) -> frozenset[int]:
-    return frozenset(op.tensor.untyped_storage().data_ptr() for op in ops)
-
-
-def _storage_bytes(ops: Sequence[dist.P2POp]) -> int:
-    storages = {op.tensor.untyped_storage().data_ptr(): op.tensor.untyped_storage().nbytes() for op in ops}
-    return sum(storages.values())
+def _storage_sizes(ops: Sequence[dist.P2POp]) -> dict[int, int]:
+    """The distinct storages the ops send: data pointer -> bytes (what the meter counts)."""
+    return {op.tensor.untyped_storage().data_ptr(): op.tensor.untyped_storage().nbytes() for op in ops}
 
 
 def _post_one(op: dist.P2POp) -> dist.Work:
