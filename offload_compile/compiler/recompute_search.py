@@ -48,19 +48,22 @@ Exactness (the result must equal plain compile bit for bit):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.fx as fx
 from torch._functorch import config as functorch_config
 
-from hyper_offload.passes.cost_model import DeviceThroughput
+from hyper_offload.passes.cost_model import DeviceThroughput, node_seconds, throughput_for
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
 from .region_plan import GraphPlan, plan_graphs
+from .recompute_splice import recompute_order, splice, splice_options
 from .region_report import PartitionReport, RecomputeReport
 
 __all__ = [
@@ -129,10 +132,14 @@ def choose_partition(
     mode: str,
     restrict_low_precision: bool,
     grid: Iterable[float] = RECOMPUTE_GRID,
+    seconds: Callable[[fx.Node], float] | None = None,
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
-    low-precision values follow the exactness rule above."""
+    low-precision values follow the exactness rule above, and the spliced backwards of
+    :mod:`.recompute_splice` join the search. ``seconds`` prices one op for ranking
+    splice options (default: the roofline at CPU figures)."""
+    seconds = seconds or partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
     user_budget = float(functorch_config.activation_memory_budget)
     pristine = copy_joint(joint) if mode == "auto" else None
     fw, bw = partition(joint)  # the original graph: exactly what plain compile partitions
@@ -152,14 +159,17 @@ def choose_partition(
     if restrict_low_precision and uses_low_precision(pristine):
         banned = low_precision_bans(pristine, default_recomputed)
         restriction = (
-            f"low precision under Inductor: {len(banned)} forward op(s) kept from "
-            "recompute (a fused recomputation may round differently)"
+            f"low precision under Inductor: {len(banned)} forward op(s) kept from torch's "
+            "recompute (a fused recomputation may round differently); the spliced "
+            "backward recomputes exactly"
         )
     budgets = [b for b in grid if b < user_budget]
     candidates = [
         default,
         *_search(pristine, partition, plan, default, default_recomputed, budgets, banned),
     ]
+    if restriction is not None:
+        candidates += _splice_search(pristine, partition, plan, default, user_budget, seconds)
     usable = [c for c in candidates if c.plan is not None]
     feasible = [c for c in usable if c.report.feasible]
     if feasible:
@@ -173,6 +183,7 @@ def choose_partition(
         recomputed=best.recomputed, offload_only_s=offload_only_s,
         recompute_only_s=min(fits_alone, default=None), joint_s=best.report.step_s,
         partitions=tuple(c.report for c in candidates), restriction=restriction,
+        spliced=best.report.spliced,
     )
     assert best.plan is not None
     return PartitionChoice(best.fw, best.bw, best.plan, report)
@@ -223,6 +234,55 @@ def _search(
     return found
 
 
+SPLICE_SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
+"""Shares of the splice options' bytes (cheapest recompute first) the search tries:
+one spliced backward and one plan each."""
+
+
+def _splice_search(
+    pristine: fx.GraphModule,
+    partition: Partitioner,
+    plan: Planner,
+    default: _Candidate,
+    user_budget: float,
+    seconds: Callable[[fx.Node], float],
+) -> list[_Candidate]:
+    """The default partition with its cheapest saved activations recomputed by the
+    spliced backward (:mod:`.recompute_splice`, exact in low precision under Inductor),
+    at each of :data:`SPLICE_SHARES`, planned under the default partition's byte budget.
+    The recompute chains come from torch's ``activation_memory_budget=0`` partition."""
+    assert default.plan is not None
+    byte_budget = default.plan.fx_trace.trace.budget_bytes
+    with functorch_config.patch(activation_memory_budget=0.0):
+        _, zero_bw = partition(copy_joint(pristine))
+    from torch._inductor import config as inductor_config
+
+    templates = bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
+    options = recompute_order(splice_options(
+        default.fw, default.bw, zero_bw, draws_random=draws_random, seconds=seconds,
+        templates=templates,
+    ))
+    total = sum(o.nbytes for o in options)
+    found, counts = [], set()
+    for share in SPLICE_SHARES:
+        count, covered = 0, 0
+        while count < len(options) and covered < share * total:
+            covered += options[count].nbytes
+            count += 1
+        if count == 0 or count in counts:
+            continue
+        counts.add(count)
+        chosen = options[:count]
+        fw, bw = splice(default.fw, default.bw, zero_bw, chosen)
+        planned = plan(fw, bw, byte_budget)
+        ops = tuple(sorted({name for option in chosen for name in option.chain}))
+        report = dataclasses.replace(
+            _partition_report(user_budget, planned, len(ops)), spliced=count,
+        )
+        found.append(_Candidate(report, fw, bw, planned, ops))
+    return found
+
+
 def graph_planner(
     *,
     num_fwd_outputs: int,
@@ -260,9 +320,15 @@ def search_region(
         num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
         region=region, throughput=throughput,
     )
+    device = next(
+        (n.meta["val"].device for n in joint.graph.find_nodes(op="placeholder")
+         if isinstance(n.meta.get("val"), torch.Tensor)),
+        torch.device("cpu"),
+    )
     return choose_partition(
         joint, partition, plan, mode=options.recompute,
         restrict_low_precision=options.inner_compiler == "inductor",
+        seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
     )
 
 

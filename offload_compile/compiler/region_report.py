@@ -60,6 +60,9 @@ class PartitionReport:
     bytes_d2h: int
     recomputed: int
     rejected: str | None = None
+    spliced: int = 0
+    """Saved activations of the default partition that its spliced backward recomputes
+    (:mod:`.recompute_splice`; 0: torch's own partition at ``memory_budget``)."""
 
     @property
     def step_s(self) -> float:
@@ -79,7 +82,8 @@ class RecomputeReport:
     the search did not run), ``joint_s`` the chosen one. ``searched`` is False when the
     default partition's plan already met the budget without stalling (nothing to
     gain) or recompute is off; ``restriction`` names the exactness rule that limited
-    what could be recomputed, if any.
+    what could be recomputed, if any; ``spliced`` counts the saved activations the
+    chosen spliced backward recomputes (0: a partition of torch's was chosen).
     """
 
     mode: str
@@ -91,6 +95,7 @@ class RecomputeReport:
     joint_s: float
     partitions: tuple[PartitionReport, ...] = ()
     restriction: str | None = None
+    spliced: int = 0
 
     def summary(self) -> dict[str, object]:
         data = dict(self.__dict__)
@@ -108,11 +113,18 @@ class RecomputeReport:
         if not self.searched:
             why = "recompute off" if self.mode == "off" else "the offload-only plan does not stall"
             return f"{head}no extra recompute ({why}); predicted step {ms(self.joint_s)}"
-        chosen = (
-            f"{len(self.recomputed)} more op(s) recomputed "
-            f"(activation_memory_budget={self.memory_budget:g})"
-            if self.recomputed else "no extra recompute"
-        )
+        if self.spliced:
+            chosen = (
+                f"{self.spliced} saved activation(s) recomputed by the spliced backward "
+                f"({len(self.recomputed)} op(s))"
+            )
+        elif self.recomputed:
+            chosen = (
+                f"{len(self.recomputed)} more op(s) recomputed "
+                f"(activation_memory_budget={self.memory_budget:g})"
+            )
+        else:
+            chosen = "no extra recompute"
         restriction = f"; {self.restriction}" if self.restriction else ""
         return (
             f"{head}{chosen}, {len(self.partitions)} partition(s) searched; predicted step: "

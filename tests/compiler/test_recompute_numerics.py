@@ -161,6 +161,22 @@ def test_inductor_recomputes_and_stays_exact(dtype, fraction):
 
 
 @pytest.mark.slow
+def test_inductor_bf16_recomputes_saved_activations_exactly_by_splicing():
+    """Where torch's bf16 partitions cannot recompute exactly (below), the spliced
+    backward can: at 65% of the peak on a slow link it wins the search (predicted faster
+    than offload alone) and loss and every gradient equal plain Inductor's."""
+    expected = _step("inductor", torch.bfloat16)
+    backend = _backend("inductor", 0.65, gbps=0.3)
+    _assert_equal(expected, _step(backend, torch.bfloat16))
+    (report,) = backend.reports
+    rc = report.recompute
+    assert rc.spliced > 0 and rc.recomputed and report.offloaded, str(rc)  # recomputed *and* moved
+    assert rc.offload_only_s is not None and rc.joint_s < rc.offload_only_s
+    assert "spliced backward" in rc.describe()
+    assert report.feasible and report.predicted_peak_after <= report.budget_bytes
+
+
+@pytest.mark.slow
 def test_unrestricted_recompute_under_inductor_bf16_changes_gradients():
     """Why the low-precision rule exists (torch behaviour, measured): the stock
     partitioner at ``activation_memory_budget=0`` under Inductor in bf16 recomputes fused
