@@ -134,4 +134,6 @@ def test_a_kept_last_stage_output_drops_its_graph_after_its_backward(one_rank: N
         sched.close()
     assert out.grad_fn is None and all(chunk.grad_fn is None for chunk in stage.output_chunks)
     with torch.no_grad():
-        assert torch.equal(out, model(x))
+        # per micro-batch, as the stage ran it (a matmul over the whole batch may round
+        # differently: the kernel's blocking depends on the row count)
+        assert torch.equal(out, torch.cat([model(chunk) for chunk in x.chunk(_MICRO)]))
