@@ -22,14 +22,17 @@ One JSON line per (backend, dtype, budget, ``emulate_precision_casts``):
   recomputed value the default partition saves, compared with the value plain compile's
   forward stores (tapped after each saved output): are the recomputed values themselves
   equal, and are the gradients then?
-* ``recompute_exactness.spliced``: the backward built as a recompute prologue (the
+* ``recompute_exactness.splice``: what the backend searches in bf16 under Inductor,
+  the product's spliced backward (``recompute_splice``) on a 2-layer GPT with the
+  cheapest 25 / 50 / 100 % of its options recomputed;
+* ``recompute_exactness.spliced``: the first prototype of that, the backward built as a recompute prologue (the
   partition's own recompute nodes, up to each value the default partition saves), an
   opaque barrier after each of those values, then the default partition's backward
   graph verbatim. Also listed: what the partition's forward saves beyond the default
   partition's saves and the graph inputs (``saved_outside_plain``).
 
 Measured on this machine (CPU). Run: ``.venv/bin/python benchmarks/recompute_exactness.py``
-(~4 min on 2 cores).
+(~5 min on 2 cores; ``--splice-only``: the ``splice`` rows alone).
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ CONFIG = GPTConfig(vocab=64, seq_len=32, layers=1, dim=32, heads=2)
 MEMORY_BUDGETS = (0.5, 0.0)
 
 
-def step(backend: Any, dtype: torch.dtype, memory_budget: float, emulate: bool) -> list[torch.Tensor]:
+def step(backend: Any, dtype: torch.dtype, memory_budget: float, emulate: bool,
+         config: GPTConfig = CONFIG) -> list[torch.Tensor]:
     """Loss and every gradient of one compiled step (fresh model, fixed seed and batch)."""
     torch.manual_seed(0)
-    model = GPT(CONFIG).to(dtype)
-    tokens = torch.randint(0, CONFIG.vocab, (4, CONFIG.seq_len), generator=torch.Generator().manual_seed(1))
-    targets = torch.randint(0, CONFIG.vocab, (4, CONFIG.seq_len), generator=torch.Generator().manual_seed(2))
+    model = GPT(config).to(dtype)
+    tokens = torch.randint(0, config.vocab, (4, config.seq_len), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, config.vocab, (4, config.seq_len), generator=torch.Generator().manual_seed(2))
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=memory_budget), \
             torch._inductor.config.patch(emulate_precision_casts=emulate):
@@ -97,7 +101,61 @@ def rows() -> list[dict[str, Any]]:
     out.extend(realized_rows())
     out.append(values_row())
     out.extend(spliced_rows())
+    out.extend(splice_rows())
     return out
+
+
+SPLICE_CONFIG = GPTConfig(vocab=64, seq_len=32, layers=2, dim=32, heads=2)
+SPLICE_SHARES = (0.25, 0.5, 1.0)
+
+
+def splice_rows() -> list[dict[str, Any]]:
+    """The product's spliced backward (``hyper_offload.compiler.recompute_splice``) on
+    the 2-layer GPT in bf16 under Inductor: the cheapest ``share`` of its options
+    recomputed, against plain Inductor."""
+    plain = step("inductor", torch.bfloat16, 1.0, False, SPLICE_CONFIG)
+    out = []
+    for share in SPLICE_SHARES:
+        partitioner = _ProductSplice(share)
+        got = step(partial(_inductor_with, partitioner), torch.bfloat16, 1.0, False, SPLICE_CONFIG)
+        out.append({
+            "bench": "recompute_exactness.splice", "backend": "inductor", "dtype": str(torch.bfloat16),
+            "layers": SPLICE_CONFIG.layers, "share": share, **partitioner.counts,
+            "values": len(plain), "differing": differing(plain, got), "measured": True,
+        })
+    return out
+
+
+class _ProductSplice(CustomPartitionerFn):
+    """The default partition with the first ``share`` of ``recompute_order``'s options
+    recomputed by ``splice``."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        from hyper_offload.compiler import recompute_splice as rs
+        from hyper_offload.compiler.recompute_search import copy_joint, draws_random
+        from hyper_offload.passes.cost_model import node_seconds, throughput_for
+
+        graphs = {}
+        for memory_budget in (1.0, 0.0):
+            with torch._functorch.config.patch(activation_memory_budget=memory_budget):
+                graphs[memory_budget] = min_cut_rematerialization_partition(
+                    copy_joint(gm), joint_inputs, **kwargs)
+        (fw, bw), (_, zero_bw) = graphs[1.0], graphs[0.0]
+        price = partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
+        options = rs.recompute_order(rs.splice_options(fw, bw, zero_bw, draws_random=draws_random, seconds=price))
+        chosen = options[: round(len(options) * self.share)]
+        self.counts = {"options": len(options), "recomputed_saved_values": len(chosen),
+                       "recompute_ops": sum(len(o.chain) for o in chosen)}
+        return rs.splice(fw, bw, zero_bw, chosen)
+
+    def uuid(self) -> Any:
+        return ("recompute_exactness.splice", self.share)
 
 
 @torch.library.custom_op("recompute_exactness::barrier", mutates_args=())
@@ -340,8 +398,14 @@ def _insert_after(graph: fx.GraphModule, names: set[str], make: Any) -> int:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--splice-only", action="store_true",
+                        help="only the recompute_exactness.splice rows (~1 min)")
+    args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
-    for row in rows():
+    for row in (splice_rows() if args.splice_only else rows()):
         print(json.dumps(row), flush=True)
 
 
