@@ -22,7 +22,10 @@ and budget (a fraction of the plain step's activation peak):
                       (:func:`hyper_offload.compiler.recompute_search.choose_partition`,
                       run on the same joint graph inside the capture) under its
                       exactness rules. These traces are bf16 under Inductor, so the
-                      low-precision rule applies;
+                      low-precision rule applies: torch's partitions only recompute
+                      what rounds the same, and the spliced backward
+                      (``recompute_splice``) recomputes saved activations exactly
+                      (``backend_spliced``: how many);
 * ``backend_unrestricted`` the same search with that rule off: what the backend
                       searches where the rule does not apply (aot_eager, fp32), priced
                       on these traces. Its choice must match ``joint (any)``.
@@ -191,7 +194,8 @@ def _backend_columns(
     prefix: str, chosen: RecomputeReport, offload: Choice, recompute: Choice | None
 ) -> dict[str, Any]:
     """The backend's choice, against offload only and torch's recompute only."""
-    feasible = next(p.feasible for p in chosen.partitions if p.memory_budget == chosen.memory_budget)
+    feasible = next(p.feasible for p in chosen.partitions
+                    if p.memory_budget == chosen.memory_budget and p.spliced == chosen.spliced)
     step = chosen.joint_s if feasible else None
     singles = [c for c in (offload.step_s if offload.feasible else None,
                            recompute.compute_s if recompute else None) if c is not None]
@@ -200,6 +204,7 @@ def _backend_columns(
         f"{prefix}_ms": _ms(step),
         f"{prefix}_memory_budget": chosen.memory_budget if feasible else None,
         f"{prefix}_recomputed_ops": len(chosen.recomputed),
+        f"{prefix}_spliced": chosen.spliced,
         f"{prefix}_restriction": chosen.restriction,
         f"{prefix}_le_best_single": (step <= best * (1 + 1e-9)) if step and best else None,
         f"{prefix}_strictly_lower": (step < best * (1 - 1e-6)) if step and best else None,
