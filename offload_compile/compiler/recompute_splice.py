@@ -223,8 +223,16 @@ def splice(
     saved = {n.name for n in _saved_inputs(default_bw)}
     leaves = {leaf for o in recompute for leaf in _leaves([zero[n] for n in o.chain])}
     primals = sorted(leaf for leaf in leaves if leaf not in saved)
-    fw = _forward(default_fw, dropped, primals, saved)
+    fw = _forward(default_fw, dropped, primals, _saved_count(default_bw))
     return fw, _spliced_backward(default_bw, zero, dropped, chain, primals)
+
+
+def _saved_count(bw: fx.GraphModule) -> int:
+    """How many forward outputs AOTAutograd hands ``bw``: every placeholder but the
+    tangents (saved SymInts, saved tensors, RNG seeds and offsets)."""
+    return sum(
+        not n.name.startswith("tangents") for n in bw.graph.find_nodes(op="placeholder")
+    )
 
 
 def _is_tensor(value: object) -> bool:
@@ -232,10 +240,12 @@ def _is_tensor(value: object) -> bool:
 
 
 def _forward(
-    fw: fx.GraphModule, dropped: set[str], primals: list[str], saved: set[str]
+    fw: fx.GraphModule, dropped: set[str], primals: list[str], saved_count: int
 ) -> fx.GraphModule:
     """``fw`` saving ``primals`` first and a :func:`discard` stand-in for each of
-    ``dropped``."""
+    ``dropped``. ``saved_count``: how many of ``fw``'s outputs are saved for backward
+    (the last ones); the others are the user's and stay as they are, even where a user
+    output is also saved (it then appears twice, once in each part)."""
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     stand_ins: dict[str, fx.Node] = {}
@@ -252,10 +262,9 @@ def _forward(
             continue
         (outputs,) = node.args
         names = [o.name if isinstance(o, fx.Node) else None for o in outputs]
-        first_saved = next(  # the saved tensors come first, then saved sizes (SymInts)
-            (i for i, (o, n) in enumerate(zip(outputs, names)) if n in saved and _is_tensor(o)),
-            len(names),
-        )
+        # AOTAutograd's layout: user outputs, then saved tensors, then saved SymInts; a
+        # saved name may be a user output too, so only the count tells where saving begins
+        first_saved = len(outputs) - saved_count
         new = []
         for index, (output, name) in enumerate(zip(outputs, names)):
             value = fx.node.map_arg(output, lambda n: env[n.name])

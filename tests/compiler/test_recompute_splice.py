@@ -40,14 +40,28 @@ def _inputs() -> list[torch.Tensor]:
     ]
 
 
-def _run(partition_fn: Any) -> list[torch.Tensor]:
-    """Loss and input gradients of one step of ``_block`` with ``partition_fn``."""
+def _block_returning_a_saved_value(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_block``'s shape with ``y`` also returned: ``y`` is then both a user output and
+    saved for backward (tanh's derivative reads it), so it stands in both parts of the
+    forward's outputs."""
+    h = F.layer_norm(x, (DIM,))
+    u = F.gelu(h @ w1) * torch.sigmoid(h @ w1)
+    y = torch.tanh(u @ w2)
+    return (y + x).float().square().sum(), y
+
+
+def _run(partition_fn: Any, fn: Any = _block) -> list[torch.Tensor]:
+    """Outputs and input gradients of one step of ``fn`` with ``partition_fn`` (the
+    backward runs from the sum of the outputs)."""
     inputs = _inputs()
-    compiled = aot_function(_block, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
+    compiled = aot_function(fn, fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
                             partition_fn=partition_fn)
-    loss = compiled(*inputs)
-    loss.backward()
-    return [loss.detach(), *(i.grad for i in inputs)]
+    outputs = compiled(*inputs)
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    sum(o.float().sum() for o in outputs).backward()
+    return [*(o.detach() for o in outputs), *(i.grad for i in inputs)]
 
 
 class Partitions:
@@ -68,6 +82,13 @@ class Partitions:
 def partitions() -> Partitions:
     captured = Partitions()
     _run(captured)
+    return captured
+
+
+@pytest.fixture(scope="module")
+def partitions_with_saved_output() -> Partitions:
+    captured = Partitions()
+    _run(captured, _block_returning_a_saved_value)
     return captured
 
 
@@ -202,3 +223,37 @@ def test_under_max_autotune_no_chain_runs_a_matmul(partitions):
     tuned = _options(partitions, templates=True)
     assert tuned and not any(zero[n].target in matmuls for o in tuned for n in o.chain)
     assert {o.name for o in tuned} < {o.name for o in plain}
+
+
+def test_a_saved_value_that_is_also_a_user_output_keeps_both_places(partitions_with_saved_output):
+    """AOTAutograd reads the forward's outputs by position: user outputs first, then what
+    the backward's placeholders receive. A saved value that is also a user output must
+    not move where saving begins (regression: HF GPT-2 in bf16 failed to compile)."""
+    p = partitions_with_saved_output
+    options = _options(p)
+    fw, bw = p.graphs[1.0]
+    spliced_fw, spliced_bw = _spliced(p, options)
+    (plain_out,) = fw.graph.find_nodes(op="output")
+    (out,) = spliced_fw.graph.find_nodes(op="output")
+    inputs = [n for n in spliced_bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+    users = len(out.args[0]) - len(inputs)
+    assert _added_inputs(p, options) > 0  # the chains start from inputs saved for them
+    user_names = [o.name for o in plain_out.args[0][:users]]
+    assert "tanh" in user_names and "tanh" in _saved(bw)  # the case this test is about
+    assert [o.name for o in out.args[0][:users]] == user_names
+    dropped = {o.name for o in options}
+    for value, placeholder in zip(out.args[0][users:], inputs):
+        if placeholder.name in dropped:
+            assert value.target is torch.ops.hyper_offload.discard.default
+            assert value.args[0].name == placeholder.name
+        else:
+            assert value.name == placeholder.name
+    expected = _run(min_cut_rematerialization_partition, _block_returning_a_saved_value)
+
+    def spliced(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        fresh = Partitions()
+        fresh(joint, joint_inputs, **kwargs)
+        return _spliced(fresh, _options(fresh))
+
+    got = _run(spliced, _block_returning_a_saved_value)
+    assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(expected)
