@@ -8,11 +8,14 @@ reported.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hyper_offload.compiler.recompute_search import (
     choose_partition,
@@ -20,6 +23,8 @@ from hyper_offload.compiler.recompute_search import (
     draws_random,
     low_precision_bans,
     recomputed_nodes,
+    refine_count,
+    share_counts,
     uses_low_precision,
 )
 
@@ -243,3 +248,53 @@ def test_copy_joint_is_rewritable_without_touching_the_original():
 def test_recomputed_nodes_are_forward_ops_the_backward_runs_again():
     fw, bw = _pair(["a"], ["b", "c"])
     assert recomputed_nodes(fw, bw) == {"b", "c"}
+
+
+def test_share_counts_are_the_fewest_leading_options_covering_each_share():
+    sizes = [50, 30, 10, 10]  # 100 bytes, in recompute order
+    assert share_counts(sizes, (0.25, 0.5, 0.8, 0.9, 1.0)) == [1, 2, 3, 4]
+    assert share_counts(sizes, (0.1, 0.5)) == [1]  # one count per share at most, no repeats
+    assert share_counts([], (0.5, 1.0)) == []
+
+
+def _priced(step):
+    calls: list[int] = []
+
+    def price(count: int) -> float:
+        calls.append(count)
+        return step(count)
+
+    return price, calls
+
+
+def test_refine_count_bisects_towards_the_best_count_between_two_shares():
+    step = lambda count: abs(count - 13) + 100.0  # noqa: E731 - best at 13, between shares 8 and 28
+    price, calls = _priced(step)
+    scores = refine_count({0: step(0), 8: step(8), 28: step(28), 40: step(40)}, price, limit=6)
+    assert min(scores, key=scores.get) == 13
+    assert len(calls) <= 6 and len(set(calls)) == len(calls)  # never priced twice
+    assert all(0 < c < 28 for c in calls)  # only between the best share's neighbours (8 is best)
+
+
+def test_refine_count_stops_at_its_limit_and_prices_nothing_while_nothing_fits():
+    price, calls = _priced(lambda count: float(count))
+    refine_count({0: 50.0, 64: 10.0, 128: 90.0}, price, limit=3)
+    assert len(calls) == 3
+    price, calls = _priced(lambda count: 1.0)
+    assert refine_count({0: math.inf, 8: math.inf}, price, limit=6) == {0: math.inf, 8: math.inf}
+    assert calls == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(best=st.integers(0, 200), slope_below=st.floats(0.01, 10), slope_above=st.floats(0.01, 10),
+       coarse=st.lists(st.integers(1, 200), min_size=1, max_size=5, unique=True))
+def test_refine_count_finds_the_minimum_of_a_falling_then_rising_step(best, slope_below, slope_above, coarse):
+    """A step that falls (less stall) and then rises (more recompute) with the count:
+    within 2 * log2(200) + 2 prices the bisection lands on its minimum."""
+    def step(count: int) -> float:
+        return 100.0 + (best - count) * slope_below if count <= best else 100.0 + (count - best) * slope_above
+
+    price, calls = _priced(step)
+    counts = sorted({0, 200, *coarse})
+    scores = refine_count({c: step(c) for c in counts}, price, limit=2 * 8 + 2)
+    assert min(scores.values()) == step(best)
