@@ -24,9 +24,10 @@ recompute options: the partitioner already knows which ops can be recomputed and
 (views, RNG functionalization, effect tokens, collectives), so every partition it emits
 is a graph torch itself would compile, and our planning core stays the one pure
 pipeline. ``benchmarks/recompute_mix.py`` measures what the search buys (predicted, on
-GPU-priced traces): in fp32 never slower than either strategy alone and strictly faster
-on 13 of 24 rows; in bf16 under Inductor the exactness rule below leaves it almost
-nothing to recompute.
+GPU-priced traces): never slower than either strategy alone and strictly faster on 13
+of 24 rows in fp32, and on 12 of 24 in bf16 under Inductor (every row where a plan can
+be faster), where the exactness rule below leaves torch's partitions almost nothing to
+recompute and the spliced backward (:mod:`.recompute_splice`) recomputes exactly.
 
 Exactness (the result must equal plain compile bit for bit):
 
