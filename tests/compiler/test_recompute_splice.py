@@ -169,11 +169,19 @@ def test_the_spliced_backward_runs_the_default_backward_node_for_node(partitions
     assert len(barriers) == len(options)  # one rounding store per recomputed value
     rest = [n.name for n in ops if n not in barriers and n.name not in chain]
     assert rest == [n.name for n in bw.graph.nodes if n.op != "placeholder"]
-    # each recomputed value is read through its barrier, never straight from its chain
+    # each recomputed value is read through its barrier, never straight from its chain:
+    # not by the default backward's nodes, and not by another value's chain
     dropped = {o.name for o in options}
     for node in ops:
         if node.name not in chain and node not in barriers:
             assert not {i.name for i in node.all_input_nodes} & dropped, node
+    by_name = {n.name: n for n in ops}
+    read_by_chains = 0
+    for name in dropped:
+        (barrier,) = by_name[f"{name}_recomputed"].users
+        assert barrier in barriers, name
+        read_by_chains += sum(u.name in chain for u in barrier.users)
+    assert read_by_chains, "no chain reads another recomputed value: the rule is untested"
 
 
 def test_the_forward_discards_each_dropped_value_right_after_its_producer(partitions):
