@@ -65,7 +65,13 @@ from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
 from .region_plan import GraphPlan, plan_graphs
-from .recompute_splice import recompute_order, splice, splice_options
+from .recompute_splice import (
+    EXTERN_MATMULS,
+    inductor_uses_templates,
+    recompute_order,
+    splice,
+    splice_options,
+)
 from .region_report import PartitionReport, RecomputeReport
 
 __all__ = [
@@ -95,13 +101,6 @@ best recompute-only partition is at 0.2 (145.72 ms) and the search then stopped 
 145.78 ms."""
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-_aten = torch.ops.aten
-# Extern kernels: Inductor does not fuse them (no max-autotune templates), so their
-# results are always stored, rounded to their dtype, before anyone reads them.
-_STORED_RESULTS = frozenset({
-    _aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default,
-    _aten.convolution.default,
-})
 
 Partitioner = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]
 """The stock partition of a joint graph (it may rewrite the graph it is given)."""
@@ -309,12 +308,9 @@ def _splice_search(
     byte_budget = default.plan.fx_trace.trace.budget_bytes
     with functorch_config.patch(activation_memory_budget=0.0):
         _, zero_bw = partition(copy_joint(pristine))
-    from torch._inductor import config as inductor_config
-
-    templates = bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
     options = recompute_order(splice_options(
         default.fw, default.bw, zero_bw, draws_random=draws_random, seconds=seconds,
-        templates=templates,
+        templates=inductor_uses_templates(),
     ))
     built: dict[int, _Candidate] = {}
 
@@ -474,7 +470,7 @@ def _stored(node: fx.Node, *, templates: bool) -> bool:
     (``templates``: max-autotune's matmul templates, which may fuse their consumers)."""
     if node.op == "placeholder":
         return True
-    return not templates and node.op == "call_function" and node.target in _STORED_RESULTS
+    return not templates and node.op == "call_function" and node.target in EXTERN_MATMULS
 
 
 def low_precision_bans(joint: fx.GraphModule, default_recomputed: set[str]) -> frozenset[str]:
@@ -483,9 +479,7 @@ def low_precision_bans(joint: fx.GraphModule, default_recomputed: set[str]) -> f
     value that was not read from memory. Views and tuple items compute nothing and are
     not banned; nor is what the default partition already recomputes (plain compile
     does the same)."""
-    from torch._inductor import config as inductor_config
-
-    templates = bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
+    templates = inductor_uses_templates()
     banned = set()
     for node in _forward_nodes(joint):
         if node.name in default_recomputed or node.target is operator.getitem:

@@ -52,7 +52,10 @@ import torch.fx as fx
 
 from hyper_offload.passes.cost_model import tensor_bytes
 
-__all__ = ["SpliceOption", "materialize", "recompute_order", "splice", "splice_options"]
+__all__ = [
+    "EXTERN_MATMULS", "SpliceOption", "inductor_uses_templates", "materialize", "recompute_order",
+    "splice", "splice_options",
+]
 
 
 @torch.library.custom_op("hyper_offload::materialize", mutates_args=())
@@ -104,10 +107,21 @@ def _saved_inputs(bw: fx.GraphModule) -> list[fx.Node]:
 
 
 _aten = torch.ops.aten
-_MATMULS = frozenset({
+EXTERN_MATMULS = frozenset({
     _aten.mm.default, _aten.bmm.default, _aten.addmm.default, _aten.baddbmm.default,
     _aten.convolution.default,
 })
+"""Ops Inductor runs as extern kernels unless max-autotune's templates are on: then
+nothing fuses into them and their results are stored, rounded to their dtype, before
+anyone reads them; under templates their kernel is chosen by benchmarking and may fuse
+its consumers."""
+
+
+def inductor_uses_templates() -> bool:
+    """Whether Inductor may compile :data:`EXTERN_MATMULS` as templates (max-autotune)."""
+    from torch._inductor import config as inductor_config
+
+    return bool(inductor_config.max_autotune or inductor_config.max_autotune_gemm)
 
 
 def is_primal(node: fx.Node) -> bool:
@@ -193,7 +207,7 @@ def splice_options(
         }
         if unsaved or any(draws_random(n) for n in chain):
             continue
-        if templates and any(n.target in _MATMULS for n in chain):
+        if templates and any(n.target in EXTERN_MATMULS for n in chain):
             continue
         options.append(SpliceOption(
             activation.name, tuple(n.name for n in chain), tensor_bytes(value, activation.name),
