@@ -207,19 +207,26 @@ def _added_inputs(p: Partitions, options: tuple[rs.SpliceOption, ...]) -> int:
     return len(spliced_bw.graph.find_nodes(op="placeholder")) - len(bw.graph.find_nodes(op="placeholder"))
 
 
+def _splicing(choose: Any) -> Any:
+    """A partition function: this joint graph's default partition with the options
+    ``choose`` picks (from this graph's own options) recomputed by the spliced backward."""
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        fresh = Partitions()
+        fresh(joint, joint_inputs, **kwargs)
+        return _spliced(fresh, choose(_options(fresh)))
+
+    return partition
+
+
 @pytest.mark.parametrize("share", [0.3, 1.0])
 def test_spliced_graphs_give_every_gradient_bit_for_bit(partitions, share):
     options = rs.recompute_order(_options(partitions))
     chosen = options[: max(1, round(len(options) * share))]
     expected = _run(lambda joint, inputs, **kw: min_cut_rematerialization_partition(joint, inputs, **kw))
 
-    def spliced(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        fresh = Partitions()
-        fresh(joint, joint_inputs, **kwargs)
-        by_name = {o.name: o for o in _options(fresh)}
-        return _spliced(fresh, tuple(by_name[o.name] for o in chosen))
-
-    got = _run(spliced)
+    names = {o.name for o in chosen}
+    got = _run(_splicing(lambda options: tuple(o for o in options if o.name in names)))
     assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(expected)
 
 
@@ -258,10 +265,5 @@ def test_a_saved_value_that_is_also_a_user_output_keeps_both_places(partitions_w
             assert value.name == placeholder.name
     expected = _run(min_cut_rematerialization_partition, _block_returning_a_saved_value)
 
-    def spliced(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        fresh = Partitions()
-        fresh(joint, joint_inputs, **kwargs)
-        return _spliced(fresh, _options(fresh))
-
-    got = _run(spliced, _block_returning_a_saved_value)
+    got = _run(_splicing(lambda options: options), _block_returning_a_saved_value)
     assert [torch.equal(a, b) for a, b in zip(expected, got)] == [True] * len(expected)
