@@ -1,6 +1,6 @@
 """Synthetic activation traces for the planner benchmark (and the bundled quality set).
 
-Two families (and a timed compile-path variant of the first,
+Three families (and a timed compile-path variant of the first,
 :func:`timed_transformer_trace`, for the planning-time figure):
 
 * :func:`transformer_trace` — a training step of a stack of transformer-like blocks:
@@ -8,6 +8,11 @@ Two families (and a timed compile-path variant of the first,
   saved activations; the backward pass walks the blocks in reverse, reads the saved
   activations and the weights, and writes gradients (retained). Regular, with long
   forward-to-backward gaps: this is what the speed benchmark scales up.
+* :func:`saved_stack_trace` — a deep stack whose forward saves four storages per layer
+  (1, 4, 4 and 1 x 64 KiB: the shape of a transformer block's saved input, MLP
+  up-projection, activation and output) and whose backward reads them in reverse, each
+  backward op turning one gradient into the next: the planning-time figure of issue 30
+  (12,500 layers: 100,002 ops, 250,003 accesses).
 * :func:`irregular_trace` — random lifetimes, random sizes, random re-reads and the odd
   in-place re-write (several write epochs per storage). Greedy does not trivially tie the
   optimum here, so the quality benchmark uses these.
@@ -23,7 +28,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from hyper_offload.passes.liveness import resident_bytes_without_offload
+from hyper_offload.passes.liveness import required_bytes, resident_bytes_without_offload
 from hyper_offload.passes.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
 
 BUNDLED_SEED = 20260511
@@ -91,6 +96,44 @@ def timed_transformer_trace(num_layers: int, *, seed: int = 0) -> ActivationTrac
         for i, op in enumerate(trace.ops)
     )
     return replace(trace, ops=ops, d2h_bandwidth_gbps=0.5, h2d_bandwidth_gbps=0.5)
+
+
+SAVED_PER_LAYER = (1, 4, 4, 1)  # x 64 KiB
+
+
+def saved_stack_trace(num_layers: int, *, budget_divisor: int = 3) -> ActivationTrace:
+    """A forward + backward over ``num_layers`` blocks that each save
+    :data:`SAVED_PER_LAYER` x 64 KiB, under ``max(floor, peak // budget_divisor)``
+    (``floor``: the largest bytes one op needs resident). ``8 * num_layers + 2`` ops,
+    ``20 * num_layers + 3`` accesses."""
+    ops: list[dict[int, str]] = []
+    sizes: dict[int, int] = {}
+
+    def new(size: int) -> int:
+        sizes[len(sizes)] = size
+        return len(sizes) - 1
+
+    hidden = new(64 * KIB)
+    ops.append({hidden: "W"})
+    saved: list[list[int]] = []
+    for _ in range(num_layers):
+        layer = []
+        for multiple in SAVED_PER_LAYER:
+            activation = new(multiple * 64 * KIB)
+            ops.append({hidden: "R", activation: "W"})
+            layer.append(activation)
+            hidden = activation
+        saved.append(layer)
+    grad = new(64 * KIB)
+    ops.append({hidden: "R", grad: "W"})
+    for layer in reversed(saved):
+        for activation in reversed(layer):
+            next_grad = new(64 * KIB)
+            ops.append({activation: "R", grad: "R", next_grad: "W"})
+            grad = next_grad
+    trace = ActivationTrace.from_accesses(ops, sizes, budget_bytes=0)
+    peak = max(resident_bytes_without_offload(trace))
+    return trace.with_budget(max(max(required_bytes(trace)), peak // budget_divisor))
 
 
 def irregular_trace(rng: random.Random, *, num_ops: int, num_storages: int) -> ActivationTrace:

@@ -76,7 +76,7 @@ class RangeAddMaxTree:
     def max(self, lo: int, hi: int) -> int:
         """Max of ``v[lo:hi]``."""
         self._check(lo, hi)
-        return self._max_of(lo, hi)
+        return self._max_of(lo, hi, [])
 
     def add(self, lo: int, hi: int, delta: int) -> None:
         """``v[i] += delta`` for every ``lo <= i < hi``."""
@@ -86,16 +86,25 @@ class RangeAddMaxTree:
     def add_if_max_exceeds(self, lo: int, hi: int, threshold: int, delta: int) -> bool:
         """If ``max(v[lo:hi]) > threshold``, add ``delta`` to ``v[lo:hi]``; say whether.
 
-        The greedy planner's whole inner step in one call.
+        The greedy planner's whole inner step in one call, on one walk: the nodes whose
+        maximum the query reads are the ones the add tags.
         """
         self._check(lo, hi)
-        if self._max_of(lo, hi) > threshold:
-            self._add_to(lo, hi, delta)
-            return True
-        return False
-
-    def _max_of(self, lo: int, hi: int) -> int:
+        cover: list[int] = []
+        if self._max_of(lo, hi, cover) <= threshold:
+            return False
         tree, pending = self._max, self._pending
+        for node in cover:
+            tree[node] += delta
+            pending[node] += delta
+        self._refresh(lo + self._leaf0, hi - 1 + self._leaf0)
+        return True
+
+    def _max_of(self, lo: int, hi: int, cover: list[int]) -> int:
+        """Max of ``v[lo:hi]``; appends the nodes that tile the range to ``cover``
+        (a list append costs less than a branch on whether the caller wants them)."""
+        tree, pending = self._max, self._pending
+        visit = cover.append
         left, right = lo + self._leaf0, hi + self._leaf0
         best_left = best_right = _PAD
         # Invariant after each step up: every node folded into best_left lies under
@@ -106,12 +115,14 @@ class RangeAddMaxTree:
                 value = tree[left]
                 if value > best_left:
                     best_left = value
+                visit(left)
                 left += 1
             if right & 1:
                 right -= 1
                 value = tree[right]
                 if value > best_right:
                     best_right = value
+                visit(right)
             left >>= 1
             right >>= 1
             best_left += pending[left - 1]
@@ -134,7 +145,6 @@ class RangeAddMaxTree:
     def _add_to(self, lo: int, hi: int, delta: int) -> None:
         tree, pending = self._max, self._pending
         left, right = lo + self._leaf0, hi + self._leaf0
-        first, last = left, right - 1
         while left < right:
             if left & 1:
                 tree[left] += delta
@@ -146,8 +156,13 @@ class RangeAddMaxTree:
                 pending[right] += delta
             left >>= 1
             right >>= 1
-        # Recompute the maxima on the two boundary paths (every node whose subtree
-        # partly overlaps the range lies on one of them) up to where they meet.
+        self._refresh(lo + self._leaf0, hi - 1 + self._leaf0)
+
+    def _refresh(self, first: int, last: int) -> None:
+        """Recompute the maxima above the leaves ``first`` and ``last`` after the nodes
+        tiling ``[first, last]`` were tagged: every node whose subtree partly overlaps the
+        range lies on one of the two boundary paths, up to where they meet."""
+        tree, pending = self._max, self._pending
         first >>= 1
         last >>= 1
         while first != last:
