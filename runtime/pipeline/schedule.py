@@ -116,47 +116,24 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             )
         self.schedule_name = schedule
         self.layout = layout_for(schedule, num_ranks=self.pp_group_size, stages_per_rank=len(stages))
-        self._check_stages(stages)
-        self.stage_index_to_group_rank = {s: self.layout.rank_of(s) for s in range(self.layout.num_stages)}
-        for stage in stages:
-            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
-        self.stage_by_index = {stage.stage_index: stage for stage in stages}
-        fsdp = any(isinstance(stage.submod, FSDPModule) for stage in stages)
+        self._bind_stages(stages)
+        order_options = dict(
+            num_ranks=self.pp_group_size, stages_per_rank=len(stages),
+            num_microbatches=n_microbatches, transport=transport, dxdw_split=dxdw_split,
+            overlap=overlap, fsdp=any(isinstance(stage.submod, FSDPModule) for stage in stages),
+        )
         self.swap_report: SwapCostReport | None = None
+        """This rank's cost-aware swap decision (``swap_cost``), else ``None``."""
+        weight_swap_only = None
         if swap and swap_cost is not None:
-            if activation_sizes is None or swap_only is not None:
-                raise UnsupportedScheduleError(
-                    "swap_cost needs activation_sizes (bytes per chunk) and excludes swap_only "
-                    "(it computes the chosen chunks itself)"
-                )
-            plain = build_rank_orders(
-                schedule, num_ranks=self.pp_group_size, stages_per_rank=len(stages),
-                num_microbatches=n_microbatches, fsdp=fsdp, transport=transport,
-                dxdw_split=dxdw_split, overlap=overlap,
+            swap_only, weight_swap_only = self._cost_aware_choice(
+                schedule, order_options, swap_only, swap_cost, activation_sizes, min_gap=min_gap,
+                target_peak_bytes=target_peak_bytes, weight_swap=weight_swap,
+                release_sends=release_sends,
             )
-            reports = plan_rank_swaps(
-                plain, sizes=activation_sizes, cost=swap_cost, min_gap=min_gap,
-                target_peak_bytes=target_peak_bytes, weight_swap=weight_swap, release_sends=release_sends,
-            )
-            swap_only = {rank: report.chosen for rank, report in reports.items()}
-            weight_swap_only = {rank: report.chosen_weight for rank, report in reports.items()}
-            self.swap_report = reports[self.rank]
-        else:
-            weight_swap_only = None
         orders = build_rank_orders(
-            schedule,
-            num_ranks=self.pp_group_size,
-            stages_per_rank=len(stages),
-            num_microbatches=n_microbatches,
-            fsdp=fsdp,
-            transport=transport,
-            swap=swap,
-            min_gap=min_gap,
-            dxdw_split=dxdw_split,
-            overlap=overlap,
-            swap_only=swap_only,
-            unsharded_load=unsharded_load,
-            weight_swap=weight_swap,
+            schedule, **order_options, swap=swap, min_gap=min_gap, swap_only=swap_only,
+            unsharded_load=unsharded_load, weight_swap=weight_swap,
             weight_swap_only=weight_swap_only,
         )
         self.order: list[MetaStep] = orders[self.rank]
@@ -172,8 +149,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         if swap:
             # The executor trusts the anchors; prove them before the first step.
             assert_valid_order(
-                self.order, rank=self.rank, min_gap=min_gap,
-                swapped=_chosen(swap_only, self.rank),
+                self.order, rank=self.rank, min_gap=min_gap, swapped=_chosen(swap_only, self.rank),
                 unsharded_load=unsharded_load,
                 weight_swapped=_chosen(weight_swap_only, self.rank) if weight_swap else (),
             )
@@ -185,7 +161,42 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         self.observer: StepObserver | None = None
         """Optional callbacks around each top-level step (memory sampling)."""
 
+    def _cost_aware_choice(
+        self,
+        schedule: str,
+        order_options: Mapping[str, Any],
+        swap_only: Mapping[int, Collection[tuple[int, int]]] | None,
+        swap_cost: SwapCostModel,
+        activation_sizes: ActivationSizes | StageFootprints | None,
+        **plan_options: Any,
+    ) -> tuple[dict[int, Collection[tuple[int, int]]], dict[int, Collection[tuple[int, int]]]]:
+        """``(swap_only, weight_swap_only)`` per rank, as :func:`plan_rank_swaps` chooses on
+        every rank's order without swap (all ranks compute the same choice); keeps this
+        rank's report in ``swap_report``. ``plan_options``: ``min_gap``,
+        ``target_peak_bytes``, ``weight_swap``, ``release_sends``."""
+        if activation_sizes is None or swap_only is not None:
+            raise UnsupportedScheduleError(
+                "swap_cost needs activation_sizes (bytes per chunk) and excludes swap_only "
+                "(it computes the chosen chunks itself)"
+            )
+        plain = build_rank_orders(schedule, **order_options)
+        reports = plan_rank_swaps(plain, sizes=activation_sizes, cost=swap_cost, **plan_options)
+        self.swap_report = reports[self.rank]
+        return (
+            {rank: report.chosen for rank, report in reports.items()},
+            {rank: report.chosen_weight for rank, report in reports.items()},
+        )
+
     # ------------------------------------------------------------------ checks
+
+    def _bind_stages(self, stages: list[Any]) -> None:
+        """Check ``stages`` are this rank's, and tell each where every stage runs."""
+        self._check_stages(stages)
+        num_stages = self.layout.num_stages
+        self.stage_index_to_group_rank = {s: self.layout.rank_of(s) for s in range(num_stages)}
+        for stage in stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        self.stage_by_index = {stage.stage_index: stage for stage in stages}
 
     def _check_stages(self, stages: list[Any]) -> None:
         expected = self.layout.stages_of(self.rank)
