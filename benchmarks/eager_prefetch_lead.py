@@ -22,11 +22,11 @@ import collections
 import json
 
 import torch
-
 from bench_common import gpt_module
+
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.passes import plan_residency
-from hyper_offload.passes.planning import prefetch_leads
+from hyper_offload.passes.plan.planning import prefetch_leads
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, check_schedule
-from hyper_offload.passes.greedy_planner import GreedyResidencyPlanner
-from hyper_offload.passes.ilp import OptimalResidencyPlanner
+from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
+from hyper_offload.passes.plan.ilp import OptimalResidencyPlanner
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -139,7 +139,7 @@ class _ProductSplice(CustomPartitionerFn):
 
         from hyper_offload.compiler import recompute_splice as rs
         from hyper_offload.compiler.recompute_search import copy_joint, draws_random
-        from hyper_offload.passes.cost_model import node_seconds, throughput_for
+        from hyper_offload.passes.fx.cost_model import node_seconds, throughput_for
 
         graphs = {}
         for memory_budget in (1.0, 0.0):

@@ -18,7 +18,7 @@ stall/compute for
 * ``time, 2 copy streams (model only)`` the first re-timed with a copy stream per
   direction (the runtime has one),
 
-and ``stall_lower_bound`` (``passes/stall_bound.py``: no schedule under the budget
+and ``stall_lower_bound`` (``passes/analysis/stall_bound.py``: no schedule under the budget
 stalls less), with ``target_met`` for issue 16's figure (stall <= 5% of compute or <=
 1.1 x the bound) on rows at >= 70% of peak and 50 GB/s. ``--only planning_time`` times
 the pipeline on a 10k-op synthetic trace (measured, this machine).
@@ -43,6 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from synthetic import timed_transformer_trace  # noqa: E402
+
 from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
 from hyper_offload.compiler.region_plan import plan_graphs  # noqa: E402
@@ -52,10 +54,9 @@ from hyper_offload.passes import (  # noqa: E402
     plan_residency,
     predict_timeline,
 )
-from hyper_offload.passes.planning import backward_start  # noqa: E402
-from hyper_offload.passes.stall_bound import stall_lower_bound  # noqa: E402
-from synthetic import timed_transformer_trace  # noqa: E402
-from hyper_offload.passes.cost_model import DeviceThroughput  # noqa: E402
+from hyper_offload.passes.analysis.stall_bound import stall_lower_bound  # noqa: E402
+from hyper_offload.passes.fx.cost_model import DeviceThroughput  # noqa: E402
+from hyper_offload.passes.plan.planning import backward_start  # noqa: E402
 from hyper_offload.runtime.bandwidth import TransferBandwidth  # noqa: E402
 
 GPU = DeviceThroughput(flops_per_s=400e12, bytes_per_s=3e12)

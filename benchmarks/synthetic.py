@@ -28,8 +28,8 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from hyper_offload.passes.liveness import required_bytes, resident_bytes_without_offload
-from hyper_offload.passes.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
+from hyper_offload.passes.analysis.liveness import required_bytes, resident_bytes_without_offload
+from hyper_offload.passes.ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
 
 BUNDLED_SEED = 20260511
 BUNDLED_COUNT = 30

@@ -8,7 +8,9 @@ One subpackage per front door; the root holds only the names a first user needs:
 * :mod:`hyper_offload.pipeline` — ``swap_wrapper`` and ``PipelineSwapSchedule`` for
   pipeline-parallel training;
 * :mod:`hyper_offload.cli` — the ``hyper-offload`` command;
-* :mod:`hyper_offload.viz` — plan and pipeline plots (matplotlib, optional).
+* :mod:`hyper_offload.viz` — plan and pipeline plots (matplotlib, optional);
+* :mod:`hyper_offload.errors` — every error and warning the library raises, exported
+  here too (``except hyper_offload.HyperOffloadError`` catches them all).
 
 Every door plans through :func:`hyper_offload.passes.plan_residency`; the bytes move in
 :mod:`hyper_offload.runtime`.
@@ -16,8 +18,10 @@ Every door plans through :func:`hyper_offload.passes.plan_residency`; the bytes 
 
 from __future__ import annotations
 
+from . import errors
 from ._lazy import lazy_getattr
 from .config import OffloadConfig
+from .errors import *  # noqa: F403  (errors.__all__: every error and warning, torch-free)
 
 __version__ = "0.1.0"
 
@@ -30,7 +34,10 @@ _LAZY = {
     "skip_offload": ".eager.skip",
 }
 
-__all__ = ["OffloadConfig", "OffloadSession", "__version__", "backend", "estimate", "skip_offload"]
+__all__ = [
+    "OffloadConfig", "OffloadSession", "__version__", "backend", "estimate", "skip_offload",
+    *errors.__all__,
+]
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hyper_offload.passes.planner_protocol import ResidencyPlanner
+from hyper_offload.passes.plan.protocol import ResidencyPlanner
 
 MIB = 1 << 20
 

@@ -1,26 +1,32 @@
 """Pure analysis and rewriting: IR, trace builders, liveness, planners, the validator.
 
-Nothing here touches a device; nothing here imports the runtime except the transfer-op
-declarations (:mod:`hyper_offload.runtime.op_declarations`, for the FX passes).
+Nothing here touches a device or imports the runtime. Four subpackages, each importing
+only the ones before it, and the pipeline passes beside them:
+
+* :mod:`.ir` — the trace and schedule records, and the ``hyper_offload::`` op declarations;
+* :mod:`.analysis` — liveness, offload gaps, the one validator, the one timeline model,
+  the stall bound, the Chrome-trace export;
+* :mod:`.plan` — planners, refinement, release and prefetch placement, and
+  :func:`plan_residency`, the one planning pipeline every door runs;
+* :mod:`.fx` — the compile path's FX passes (trace builder, saved tensors, lowering, its check);
+* :mod:`.pipeline` — pipeline-parallel orders and their passes.
 
 Public here is what users and the doors build with: the trace and schedule IR, the one
-validator, the planners, the one planning pipeline (:func:`plan_residency`), the
-liveness figures users read, the predicted timeline and its Chrome-trace export.
-The building blocks stay in their modules (``liveness``, ``planner_candidates``,
-``refine``, ``refine_prefetch``, ``segment_tree``, ``op_guide``, ``fx_trace``,
-``fx_lowering``, ``fx_schedule``, ``cost_model``, ...) and are imported from there.
+validator, the planners, the one planning pipeline, the liveness figures users read, the
+predicted timeline and its Chrome-trace export. The building blocks stay in their
+modules and are imported from there.
 """
 
-from .chrome_trace import chrome_trace, write_chrome_trace
-from .greedy_planner import GreedyResidencyPlanner
-from .ilp import OptimalPlannerError, OptimalResidencyPlanner
-from .liveness import InfeasibleOp, required_bytes, resident_bytes_without_offload
-from .planner_protocol import ResidencyPlanner
-from .planning import PlannedSchedule, PlanningError, PlanningStage, plan_residency
-from .predicted_timeline import PredictedTimeline, predict_timeline
-from .schedule import ActionKind, ResidencyAction, ResidencySchedule
-from .trace import AccessKind, ActivationTrace, StorageAccess, TraceFormatError, TraceOp
-from .validator import Rule, ScheduleError, ScheduleReport, Violation, check_schedule
+from .analysis.chrome_trace import chrome_trace, write_chrome_trace
+from .analysis.liveness import InfeasibleOp, required_bytes, resident_bytes_without_offload
+from .analysis.predicted_timeline import PredictedTimeline, predict_timeline
+from .analysis.validator import Rule, ScheduleError, ScheduleReport, Violation, check_schedule
+from .ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
+from .ir.trace import AccessKind, ActivationTrace, StorageAccess, TraceFormatError, TraceOp
+from .plan.greedy import GreedyResidencyPlanner
+from .plan.ilp import OptimalPlannerError, OptimalResidencyPlanner
+from .plan.planning import PlannedSchedule, PlanningError, PlanningStage, plan_residency
+from .plan.protocol import ResidencyPlanner
 
 __all__ = [
     # IR

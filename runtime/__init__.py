@@ -4,30 +4,40 @@ Public here (``__all__``) is what the front doors, benchmarks, examples and user
 with: the two schedule executors (:class:`ResidencyManager`, :class:`TransferRuntime`),
 the pinned host pool and its stats, the copy engine and its ``Transfer`` handles, device
 queries, the bandwidth probe, the device-memory meter (with the host labels it honours),
-the run statistics, and every error and warning the runtime raises.
+the run statistics, and every error and warning the runtime raises (defined in
+:mod:`hyper_offload.errors`).
 
 Helpers stay in their defining submodule and are imported from there, never from this
-package: the transfer-op handles and ``dense_layout`` (:mod:`.op_declarations`, which the
-pure passes import, and :mod:`.ops` with the real kernels), buffer states
+package: the op handles and ``dense_layout`` (declared in :mod:`hyper_offload.passes.ir.ops`,
+which the pure passes import, and re-exported by :mod:`.ops` with the real kernels), buffer states
 (:mod:`.physical_buffer`), host-sync accounting (:mod:`.host_sync`), pool sizing
 (``bucket_bytes``, ``pinned_cost`` in :mod:`.pinned_pool`), host-copy states and
 ``current_transfer_runtime`` (:mod:`.transfer_context`), ``DeviceTimer``
 (:mod:`.bandwidth`).
 
-Invariant: importing this package imports none of its submodules. Each public name is
-loaded on first access (PEP 562), so ``from hyper_offload.runtime.op_declarations import
-COPY_D2H`` in a pass loads the op declarations and nothing of the pool, engines or
-residency manager. In particular importing the package no longer registers the real
-transfer-op kernels: code that runs graphs holding transfer ops imports
-:mod:`hyper_offload.runtime.ops` (the compile backend does).
+Invariant: importing this package imports none of its submodules (nor torch). Each
+public name is loaded on first access (PEP 562), so ``from hyper_offload.runtime import
+DataLostError`` loads nothing of the pool, engines or residency manager. In particular
+importing the package does not register the real kernels of the ``hyper_offload`` ops:
+code that runs graphs holding them imports :mod:`hyper_offload.runtime.ops` (the compile
+backend does).
 """
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from hyper_offload._lazy import lazy_getattr
+from hyper_offload.errors import (
+    DataLostError,
+    OffloadRuntimeError,
+    PageableFallbackWarning,
+    PoolMisuseError,
+    ResidencyMisuseError,
+    TransferFailedError,
+    TransferMisuseError,
+)
 
-# Public name -> defining submodule, loaded on first access.
+# Public name -> defining submodule, loaded on first access (the errors above are
+# defined in hyper_offload.errors, a leaf every layer imports).
 _LAZY = {
     "DEFAULT_TRANSFER_BANDWIDTH": ".bandwidth",
     "TransferBandwidth": ".bandwidth",
@@ -38,21 +48,14 @@ _LAZY = {
     "is_accelerator": ".device",
     "pin_memory_available": ".device",
     "resolve_device": ".device",
-    "DataLostError": ".errors",
-    "OffloadRuntimeError": ".errors",
-    "PoolMisuseError": ".errors",
-    "ResidencyMisuseError": ".errors",
-    "TransferFailedError": ".errors",
     "DeviceMemoryMeter": ".memory_meter",
     "MemorySample": ".memory_meter",
     "is_host_labelled": ".memory_meter",
     "label_host": ".memory_meter",
-    "PageableFallbackWarning": ".pinned_pool",
     "PinnedMemoryPool": ".pinned_pool",
     "PoolStats": ".pinned_pool",
     "ResidencyManager": ".residency",
     "RuntimeStats": ".stats",
-    "TransferMisuseError": ".transfer_context",
     "TransferRuntime": ".transfer_context",
 }
 
@@ -85,9 +88,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # cache: later lookups skip __getattr__
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

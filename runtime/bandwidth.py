@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from hyper_offload.passes.trace import DEFAULT_BANDWIDTH_GBPS
+from hyper_offload.errors import OffloadRuntimeError
+from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 
 from .device import DeviceLike, device_module, is_accelerator, resolve_device
-from .errors import OffloadRuntimeError
 
 __all__ = [
     "DEFAULT_TRANSFER_BANDWIDTH",

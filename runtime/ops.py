@@ -1,14 +1,15 @@
-"""Real kernels and Python entry points of the ``hyper_offload`` transfer ops.
+"""Real kernels of every ``hyper_offload`` op, and Python entry points of the transfer ops.
 
 The ops themselves (schemas, op handles, ``dense_layout``, fake kernels, autograd,
-functionalization, ordered effects) are declared in
-:mod:`hyper_offload.runtime.op_declarations`, which imports nothing of the library so
-that the pure passes can use them; its docstring shows the IR the lowering emits. This
-module adds what moves bytes: one real kernel per op on
-``REAL_KERNEL_KEY`` (``CompositeExplicitAutograd``), each a one-liner into a
-:class:`~hyper_offload.runtime.transfer_context.TransferRuntime`, which owns engines, pool
-and every rule: ``copy_d2h`` uses the current runtime, the others the runtime that made
-their tensors (``runtime_of``), so a backward needs no runtime block.
+functionalization, ordered effects) are declared in :mod:`hyper_offload.passes.ir.ops`,
+which imports nothing of the library so that the pure passes can use them; its docstring
+shows the IR the lowering emits. This module adds what runs: one real kernel per op on
+``REAL_KERNEL_KEY`` (``CompositeExplicitAutograd``). A transfer op's kernel is a one-liner
+into a :class:`~hyper_offload.runtime.transfer_context.TransferRuntime`, which owns
+engines, pool and every rule: ``copy_d2h`` uses the current runtime, the others the
+runtime that made their tensors (``runtime_of``), so a backward needs no runtime block.
+The recompute barriers need no runtime: ``materialize`` clones, ``discard`` returns an
+empty tensor.
 
 Invariant: importing this module registers the real kernels (replacing the declarations'
 placeholders, which raise "import hyper_offload.runtime.ops") and does nothing else. Any
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from . import op_declarations
-from .op_declarations import (
+from hyper_offload.passes.ir import ops as declarations
+from hyper_offload.passes.ir.ops import (
     COPY_D2H,
     COPY_H2D,
     NAMESPACE,
@@ -34,6 +35,7 @@ from .op_declarations import (
     dim_order_of,
     host_layout,
 )
+
 from .transfer_context import current_transfer_runtime, runtime_of
 
 __all__ = [
@@ -77,16 +79,26 @@ def _release_host_kernel(host: torch.Tensor, after: torch.Tensor | None = None) 
     runtime_of("hyper_offload::release_host", host).release_host(host)
 
 
+def _materialize_kernel(value: torch.Tensor) -> torch.Tensor:
+    return value.clone()
+
+
+def _discard_kernel(value: torch.Tensor) -> torch.Tensor:
+    return value.new_empty(0)
+
+
 # The placeholders go first: registering over them would be an in-place override, which
 # the dispatcher reports with a process-wide, once-only warning.
-op_declarations.drop_placeholder_kernels()
+declarations.drop_placeholder_kernels()
 # IMPL, not FRAGMENT: this library defines nothing, it only adds kernels to the ops
-# op_declarations defined (and torch refuses a definition here, should one creep in).
+# the declarations defined (and torch refuses a definition here, should one creep in).
 _IMPL = torch.library.Library(NAMESPACE, "IMPL")
 _IMPL.impl("copy_d2h", _copy_d2h_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("copy_h2d", _copy_h2d_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("wait_transfer", _wait_transfer_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("release_host", _release_host_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("materialize", _materialize_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("discard", _discard_kernel, REAL_KERNEL_KEY)
 
 
 # ---------------------------------------------------------------- Python entry points

@@ -48,10 +48,10 @@ from enum import Enum
 
 import torch
 
-from .device import Transfer, TransferEngine
-from .errors import DataLostError, ResidencyMisuseError, TransferFailedError
-from .pinned_pool import PinnedMemoryPool
+from hyper_offload.errors import DataLostError, ResidencyMisuseError, TransferFailedError
 
+from .device import Transfer, TransferEngine
+from .pinned_pool import PinnedMemoryPool
 
 __all__ = ["AllDone", "BufferState", "PhysicalBuffer", "TensorLayout", "byte_view"]
 

@@ -39,7 +39,7 @@ Rules (each is tested):
   operation applies the queue first, so no caller can tell the difference.
 * **One owner at a time.** A buffer is handed out to one caller until released;
   releasing it twice, or releasing a tensor the pool never handed out, raises
-  :class:`~hyper_offload.runtime.errors.PoolMisuseError`. Buffers are identified by
+  :class:`~hyper_offload.errors.PoolMisuseError`. Buffers are identified by
   their storage, so releasing any view of a handed-out buffer is accepted.
 * **Thread-safe.** One ``threading.Lock`` guards the bookkeeping; the slow allocation
   itself runs outside the lock against a reservation, so the cap holds under contention.
@@ -63,8 +63,9 @@ from typing import Protocol
 
 import torch
 
+from hyper_offload.errors import PageableFallbackWarning, PoolMisuseError
+
 from .device import pin_memory_available
-from .errors import PoolMisuseError
 from .memory_meter import label_host
 
 __all__ = [
@@ -80,11 +81,6 @@ __all__ = [
 
 MIN_BUCKET_BYTES = 1 << 10
 MAX_BUCKET_BYTES = 1 << 31
-
-
-class PageableFallbackWarning(RuntimeWarning):
-    """A pinned pool served a request with pageable memory (cap reached or pinning
-    refused): transfers through that buffer block the host. Warned once per pool."""
 
 
 class CompletionEvent(Protocol):

@@ -1,6 +1,6 @@
 """``ResidencyManager``: the schedule's actions, executed on storages keyed by id.
 
-The manager is the runtime half of a :class:`~hyper_offload.passes.schedule.ResidencySchedule`:
+The manager is the runtime half of a :class:`~hyper_offload.passes.ir.schedule.ResidencySchedule`:
 each action kind maps to one method (``COPY_D2H`` → :meth:`copy_d2h`, ``RELEASE_DEVICE`` →
 :meth:`release_device`, ``COPY_H2D`` → :meth:`copy_h2d`, ``WAIT_H2D`` → :meth:`wait_h2d`,
 ``RELEASE_HOST`` → :meth:`release_host`; :meth:`apply` dispatches a ``ResidencyAction``).
@@ -30,15 +30,14 @@ from collections.abc import Iterator
 
 import torch
 
-from hyper_offload.passes.schedule import ActionKind, ResidencyAction
-from hyper_offload.passes.trace import StorageId
+from hyper_offload.errors import DataLostError, ResidencyMisuseError
+from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
+from hyper_offload.passes.ir.trace import StorageId
 
 from .device import Transfer, TransferEngine
-from .errors import DataLostError, ResidencyMisuseError
 from .physical_buffer import BufferState, PhysicalBuffer
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
-
 
 __all__ = ["ResidencyManager"]
 

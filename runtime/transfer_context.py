@@ -51,8 +51,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hyper_offload.errors import TransferFailedError, TransferMisuseError
+
 from .device import Transfer, TransferEngine, resolve_device
-from .errors import OffloadRuntimeError, TransferFailedError
 from .memory_meter import label_host
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
@@ -64,12 +65,6 @@ __all__ = [
     "current_transfer_runtime",
     "runtime_of",
 ]
-
-
-class TransferMisuseError(OffloadRuntimeError):
-    """A transfer-op rule was broken (wait without a start, release of a copy still
-    filling, a tensor that is not a host copy, no active runtime, ...). Nothing was
-    changed."""
 
 
 class HostCopyState(str, Enum):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 # The trace IR's default link speed (torch-free), which the runtime's default bandwidth uses.
-from hyper_offload.passes.trace import DEFAULT_BANDWIDTH_GBPS
+from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
 
@@ -161,7 +161,7 @@ def _throughput(args: argparse.Namespace) -> Any:
                         "ops with the traced device's roofline)")
     import math
 
-    from hyper_offload.passes.cost_model import DeviceThroughput
+    from hyper_offload.passes.fx.cost_model import DeviceThroughput
 
     for flag, value in zip(("--compute-tflops", "--memory-gbps"), given):
         if not 0 < value < math.inf:

@@ -42,8 +42,8 @@ from hyper_offload.passes import (
     predict_timeline,
     resident_bytes_without_offload,
 )
-from hyper_offload.passes.planning import backward_start
-from hyper_offload.passes.stall_bound import stall_lower_bound
+from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
+from hyper_offload.passes.plan.planning import backward_start
 
 MIB = 1 << 20
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
@@ -60,7 +60,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan",
         help="plan a JSON activation trace under a device budget",
-        description="Plan an activation trace (JSON, see hyper_offload.passes.trace) under a "
+        description="Plan an activation trace (JSON, see hyper_offload.passes.ir.trace) under a "
         "device budget and print what the schedule moves.",
     )
     parser.add_argument("trace", type=Path, help="trace file written by ActivationTrace.to_json")

@@ -40,7 +40,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
-from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime, op_declarations
+from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 
 from . import region_cache
@@ -51,13 +51,12 @@ from .region_report import LOGGER, RegionReport, log_region_report
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
 
-# The code that decides a region's rewritten graphs: every planning pass, this package
-# and the op declarations. Its hash is in the partitioner's cache key, so an edited
-# planner or lowering never reuses a stale cached graph (paths read from the imported
-# modules, so they hold in the repository and when installed).
-_PLANNING_CODE = (
-    Path(passes.__file__).parent, Path(__file__).parent, Path(op_declarations.__file__),
-)
+# The code that decides a region's rewritten graphs: every planning pass (the op
+# declarations included, in passes/ir/) and this package. Its hash is in the
+# partitioner's cache key, so an edited planner or lowering never reuses a stale cached
+# graph (paths read from the imported modules, so they hold in the repository and when
+# installed).
+_PLANNING_CODE = (Path(passes.__file__).parent, Path(__file__).parent)
 
 
 class _Region:
@@ -189,7 +188,7 @@ class HyperOffloadBackend:
     def bandwidth(self, fw: fx.GraphModule) -> TransferBandwidth:
         """The copy bandwidth plans are priced with: ``transfer_bandwidth_gbps`` when
         given, else the region's device's, measured once per device."""
-        from hyper_offload.passes.fx_trace import device_of, fw_outputs
+        from hyper_offload.passes.fx.graph_trace import device_of, fw_outputs
 
         if self.options.transfer_bandwidth_gbps is not None:
             gbps = self.options.transfer_bandwidth_gbps

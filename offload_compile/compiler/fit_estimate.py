@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from hyper_offload.passes import required_bytes
-from hyper_offload.passes.cost_model import DeviceThroughput, throughput_for
-from hyper_offload.passes.stall_bound import stall_lower_bound
+from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
+from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
@@ -66,8 +66,8 @@ class EstimateReport:
     trace_seconds: float
     stall_lower_bound_s: float = 0.0
     """No schedule under this budget is predicted to stall compute less
-    (:func:`~hyper_offload.passes.stall_bound.stall_lower_bound`, the compile door's rules):
-    how far ``exposed_transfer_s`` is from the best any plan could do."""
+    (:func:`~hyper_offload.passes.analysis.stall_bound.stall_lower_bound`, the compile
+    door's rules): how far ``exposed_transfer_s`` is from the best any plan could do."""
 
     @property
     def budget_bytes(self) -> int:

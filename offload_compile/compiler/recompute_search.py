@@ -60,11 +60,10 @@ import torch
 import torch.fx as fx
 from torch._functorch import config as functorch_config
 
-from hyper_offload.passes.cost_model import DeviceThroughput, node_seconds, throughput_for
+from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
-from .region_plan import GraphPlan, plan_graphs
 from .recompute_splice import (
     EXTERN_MATMULS,
     inductor_uses_templates,
@@ -72,6 +71,7 @@ from .recompute_splice import (
     splice,
     splice_options,
 )
+from .region_plan import GraphPlan, plan_graphs
 from .region_report import PartitionReport, RecomputeReport
 
 __all__ = [

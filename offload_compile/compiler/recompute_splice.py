@@ -14,13 +14,15 @@ without moving any boundary plain compile has:
    saved value for its forward users too) and forward inputs. So the chain reads the
    same rounded values the forward's kernels read, and a chain that needs another
    recomputed value reads that value's materialized copy;
-2. :func:`materialize` right after the chain: an opaque op (an extern kernel), so the
+2. ``hyper_offload::materialize`` (:data:`~hyper_offload.passes.ir.ops.MATERIALIZE`)
+   right after the chain: an opaque op (an extern kernel), so the
    value is stored rounded to its dtype, as the forward stored it, and no backward
    kernel fuses into the chain;
 3. the default partition's backward graph, node for node, reading the materialized
    value where it read the saved one.
 
-The forward is the default partition's with a :func:`discard` stand-in, right after
+The forward is the default partition's with a ``hyper_offload::discard`` stand-in
+(:data:`~hyper_offload.passes.ir.ops.DISCARD`), right after
 the producer, in place of each recomputed saved output: the extern op realizes the
 value where the graph output did, before any consumer is lowered (a stand-in at the
 output lets Inductor inline the value unrounded), and the output node keeps its
@@ -50,39 +52,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from hyper_offload.passes.cost_model import tensor_bytes
+from hyper_offload.passes.fx.cost_model import tensor_bytes
+from hyper_offload.passes.ir.ops import DISCARD, MATERIALIZE
 
 __all__ = [
-    "EXTERN_MATMULS", "SpliceOption", "inductor_uses_templates", "materialize", "recompute_order",
-    "splice", "splice_options",
+    "EXTERN_MATMULS", "SpliceOption", "inductor_uses_templates", "recompute_order", "splice",
+    "splice_options",
 ]
-
-
-@torch.library.custom_op("hyper_offload::materialize", mutates_args=())
-def materialize(value: torch.Tensor) -> torch.Tensor:
-    """A copy of ``value``. As a custom op it is an extern kernel to Inductor: its
-    input is stored (rounded to its dtype) and read back, and nothing fuses across it.
-    The spliced backward ends each recompute chain with it."""
-    return value.clone()
-
-
-@materialize.register_fake
-def _(value: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(value)
-
-
-@torch.library.custom_op("hyper_offload::discard", mutates_args=())
-def discard(value: torch.Tensor) -> torch.Tensor:
-    """An empty tensor that stands in the forward's saved outputs for a recomputed
-    ``value``. As an extern kernel it reads ``value`` from memory, so the forward stores
-    ``value`` exactly as plain compile does (as a saved output) and fuses as it does;
-    ``value``'s bytes are freed after this, its last use."""
-    return value.new_empty(0)
-
-
-@discard.register_fake
-def _(value: torch.Tensor) -> torch.Tensor:
-    return value.new_empty(0)
 
 
 @dataclass(frozen=True)
@@ -256,7 +232,7 @@ def _is_tensor(value: object) -> bool:
 def _forward(
     fw: fx.GraphModule, dropped: set[str], primals: list[str], saved_count: int
 ) -> fx.GraphModule:
-    """``fw`` saving ``primals`` first and a :func:`discard` stand-in for each of
+    """``fw`` saving ``primals`` first and a ``discard`` stand-in for each of
     ``dropped``. ``saved_count``: how many of ``fw``'s outputs are saved for backward
     (the last ones); the others are the user's and stay as they are, even where a user
     output is also saved (it then appears twice, once in each part)."""
@@ -271,7 +247,7 @@ def _forward(
                 # consumer is lowered, as the graph output does in plain compile (a stand-in
                 # placed at the output lets Inductor inline it unrounded into consumers)
                 stand_ins[node.name] = graph.call_function(
-                    torch.ops.hyper_offload.discard.default, (env[node.name],))
+                    DISCARD, (env[node.name],))
                 stand_ins[node.name].meta["val"] = node.meta["val"].new_empty(0)
             continue
         (outputs,) = node.args
@@ -350,7 +326,7 @@ def _spliced_backward(
 
     def materialized(name: str) -> fx.Node:
         if name not in values:
-            barrier = graph.call_function(torch.ops.hyper_offload.materialize.default, (build(name),))
+            barrier = graph.call_function(MATERIALIZE, (build(name),))
             barrier.meta = dict(zero[name].meta)
             values[name] = barrier
         return values[name]

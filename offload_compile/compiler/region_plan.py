@@ -22,12 +22,12 @@ from typing import NamedTuple
 import torch.fx as fx
 
 from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport
-from hyper_offload.passes.cost_model import DeviceThroughput, exposed_transfer_time
-from hyper_offload.passes.fx_lowering import lower_schedule
-from hyper_offload.passes.fx_schedule import check_lowering
-from hyper_offload.passes.fx_trace import FxTrace, build_fx_trace
-from hyper_offload.passes.planning import plan_residency
-from hyper_offload.passes.predicted_timeline import op_durations
+from hyper_offload.passes.analysis.predicted_timeline import op_durations
+from hyper_offload.passes.fx.cost_model import DeviceThroughput, exposed_transfer_time
+from hyper_offload.passes.fx.graph_trace import FxTrace, build_fx_trace
+from hyper_offload.passes.fx.lowering import lower_schedule
+from hyper_offload.passes.fx.lowering_check import check_lowering
+from hyper_offload.passes.plan.planning import plan_residency
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
@@ -200,7 +200,7 @@ def build_region_report(
 
 def kept_saved(fx_trace: FxTrace) -> tuple[KeptSavedReport, ...]:
     """Saved activations (not parameters or inputs) that stay on the device, one entry
-    per storage, largest first, each with ``fx_saved``'s reason."""
+    per storage, largest first, each with :mod:`hyper_offload.passes.fx.saved`'s reason."""
     sizes = fx_trace.trace.storage_sizes
     kept = [
         KeptSavedReport(tuple(s.name for s in group), sizes[sid], group[0].reason)

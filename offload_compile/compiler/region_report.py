@@ -35,7 +35,7 @@ class InfeasibleOpReport:
 @dataclass(frozen=True)
 class KeptSavedReport:
     """One storage of saved activations that stays on the device, and why
-    (``passes.fx_saved``): ``names`` are the saved tensors on it."""
+    (``passes.fx.saved``): ``names`` are the saved tensors on it."""
 
     names: tuple[str, ...]
     nbytes: int

@@ -16,18 +16,24 @@ replay that schedule through the runtime's ``ResidencyManager``.
 from __future__ import annotations
 
 from .._lazy import lazy_getattr
+from ..errors import OffloadBudgetWarning, OffloadSessionError, ReplayMismatchError
 
 _LAZY = {
-    "OffloadBudgetWarning": ".executor_base",
     "OffloadSession": ".session",
-    "OffloadSessionError": ".executor_base",
-    "ReplayMismatchError": "hyper_offload.passes.op_guide",
     "StepStats": ".executor_base",
     "current_session": ".active",
     "skip_offload": ".skip",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "OffloadBudgetWarning",
+    "OffloadSession",
+    "OffloadSessionError",
+    "ReplayMismatchError",
+    "StepStats",
+    "current_session",
+    "skip_offload",
+]
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)

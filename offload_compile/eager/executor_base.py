@@ -19,31 +19,23 @@ the storage. Nothing else ever reads an offloaded storage while the session is a
 from __future__ import annotations
 
 import weakref
-from contextlib import nullcontext
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hyper_offload.passes.schedule import ActionKind, ResidencyAction
-from hyper_offload.passes.trace import StorageId
+from hyper_offload.errors import OffloadBudgetWarning, OffloadSessionError
+from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
+from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import PinnedMemoryPool, PoolStats, ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
 from .dispatch_mode import device_test, flat_tensors
 
 __all__ = ["BaseExecutor", "OffloadBudgetWarning", "OffloadSessionError", "StepStats"]
-
-
-class OffloadSessionError(RuntimeError):
-    """Misuse of an ``OffloadSession`` or an unsafe access it refused to run."""
-
-
-class OffloadBudgetWarning(UserWarning):
-    """The warmup step's plan cannot meet the session's budget at some ops: later steps
-    run exactly, at the plan's (higher) peak. Warned once, at the end of warmup."""
 
 
 @dataclass

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hyper_offload.passes.trace import StorageId
+from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime.physical_buffer import byte_view
 
 from .active import active_executor

@@ -36,16 +36,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
-from hyper_offload.passes.op_guide import OpGuide, ReplayMismatchError
-from hyper_offload.passes.schedule import ActionKind, ResidencyAction
-from hyper_offload.passes.trace import StorageId
+from hyper_offload.errors import ReplayMismatchError
+from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
+from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .dispatch_mode import flat_tensors, result_tensors, tensor_leaves
 from .executor_base import BaseExecutor, OffloadSessionError
+from .op_guide import OpGuide
 from .warmup import WarmupExecutor, WarmupResult
 
 __all__ = ["ReplayExecutor"]

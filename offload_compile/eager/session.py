@@ -37,17 +37,18 @@ from typing import Any
 
 import torch
 
-from hyper_offload.passes.op_guide import OpGuide, ReplayMismatchError
-from hyper_offload.passes.schedule import ResidencySchedule
-from hyper_offload.passes.trace import ActivationTrace
-from hyper_offload.passes.validator import ScheduleReport
+from hyper_offload.config import OffloadConfig
+from hyper_offload.errors import ReplayMismatchError
+from hyper_offload.passes.analysis.validator import ScheduleReport
+from hyper_offload.passes.ir.schedule import ResidencySchedule
+from hyper_offload.passes.ir.trace import ActivationTrace
 from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine, resolve_device
 
-from .active import ActiveSession, activate, current_session, deactivate
+from .active import activate, current_session, deactivate
 from .compiled_modules import install_compiled_module_hooks
-from hyper_offload.config import OffloadConfig
 from .dispatch_mode import ActivationDispatchMode
 from .executor_base import BaseExecutor, OffloadSessionError, StepStats
+from .op_guide import OpGuide
 from .replay import ReplayExecutor
 from .warmup import WarmupExecutor, WarmupResult
 

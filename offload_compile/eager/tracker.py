@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hyper_offload.passes.trace import StorageId
+from hyper_offload.passes.ir.trace import StorageId
 
 __all__ = ["ActivationTracker", "TrackedStorage"]
+
 
 def _dead_ref() -> None:
     """Stands in for the weak reference of a storage recorded as already dead."""

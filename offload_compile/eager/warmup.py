@@ -36,11 +36,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
 from hyper_offload.config import MIB
-from hyper_offload.passes.planner_protocol import ResidencyPlanner
-from hyper_offload.passes.planning import PlanningError, plan_residency
-from hyper_offload.passes.schedule import ResidencySchedule
-from hyper_offload.passes.trace import AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp
-from hyper_offload.passes.validator import ScheduleReport
+from hyper_offload.passes.analysis.validator import ScheduleReport
+from hyper_offload.passes.ir.schedule import ResidencySchedule
+from hyper_offload.passes.ir.trace import (
+    AccessKind,
+    ActivationTrace,
+    StorageAccess,
+    StorageId,
+    TraceOp,
+)
+from hyper_offload.passes.plan.planning import PlanningError, plan_residency
+from hyper_offload.passes.plan.protocol import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.op_clock import OpClock
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view

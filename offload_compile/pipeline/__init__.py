@@ -13,18 +13,24 @@ Planning orders without running them: ``hyper-offload pp-order`` and
 from __future__ import annotations
 
 from .._lazy import lazy_getattr
+from ..errors import SwapOutsideGroupWarning, UnsupportedScheduleError
 
 # The executor imports torch.distributed.pipelining (seconds of start-up): load on use.
 _LAZY = {
     "PipelineSwapSchedule": "hyper_offload.runtime.pipeline.schedule",
     "StepObserver": "hyper_offload.runtime.pipeline.step_runner",
-    "SwapOutsideGroupWarning": ".wrappers",
-    "UnsupportedScheduleError": "hyper_offload.runtime.pipeline.schedule",
     "swap_tensor_wrapper": ".wrappers",
     "swap_wrapper": ".wrappers",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "PipelineSwapSchedule",
+    "StepObserver",
+    "SwapOutsideGroupWarning",
+    "UnsupportedScheduleError",
+    "swap_tensor_wrapper",
+    "swap_wrapper",
+]
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)

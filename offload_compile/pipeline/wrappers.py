@@ -32,16 +32,17 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hyper_offload.runtime.pipeline.hooks import current_group, in_pipeline_forward, saved_tensor_hooks
+from hyper_offload.errors import SwapOutsideGroupWarning
+from hyper_offload.runtime.pipeline.hooks import (
+    current_group,
+    in_pipeline_forward,
+    saved_tensor_hooks,
+)
 
 __all__ = ["SwapOutsideGroupWarning", "SwapWrapped", "swap_tensor_wrapper", "swap_wrapper"]
 
 T = TypeVar("T")
 Policy = Callable[[torch.Tensor], bool]
-
-
-class SwapOutsideGroupWarning(UserWarning):
-    """``swap_tensor_wrapper`` ran outside a pipeline FWD leaf; nothing was registered."""
 
 
 def swap_wrapper(

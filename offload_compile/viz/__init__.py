@@ -7,7 +7,7 @@
 * :class:`PlotDependencyError` — raised by both when matplotlib is missing.
 """
 
-from ._matplotlib import PlotDependencyError
+from ..errors import PlotDependencyError
 from .pipeline_plot import draw_timeline, plot_timeline
 from .plan_plot import draw_plan, plot_plan
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from hyper_offload.errors import PlotDependencyError
+
 __all__ = ["PlotDependencyError", "require_matplotlib"]
-
-
-class PlotDependencyError(ImportError):
-    """matplotlib is not installed."""
 
 
 def require_matplotlib(what: str) -> ModuleType:

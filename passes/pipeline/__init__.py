@@ -11,11 +11,11 @@ and the bridge to torch's pipelining actions. The individual passes (``compute_o
 ``residency``, ``torch_actions``.
 """
 
-from importlib import import_module
+from hyper_offload._lazy import lazy_getattr
+from hyper_offload.errors import OrderError, StepFormatError, TimelineError
 
 from .build import build_rank_orders
 from .check_order import (
-    OrderError,
     OrderRule,
     OrderViolation,
     assert_valid_order,
@@ -34,7 +34,7 @@ from .swap_cost import (
     plan_swaps,
     resident_curve,
 )
-from .timeline import Timeline, TimelineError, build_timeline
+from .timeline import Timeline, build_timeline
 from .transport import TRANSPORTS
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "PipelineLayout",
     "SCHEDULES",
     "SendReleases",
+    "StepFormatError",
     "StageFootprint",
     "StageFootprints",
     "StepKind",
@@ -76,7 +77,4 @@ __all__ = [
 _LAZY = {"torch_pipeline_order": ".torch_actions"}
 
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

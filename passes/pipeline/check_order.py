@@ -43,7 +43,17 @@ from collections.abc import Callable, Collection, Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from .meta_step import SWAP_PHASE_OF, SWAP_SEQUENCES, MetaStep, StepFormatError, StepKind, SwapPhase, validate_step
+from hyper_offload.errors import OrderError
+
+from .meta_step import (
+    SWAP_PHASE_OF,
+    SWAP_SEQUENCES,
+    MetaStep,
+    StepFormatError,
+    StepKind,
+    SwapPhase,
+    validate_step,
+)
 from .swap import MIN_SWAP_GAP  # the default threshold only; the rules are re-derived here
 
 
@@ -92,14 +102,6 @@ class OrderViolation(NamedTuple):
     def __str__(self) -> str:
         where = f"rank {self.rank}, step {self.step} (stage {self.stage}, micro {self.micro})"
         return f"{where}: [{self.rule.value}] {self.message}"
-
-
-class OrderError(ValueError):
-    """Raised by :func:`assert_valid_order`; ``violations`` holds every broken rule."""
-
-    def __init__(self, message: str, violations: Sequence[OrderViolation]) -> None:
-        super().__init__(message)
-        self.violations = list(violations)
 
 
 _Where = tuple[int | None, int | None]  # (stage, micro)

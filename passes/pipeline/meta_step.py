@@ -31,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from enum import Enum
 from typing import NamedTuple
 
+from hyper_offload.errors import StepFormatError
+
 
 class StepKind(str, Enum):
     """What a :class:`MetaStep` does. The value is the token used in the compact form."""
@@ -115,10 +117,6 @@ _STAGE_ONLY_KINDS = FSDP_KINDS
 _KIND_TOKENS = sorted((k.value for k in StepKind), key=len, reverse=True)
 _LEAF_RE = re.compile(r"(\d*)(" + "|".join(re.escape(t) for t in _KIND_TOKENS) + r")(\d*)")
 _WORD_RE = re.compile(r"[A-Z_]+")
-
-
-class StepFormatError(ValueError):
-    """A MetaStep (or its text form) breaks one of the invariants in this module's docstring."""
 
 
 class MetaStep(NamedTuple):

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from hyper_offload.errors import TimelineError
+
 from .meta_step import MetaStep, StepKind
 
 #: One-letter names of compute kinds, as torch.distributed.pipelining writes them.
@@ -50,10 +52,6 @@ class WindowKind(str, Enum):
 
     def __repr__(self) -> str:
         return self.value
-
-
-class TimelineError(ValueError):
-    """The orders cannot be placed on one timeline (they deadlock or are malformed)."""
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ The user-facing door is :mod:`hyper_offload.pipeline` (``swap_wrapper``,
 :mod:`.hooks`.
 """
 
-from importlib import import_module
+from hyper_offload._lazy import lazy_getattr
+from hyper_offload.errors import SwapStateError, UnsupportedScheduleError
 
 from .footprint import FootprintRecorder
 from .session import PipelineSwapSession
-from .swap_group import GroupState, SwapGroup, SwapStateError
+from .swap_group import GroupState, SwapGroup
 
 __all__ = [
     "FootprintRecorder",
@@ -35,12 +36,8 @@ __all__ = [
 # The executor imports torch.distributed.pipelining (seconds of start-up); load it on use.
 _LAZY = {
     "PipelineSwapSchedule": ".schedule",
-    "UnsupportedScheduleError": ".schedule",
     "StepObserver": ".step_runner",
 }
 
 
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

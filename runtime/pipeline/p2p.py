@@ -39,14 +39,12 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from hyper_offload.errors import PipelineCommError
 from hyper_offload.passes.pipeline.execution import P2PKey, p2p_key
 from hyper_offload.passes.pipeline.meta_step import RECV_KINDS, MetaStep, StepKind
 from hyper_offload.passes.pipeline.send_release import SendReleases
 
 __all__ = ["P2PTracker", "PipelineCommError", "SentTensor"]
-
-class PipelineCommError(RuntimeError):
-    """A P2P operation of the pipeline failed or timed out."""
 
 
 class SentTensor(NamedTuple):

@@ -16,7 +16,7 @@ a single engine copy each way::
 
 States: ``IDLE → OFFLOADING → OFFLOADED → LOADING → LOADED``; :meth:`PackedCopy.abort`
 leads from any state to ``CLOSED``. A step called out of order raises
-:class:`~hyper_offload.runtime.errors.SwapStateError` and changes nothing. A packed copy makes one cycle.
+:class:`~hyper_offload.errors.SwapStateError` and changes nothing. A packed copy makes one cycle.
 
 Invariants:
 
@@ -50,8 +50,14 @@ from enum import Enum
 
 import torch
 
+from hyper_offload.errors import (
+    DataLostError,
+    ResidencyMisuseError,
+    SwapStateError,
+    TransferFailedError,
+)
+
 from ..device import Transfer, TransferEngine
-from ..errors import DataLostError, ResidencyMisuseError, SwapStateError, TransferFailedError
 from ..physical_buffer import AllDone, byte_view
 from ..pinned_pool import PinnedMemoryPool
 

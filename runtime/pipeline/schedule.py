@@ -35,10 +35,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from hyper_offload.errors import UnsupportedScheduleError
 from hyper_offload.passes.pipeline import (
     ActivationSizes,
-    SwapCostModel,
     StageFootprints,
+    SwapCostModel,
     SwapCostReport,
     assert_valid_order,
     build_rank_orders,
@@ -56,10 +57,6 @@ from .session import PipelineSwapSession
 from .step_runner import StepContext, StepObserver, StepRun
 
 __all__ = ["PipelineSwapSchedule", "UnsupportedScheduleError"]
-
-
-class UnsupportedScheduleError(ValueError):
-    """The schedule cannot run this combination of options and stages (message says why)."""
 
 
 class PipelineSwapSchedule(PipelineScheduleMulti):

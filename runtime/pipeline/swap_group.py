@@ -44,17 +44,16 @@ Invariants:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-import weakref
-
 import torch
 
+from hyper_offload.errors import SwapStateError
 from hyper_offload.passes.pipeline.meta_step import SwapPhase
 
-from ..errors import SwapStateError
 from ..residency import ResidencyManager
 from .packed_copy import PackedCopy
 

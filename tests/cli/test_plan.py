@@ -211,8 +211,7 @@ def test_plan_emits_the_schedule_of_the_shared_pipeline_and_of_the_compile_backe
 
     import hyper_offload
     from hyper_offload.passes import GreedyResidencyPlanner, ResidencySchedule, plan_residency
-    from hyper_offload.passes.planning import backward_start
-    from hyper_offload.passes.planning import prefetch_leads
+    from hyper_offload.passes.plan.planning import backward_start, prefetch_leads
     from tests.compiler.compile_models import mlp
 
     torch._dynamo.reset()
@@ -274,7 +273,7 @@ def test_reloads_start_where_the_trace_says_backward_begins(
     tmp_path: Path, compile_names: bool, extra: list[str], copy_op: int
 ) -> None:
     from hyper_offload.passes import ResidencySchedule
-    from hyper_offload.passes.planning import prefetch_leads
+    from hyper_offload.passes.plan.planning import prefetch_leads
 
     names = [f"fw:n{i}" for i in range(8)] + ["bw:n8", "bw:n9"] if compile_names else [
         f"op{i}" for i in range(10)]

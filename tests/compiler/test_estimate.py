@@ -9,13 +9,11 @@ import torch
 from torch import nn
 
 import hyper_offload
-from hyper_offload.passes import required_bytes
-
 from examples.gpt_model import GPT, GPTConfig, random_batch
 from examples.llama_model import llama_tiny
+from hyper_offload.passes import required_bytes
 
 from .compile_models import BATCH, HIDDEN, SEQ, mlp
-
 
 _GPT = GPTConfig(layers=2, dim=32, heads=2, seq_len=16, vocab=64)
 _COMPARED = (
@@ -161,7 +159,7 @@ def test_meta_inputs_and_meta_model_match_the_real_model() -> None:
 
 def test_required_bytes_is_what_the_report_calls_smallest_feasible(tiny) -> None:
     from hyper_offload.compiler.fake_capture import capture_graphs
-    from hyper_offload.passes.fx_trace import build_fx_trace
+    from hyper_offload.passes.fx.graph_trace import build_fx_trace
 
     model, inputs = tiny
     graphs = capture_graphs(model, inputs, device=torch.device("cpu"), inner_compiler="aot_eager")

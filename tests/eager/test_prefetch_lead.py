@@ -18,9 +18,8 @@ import torch
 from hyper_offload import OffloadConfig, OffloadSession, skip_offload
 from hyper_offload.config import MIB
 from hyper_offload.passes import required_bytes, resident_bytes_without_offload
-from hyper_offload.passes.planning import prefetch_leads
+from hyper_offload.passes.plan.planning import prefetch_leads
 from hyper_offload.runtime import DeviceMemoryMeter, TransferEngine
-
 from tests.runtime.scripted_cuda import ScriptedCudaEngine
 
 from .models import CASES, assert_same_state, make_pair, train_step

@@ -1,4 +1,5 @@
-"""The package layout's contracts: no import cycle, layers import downwards only, cheap doors.
+"""The package layout's contracts: no import cycle, layers import downwards only, cheap
+doors, small files and functions.
 
 Static checks read the source (``import_graph``: every import, lazy and ``TYPE_CHECKING``
 ones included); the import-cost checks run a fresh interpreter.
@@ -6,8 +7,10 @@ ones included); the import-cost checks run a fresh interpreter.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,12 +20,22 @@ from .import_graph import REPO, cycles, import_graph
 
 GRAPH = import_graph()
 
-#: What each layer may import from the library besides itself (DESIGN.md, "Layout"): a
-#: name ending in "." allows a whole package, any other name exactly that module.
-ALLOWED = {
-    "hyper_offload.passes.": ("hyper_offload.runtime.op_declarations",),
+#: The bottom layer: leaf modules (the standard library only) that every layer may import.
+BASE = ("hyper_offload._lazy", "hyper_offload.errors")
+
+#: What each layer may import from the library besides itself and BASE (DESIGN.md,
+#: "Layout"; docs/architecture.md): a name ending in "." allows a whole package, any
+#: other name exactly that module. No exception: the op declarations live in passes/ir.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "hyper_offload.passes.": (),
     "hyper_offload.runtime.": ("hyper_offload.passes.",),
 }
+
+#: passes/'s subpackages, lowest first: each imports only those before it (and BASE).
+PASSES_ORDER = ("ir", "analysis", "plan", "fx")
+
+#: Size limits (STYLE.md, "Keep it small"), for every Python file of the repository.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 80
 
 
 def _allowed(target: str, allowed: tuple[str, ...]) -> bool:
@@ -52,17 +65,76 @@ def test_layers_import_only_downwards() -> None:
         for layer, allowed in ALLOWED.items()
         if (module + ".").startswith(layer)
         for target in targets
-        if not (target + ".").startswith(layer) and not _allowed(target, allowed)
+        if not (target + ".").startswith(layer) and not _allowed(target, allowed + BASE)
     ]
     assert wrong == [], (
-        f"layer rule broken (module -> import): {wrong}. Passes import only the op "
-        "declarations of the runtime; the runtime imports no front door"
+        f"layer rule broken (module -> import): {wrong}. Passes import nothing of the "
+        "runtime (the op declarations are passes/ir/ops.py); the runtime imports no front "
+        "door; every layer may import the leaves hyper_offload.errors and hyper_offload._lazy"
     )
 
 
-def test_the_root_holds_only_the_first_names() -> None:
+def test_the_bottom_layer_imports_nothing_of_the_library() -> None:
+    assert {module: GRAPH[module] for module in BASE} == {module: set() for module in BASE}
+
+
+def _passes_part(module: str) -> str | None:
+    """The passes subpackage ``module`` belongs to (``None``: not in one)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["hyper_offload", "passes"] else None
+
+
+def test_passes_subpackages_import_only_the_ones_before_them() -> None:
+    rank = {part: index for index, part in enumerate(PASSES_ORDER)}
+    wrong = [
+        (module, target)
+        for module, targets in GRAPH.items()
+        if (part := _passes_part(module)) is not None
+        for target in targets
+        if (other := _passes_part(target)) is not None and other != part
+        and not (part in rank and other in rank and rank[other] < rank[part])
+    ]
+    assert wrong == [], (
+        f"passes/ subpackage order broken (module -> import): {wrong}. The order is "
+        f"{' < '.join(PASSES_ORDER)}, and pipeline/ stands apart; move what both sides "
+        "need into the lower subpackage"
+    )
+    assert {_passes_part(m) for m in GRAPH} >= {*PASSES_ORDER, "pipeline"}  # the walk saw them
+
+
+#: The folders of the repository that hold Python (the library, tests, and the rest).
+SOURCE_FOLDERS = ("offload_compile", "passes", "runtime", "tests", "benchmarks", "examples",
+                  "scripts")
+
+
+def _python_files() -> list[Path]:
+    return sorted(path for folder in SOURCE_FOLDERS for path in (REPO / folder).rglob("*.py"))
+
+
+def test_no_file_or_function_is_too_long() -> None:
+    files = _python_files()
+    assert len(files) > 200  # the walk saw the repository
+    long_files, long_functions = [], []
+    for path in files:
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            long_files.append(str(path.relative_to(REPO)))
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} "
+                                          f"({length} lines)")
+    assert long_files == [], f"files over {MAX_FILE_LINES} lines, split by job: {long_files}"
+    assert long_functions == [], (
+        f"functions over {MAX_FUNCTION_LINES} lines, split into steps: {long_functions}")
+
+
+def test_the_root_holds_only_the_first_names_and_the_errors() -> None:
+    errors = hyper_offload.errors.__all__
     assert sorted(hyper_offload.__all__) == sorted(
-        ["OffloadConfig", "OffloadSession", "__version__", "backend", "estimate", "skip_offload"])
+        ["OffloadConfig", "OffloadSession", "__version__", "backend", "estimate", "skip_offload",
+         *errors])
     for name in hyper_offload.__all__:
         assert getattr(hyper_offload, name) is not None
 

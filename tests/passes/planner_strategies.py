@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from hyper_offload.passes import ActivationTrace, required_bytes, resident_bytes_without_offload
@@ -39,3 +41,24 @@ def pressured_traces(draw: st.DrawFn, max_ops: int = 40, max_storages: int = 20)
     if peak <= need:
         return trace
     return trace.with_budget(draw(st.integers(need, peak - 1)))
+
+
+def with_times(trace: ActivationTrace, durations: list[float], gbps: float) -> ActivationTrace:
+    """``trace`` with these op durations and both links at ``gbps``."""
+    return dataclasses.replace(
+        trace,
+        ops=tuple(dataclasses.replace(op, duration_s=d) for op, d in zip(trace.ops, durations)),
+        d2h_bandwidth_gbps=gbps, h2d_bandwidth_gbps=gbps,
+    )
+
+
+@st.composite
+def timed_pressured(draw: st.DrawFn) -> tuple[ActivationTrace, int, int | None]:
+    """A pressured trace with op times and a link slow enough that copies matter, and a
+    door: (earliest prefetch op, latest release op)."""
+    trace = draw(pressured_traces(max_ops=24, max_storages=10))
+    durations = draw(st.lists(st.floats(0, 1e-6), min_size=trace.num_ops, max_size=trace.num_ops))
+    gbps = draw(st.sampled_from([1e-4, 1e-3, 1e-2]))  # 100 kB/s .. 10 MB/s: 1-100 µs a kB
+    split = draw(st.integers(0, trace.num_ops))
+    latest = draw(st.sampled_from([None, max(split - 1, 0)]))
+    return with_times(trace, durations, gbps), split, latest

@@ -2,7 +2,7 @@
 
 O(M·S): a plain list of resident bytes per op, scanned and updated op by op for every
 candidate, exactly as section 4.4 of the design describes. It shares no code with
-``hyper_offload.passes.greedy_planner`` beyond the IR types, so agreeing with it means
+``hyper_offload.passes.plan.greedy`` beyond the IR types, so agreeing with it means
 the fast planner implements the design, not merely itself.
 
 Conventions both must share (they are part of the design as the issue pins it down):
@@ -13,8 +13,8 @@ RELEASE_DEVICE and ``pre`` runs COPY_H2D before WAIT_H2D, each kind by storage i
 
 from __future__ import annotations
 
-from hyper_offload.passes.schedule import ActionKind, ResidencyAction, ResidencySchedule
-from hyper_offload.passes.trace import AccessKind, ActivationTrace
+from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
+from hyper_offload.passes.ir.trace import AccessKind, ActivationTrace
 
 _POST_ORDER = [ActionKind.RELEASE_HOST, ActionKind.COPY_D2H, ActionKind.RELEASE_DEVICE]
 _PRE_ORDER = [ActionKind.COPY_H2D, ActionKind.WAIT_H2D]

@@ -7,14 +7,14 @@ import time
 import pytest
 import torch
 
-from hyper_offload.passes.trace import DEFAULT_BANDWIDTH_GBPS
+from hyper_offload.errors import OffloadRuntimeError
+from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 from hyper_offload.runtime.bandwidth import (
     DEFAULT_TRANSFER_BANDWIDTH,
     DeviceTimer,
     TransferBandwidth,
     profile_transfer_bandwidth,
 )
-from hyper_offload.runtime.errors import OffloadRuntimeError
 
 
 def test_default_is_16_each_way_and_unmeasured() -> None:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from hyper_offload.errors import DataLostError, ResidencyMisuseError
 from hyper_offload.runtime.device import TransferDirection, TransferEngine
-from hyper_offload.runtime.errors import DataLostError, ResidencyMisuseError
 from hyper_offload.runtime.physical_buffer import BufferState, PhysicalBuffer
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_offload.runtime.errors import PoolMisuseError
+from hyper_offload.errors import PoolMisuseError
 from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.pinned_pool import (
     MAX_BUCKET_BYTES,

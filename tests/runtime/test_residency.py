@@ -11,6 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyper_offload.errors import (
+    DataLostError,
+    ResidencyMisuseError,
+    TransferFailedError,
+)
 from hyper_offload.passes import (
     AccessKind,
     ActivationTrace,
@@ -23,11 +28,6 @@ from hyper_offload.passes import (
 )
 from hyper_offload.runtime.device import TransferEngine
 from hyper_offload.runtime.memory_meter import DeviceMemoryMeter
-from hyper_offload.runtime.errors import (
-    DataLostError,
-    ResidencyMisuseError,
-    TransferFailedError,
-)
 from hyper_offload.runtime.physical_buffer import BufferState
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.residency import ResidencyManager

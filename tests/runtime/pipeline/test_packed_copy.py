@@ -12,8 +12,8 @@ from collections.abc import Iterable
 import pytest
 import torch
 
+from hyper_offload.errors import ResidencyMisuseError
 from hyper_offload.runtime.device import Transfer, TransferDirection, TransferEngine
-from hyper_offload.runtime.errors import ResidencyMisuseError
 from hyper_offload.runtime.memory_meter import DeviceMemoryMeter
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool, bucket_bytes
 from hyper_offload.runtime.pipeline.packed_copy import PackedCopy, PackState

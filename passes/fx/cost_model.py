@@ -1,0 +1,125 @@
+"""Op durations and transfer times for the compile path: a roofline over fake metadata.
+
+An FX node's estimated duration is ``max(flops / flops_per_s, bytes / bytes_per_s)``:
+FLOPs from torch's own formulas (``torch.utils.flop_counter.flop_registry``; ops it does
+not know count 0 FLOPs), bytes the sum of the node's tensor inputs and outputs as their
+fake-tensor metadata says. Symbolic sizes are evaluated at their size hints. This is an
+estimate for *placing* prefetches and *predicting* exposed copy time, never for
+correctness: every schedule is still judged by ``check_schedule``.
+
+Transfer times use the trace's bandwidths (GB/s, 10^9 bytes/s, as the design means),
+which the backend fills from ``runtime.profile_transfer_bandwidth``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from hyper_offload.errors import DynamicShapeError
+
+from ..analysis.predicted_timeline import predict_timeline
+from ..ir.schedule import ActionKind, ResidencySchedule
+from ..ir.trace import ActivationTrace
+
+__all__ = [
+    "DeviceThroughput",
+    "TransferTime",
+    "exposed_transfer_time",
+    "node_seconds",
+    "throughput_for",
+    "to_hint",
+]
+
+
+class DeviceThroughput(NamedTuple):
+    """Sustained compute and memory throughput used by the roofline estimate."""
+
+    flops_per_s: float
+    bytes_per_s: float
+
+
+# Deliberately round figures: a 2-core CPU and a recent datacenter GPU. Only ratios
+# between op time and copy time matter to the prefetch placement.
+_CPU = DeviceThroughput(flops_per_s=5e10, bytes_per_s=2e10)
+_ACCELERATOR = DeviceThroughput(flops_per_s=5e13, bytes_per_s=1e12)
+
+
+def throughput_for(device: torch.device) -> DeviceThroughput:
+    """Default throughput for ``device`` (CPU or any accelerator)."""
+    return _CPU if device.type == "cpu" else _ACCELERATOR
+
+
+def to_hint(value: Any, where: str) -> int:
+    """``value`` as an int: plain ints pass, a ``SymInt`` gives its size hint."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        if hint is None:
+            raise DynamicShapeError(
+                f"{where}: size {value} is symbolic and has no hint; hyper_offload plans on "
+                "size hints. Fix: compile with dynamic=False, or mark the dimension with "
+                "a concrete example before compiling"
+            )
+        return int(hint)
+    return int(value)
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    flat, _ = tree_flatten(values)
+    return (v for v in flat if isinstance(v, torch.Tensor))
+
+
+def tensor_bytes(tensor: torch.Tensor, where: str) -> int:
+    """Bytes of ``tensor``'s elements (numel x element size) at size hints."""
+    return to_hint(tensor.numel(), where) * tensor.element_size()
+
+
+def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
+    """Estimated run time of ``node`` (0 for anything that is not a call_function)."""
+    if node.op != "call_function":
+        return 0.0
+    out = node.meta.get("val")
+    args = tuple(
+        a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args
+    )
+    kwargs = {
+        k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()
+    }
+    nbytes = sum(tensor_bytes(t, node.name) for t in _tensors((args, kwargs, out)))
+    flops = 0
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is not None:
+        try:
+            flops = to_hint(formula(*args, out_val=out, **kwargs), node.name)
+        except Exception:  # a formula that rejects these arguments: count bytes only
+            flops = 0
+    return max(flops / throughput.flops_per_s, nbytes / throughput.bytes_per_s)
+
+
+class TransferTime(NamedTuple):
+    """Predicted copy time of a schedule and the part compute does not hide."""
+
+    d2h_s: float
+    h2d_s: float
+    exposed_s: float
+
+
+def exposed_transfer_time(trace: ActivationTrace, schedule: ResidencySchedule) -> TransferTime:
+    """Copy seconds of ``schedule`` and how many of them compute cannot hide.
+
+    The compile lowering's timeline (:func:`~.predicted_timeline.predict_timeline` with
+    ``release_waits_for_d2h=True``, ops without a duration priced by the one default of
+    :func:`~.predicted_timeline.op_durations`): one serial copy stream; a D2H is waited
+    for where its device bytes are released, an H2D at its ``WAIT_H2D``. Exposed is the
+    compute time those waits stall, what the planning pipeline minimised.
+    """
+    timeline = predict_timeline(trace, schedule, release_waits_for_d2h=True)
+    d2h_s = sum(t.end_s - t.start_s for t in timeline.transfers if t.kind is ActionKind.COPY_D2H)
+    h2d_s = sum(t.end_s - t.start_s for t in timeline.transfers if t.kind is ActionKind.COPY_H2D)
+    return TransferTime(d2h_s, h2d_s, timeline.exposed_transfer_s)

@@ -1,0 +1,301 @@
+"""Lower a :class:`ResidencySchedule` onto a region's forward and backward FX graphs.
+
+The unit that moves is a storage (:mod:`.saved`): its *base* tensor ``base`` and the
+saved activations on it, ``act_1 .. act_k`` (the base itself, or views of it). For a
+storage ``s`` that the schedule offloads, the forward gets, and returns the host copy in
+place of every ``act_i``::
+
+    base = <producer>(...)
+    act_1 = <view>(base)                                      # first saved tensor on s
+    host = hyper_offload.copy_d2h(base, dim_order)            # post[..]: COPY_D2H s
+    ...                                                       # s's forward readers
+    host_w = hyper_offload.wait_transfer(host, keepalive=base) # post[last read]: RELEASE_DEVICE s
+    return (..., host_w, ..., host_w, ...)                    # for act_1 .. act_k
+
+and the backward, whose placeholders ``act_1 .. act_k`` now all hold that host copy::
+
+    dev   = hyper_offload.copy_h2d(act_1, device)             # pre[k]: COPY_H2D s (hoisted)
+    ...
+    dev_w = hyper_offload.wait_transfer(dev, keepalive=act_1) # pre[first read]: WAIT_H2D s
+    act_i' = aten.as_strided(dev_w, size_i, stride_i, offset_i)  # each view, rebuilt
+    <readers of act_i>(act_i', ...)                           # (dev_w itself if act_i is base)
+    hyper_offload.release_host(act_1, after=dev_w)            # post[last reload]: RELEASE_HOST s
+
+Why the copy sits right after the first saved tensor: Inductor realizes a node into a
+buffer when it is lowered if one of its users is the graph output; in the plain graph
+that happens to ``base``'s buffer when ``act_1`` is lowered. Once the output reads the
+wait instead, an extern copy of ``base`` at that same point realizes it at the same
+moment (earlier would change which readers see it inlined, later lets Inductor inline a
+bf16 value unrounded: docs/architecture.md, "Compile path"). The copy of the *base*, not
+of the views, is what moves each byte once; the base's layout is exact in both inner
+compilers (a dense extern input keeps its fake strides), and each rebuilt view is an
+``as_strided`` of the reloaded buffer, whose layout the copy op's fake kernel fixes.
+
+The schedule's COPY_D2H slot must not precede the storage's last forward write; the
+lowering then places the copy as above (never before that write), and the schedule
+re-derived from the lowered graphs is what ``check_schedule`` judges. Every other action
+must be an end-of-life ``RELEASE_DEVICE`` (the graph frees a value after its last reader
+by itself); anything else raises :class:`LoweringError`. The graphs are rewritten in
+place and returned; :mod:`.lowering_check` re-derives the schedule from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from hyper_offload.errors import LoweringError
+from hyper_offload.passes.ir.ops import (
+    COPY_D2H,
+    COPY_H2D,
+    RELEASE_HOST,
+    WAIT_TRANSFER,
+    dim_order_of,
+    host_layout,
+)
+
+from ..analysis.liveness import storage_liveness
+from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
+from ..ir.trace import AccessKind, StorageId
+from .graph_trace import REBUILT_VIEW_META, SAVED_NAMES_META, FxTrace, saved_output_names
+from .saved import SavedActivation, same_layout, view_layout
+
+__all__ = ["LoweringError", "lower_schedule"]
+
+
+@dataclass
+class _Graphs:
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    fx_trace: FxTrace
+    movable: Mapping[StorageId, tuple[SavedActivation, ...]]
+    fw_nodes: dict[str, fx.Node] = field(default_factory=dict)
+    bw_nodes: dict[str, fx.Node] = field(default_factory=dict)
+    fw_order: dict[fx.Node, int] = field(default_factory=dict)
+    after_cursor: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    d2h: dict[StorageId, fx.Node] = field(default_factory=dict)
+    d2h_anchor: dict[StorageId, fx.Node] = field(default_factory=dict)
+    fw_wait: dict[StorageId, fx.Node] = field(default_factory=dict)
+    h2d: dict[StorageId, fx.Node] = field(default_factory=dict)
+    bw_wait: dict[StorageId, fx.Node] = field(default_factory=dict)
+
+    def node(self, op: int) -> fx.Node:
+        graph, name = self.fx_trace.op_nodes[op].split(":", 1)
+        return (self.fw_nodes if graph == "fw" else self.bw_nodes)[name]
+
+    def later(self, a: fx.Node, b: fx.Node) -> fx.Node:
+        """The later of two nodes of the original forward graph."""
+        return a if self.fw_order[a] >= self.fw_order[b] else b
+
+    def insert_after(self, anchor: fx.Node, target: object, args: tuple[object, ...]) -> fx.Node:
+        """Insert after ``anchor`` and after what was inserted there before (keeps the
+        schedule's order within one slot)."""
+        where = self.after_cursor.get(anchor, anchor)
+        with where.graph.inserting_after(where):
+            node = where.graph.call_function(target, args)
+        self.after_cursor[anchor] = node
+        return node
+
+
+def lower_schedule(
+    fw: fx.GraphModule, bw: fx.GraphModule, fx_trace: FxTrace, schedule: ResidencySchedule
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Insert the transfer ops ``schedule`` asks for (see the module docstring)."""
+    if schedule.num_ops != fx_trace.trace.num_ops:
+        raise LoweringError(
+            f"lower_schedule: the schedule has {schedule.num_ops} op slots but the trace "
+            f"has {fx_trace.trace.num_ops} ops; plan the schedule from this region's trace"
+        )
+    graphs = _Graphs(fw, bw, fx_trace, fx_trace.movable())
+    graphs.fw_nodes = {n.name: n for n in fw.graph.nodes}
+    graphs.bw_nodes = {n.name: n for n in bw.graph.nodes}
+    graphs.fw_order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    last_access = {s: live.last for s, live in storage_liveness(fx_trace.trace).items()}
+    last_write = _last_forward_writes(fx_trace)
+    for op, slot, action in schedule.actions():
+        _lower_action(graphs, last_access, last_write, op, slot, action)
+    _rewire_outputs(graphs)
+    for module in (fw, bw):
+        module.graph.lint()
+        module.recompile()
+    return fw, bw
+
+
+def _last_forward_writes(fx_trace: FxTrace) -> dict[StorageId, int]:
+    last: dict[StorageId, int] = {}
+    for index, op in enumerate(fx_trace.trace.ops[: fx_trace.num_fw_ops]):
+        for access in op.accesses:
+            if access.kind is AccessKind.WRITE:
+                last[access.storage] = index
+    return last
+
+
+def _fail(op: int, action: ResidencyAction, fx_trace: FxTrace, rule: str) -> LoweringError:
+    return LoweringError(
+        f"lower_schedule: op {op} ({fx_trace.op_nodes[op]}), {action!r}: {rule}. The compile "
+        "path offloads a saved activation only between its last forward and first backward "
+        "access; plan with a trace from passes.fx.graph_trace"
+    )
+
+
+def _lower_action(
+    g: _Graphs,
+    last_access: Mapping[StorageId, int],
+    last_write: Mapping[StorageId, int],
+    op: int,
+    slot: str,
+    action: ResidencyAction,
+) -> None:
+    s, kind, in_fw = action.storage, action.kind, op < g.fx_trace.num_fw_ops
+    if kind is ActionKind.RELEASE_DEVICE and s not in g.d2h and op == last_access.get(s):
+        return  # end of life: the graph frees a value after its last reader
+    if s not in g.movable:
+        raise _fail(op, action, g.fx_trace, "the storage is not an offloadable saved activation")
+    group = g.movable[s]
+    if kind is ActionKind.COPY_D2H and in_fw and slot == "post" and s not in g.d2h:
+        if op < last_write.get(s, -1):
+            raise _fail(op, action, g.fx_trace, "COPY_D2H precedes the storage's last write")
+        _lower_copy_d2h(g, s, group, g.node(last_write[s]) if s in last_write else None)
+    elif kind is ActionKind.RELEASE_DEVICE and in_fw and slot == "post" and s in g.d2h:
+        _lower_forward_release(g, s, group, g.node(op))
+    elif kind is ActionKind.RELEASE_DEVICE and s in g.bw_wait and op == last_access.get(s):
+        return  # the reloaded copy's end of life
+    elif kind is ActionKind.COPY_H2D and not in_fw and slot == "pre" and s in g.fw_wait:
+        placeholder = g.bw_nodes[group[0].name]
+        device = g.fw_nodes[group[0].base].meta["val"].device  # type: ignore[index]
+        with g.bw.graph.inserting_before(g.node(op)):
+            node = g.bw.graph.call_function(COPY_H2D, (placeholder, device))
+        node.meta["val"] = _device_value(g.d2h[s].meta["val"], device)
+        g.h2d[s] = node
+    elif kind is ActionKind.WAIT_H2D and not in_fw and slot == "pre" and s in g.h2d:
+        if s in g.bw_wait:
+            raise _fail(op, action, g.fx_trace, "a second reload of one host copy")
+        _lower_wait_h2d(g, s, group, g.node(op))
+    elif kind is ActionKind.RELEASE_HOST and not in_fw and slot == "post" and s in g.bw_wait:
+        placeholder = g.bw_nodes[group[0].name]
+        node = g.insert_after(g.node(op), RELEASE_HOST, (placeholder, g.bw_wait[s]))
+        node.meta["val"] = None
+    else:
+        raise _fail(op, action, g.fx_trace, f"no lowering for this action in the {slot} slot here")
+
+
+def _lower_copy_d2h(
+    g: _Graphs, s: StorageId, group: Sequence[SavedActivation], writer: fx.Node | None
+) -> None:
+    """``copy_d2h(base)`` right after the first saved tensor on ``s`` (and never before
+    the storage's last forward write)."""
+    base = g.fw_nodes[group[0].base]  # type: ignore[index]
+    anchor = min((g.fw_nodes[a.name] for a in group), key=g.fw_order.__getitem__)
+    # In the plain graph this node is a graph output, which Inductor realizes when it
+    # lowers it, with its fake value's stride order. Now the output reads the wait, so
+    # ask for exactly that treatment (Inductor's ``inductor_realize_to_strides``):
+    # otherwise the producing kernel may be scheduled differently (HF Llama's rotary
+    # ``add`` got another loop order and vectorized sin/cos: fp32 gradients differed).
+    anchor.meta["inductor_realize_to_strides"] = True
+    if writer is not None:
+        anchor = g.later(anchor, writer)
+    # The host copy's layout comes from the fake value, not from whatever layout the
+    # inner compiler gives the base at run time (see passes/ir/ops.py, ``dim_order``).
+    dim_order = dim_order_of(base.meta["val"])
+    node = g.insert_after(anchor, COPY_D2H, (base, dim_order))
+    node.meta["val"] = _host_value(base.meta["val"], dim_order)
+    g.d2h[s], g.d2h_anchor[s] = node, anchor
+
+
+def _lower_forward_release(
+    g: _Graphs, s: StorageId, group: Sequence[SavedActivation], reader: fx.Node
+) -> None:
+    """``wait_transfer(host, keepalive=base)`` after the storage's last forward reader;
+    right after the copy when that reader comes first (the producer itself, or a reader
+    between the producer and the first saved tensor), and before anything inserted after
+    the copy's slot since."""
+    copy, base = g.d2h[s], g.fw_nodes[group[0].base]  # type: ignore[index]
+    slot = g.d2h_anchor[s]
+    after_copy = g.later(slot, reader) is slot
+    node = g.insert_after(copy if after_copy else reader, WAIT_TRANSFER, (copy, base))
+    if after_copy:
+        g.after_cursor[slot] = node  # later inserts at the copy's slot follow the wait
+    node.meta["val"] = copy.meta["val"]
+    g.fw_wait[s] = node
+
+
+def _lower_wait_h2d(
+    g: _Graphs, s: StorageId, group: Sequence[SavedActivation], reader: fx.Node
+) -> None:
+    """Wait before the storage's first backward reader, then give each saved tensor's
+    readers the reloaded base or, for a view, the view rebuilt on it."""
+    first, copy = g.bw_nodes[group[0].name], g.h2d[s]
+    with g.bw.graph.inserting_before(reader):
+        wait = g.bw.graph.call_function(WAIT_TRANSFER, (copy, first))
+    wait.meta["val"] = copy.meta["val"]
+    g.bw_wait[s] = wait
+    base_value = g.fw_nodes[group[0].base].meta["val"]  # type: ignore[index]
+    cursor = wait
+    for saved in group:
+        placeholder, value = g.bw_nodes[saved.name], g.fw_nodes[saved.name].meta["val"]
+        source = wait
+        if not same_layout(value, base_value):
+            layout = view_layout(value)
+            with g.bw.graph.inserting_after(cursor):
+                source = g.bw.graph.call_function(
+                    torch.ops.aten.as_strided.default,
+                    (wait, list(layout.size), list(layout.stride), layout.offset),
+                )
+            source.meta["val"] = _rebuilt_value(wait.meta["val"], layout)
+            source.meta[REBUILT_VIEW_META] = saved.name
+            cursor = source
+        for user in list(placeholder.users):
+            if user not in (copy, wait) and user.target is not RELEASE_HOST:
+                user.replace_input_with(placeholder, source)
+
+
+def _rewire_outputs(g: _Graphs) -> None:
+    """The forward returns each offloaded storage's host copy in place of every saved
+    tensor on it; the backward placeholders of those names now hold the host copy."""
+    incomplete = set(g.d2h) ^ set(g.bw_wait)
+    if incomplete or set(g.d2h) != set(g.fw_wait):
+        raise LoweringError(
+            f"lower_schedule: storages {sorted(incomplete | (set(g.d2h) ^ set(g.fw_wait)))} "
+            "lack part of COPY_D2H / RELEASE_DEVICE / COPY_H2D / WAIT_H2D; an offloaded "
+            "saved activation needs all four"
+        )
+    replace = {saved.name: g.fw_wait[s] for s in g.fw_wait for saved in g.movable[s]}
+    output = g.fw.graph.find_nodes(op="output")[0]
+    names = saved_output_names(g.fw)
+    outputs = [
+        replace.get(name, n) if name is not None else n
+        for name, n in zip(names, output.args[0])
+    ]
+    output.meta[SAVED_NAMES_META] = tuple(names)
+    output.args = (tuple(outputs),) + tuple(output.args[1:])
+    for name, wait in replace.items():
+        g.bw_nodes[name].meta["val"] = wait.meta["val"]
+
+
+def _in_fake_mode(value: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    fake_mode = getattr(value, "fake_mode", None)  # keep values fake (and their SymInts)
+    return fake_mode if fake_mode is not None else contextlib.nullcontext()
+
+
+def _host_value(value: torch.Tensor, dim_order: list[int]) -> torch.Tensor:
+    """Fake value of the host copy: ``host_layout`` of ``value`` on the CPU."""
+    shape, stride = host_layout(value, dim_order)
+    with _in_fake_mode(value):
+        return torch.empty_strided(shape, stride, dtype=value.dtype, device="cpu")
+
+
+def _device_value(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Fake value of a reload of ``host``: its layout, on ``device``."""
+    with _in_fake_mode(host):
+        return torch.empty_strided(
+            tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=device
+        )
+
+
+def _rebuilt_value(base: torch.Tensor, layout: object) -> torch.Tensor:
+    with _in_fake_mode(base):
+        return torch.as_strided(base, *layout)  # type: ignore[misc]

@@ -1,0 +1,117 @@
+"""Re-derive the residency schedule from lowered FX graphs, for ``check_schedule``.
+
+The lowering (:mod:`.lowering`) is judged by the same validator as every planner:
+this pass reads the transfer ops back out of the rewritten forward and backward graphs
+and turns their positions into actions on the region's trace::
+
+    copy_d2h(x)                      after op i   ->  post[i]  COPY_D2H s(x)
+    wait_transfer(<copy_d2h>, ...)   after op i   ->  post[i]  RELEASE_DEVICE s
+    copy_h2d(p, device)              before op k  ->  pre[k]   COPY_H2D s(p)
+    wait_transfer(<copy_h2d>, ...)   before op k  ->  pre[k]   WAIT_H2D s
+    release_host(p, ...)             after op m   ->  post[m]  RELEASE_HOST s
+    (every non-retained storage)                  ->  post[last access] RELEASE_DEVICE
+
+It also rebuilds the trace from the lowered graphs (transfer ops alias their source, so
+readers of a reloaded value are accesses of the saved storage) and requires it to equal
+the planned one: a lowering that dropped, added or rewired a compute op is rejected
+here, and one that put a reader before its wait, or released a host copy too early, is
+rejected by ``check_schedule``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from hyper_offload.passes.ir.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
+
+from ..analysis.liveness import storage_liveness
+from ..analysis.validator import ScheduleReport, check_schedule
+from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
+from .graph_trace import FxTrace, build_fx_trace, is_rebuilt_view
+from .lowering import LoweringError
+
+__all__ = ["check_lowering", "derive_schedule"]
+
+_POST_PHASE = {ActionKind.RELEASE_HOST: 0, ActionKind.COPY_D2H: 1, ActionKind.RELEASE_DEVICE: 2}
+
+
+def derive_schedule(
+    fw: fx.GraphModule, bw: fx.GraphModule, fx_trace: FxTrace, *, num_fwd_outputs: int
+) -> ResidencySchedule:
+    """The schedule the lowered graphs ``fw`` / ``bw`` execute, on ``fx_trace.trace``."""
+    lowered = build_fx_trace(fw, bw, num_fwd_outputs=num_fwd_outputs)
+    planned = [(op.name, op.accesses) for op in fx_trace.trace.ops]
+    rebuilt = [(op.name, op.accesses) for op in lowered.trace.ops]
+    if planned != rebuilt:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(planned, rebuilt)) if a != b),
+            min(len(planned), len(rebuilt)),
+        )
+        raise LoweringError(
+            f"derive_schedule: the lowered graphs no longer compute the planned ops; first "
+            f"difference at op {first} (planned "
+            f"{planned[first] if first < len(planned) else 'nothing'}, lowered "
+            f"{rebuilt[first] if first < len(rebuilt) else 'nothing'}). Rule: lowering only "
+            "inserts transfer ops"
+        )
+    n = fx_trace.trace.num_ops
+    pre: list[list[ResidencyAction]] = [[] for _ in range(n)]
+    post: list[list[ResidencyAction]] = [[] for _ in range(n)]
+    cursor = -1
+    pending: list[ResidencyAction] = []
+    storage = lowered.node_storage
+    for prefix, module in (("fw", fw), ("bw", bw)):
+        for node in module.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            if is_rebuilt_view(node):
+                continue  # a saved view rebuilt on its reloaded base: not an op
+            target = node.target
+            if target in (COPY_D2H, WAIT_TRANSFER, RELEASE_HOST) and cursor < 0 and prefix == "fw":
+                raise LoweringError(
+                    f"derive_schedule: fw:{node.name} comes before the forward's first op; "
+                    "a copy follows the op that produced its source"
+                )
+            sid = storage.get(f"{prefix}:{node.args[0].name}") if node.args and isinstance(
+                node.args[0], fx.Node) else None
+            if target is COPY_D2H:
+                post[cursor].append(ResidencyAction(ActionKind.COPY_D2H, sid))
+            elif target is WAIT_TRANSFER and node.args[0].target is COPY_D2H:
+                post[cursor].append(ResidencyAction(ActionKind.RELEASE_DEVICE, sid))
+            elif target is COPY_H2D:
+                pending.append(ResidencyAction(ActionKind.COPY_H2D, sid))
+            elif target is WAIT_TRANSFER and node.args[0].target is COPY_H2D:
+                pending.append(ResidencyAction(ActionKind.WAIT_H2D, sid))
+            elif target is RELEASE_HOST:
+                post[cursor].append(ResidencyAction(ActionKind.RELEASE_HOST, sid))
+            elif target is WAIT_TRANSFER:
+                raise LoweringError(
+                    f"derive_schedule: {prefix}:{node.name} waits on {node.args[0].name}, "
+                    "which is neither a copy_d2h nor a copy_h2d"
+                )
+            else:
+                cursor += 1
+                pre[cursor].extend(pending)
+                pending = []
+    if pending:
+        raise LoweringError(
+            f"derive_schedule: {pending} come after the backward's last op; a reload "
+            "must precede a reader"
+        )
+    for sid, live in storage_liveness(fx_trace.trace).items():
+        if not live.retained:
+            post[live.last].append(ResidencyAction(ActionKind.RELEASE_DEVICE, sid))
+    for actions in post:
+        actions.sort(key=lambda a: _POST_PHASE[a.kind])  # stable: graph order within a kind
+    return ResidencySchedule(pre=pre, post=post)
+
+
+def check_lowering(
+    fw: fx.GraphModule, bw: fx.GraphModule, fx_trace: FxTrace, *, num_fwd_outputs: int
+) -> ScheduleReport:
+    """``check_schedule`` of the schedule the lowered graphs execute."""
+    return check_schedule(
+        fx_trace.trace, derive_schedule(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)
+    )

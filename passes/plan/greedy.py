@@ -1,0 +1,142 @@
+"""The greedy residency planner of the HyperOffload design (section 4.4), in O(M log S).
+
+Algorithm (M candidate gaps, S ops):
+
+1. Candidates are the gaps between consecutive accesses of each storage
+   (:func:`~.candidates.offload_candidates`).
+2. Rank them by (distance, size, -start) descending — far-apart, large gaps first —
+   with ties broken by storage id.
+3. Walk the ranking; accept a candidate while any op it covers is still over budget,
+   and when accepted lower those ops' resident bytes by its size.
+4. Lower the accepted set to actions (:mod:`.choice_lowering`).
+
+Step 3 is where the design's straightforward version spends O(M·S); here a
+:class:`~.segment_tree.RangeAddMaxTree` over the per-op excess makes
+each test and update O(log S), and the walk stops as soon as no op is over budget.
+
+Over budget means "above ``max(budget, required_bytes)``": an op whose own operands do
+not fit (infeasible) keeps attracting candidates until everything else around it is
+offloaded, which is the best any schedule can do there. It selects exactly the gaps the
+design's literal "resident > budget" test selects (see ``excess_over_allowed``).
+
+``GreedyResidencyPlanner()`` then runs the refinement of :mod:`.refine` (drop redundant
+transfers, swap expensive picks for cheaper covering ones, insert one gap that
+replaces several picks); ``refine=False`` is the design's exact behaviour, which the
+test suite checks against a straightforward oracle.
+
+Objective. ``plan`` is always the bytes choice above. With ``objective="time"`` (the
+default) :meth:`GreedyResidencyPlanner.proposals` also offers the same walk over a
+time-aware ranking (:mod:`.time_rank`: gaps whose copies fit their windows first), and
+the shared pipeline keeps whichever proposal its timeline model predicts to stall
+least, fewer bytes breaking ties (:func:`~.planning.plan_residency`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..analysis.candidates import OffloadCandidate, design_rank_key
+from ..ir.schedule import ResidencySchedule
+from ..ir.trace import ActivationTrace
+from .planning import backward_start
+from .refine import refine_choice
+from .report import PlanReport, plan_by_choice
+from .segment_tree import RangeAddMaxTree
+from .time_rank import time_rank_key
+
+OBJECTIVES = ("time", "bytes")
+
+
+def select_greedy(
+    candidates: Sequence[OffloadCandidate],
+    excess: Sequence[int],
+    key: Callable[[OffloadCandidate], Any] = design_rank_key,
+) -> list[OffloadCandidate]:
+    """The design's greedy choice: accepted candidates, in acceptance order.
+
+    ``excess[i]`` is op ``i``'s resident bytes minus its allowance with no offload
+    (positive = over); it is not modified. ``key`` orders the walk (ascending; the
+    design's order by default).
+    """
+    if not candidates or max(excess, default=0) <= 0:
+        return []
+    tree = RangeAddMaxTree(excess)
+    subtract_if_over = tree.add_if_max_exceeds
+    chosen = []
+    for cand in sorted(candidates, key=key):
+        if subtract_if_over(cand.start + 1, cand.end, 0, -cand.size):
+            chosen.append(cand)
+            if tree.max_all() <= 0:
+                break  # nothing is over budget any more: no later candidate is accepted
+    return chosen
+
+
+class GreedyResidencyPlanner:
+    """Implements :class:`~hyper_offload.passes.ResidencyPlanner`.
+
+    ``refine=True`` (the default) improves the design's choice with :func:`refine_choice`
+    and never moves more bytes than ``refine=False``; ``refine=False`` is the design's
+    algorithm exactly. ``objective``: ``"time"`` (default) proposes the bytes choice and
+    the time-ranked one to the pipeline, ``"bytes"`` the bytes choice only.
+    """
+
+    def __init__(self, refine: bool = True, objective: str = "time") -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(
+                f"GreedyResidencyPlanner(objective={objective!r}): expected one of "
+                f"{', '.join(map(repr, OBJECTIVES))} ('time': least predicted stall, "
+                "'bytes': fewest bytes moved)"
+            )
+        self.refine = refine
+        self.objective = objective
+
+    def __repr__(self) -> str:
+        return f"GreedyResidencyPlanner(refine={self.refine}, objective={self.objective!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, GreedyResidencyPlanner)
+            and (other.refine, other.objective) == (self.refine, self.objective)
+        )
+
+    def __hash__(self) -> int:
+        return hash((GreedyResidencyPlanner, self.refine, self.objective))
+
+    def plan(self, trace: ActivationTrace) -> ResidencySchedule:
+        return self.plan_with_report(trace).schedule
+
+    def plan_with_report(self, trace: ActivationTrace) -> PlanReport:
+        return plan_by_choice(trace, self._choose, planner=repr(self))
+
+    def proposals(self, trace: ActivationTrace) -> list[ResidencySchedule]:
+        """The schedules the pipeline should place, predict and choose among: the bytes
+        choice first, then (objective ``"time"``) the time-ranked one if it differs."""
+        proposals = [self.plan(trace)]
+        if self.objective == "time":
+
+            def choose_by_time(
+                candidates: Sequence[OffloadCandidate], excess: Sequence[int]
+            ) -> Sequence[OffloadCandidate]:
+                key = time_rank_key(
+                    trace, candidates, excess, earliest_prefetch_op=backward_start(trace)
+                )
+                return self._refined(candidates, excess, select_greedy(candidates, excess, key))
+
+            timed = plan_by_choice(trace, choose_by_time, planner=repr(self)).schedule
+            if timed != proposals[0]:
+                proposals.append(timed)
+        return proposals
+
+    def _choose(
+        self, candidates: Sequence[OffloadCandidate], excess: Sequence[int]
+    ) -> Sequence[OffloadCandidate]:
+        return self._refined(candidates, excess, select_greedy(candidates, excess))
+
+    def _refined(
+        self,
+        candidates: Sequence[OffloadCandidate],
+        excess: Sequence[int],
+        chosen: list[OffloadCandidate],
+    ) -> Sequence[OffloadCandidate]:
+        return refine_choice(candidates, excess, chosen) if self.refine else chosen

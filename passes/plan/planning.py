@@ -1,0 +1,261 @@
+"""The one planning pipeline every front door runs: plan → check → place prefetches → check.
+
+The compile backend (per region, and ``hyper_offload.estimate`` through it), the eager
+session's warmup and ``hyper-offload plan`` all call :func:`plan_residency`, so the same
+trace, planner and ``earliest_prefetch_op`` give the same schedule whichever door asked::
+
+    for each of planner.proposals(trace)         (or just planner.plan(trace))
+      planned                                    stage "plan"
+        └─ check_schedule                        (ScheduleError naming the stage and door)
+      delay_releases(..., latest_op=L)           stage "delay_releases" (doors whose
+        └─ check_schedule                        releases wait for their D2H)
+      hoist_prefetches(..., earliest_op=E)       stage "place_prefetches" (timed on the
+        └─ check_schedule                        door's timeline, releases placed)
+      predict_timeline(...)                      the one timeline model
+      (doors whose releases wait: the proposal also undelayed, placed as elsewhere)
+    keep the least predicted stall, then the fewest bytes moved, then the first
+
+Placement (:func:`~.prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier:
+as late as the timeline model says its copy still arrives in time, never earlier than
+the budget allows, in the order the reloads are waited for, never before the op after
+the storage's release nor before op ``E``; each ``WAIT_H2D`` stays at the reading op.
+The objective is step time: a planner that proposes several schedules (the default
+greedy planner offers its bytes choice and a time-ranked one) gets the one that stalls
+least on the timeline model; a planner with only ``plan`` is placed as it is.
+``E`` is the door's knob: the compile path
+passes the first backward op (a reload cannot start in the forward graph, which has
+already returned by then), the eager session 0 (the step is one timeline), the CLI what
+the trace's op names say (:func:`backward_start`). Pure: no torch, no device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from hyper_offload.errors import PlanningError
+
+from ..analysis.predicted_timeline import predict_timeline
+from ..analysis.validator import ScheduleError, ScheduleReport, check_schedule
+from ..ir.schedule import ResidencySchedule
+from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
+from .prefetch import PrefetchError, hoist_prefetches, prefetch_leads
+from .protocol import ResidencyPlanner
+from .release_delay import delay_releases
+
+__all__ = [
+    "PlannedSchedule",
+    "PlanningError",
+    "PlanningStage",
+    "backward_start",
+    "plan_residency",
+    "prefetch_leads",
+]
+
+
+class PlanningStage(str, Enum):
+    """A stage of :func:`plan_residency` whose schedule ``check_schedule`` judges."""
+
+    PLAN = "plan"
+    DELAY_RELEASES = "delay_releases"
+    PLACE_PREFETCHES = "place_prefetches"
+
+    def __repr__(self) -> str:
+        return self.value
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_DESCRIPTIONS = {
+    PlanningStage.PLAN: "the planner's schedule",
+    PlanningStage.PLACE_PREFETCHES: "the hoisted schedule",
+    PlanningStage.DELAY_RELEASES: "the schedule with delayed releases",
+}
+
+
+_PASSES = {
+    PlanningStage.PLACE_PREFETCHES: "prefetch.hoist_prefetches",
+    PlanningStage.DELAY_RELEASES: "release_delay.delay_releases",
+}
+
+
+@dataclass(frozen=True)
+class PlannedSchedule:
+    """What :func:`plan_residency` decided for one trace.
+
+    Invariants: ``check == check_schedule(trace, schedule)`` and ``check.ok``;
+    ``planned_check == check_schedule(trace, planned)`` and ``planned_check.ok``;
+    ``schedule`` differs from ``planned`` only in where ``COPY_H2D`` actions sit and, for
+    a door whose releases wait for their D2H, where ``RELEASE_DEVICE`` of an offloaded
+    storage sits (later, never at or past its reload nor past ``latest_release_op``):
+    same actions, same bytes moved, every ``WAIT_H2D`` in place; a reload that placement
+    moved starts at op ``earliest_prefetch_op`` or later.
+    """
+
+    trace: ActivationTrace
+    schedule: ResidencySchedule
+    check: ScheduleReport
+    planned: ResidencySchedule
+    """The planner's schedule, before placement (``COPY_H2D`` next to its ``WAIT_H2D``)."""
+    planned_check: ScheduleReport
+    earliest_prefetch_op: int
+    predicted_stall_s: float = 0.0
+    """The timeline model's stall of ``schedule`` (:func:`~.predicted_timeline.predict_timeline`
+    with this door's ``release_waits_for_d2h``): the least among the proposals."""
+    proposals: int = 1
+    """How many schedules the planner proposed (``planned`` is the one kept)."""
+
+
+def plan_residency(
+    trace: ActivationTrace,
+    planner: ResidencyPlanner,
+    *,
+    earliest_prefetch_op: int = 0,
+    default_op_duration_s: float | None = None,
+    release_waits_for_d2h: bool = False,
+    latest_release_op: int | None = None,
+    where: str = "hyper_offload",
+) -> PlannedSchedule:
+    """Plan ``trace`` under its budget with ``planner`` and check; where a release waits
+    for its D2H (``release_waits_for_d2h``: the compile lowering), hold each release until
+    its copy is predicted done, within budget and never past ``latest_release_op``
+    (:mod:`.release_delay`), and check again; place the prefetches on the door's timeline
+    (no reload before ``earliest_prefetch_op``) and check again. With several proposals
+    (module docstring) the one predicted to stall least is kept.
+
+    ``where`` names the caller in errors (``"hyper_offload region 3"``, ``"eager warmup"``).
+    ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
+    Raises :class:`PlanningError` (a ``ScheduleError``) naming ``where`` and the stage
+    when a stage's schedule breaks a rule; exceptions of ``planner.plan`` propagate.
+    """
+    if earliest_prefetch_op < 0:
+        raise ValueError(
+            f"{where}: plan_residency(earliest_prefetch_op={earliest_prefetch_op}): must be >= 0 "
+            "(0: reloads may start anywhere on the step's timeline)"
+        )
+    proposals = _proposals(planner, trace)
+    # Where releases wait for their D2H, holding them (release_delay) is a heuristic that
+    # can cost time (it may leave a reload no room to start early): each proposal is also
+    # placed as planned, as a door whose releases do not wait would place it, and the
+    # timeline model judges both. So the door never stalls more than the plan undelayed.
+    variants = [True, False] if release_waits_for_d2h else [False]
+    placed = [
+        _place(trace, planned, planner, earliest_prefetch_op, default_op_duration_s,
+               latest_release_op, where, delayed=delayed)
+        for planned in proposals
+        for delayed in variants
+    ]
+    stalls = [
+        predict_timeline(
+            trace, schedule, default_op_duration_s=default_op_duration_s,
+            release_waits_for_d2h=release_waits_for_d2h,
+        ).exposed_transfer_s
+        for _, _, schedule, _ in placed
+    ]
+    best = min(range(len(placed)), key=lambda i: (stalls[i], placed[i][3].bytes_moved, i))
+    planned, planned_check, schedule, check = placed[best]
+    return PlannedSchedule(
+        trace=trace, schedule=schedule, check=check, planned=planned,
+        planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
+        predicted_stall_s=stalls[best], proposals=len(proposals),
+    )
+
+
+def _proposals(planner: ResidencyPlanner, trace: ActivationTrace) -> list[ResidencySchedule]:
+    propose = getattr(planner, "proposals", None)
+    if propose is None:
+        return [planner.plan(trace)]
+    proposals = list(propose(trace))
+    if not proposals:
+        raise ValueError(
+            f"{planner!r}.proposals(trace) returned no schedule; return at least plan(trace)"
+        )
+    return proposals
+
+
+def _place(
+    trace: ActivationTrace,
+    planned: ResidencySchedule,
+    planner: ResidencyPlanner,
+    earliest_prefetch_op: int,
+    default_op_duration_s: float | None,
+    latest_release_op: int | None,
+    where: str,
+    *,
+    delayed: bool,
+) -> tuple[ResidencySchedule, ScheduleReport, ResidencySchedule, ScheduleReport]:
+    """One proposal through the stages: ``(planned, its check, placed, its check)``.
+    ``delayed``: releases are held until their D2H is predicted done and prefetches are
+    placed on the timeline where releases wait; otherwise both stay as for a door whose
+    releases do not wait."""
+    planned_check = check_schedule(trace, planned)
+    _require_ok(planned_check, planned, PlanningStage.PLAN, where, planner)
+    schedule = planned
+    if delayed:
+        schedule = delay_releases(
+            trace, schedule, latest_op=latest_release_op,
+            default_op_duration_s=default_op_duration_s,
+        )
+        check = check_schedule(trace, schedule)
+        _require_ok(check, schedule, PlanningStage.DELAY_RELEASES, where, planner)
+    try:
+        schedule = hoist_prefetches(
+            trace, schedule, earliest_op=earliest_prefetch_op,
+            default_op_duration_s=default_op_duration_s,
+            release_waits_for_d2h=delayed,
+        )
+    except PrefetchError as error:
+        raise PlanningError(
+            f"{where}: step {PlanningStage.PLACE_PREFETCHES.value!r}: {error}",
+            where=where, stage=PlanningStage.PLACE_PREFETCHES, schedule=schedule, report=None,
+        ) from None
+    check = check_schedule(trace, schedule)
+    _require_ok(check, schedule, PlanningStage.PLACE_PREFETCHES, where, planner)
+    return planned, planned_check, schedule, check
+
+
+def _require_ok(
+    report: ScheduleReport,
+    schedule: ResidencySchedule,
+    stage: PlanningStage,
+    where: str,
+    planner: ResidencyPlanner,
+) -> None:
+    if report.ok:
+        return
+    try:
+        report.raise_if_invalid()
+    except ScheduleError as error:
+        details = str(error)
+    fix = (
+        f"fix the planner {planner!r} or use the default GreedyResidencyPlanner"
+        if stage is PlanningStage.PLAN
+        else f"{_PASSES[stage]} broke a schedule check_schedule accepted: a bug in "
+        f"passes/plan/{_PASSES[stage].split('.')[0]}.py, please report it"
+    )
+    raise PlanningError(
+        f"{where}: {stage.description} (step {stage.value!r}) is one that check_schedule "
+        f"rejects; {fix}. The {details}",
+        where=where, stage=stage, schedule=schedule, report=report,
+    )
+
+
+def backward_start(trace: ActivationTrace) -> int:
+    """Where a compile-path trace's backward graph begins, else 0.
+
+    A trace whose ops are all named ``"fw:..."`` then ``"bw:..."`` (what
+    :func:`.graph_trace.build_fx_trace` writes, kept by its JSON) gives the index of its
+    first ``"bw:"`` op (``num_ops`` when there is none): the compile path's
+    ``earliest_prefetch_op``. Any other naming (eager traces, hand-written JSON) is one
+    timeline: 0.
+    """
+    forward, backward = f"{FORWARD_GRAPH}:", f"{BACKWARD_GRAPH}:"
+    names = [op.name for op in trace.ops]
+    num_fw = 0
+    while num_fw < len(names) and names[num_fw].startswith(forward):
+        num_fw += 1
+    if num_fw == 0 or not all(n.startswith(backward) for n in names[num_fw:]):
+        return 0
+    return num_fw

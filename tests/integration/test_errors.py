@@ -1,0 +1,131 @@
+"""Every error and warning a user can meet lives in ``hyper_offload.errors``, is exported
+from the root, derives from one base, keeps its builtin, and is in README's table."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+
+import pytest
+
+import hyper_offload
+from hyper_offload import errors
+
+from .import_graph import REPO, library_modules
+
+#: Each error's builtin base, as it was before the errors moved (issue 30): an
+#: ``except ValueError`` written against an older release keeps catching it.
+BUILTIN_OF_ERROR = {
+    "DataLostError": RuntimeError,
+    "DynamicShapeError": ValueError,
+    "LoweringError": ValueError,
+    "OffloadRuntimeError": RuntimeError,
+    "OffloadSessionError": RuntimeError,
+    "OptimalPlannerError": RuntimeError,
+    "OrderError": ValueError,
+    "PipelineCommError": RuntimeError,
+    "PlanningError": ValueError,
+    "PlotDependencyError": ImportError,
+    "PoolMisuseError": RuntimeError,
+    "PrefetchError": ValueError,
+    "ReleaseDelayError": ValueError,
+    "ReplayMismatchError": RuntimeError,
+    "ResidencyMisuseError": RuntimeError,
+    "ScheduleError": ValueError,
+    "StepFormatError": ValueError,
+    "SwapStateError": RuntimeError,
+    "TimelineError": ValueError,
+    "TraceFormatError": ValueError,
+    "TransferFailedError": RuntimeError,
+    "TransferMisuseError": RuntimeError,
+    "UnsupportedScheduleError": ValueError,
+}
+CATEGORY_OF_WARNING = {
+    "OffloadBudgetWarning": UserWarning,
+    "PageableFallbackWarning": RuntimeWarning,
+    "SwapOutsideGroupWarning": UserWarning,
+}
+BASES = {"HyperOffloadError", "HyperOffloadWarning"}
+
+#: The import paths the errors were documented at before they moved; each still works.
+OLD_PATHS = [
+    ("hyper_offload.eager", "ReplayMismatchError"),
+    ("hyper_offload.eager", "OffloadSessionError"),
+    ("hyper_offload.eager", "OffloadBudgetWarning"),
+    ("hyper_offload.passes", "PlanningError"),
+    ("hyper_offload.passes", "ScheduleError"),
+    ("hyper_offload.passes", "TraceFormatError"),
+    ("hyper_offload.passes", "OptimalPlannerError"),
+    ("hyper_offload.passes.pipeline", "OrderError"),
+    ("hyper_offload.passes.pipeline", "TimelineError"),
+    ("hyper_offload.runtime", "TransferMisuseError"),
+    ("hyper_offload.runtime", "DataLostError"),
+    ("hyper_offload.runtime", "PageableFallbackWarning"),
+    ("hyper_offload.runtime.pipeline", "SwapStateError"),
+    ("hyper_offload.runtime.pipeline", "UnsupportedScheduleError"),
+    ("hyper_offload.pipeline", "UnsupportedScheduleError"),
+    ("hyper_offload.pipeline", "SwapOutsideGroupWarning"),
+    ("hyper_offload.viz", "PlotDependencyError"),
+]
+
+
+def test_the_tables_above_cover_the_module() -> None:
+    assert set(errors.__all__) == set(BUILTIN_OF_ERROR) | set(CATEGORY_OF_WARNING) | BASES
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_OF_ERROR))
+def test_each_error_comes_from_the_root_under_one_base_and_keeps_its_builtin(name: str) -> None:
+    error = getattr(hyper_offload, name)
+    assert error is getattr(errors, name) and name in hyper_offload.__all__
+    assert issubclass(error, hyper_offload.HyperOffloadError)
+    assert issubclass(error, BUILTIN_OF_ERROR[name])
+    with pytest.raises(hyper_offload.HyperOffloadError):
+        raise _instance(error)
+
+
+def _instance(error: type[Exception]) -> Exception:
+    """``error`` built as its raisers build it (two carry data for the caller)."""
+    if error is errors.PlanningError:
+        return error("boom", where="test", stage="plan", schedule=None, report=None)
+    if error is errors.OrderError:
+        return error("boom", violations=[])
+    return error("boom")
+
+
+@pytest.mark.parametrize("name", sorted(CATEGORY_OF_WARNING))
+def test_each_warning_comes_from_the_root_under_one_base_and_keeps_its_category(name: str) -> None:
+    warning = getattr(hyper_offload, name)
+    assert warning is getattr(errors, name) and name in hyper_offload.__all__
+    assert issubclass(warning, hyper_offload.HyperOffloadWarning)
+    assert issubclass(warning, CATEGORY_OF_WARNING[name])
+    assert not issubclass(warning, hyper_offload.HyperOffloadError)
+
+
+@pytest.mark.parametrize(("module", "name"), OLD_PATHS)
+def test_documented_import_paths_still_work(module: str, name: str) -> None:
+    assert getattr(importlib.import_module(module), name) is getattr(errors, name)
+
+
+def test_no_other_module_defines_a_public_exception() -> None:
+    defined = []
+    for module, path in library_modules().items():
+        if module == "hyper_offload.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
+                isinstance(base, ast.Name) and base.id.endswith(("Error", "Exception", "Warning"))
+                for base in node.bases
+            ):
+                defined.append(f"{module}.{node.name}")
+    assert defined == [], f"define user-facing errors in hyper_offload.errors: {defined}"
+
+
+def test_readme_says_when_each_is_raised_and_what_to_do() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Errors and warnings"):]
+    section = section[: section.index("\n## ", 3)]
+    rows = re.findall(r"^\| (`\w+`(?:, `\w+`)*) \[", section, flags=re.M)
+    in_table = {name.strip("`") for row in rows for name in row.split(", ")}
+    public = set(errors.__all__) - BASES - {"OffloadRuntimeError"}
+    assert in_table == public

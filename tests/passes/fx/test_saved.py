@@ -1,0 +1,257 @@
+"""Saved views leave the device (issue 15): which storages move, why the others stay, and
+that each kind of view comes back bit for bit, on small hand-built forward/backward
+graphs (so the case under test is saved, whatever a partitioner would choose).
+
+Each case is a forward ``fw(x, w) -> (loss, *saved)`` and a backward
+``bw(*saved, tangent) -> grads``, traced with ``make_fx``; the backward's placeholders
+take the names of the forward's saved outputs, as AOTAutograd's partition gives them. The
+lowered pair is run with the real transfer ops and compared with the plain pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import hyper_offload.runtime.ops  # noqa: F401  (real kernels of the transfer ops)
+from hyper_offload.passes import GreedyResidencyPlanner, check_schedule
+from hyper_offload.passes.fx.graph_trace import (
+    REBUILT_VIEW_META,
+    FxTrace,
+    build_fx_trace,
+    is_rebuilt_view,
+)
+from hyper_offload.passes.fx.lowering import lower_schedule
+from hyper_offload.passes.fx.lowering_check import check_lowering
+from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
+from hyper_offload.runtime.memory_meter import is_host_labelled
+from hyper_offload.runtime.ops import COPY_D2H, COPY_H2D
+
+_GEN = torch.Generator().manual_seed(0)
+X, W = torch.randn(8, 16, generator=_GEN), torch.randn(16, 24, generator=_GEN)
+
+
+def hand_graphs(
+    fw_fn: Callable[..., tuple[torch.Tensor, ...]],
+    bw_fn: Callable[..., tuple[torch.Tensor, ...]],
+    *,
+    tracing_mode: str = "fake",
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward graphs of ``fw_fn(X, W)`` / ``bw_fn(*saved, tangent)``, the
+    backward's saved placeholders renamed after the forward's saved outputs."""
+    fw = make_fx(fw_fn, tracing_mode=tracing_mode)(X, W)
+    outputs = fw.graph.find_nodes(op="output")[0].args[0]
+    saved_values = [node.meta["val"] for node in outputs[1:]]
+    examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if all(
+        isinstance(s, int) for s in (*v.shape, *v.stride())) else torch.randn(8, 24) for v in saved_values]
+    bw = make_fx(bw_fn, tracing_mode=tracing_mode)(*examples, torch.ones(()))
+    # Rebuild the backward with its placeholders named first, so no node holds a name
+    # the forward's saved outputs need.
+    names = [node.name for node in outputs[1:]] + ["tangents_1"]
+    graph, val_map = fx.Graph(), {}
+    for node, name in zip(bw.graph.find_nodes(op="placeholder"), names):
+        val_map[node] = graph.placeholder(name)
+        val_map[node].meta = dict(node.meta)
+    graph.output(graph.graph_copy(bw.graph, val_map))
+    return fw, fx.GraphModule(bw, graph)
+
+
+def trace_of(fw: fx.GraphModule, bw: fx.GraphModule, budget: int = 0) -> FxTrace:
+    fx_trace = build_fx_trace(fw, bw, num_fwd_outputs=1)
+    return dataclasses.replace(fx_trace, trace=fx_trace.trace.with_budget(budget))
+
+
+def run(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+    """Loss, gradients and the backward's saved inputs as it received them."""
+    with TransferRuntime(pool=PinnedMemoryPool(1 << 24)):
+        loss, *saved = fw(X, W)
+        grads = bw(*saved, torch.ones(()))
+    return loss, list(grads), saved
+
+
+def _one(fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Callable, Callable]:
+    """A case whose forward saves ``fn(x @ w)`` (a view of the mm output) and whose
+    backward reads it."""
+
+    def fw(x, w):
+        y = x @ w
+        saved = fn(y)
+        return (_tail(y.sum()), saved)
+
+    def bw(v, tangent):
+        return (v.sin() * _tail(tangent),)
+
+    return fw, bw
+
+
+def _tail(t: torch.Tensor) -> torch.Tensor:
+    """Ops after the forward's last use of the saved storage (and before the backward's
+    first): the gap an offload needs."""
+    return (t * 1e-3).tanh().cos()
+
+
+VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "transpose": lambda y: y.t(),
+    "permute": lambda y: y.view(2, 4, 24).permute(2, 0, 1),
+    "select": lambda y: y[3],
+    "slice_with_step": lambda y: y[:, 4:20:2],  # non-dense: gaps between elements
+    "expand_0_stride": lambda y: y[:, :1].expand(8, 24),
+    "detach": lambda y: y.detach(),
+    "as_strided_overlapping": lambda y: y.as_strided((8, 8), (2, 1)),
+    "view_of_view": lambda y: y.view(4, 2, 24).transpose(0, 2)[1:],
+    "zero_size_view": lambda y: y[:, :0],
+    "reshape": lambda y: y.reshape(2, 96),
+}
+
+
+def _assert_moved_and_exact(fw_fn: Callable, bw_fn: Callable, *, storages: int) -> FxTrace:
+    want = run(*hand_graphs(fw_fn, bw_fn))
+    fw, bw = hand_graphs(fw_fn, bw_fn)
+    fx_trace = trace_of(fw, bw)
+    assert len(fx_trace.movable()) == storages
+    schedule = GreedyResidencyPlanner().plan(fx_trace.trace)
+    assert check_schedule(fx_trace.trace, schedule).ok
+    lower_schedule(fw, bw, fx_trace, schedule)
+    assert check_lowering(fw, bw, fx_trace, num_fwd_outputs=1).ok
+    assert len(fw.graph.find_nodes(op="call_function", target=COPY_D2H)) == storages
+    assert len(bw.graph.find_nodes(op="call_function", target=COPY_H2D)) == storages
+    got = run(fw, bw)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    return fx_trace
+
+
+@pytest.mark.parametrize("kind", sorted(VIEWS))
+def test_a_saved_view_moves_with_its_base_and_comes_back_bit_for_bit(kind: str) -> None:
+    fw_fn, bw_fn = _one(VIEWS[kind])
+    fx_trace = _assert_moved_and_exact(fw_fn, bw_fn, storages=1)
+    (saved,) = [s for s in fx_trace.saved if s.storage is not None]
+    assert saved.offloadable and saved.base == "mm", saved
+
+
+def test_the_rebuilt_view_has_the_saved_layout_on_one_reloaded_storage() -> None:
+    """q/k/v-style: three strided views of one storage move with one copy each way and
+    come back as three views of one new storage, with the saved sizes, strides and
+    offsets (a dense copy per view would move the bytes once too, but either change
+    strides or allocate three storages of the whole extent on reload)."""
+
+    def fw(x, w):
+        qkv = x @ w
+        q, k, v = (z.view(2, 4, 8).transpose(0, 1) for z in qkv.split(8, dim=1))
+        return (_tail(qkv.sum()), q, k, v)
+
+    def bw(q, k, v, tangent):
+        return ((q * k + v) * _tail(tangent),)
+
+    fx_trace = _assert_moved_and_exact(fw, bw, storages=1)
+    (group,) = fx_trace.movable().values()
+    assert len(group) == 3 and {s.base for s in group} == {"mm"}
+    plain = run(*hand_graphs(fw, bw))[2]
+    fw_graph, bw_graph = hand_graphs(fw, bw)
+    lowered = trace_of(fw_graph, bw_graph)
+    lower_schedule(fw_graph, bw_graph, lowered, GreedyResidencyPlanner().plan(lowered.trace))
+    with TransferRuntime(pool=PinnedMemoryPool(1 << 24)):
+        _, *saved = fw_graph(X, W)
+        assert len({t.untyped_storage().data_ptr() for t in saved}) == 1  # one host copy
+        recorder = _Recorder(bw_graph)
+        recorder.run(*saved, torch.ones(()))
+    rebuilt = {
+        n.meta[REBUILT_VIEW_META]: recorder.values[n.name]
+        for n in bw_graph.graph.nodes if is_rebuilt_view(n)
+    }
+    assert sorted(rebuilt) == sorted(s.name for s in group)
+    layouts = [(t.shape, t.stride(), t.storage_offset()) for t in plain]
+    assert [(t.shape, t.stride(), t.storage_offset()) for t in rebuilt.values()] == layouts
+    assert len({t.untyped_storage().data_ptr() for t in rebuilt.values()}) == 1
+    assert all(t.device.type == "cpu" and not is_host_labelled(t) for t in rebuilt.values())
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.values: dict[str, object] = {}
+
+    def run_node(self, n: fx.Node) -> object:
+        value = super().run_node(n)
+        self.values[n.name] = value
+        return value
+
+
+def _kept(fw_fn: Callable, bw_fn: Callable, **kwargs: str) -> list:
+    fw, bw = hand_graphs(fw_fn, bw_fn, **kwargs)
+    fx_trace = trace_of(fw, bw)
+    assert not fx_trace.movable()
+    return [s for s in fx_trace.saved]
+
+
+def test_a_view_in_another_dtype_keeps_its_storage_and_says_why() -> None:
+    def fw(x, w):
+        y = x @ w
+        return (_tail(y.sum()), y.view(torch.int32))
+
+    def bw(v, tangent):
+        return (v.float() * _tail(tangent),)
+
+    (saved,) = _kept(fw, bw)
+    assert "views its storage as torch.int32" in saved.reason
+
+
+def test_a_base_that_does_not_cover_its_storage_densely_is_kept() -> None:
+    """An op whose result has gaps (here a copy into a strided buffer): one copy of it
+    would not restore the storage byte for byte."""
+
+    def fw(x, w):
+        y = torch.empty_strided((8, 24), (32, 1)).copy_(x @ w)
+        return (_tail(y.sum()), y)
+
+    def bw(v, tangent):
+        return (v.sin() * _tail(tangent),)
+
+    saved = [s for s in _kept(fw, bw) if s.storage is not None]
+    assert saved and all("does not cover the storage densely" in s.reason for s in saved)
+
+
+def test_a_storage_that_a_model_output_aliases_is_kept() -> None:
+    def fw(x, w):
+        y = x @ w
+        return (y, y.t())
+
+    def bw(v, tangent):
+        return (v.transpose(0, 1) * tangent,)
+
+    (saved,) = _kept(fw, bw)
+    assert saved.reason == "its storage is also a model output"
+
+
+def test_a_view_of_a_parameter_is_not_an_activation() -> None:
+    def fw(x, w):
+        return (_tail((x @ w).sum()), w.t())
+
+    def bw(v, tangent):
+        return (v.sin() * _tail(tangent),)
+
+    (saved,) = _kept(fw, bw)
+    assert saved.storage is None and "parameter or input" in saved.reason
+
+
+def test_a_view_with_symbolic_strides_is_kept_under_dynamic_shapes() -> None:
+    """The backward would need the view's symbolic sizes as graph values to rebuild it;
+    a view laid out like its base (no rebuild) still moves."""
+
+    def fw(x, w):
+        y = x @ w
+        return (_tail(y.sum()), y.t(), (y * 2))
+
+    def bw(v, u, tangent):
+        return (v.sin().sum() * u.cos().sum() * _tail(tangent),)
+
+    fw_graph, bw_graph = hand_graphs(fw, bw, tracing_mode="symbolic")
+    fx_trace = trace_of(fw_graph, bw_graph)
+    view, fresh = [s for s in fx_trace.saved if s.storage is not None]
+    assert not view.offloadable and "symbolic sizes or strides" in view.reason, view
+    assert fresh.offloadable and fresh.base == fresh.name  # its own base: nothing to rebuild
