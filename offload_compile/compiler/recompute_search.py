@@ -52,6 +52,7 @@ import copy
 import dataclasses
 import math
 import operator
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -381,12 +382,22 @@ def search_region(
     )
 
 
+_LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
 def copy_joint(joint: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``joint`` the partitioner may rewrite: new graph, nodes and node meta
     dicts (names kept); the meta values (fake tensors) and the module's attributes
     (parameters, constants) are shared, as the partitioner only reads them. (A deep
     copy would clone real constant tensors, which fails under fake mode.)"""
-    duplicate = fx.GraphModule(joint, copy.deepcopy(joint.graph), class_name=type(joint).__name__)
+    with warnings.catch_warnings():
+        # torch's Graph.__deepcopy__ deep-copies the graph's pytree codegen, and copying its
+        # LeafSpec calls LeafSpec.__new__, which torch 2.13 deprecated: a FutureWarning
+        # "from copyreg" at every compile (issue 30). The copy itself is right (an equal
+        # spec); only that one warning is silenced, and only here.
+        warnings.filterwarnings("ignore", message=_LEAFSPEC_DEPRECATION, category=FutureWarning)
+        graph = copy.deepcopy(joint.graph)
+    duplicate = fx.GraphModule(joint, graph, class_name=type(joint).__name__)
     duplicate.meta = dict(joint.meta)
     return duplicate
 

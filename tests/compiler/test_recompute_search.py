@@ -9,6 +9,7 @@ reported.
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import torch.fx as fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from hyper_offload.compiler.recompute_search import (
     choose_partition,
@@ -243,6 +245,19 @@ def test_copy_joint_is_rewritable_without_touching_the_original():
     assert [n.name for n in duplicate.graph.nodes if n.name != "grad"] == [
         n.name for n in joint.graph.nodes if n.name != "grad"
     ]
+
+
+def test_copy_joint_warns_nothing_on_a_pytree_graph():
+    # Joint graphs of modules carry a pytree codegen (in/out specs with LeafSpecs), whose
+    # deep copy made torch warn "`isinstance(treespec, LeafSpec)` is deprecated" at every
+    # compile (issue 30: make demo printed it).
+    joint = make_fx(lambda xs: [x.sin() for x in xs])([torch.ones(2), torch.ones(3)])
+    assert type(joint.graph._codegen).__name__ == "_PyTreeCodeGen"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        duplicate = copy_joint(joint)
+    assert [str(w.message) for w in caught] == []
+    assert duplicate.code == joint.code
 
 
 def test_recomputed_nodes_are_forward_ops_the_backward_runs_again():

@@ -4,8 +4,11 @@ measured (and drops under the budget), and the table and the PNG are produced.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,11 +35,24 @@ def demo(example, tmp_path_factory: pytest.TempPathFactory):
     argv = ["--mode", "both", "--device", "cpu", "--layers", "1", "--dim", "32", "--heads", "2",
             "--seq-len", "32", "--vocab", "64", "--batch", "4", "--steps", "2", "--timed-steps", "1",
             "--budget-fraction", "0.8", "--plot", str(plot)]
-    return example.main(argv), plot
+    printed = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
+        warnings.simplefilter("always")
+        result = example.main(argv)
+    warned = [f"{w.category.__name__}: {w.message}" for w in caught]
+    return result, plot, printed.getvalue(), warned
+
+
+def test_the_demo_prints_no_warning(demo) -> None:
+    """Issue 30: ``make demo`` printed a torch FutureWarning once per compile."""
+    _, _, printed, warned = demo
+    assert "compile mode" in printed and "eager mode" in printed  # the capture saw the run
+    assert warned == []
+    assert "Warning" not in printed
 
 
 def test_both_modes_equal_their_baseline_every_step(demo) -> None:
-    result, _ = demo
+    result, *_ = demo
     assert [m.mode for m in result.modes] == ["compile", "eager"]
     for mode in result.modes:
         assert mode.offload.equal is True, mode.mode
@@ -45,7 +61,7 @@ def test_both_modes_equal_their_baseline_every_step(demo) -> None:
 
 
 def test_memory_is_measured_and_lower_with_offload(demo) -> None:
-    result, _ = demo
+    result, *_ = demo
     compile_mode, eager_mode = result.modes
     for mode in result.modes:
         base, off = mode.baseline, mode.offload
@@ -81,7 +97,7 @@ def test_compile_mode_meets_a_tight_budget_as_measured(example) -> None:
 
 
 def test_table_and_plot_are_written(demo) -> None:
-    result, plot = demo
+    result, plot, *_ = demo
     for needle in ("compile mode", "eager mode", "peak activation memory (measured)", "budget",
                    "bytes moved per step", "step time", "loss and gradients equal to baseline"):
         assert needle in result.table
@@ -92,7 +108,7 @@ def test_table_and_plot_are_written(demo) -> None:
 
 
 def test_without_matplotlib_the_plot_is_skipped_with_a_note(example, demo, monkeypatch, capsys, tmp_path) -> None:
-    result, _ = demo
+    result, *_ = demo
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
     assert example.write_plot(result.modes, tmp_path / "none.png") is None
     assert "matplotlib is not installed" in capsys.readouterr().out
