@@ -147,7 +147,9 @@ def saved_stack_speed(repeat: int = 3) -> None:
     trace = saved_stack_trace(SAVED_STACK_LAYERS)
     plan = GreedyResidencyPlanner().plan
     runs = []
+    schedule = None
     for _ in range(repeat):
+        schedule = None  # free the previous run's schedule before timing the next
         wall, _, schedule = timed(plan, trace, 1)
         runs.append(wall)
     checked = check_schedule(trace, schedule)

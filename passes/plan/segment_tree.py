@@ -73,6 +73,22 @@ class RangeAddMaxTree:
             raise IndexError("RangeAddMaxTree: max_all() of an empty tree")
         return self._max[1]
 
+    def argmax_all(self) -> int:
+        """An index ``i`` with ``v[i] == max_all()`` (the leftmost); O(log n).
+
+        A range holding ``i`` has its max at least ``max_all()``: callers use it to
+        answer a range query without walking the tree (refinement's redundancy test).
+        """
+        if not self._size:
+            raise IndexError("RangeAddMaxTree: argmax_all() of an empty tree")
+        tree, pending = self._max, self._pending
+        node = 1
+        while node < self._leaf0:
+            # tree[node] is its children's max plus its own pending delta.
+            target = tree[node] - pending[node]
+            node = 2 * node if tree[2 * node] == target else 2 * node + 1
+        return node - self._leaf0
+
     def max(self, lo: int, hi: int) -> int:
         """Max of ``v[lo:hi]``."""
         self._check(lo, hi)

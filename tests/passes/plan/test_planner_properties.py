@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hyper_offload.passes import (
     ActionKind,
@@ -27,6 +29,7 @@ from hyper_offload.passes.analysis.liveness import access_gaps, infeasible_ops
 from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner, select_greedy
 from hyper_offload.passes.plan.refine import refine_choice
+from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
 
 from .. import reference_planner
 from ..planner_strategies import pressured_traces, traces
@@ -110,6 +113,22 @@ def test_refinement_cut_short_by_its_work_budget_stays_valid_and_no_worse(
         checked = check_schedule(trace, lower_offload_choice(trace, refined))
         assert checked.violations == (), swap_work
         assert checked.bytes_moved <= design_moved, swap_work
+
+
+@settings(max_examples=80, deadline=None)
+@given(pressured_traces(max_ops=40, max_storages=20), st.sampled_from([0, 7, 60, 40_000]))
+def test_the_redundancy_shortcut_changes_no_choice(trace: ActivationTrace, swap_work: int) -> None:
+    # Refinement answers "is this gap redundant?" from the tree's maximum where the gap
+    # covers it (no tree walk) and counts the answer as the walk's work: the choice must
+    # be exactly the one the walks alone give, with any work budget.
+    candidates = offload_candidates(trace)
+    excess, _ = budget_excess(trace)
+    design = select_greedy(candidates, excess)
+    fast = refine_choice(candidates, excess, design, swap_work=swap_work, max_scan=5)
+    with pytest.MonkeyPatch.context() as patch:  # no op is ever the maximum: always walk
+        patch.setattr(RangeAddMaxTree, "argmax_all", lambda tree: -1)
+        walked = refine_choice(candidates, excess, design, swap_work=swap_work, max_scan=5)
+    assert fast == walked
 
 
 @settings(max_examples=30, deadline=None)

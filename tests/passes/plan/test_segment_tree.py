@@ -42,6 +42,7 @@ def test_matches_a_plain_list(script: tuple[list[int], list[tuple[str, int, int,
         else:
             assert tree.max(lo, hi) == max(expected[lo:hi])
         assert tree.max_all() == max(expected)
+        assert tree.argmax_all() == expected.index(max(expected))  # the leftmost
     assert tree.values() == expected
 
 
