@@ -15,18 +15,17 @@ without moving any boundary plain compile has:
    same rounded values the forward's kernels read, and a chain that needs another
    recomputed value reads that value's materialized copy;
 2. ``hyper_offload::materialize`` (:data:`~hyper_offload.passes.ir.ops.MATERIALIZE`)
-   right after the chain: an opaque op (an extern kernel), so the
-   value is stored rounded to its dtype, as the forward stored it, and no backward
-   kernel fuses into the chain;
+   right after the chain: an opaque op (an extern kernel), so the value is stored
+   rounded to its dtype, as the forward stored it, and no backward kernel fuses into
+   the chain;
 3. the default partition's backward graph, node for node, reading the materialized
    value where it read the saved one.
 
 The forward is the default partition's with a ``hyper_offload::discard`` stand-in
-(:data:`~hyper_offload.passes.ir.ops.DISCARD`), right after
-the producer, in place of each recomputed saved output: the extern op realizes the
-value where the graph output did, before any consumer is lowered (a stand-in at the
-output lets Inductor inline the value unrounded), and the output node keeps its
-AOTAutograd descriptors. Values Inductor would round only because they are saved
+(:data:`~hyper_offload.passes.ir.ops.DISCARD`), right after the producer, in place of
+each recomputed saved output: the extern op realizes the value where the graph output
+did, before any consumer is lowered (a stand-in at the output lets Inductor inline the
+value unrounded), and the output node keeps its AOTAutograd descriptors. Values Inductor would round only because they are saved
 (:func:`rounded_for_forward_users`) are not options: not saving them would change the
 forward. Measured (``benchmarks/recompute_exactness.py``, row
 ``recompute_exactness.splice``): on the 2-layer GPT in bf16 under Inductor, all 29 loss
