@@ -42,9 +42,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from hyper_offload.passes.ir.ops import TRANSFER_OPS
-
 from ..analysis.liveness import resident_bytes_without_offload
+from ..ir.ops import TRANSFER_OPS
 from ..ir.trace import (
     BACKWARD_GRAPH,
     FORWARD_GRAPH,

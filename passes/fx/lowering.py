@@ -49,7 +49,9 @@ import torch
 import torch.fx as fx
 
 from hyper_offload.errors import LoweringError
-from hyper_offload.passes.ir.ops import (
+
+from ..analysis.liveness import storage_liveness
+from ..ir.ops import (
     COPY_D2H,
     COPY_H2D,
     RELEASE_HOST,
@@ -57,8 +59,6 @@ from hyper_offload.passes.ir.ops import (
     dim_order_of,
     host_layout,
 )
-
-from ..analysis.liveness import storage_liveness
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..ir.trace import AccessKind, StorageId
 from .graph_trace import REBUILT_VIEW_META, SAVED_NAMES_META, FxTrace, saved_output_names

@@ -24,10 +24,9 @@ import operator
 
 import torch.fx as fx
 
-from hyper_offload.passes.ir.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
-
 from ..analysis.liveness import storage_liveness
 from ..analysis.validator import ScheduleReport, check_schedule
+from ..ir.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from .graph_trace import FxTrace, build_fx_trace, is_rebuilt_view
 from .lowering import LoweringError

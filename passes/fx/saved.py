@@ -33,8 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from hyper_offload.passes.ir.ops import dense_layout
-
+from ..ir.ops import dense_layout
 from ..ir.trace import StorageId
 from .cost_model import tensor_bytes, to_hint
 
