@@ -25,11 +25,12 @@ The forward is the default partition's with a ``hyper_offload::discard`` stand-i
 (:data:`~hyper_offload.passes.ir.ops.DISCARD`), right after the producer, in place of
 each recomputed saved output: the extern op realizes the value where the graph output
 did, before any consumer is lowered (a stand-in at the output lets Inductor inline the
-value unrounded), and the output node keeps its AOTAutograd descriptors. Values Inductor would round only because they are saved
-(:func:`rounded_for_forward_users`) are not options: not saving them would change the
-forward. Measured (``benchmarks/recompute_exactness.py``, row
-``recompute_exactness.splice``): on the 2-layer GPT in bf16 under Inductor, all 29 loss
-and gradient values equal plain compile's with any share of the 35 options recomputed.
+value unrounded), and the output node keeps its AOTAutograd descriptors. Values Inductor
+would round only because they are saved (:func:`rounded_for_forward_users`) are not
+options: not saving them would change the forward. Measured
+(``benchmarks/recompute_exactness.py``, row ``recompute_exactness.splice``): on the
+2-layer GPT in bf16 under Inductor, all 29 loss and gradient values equal plain
+compile's with any share of the 35 options recomputed.
 
 Any subset of the options can be recomputed, so the decision is per saved activation:
 :func:`splice_options` finds them, :func:`recompute_order` ranks them by bytes freed
