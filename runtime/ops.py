@@ -36,7 +36,7 @@ from hyper_offload.passes.ir.ops import (
     host_layout,
 )
 
-from .transfer_context import current_transfer_runtime, runtime_of
+from .transfer_context import current_keep, current_transfer_runtime, runtime_of
 
 __all__ = [
     "COPY_D2H",
@@ -58,8 +58,13 @@ __all__ = [
 # ---------------------------------------------------------------- real kernels
 
 
-def _copy_d2h_kernel(src: torch.Tensor, dim_order: list[int] | None = None) -> torch.Tensor:
+def _copy_d2h_kernel(
+    src: torch.Tensor, dim_order: list[int] | None = None, slot: int = -1
+) -> torch.Tensor:
     runtime = current_transfer_runtime("hyper_offload::copy_d2h")
+    keep, alias = current_keep(slot)
+    if keep:
+        return runtime.keep_on_device(src, *host_layout(src, dim_order), alias=alias)
     return runtime.copy_d2h(src, *host_layout(src, dim_order))
 
 
@@ -104,10 +109,13 @@ _IMPL.impl("discard", _discard_kernel, REAL_KERNEL_KEY)
 # ---------------------------------------------------------------- Python entry points
 
 
-def copy_d2h(src: torch.Tensor, dim_order: list[int] | None = None) -> torch.Tensor:
+def copy_d2h(
+    src: torch.Tensor, dim_order: list[int] | None = None, slot: int = -1
+) -> torch.Tensor:
     """Start copying ``src`` into a host buffer from the current runtime's pool, laid out
-    densely in ``dim_order`` (default: ``src``'s own dense layout)."""
-    return COPY_D2H(src, dim_order)
+    densely in ``dim_order`` (default: ``src``'s own dense layout); a ``slot`` the current
+    block keeps (``TransferRuntime.keeping``) gets a device copy instead."""
+    return COPY_D2H(src, dim_order, slot)
 
 
 def copy_h2d(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -41,13 +41,15 @@ the tensor, the rule and the fix; nothing is changed by a call that raises.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -62,6 +64,7 @@ __all__ = [
     "HostCopyState",
     "TransferMisuseError",
     "TransferRuntime",
+    "current_keep",
     "current_transfer_runtime",
     "runtime_of",
 ]
@@ -79,9 +82,12 @@ class HostCopyState(str, Enum):
 @dataclass(frozen=True, eq=False)
 class _Scope:
     """One ``with runtime`` block (compared by identity): the transfers it started are
-    drained at its exit."""
+    drained at its exit. ``keep``: the ``copy_d2h`` slots this block keeps on the device,
+    ``alias``: whether it may keep them by reference (:meth:`TransferRuntime.keeping`)."""
 
     runtime: TransferRuntime
+    keep: frozenset[int] = frozenset()
+    alias: bool = False
 
 
 _CURRENT: ContextVar[_Scope | None] = ContextVar("hyper_offload_transfer_runtime", default=None)
@@ -190,6 +196,14 @@ class TransferRuntime:
         self._lock = threading.RLock()
         self._pending: dict[int, _Pending] = {}
         self._hosts: dict[int, _HostCopy] = {}
+        # Kept copies (keep_on_device) by storage, each dropped when its storage dies.
+        self._kept: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.bytes_d2h = 0
+        """Bytes copied to the host since the runtime was made (measured, monotonic)."""
+        self.bytes_h2d = 0
+        """Bytes copied back to a device since the runtime was made."""
+        self.bytes_kept = 0
+        """Bytes of ``copy_d2h`` calls that a step plan kept on the device instead."""
         self._tokens: list[Token[_Scope | None]] = []
         # Keys whose storage died, appended by weakref callbacks (which may run inside
         # any code, this runtime's included) and applied under the lock by _collect_locked.
@@ -204,17 +218,18 @@ class TransferRuntime:
         self._tokens.append(_CURRENT.set(_Scope(self)))
         return self
 
+    def keeping(self, slots: frozenset[int], *, alias: bool = False) -> _KeepingBlock:
+        """``with runtime.keeping(slots):`` is ``with runtime:`` in which a ``copy_d2h``
+        whose ``slot`` is in ``slots`` keeps its source on the device
+        (:meth:`keep_on_device`) instead of starting a D2H: how a step plan keeps one
+        invocation of a compiled graph resident while another invocation of the same
+        graph offloads. ``alias``: the graph's buffers are never reused for other values
+        (aot_eager's graphs: each op allocates), so the source itself may stand for the
+        host copy; otherwise (Inductor reuses a dead buffer's memory) a device copy does."""
+        return _KeepingBlock(self, frozenset(slots), alias)
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        scope = _CURRENT.get()
-        _CURRENT.reset(self._tokens.pop())
-        leftover = self._drain_pending(scope)
-        if leftover and exc_type is None:
-            started = ", ".join(f"{p.op}→{p.label}" for p in leftover)
-            raise TransferMisuseError(
-                f"TransferRuntime exit: {len(leftover)} transfer(s) were started but never "
-                f"waited ({started}). Rule: every copy_d2h/copy_h2d is followed by one "
-                "wait_transfer on its result. They were synchronized; fix the lowering"
-            )
+        self._exit_scope(exc_type)
 
     # ------------------------------------------------------------------ ops
 
@@ -264,9 +279,42 @@ class TransferRuntime:
                 "copy_d2h", transfer, src, host, key, keep=(src, host)
             )
             self._unobserved.append(transfer)
+            self.bytes_d2h += nbytes
         # Set last: until here a failure leaves a plain tensor that frees its own bytes.
         setattr(storage, _HOST_BUFFER, buffer)
         return host
+
+    def keep_on_device(
+        self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...],
+        *, alias: bool = False,
+    ) -> torch.Tensor:
+        """``src`` on the device laid out as ``shape``/``stride``, standing for a host
+        copy: ``wait_transfer`` and ``release_host`` of it do nothing, ``copy_h2d`` returns
+        it without a transfer. With ``alias`` and ``src`` already laid out so (offset 0),
+        ``src`` itself: no byte moves. Otherwise a device copy, because an inner compiler
+        may reuse ``src``'s buffer once the graph is done with it (Inductor does): one
+        device-to-device copy, after which ``src`` is freed at its wait as after a D2H,
+        so the device holds the slot's bytes once."""
+        if alias and tuple(src.stride()) == tuple(stride) and src.storage_offset() == 0:
+            kept = src
+        else:
+            kept = torch.empty_strided(shape, stride, dtype=src.dtype, device=src.device)
+            kept.copy_(src)
+        storage = kept.untyped_storage()
+        setattr(storage, _RUNTIME_LINK, weakref.ref(self))
+        key, dead, table = _key(kept), self._dead, self._kept
+        with self._lock:
+            self._collect_locked()
+            table[key] = weakref.ref(storage, lambda ref: dead.append((table, key, ref)))
+            self.bytes_kept += src.numel() * src.element_size()
+        return kept
+
+    def is_kept(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a kept copy (:meth:`keep_on_device`) of this runtime."""
+        with self._lock:
+            self._collect_locked()
+            ref = self._kept.get(_key(tensor))
+            return ref is not None and ref() is tensor.untyped_storage()
 
     def copy_h2d(
         self,
@@ -276,7 +324,10 @@ class TransferRuntime:
         stride: tuple[int, ...],
     ) -> torch.Tensor:
         """Start copying host copy ``host`` into a fresh ``device`` tensor laid out as
-        ``shape``/``stride``; returns it, readable after ``wait_transfer``."""
+        ``shape``/``stride``; returns it, readable after ``wait_transfer``. A kept copy
+        (:meth:`keep_on_device`) is already there: it comes back as it is."""
+        if self.is_kept(host):
+            return host
         host_key = _key(host)
         with self._lock:
             self._collect_locked()
@@ -301,10 +352,14 @@ class TransferRuntime:
                 "copy_h2d", transfer, host, device_tensor, host_key
             )
             self._unobserved.append(transfer)
+            self.bytes_h2d += device_tensor.numel() * device_tensor.element_size()
         return device_tensor
 
     def wait_transfer(self, tensor: torch.Tensor, keepalive: torch.Tensor | None) -> None:
-        """Make the compute stream wait for the transfer whose destination is ``tensor``."""
+        """Make the compute stream wait for the transfer whose destination is ``tensor``
+        (nothing to wait for on a kept copy)."""
+        if self.is_kept(tensor):
+            return
         key = _key(tensor)
         with self._lock:
             self._collect_locked()
@@ -333,7 +388,9 @@ class TransferRuntime:
     def release_host(self, host: torch.Tensor) -> None:
         """Mark the program's last use of host copy ``host``. Its buffer goes back to the
         pool when the copy dies; releasing a released copy again (a retained graph's
-        second backward) changes nothing."""
+        second backward) changes nothing; nor does releasing a kept copy."""
+        if self.is_kept(host):
+            return
         with self._lock:
             self._collect_locked()
             record = self._host_record("hyper_offload::release_host", host)
@@ -360,12 +417,26 @@ class TransferRuntime:
         with self._lock:
             self._unobserved.extend(running)
 
+    def _exit_scope(self, exc_type: Any) -> None:
+        scope = _CURRENT.get()
+        _CURRENT.reset(self._tokens.pop())
+        leftover = self._drain_pending(scope)
+        if leftover and exc_type is None:
+            started = ", ".join(f"{p.op}→{p.label}" for p in leftover)
+            raise TransferMisuseError(
+                f"TransferRuntime exit: {len(leftover)} transfer(s) were started but never "
+                f"waited ({started}). Rule: every copy_d2h/copy_h2d is followed by one "
+                "wait_transfer on its result. They were synchronized; fix the lowering"
+            )
+
     def _collect_locked(self) -> None:
         while self._dead:
             table, key, ref = self._dead.popleft()
             record = table.get(key)
-            # The key may already name a newer record (ids are reused once a storage dies).
-            if record is not None and record.lifetime is ref:
+            # The key may already name a newer record (ids are reused once a storage dies);
+            # a kept copy's record is its weak reference itself.
+            lifetime = record if isinstance(record, weakref.ref) else getattr(record, "lifetime", None)
+            if record is not None and lifetime is ref:
                 del table[key]
 
     def _on_host_death(self, key: int, buffer: torch.Tensor) -> Callable[[Any], None]:
@@ -452,7 +523,10 @@ class TransferRuntime:
         with self._lock:
             counters = [engine.host_syncs for engine in self._engines.values()]
             pending = len(self._pending)
-        return runtime_stats(counters, self.pool.stats(), pending)
+        stats = runtime_stats(counters, self.pool.stats(), pending)
+        moved = {"bytes_d2h": self.bytes_d2h, "bytes_h2d": self.bytes_h2d,
+                 "bytes_kept": self.bytes_kept}
+        return dataclasses.replace(stats, extra={**stats.extra, **moved})
 
     def synchronize(self) -> None:
         """Block until every started transfer has completed (records stay pending)."""
@@ -481,3 +555,27 @@ class TransferRuntime:
             f"TransferRuntime(pending={pending}, host_copies={live}, host_syncs="
             f"{stats.host_syncs}, pageable_fallbacks={stats.pageable_fallbacks}, pool={self.pool!r})"
         )
+
+
+class _KeepingBlock:
+    """The context manager of :meth:`TransferRuntime.keeping`."""
+
+    def __init__(self, runtime: TransferRuntime, keep: frozenset[int], alias: bool) -> None:
+        self._runtime, self._keep, self._alias = runtime, keep, alias
+
+    def __enter__(self) -> TransferRuntime:
+        runtime = self._runtime
+        runtime._tokens.append(_CURRENT.set(_Scope(runtime, self._keep, self._alias)))
+        return runtime
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._runtime._exit_scope(exc_type)
+
+
+def current_keep(slot: int) -> tuple[bool, bool]:
+    """Whether the current block keeps ``copy_d2h`` slot ``slot`` on the device, and
+    whether it may keep it by reference (``TransferRuntime.keeping``)."""
+    scope = _CURRENT.get()
+    if scope is None or slot not in scope.keep:
+        return False, False
+    return True, scope.alias

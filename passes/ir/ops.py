@@ -16,7 +16,7 @@ bytes, and :mod:`hyper_offload.runtime.ops` registers their real kernels. Six op
 An async transfer is an op plus a wait op. The FX lowering emits, for a saved activation
 ``act`` that the plan offloads::
 
-    host = hyper_offload.copy_d2h(act, dim_order)            # forward, after act's last write
+    host = hyper_offload.copy_d2h(act, dim_order, slot)      # forward, after act's last write
     host = hyper_offload.wait_transfer(host, keepalive=act)  # act's bytes live until here
     ...
     dev  = hyper_offload.copy_h2d(host, device)              # backward, early enough to hide it
@@ -25,7 +25,7 @@ An async transfer is an op plus a wait op. The FX lowering emits, for a saved ac
 
 Schemas::
 
-    copy_d2h(Tensor src, int[]? dim_order=None) -> Tensor
+    copy_d2h(Tensor src, int[]? dim_order=None, int slot=-1) -> Tensor
                                                     new host tensor, host_layout(src, dim_order)
     copy_h2d(Tensor host, Device device) -> Tensor  new device tensor, dense_layout(host)
     wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)
@@ -39,8 +39,12 @@ The FX lowering always passes it, taken from the fake value the backward was pla
 because an inner compiler may lay out an intermediate differently from its fake value
 (Inductor fused a contiguous ``clone`` into a permuted buffer); the copy then gathers, and
 the host copy is still exactly what the fake kernel promised. Fake and real kernels share
-``host_layout``, so traced and real layouts agree exactly. No op mutates an
-input. ``wait_transfer`` returns its input, and says so with the alias
+``host_layout``, so traced and real layouts agree exactly. ``slot`` names the copied
+storage in its region's plan (the lowering passes the storage id, -1 for none): a step
+plan (:mod:`hyper_offload.compiler.step_plan`) may *keep* that slot of one invocation on
+the device, and then the real kernel makes a device copy instead of a host one, which
+every later op treats as the host copy (``copy_h2d`` hands it back without a transfer);
+the values are the same bits either way. No op mutates an input. ``wait_transfer`` returns its input, and says so with the alias
 annotation ``(a)``; readers of a transferred tensor consume the wait's *result*, so every
 compiler sees a data edge from the wait to them and cannot hoist a read above it.
 ``keepalive`` is the tensor being copied: as an argument of the wait it stays alive (and
@@ -87,8 +91,8 @@ __all__ = [
     "DISCARD",
     "MATERIALIZE",
     "NAMESPACE",
-    "RELEASE_HOST",
     "REAL_KERNEL_KEY",
+    "RELEASE_HOST",
     "TRANSFER_OPS",
     "WAIT_TRANSFER",
     "dense_layout",
@@ -106,7 +110,9 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 # while the D2H still reads it), and the host copy's layout does not depend on the
 # source's: ``copy_d2h`` lays it out by ``dim_order`` (issue 15, docs/architecture.md).
 _FLEXIBLE = (torch.Tag.flexible_layout,)
-_LIB.define("copy_d2h(Tensor src, int[]? dim_order=None) -> Tensor", tags=_FLEXIBLE)
+_LIB.define(
+    "copy_d2h(Tensor src, int[]? dim_order=None, int slot=-1) -> Tensor", tags=_FLEXIBLE
+)
 _LIB.define("copy_h2d(Tensor host, Device device) -> Tensor", tags=_FLEXIBLE)
 _LIB.define(
     "wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)", tags=_FLEXIBLE
@@ -237,7 +243,9 @@ def drop_placeholder_kernels() -> None:
 
 
 @torch.library.register_fake(f"{NAMESPACE}::copy_d2h", lib=_LIB)
-def _copy_d2h_fake(src: torch.Tensor, dim_order: list[int] | None = None) -> torch.Tensor:
+def _copy_d2h_fake(
+    src: torch.Tensor, dim_order: list[int] | None = None, slot: int = -1
+) -> torch.Tensor:
     shape, stride = host_layout(src, dim_order)
     return torch.empty_strided(shape, stride, dtype=src.dtype, device="cpu")
 
@@ -277,8 +285,8 @@ def _save_source_device(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.source_device = inputs[0].device
 
 
-def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return grad.to(ctx.source_device), None
+def _copy_d2h_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    return grad.to(ctx.source_device), None, None
 
 
 def _copy_h2d_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

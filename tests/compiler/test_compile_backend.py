@@ -47,7 +47,7 @@ def _check_forward_code(lines: list[str]) -> int:
     count = 0
     for i, line in enumerate(lines):
         match = re.match(
-            r"(\w+) = torch\.ops\.hyper_offload\.copy_d2h\.default\((\w+), \[[\d, ]*\]\)", line
+            r"(\w+) = torch\.ops\.hyper_offload\.copy_d2h\.default\((\w+), \[[\d, ]*\], \d+\)", line
         )
         if not match:
             continue

@@ -1,0 +1,92 @@
+"""``TransferRuntime.keeping``: a step plan keeps chosen ``copy_d2h`` slots on the device.
+
+The same lowered ops run either way; a kept slot must give the backward the same bits,
+never a host copy, never a buffer the graph may overwrite, and count as kept, not moved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyper_offload.runtime import ops
+from hyper_offload.runtime.memory_meter import is_host_labelled
+from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
+from hyper_offload.runtime.transfer_context import TransferRuntime, current_keep
+
+
+def _runtime() -> TransferRuntime:
+    return TransferRuntime(pool=PinnedMemoryPool(1 << 20, pin=False))
+
+
+def _round_trip(src: torch.Tensor, slot: int, dim_order: list[int] | None = None):
+    """copy_d2h + wait in the forward; the value after copy_h2d + wait + release."""
+    host = ops.wait_transfer(ops.copy_d2h(src, dim_order, slot), src)
+    return host
+
+
+def _reload(host: torch.Tensor) -> torch.Tensor:
+    back = ops.wait_transfer(ops.copy_h2d(host, "cpu"), host)
+    ops.release_host(host, back)
+    return back
+
+
+def test_a_kept_slot_stays_a_device_tensor_and_a_moved_one_goes_to_the_host() -> None:
+    rt = _runtime()
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    with rt.keeping(frozenset({3})):
+        kept, moved = _round_trip(a, 3), _round_trip(b, 4)
+    assert not is_host_labelled(kept) and rt.is_kept(kept)
+    assert is_host_labelled(moved) and not rt.is_kept(moved)
+    assert _reload(kept) is kept  # no transfer: the kept tensor is the reload
+    assert torch.equal(_reload(kept), a) and torch.equal(_reload(moved), b)
+    assert rt.bytes_kept == a.nbytes and rt.bytes_d2h == b.nbytes == rt.bytes_h2d
+    assert rt.stats().extra == {"bytes_d2h": b.nbytes, "bytes_h2d": b.nbytes, "bytes_kept": a.nbytes}
+    assert rt.transfers_pending == 0
+
+
+def test_a_kept_copy_is_not_the_source_unless_aliasing_is_allowed() -> None:
+    rt = _runtime()
+    src = torch.randn(8, 8)
+    expected = src.clone()
+    with rt.keeping(frozenset({0})):
+        kept = _round_trip(src, 0)
+    # An inner compiler may reuse a dead buffer (Inductor does): the kept copy must not care.
+    src.fill_(7.0)
+    assert torch.equal(_reload(kept), expected)
+    with rt.keeping(frozenset({0}), alias=True):
+        aliased = _round_trip(expected, 0)
+    assert aliased is expected  # no byte moved, and none copied
+    assert rt.bytes_kept == 2 * src.nbytes
+
+
+def test_aliasing_falls_back_to_a_copy_when_the_layout_differs() -> None:
+    rt = _runtime()
+    src = torch.randn(6, 4).t()  # strides (1, 4): not the row-major dim_order below
+    with rt.keeping(frozenset({1}), alias=True):
+        kept = _round_trip(src, 1, dim_order=[1, 0])
+    assert kept is not src and kept.stride() == (6, 1) and torch.equal(kept, src)
+
+
+def test_slots_are_kept_only_inside_the_block_that_names_them() -> None:
+    rt = _runtime()
+    x = torch.randn(5)
+    assert current_keep(2) == (False, False)
+    with rt.keeping(frozenset({2}), alias=True):
+        assert current_keep(2) == (True, True) and current_keep(3) == (False, False)
+        with rt:  # a nested plain block keeps nothing
+            assert current_keep(2) == (False, False)
+            nested = _round_trip(x, 2)
+        assert current_keep(2) == (True, True)
+    with rt:
+        outside = _round_trip(x, 2)
+    assert is_host_labelled(nested) and is_host_labelled(outside)
+    _reload(nested), _reload(outside)
+
+
+def test_a_kept_copy_serves_a_retained_graphs_second_backward() -> None:
+    rt = _runtime()
+    x = torch.randn(3, 3)
+    with rt.keeping(frozenset({0})):
+        kept = _round_trip(x, 0)
+    first, second = _reload(kept), _reload(kept)
+    assert torch.equal(first, x) and torch.equal(second, x) and rt.bytes_h2d == 0
