@@ -12,7 +12,13 @@ Storages (the trace's unit) come from fake-tensor metadata:
   size hints), unless the op's schema says the result aliases an argument (views,
   in-place ops): then it is that argument's storage, and a mutated argument is a WRITE;
 * placeholders of the forward (parameters, inputs) and non-saved placeholders of the
-  backward (tangents) are not activations: they are not in the trace and never move;
+  backward (tangents) are not activations: they are not in the trace and never move,
+  except forward placeholders the caller names *activation inputs* (the compile
+  backend's step scope names a region's non-leaf tensor inputs: a block's input), which
+  are storages whose first access is their first reader; likewise a saved activation
+  that is also a model output moves only when the caller says so (``outputs_move``: in
+  the step scope a region's output is the next region's input, dropped by the caller
+  once that region has run, so the saved reference is what keeps it);
 * a saved activation (a forward output the backward takes as a placeholder of the same
   name) is one storage across both graphs;
 * model outputs (the first ``num_fwd_outputs`` forward outputs) and the backward's
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from ..analysis.liveness import resident_bytes_without_offload
 from ..ir.ops import TRANSFER_OPS
@@ -93,6 +99,10 @@ class FxTrace:
     saved: tuple[SavedActivation, ...]
     node_storage: Mapping[str, StorageId]
     device: torch.device
+    activation_inputs: frozenset[str] = frozenset()
+    """The forward placeholders traced as activations (``build_fx_trace``)."""
+    outputs_move: bool = False
+    """Whether saved model outputs may move (``build_fx_trace``)."""
 
     @property
     def peak_without_offload(self) -> int:
@@ -278,14 +288,19 @@ def build_fx_trace(
     throughput: DeviceThroughput | None = None,
     d2h_bandwidth_gbps: float = 16.0,
     h2d_bandwidth_gbps: float = 16.0,
+    activation_inputs: frozenset[str] = frozenset(),
+    outputs_move: bool = False,
 ) -> FxTrace:
     """The trace of one region (see the module docstring). Accepts lowered graphs too:
     transfer ops are not ops and alias their source, so a correct lowering yields the
-    same trace as the graphs it came from."""
+    same trace as the graphs it came from. ``activation_inputs`` names forward
+    placeholders that are activations; ``outputs_move``: a saved activation that is also
+    a model output may move (see below)."""
     outputs = fw_outputs(fw)
     device = device_of(outputs)
     builder = _Builder(throughput or throughput_for(device))
-    builder.add_graph(FORWARD_GRAPH, fw.graph, {})
+    inputs = _input_storages(builder, fw.graph, activation_inputs)
+    builder.add_graph(FORWARD_GRAPH, fw.graph, inputs)
     num_fw_ops, num_fw_storages = len(builder.ops), len(builder.sizes)
     bw_placeholders = {n.name for n in bw.graph.find_nodes(op="placeholder")}
     # A lowered forward returns a wait node in place of each saved activation; classify
@@ -317,10 +332,14 @@ def build_fx_trace(
     }
     for sid in grads - model_outputs:
         builder.sizes[sid] = 0  # the optimizer's memory, not activations (see above)
+    written = {sid for accesses in builder.ops[:num_fw_ops] for sid, kind in accesses.items()
+               if kind is AccessKind.WRITE}
     saved = classify_saved(
         fw.graph, saved_nodes, storage_of=saved_storage, sizes=builder.sizes,
         bases={sid: base for sid, base in builder.bases.items() if sid < num_fw_storages},
-        model_outputs=model_outputs,
+        model_outputs=set() if outputs_move else model_outputs,
+        pinned={sid: "a graph input the forward writes in place"
+                for sid in inputs.values() if sid in written},
     )
     offloadable = {s.storage for s in saved if s.offloadable}
     ops = _filled_ops(builder.ops, num_fw_ops, offloadable)
@@ -337,7 +356,26 @@ def build_fx_trace(
         h2d_bandwidth_gbps=h2d_bandwidth_gbps,
     )
     node_storage = {name: sids[0] for name, sids in builder.storage.items() if sids and sids[0] is not None}
-    return FxTrace(trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device)
+    return FxTrace(
+        trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device,
+        frozenset(inputs), outputs_move,
+    )
+
+
+def _input_storages(
+    builder: _Builder, fw: fx.Graph, activation_inputs: frozenset[str]
+) -> dict[str, StorageId]:
+    """A storage for each forward placeholder named in ``activation_inputs``: a graph
+    input the caller knows to be an activation (the step scope's rule, module docstring
+    of :mod:`.saved`); it exists before the region runs, so no op creates it and its first
+    access is its first reader."""
+    storages = {}
+    for node in fw.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if node.name in activation_inputs and isinstance(value, torch.Tensor):
+            base = StorageBase(node.name, 0, value)
+            storages[node.name] = builder.new_storage(tensor_bytes(value, f"fw:{node.name}"), base)
+    return storages
 
 
 def device_of(outputs: Iterable[Any]) -> torch.device:

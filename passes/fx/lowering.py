@@ -7,7 +7,7 @@ place of every ``act_i``::
 
     base = <producer>(...)
     act_1 = <view>(base)                                      # first saved tensor on s
-    host = hyper_offload.copy_d2h(base, dim_order)            # post[..]: COPY_D2H s
+    host = hyper_offload.copy_d2h(base, dim_order, s)         # post[..]: COPY_D2H s
     ...                                                       # s's forward readers
     host_w = hyper_offload.wait_transfer(host, keepalive=base) # post[last read]: RELEASE_DEVICE s
     return (..., host_w, ..., host_w, ...)                    # for act_1 .. act_k
@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from hyper_offload.errors import LoweringError
 
@@ -195,13 +195,20 @@ def _lower_copy_d2h(
     # ask for exactly that treatment (Inductor's ``inductor_realize_to_strides``):
     # otherwise the producing kernel may be scheduled differently (HF Llama's rotary
     # ``add`` got another loop order and vectorized sin/cos: fp32 gradients differed).
-    anchor.meta["inductor_realize_to_strides"] = True
+    if base.op == "placeholder":
+        # A saved activation input exists before any op: the schedule copies it after
+        # its first access (the candidates' rule for a storage no op creates).
+        anchor = g.node(g.fx_trace.trace.accesses_of(s)[0][0])
+    else:
+        anchor.meta["inductor_realize_to_strides"] = True
     if writer is not None:
         anchor = g.later(anchor, writer)
     # The host copy's layout comes from the fake value, not from whatever layout the
     # inner compiler gives the base at run time (see passes/ir/ops.py, ``dim_order``).
     dim_order = dim_order_of(base.meta["val"])
-    node = g.insert_after(anchor, COPY_D2H, (base, dim_order))
+    # The storage id is the copy's slot: a step plan keeps a slot of one invocation on
+    # the device without lowering the graph again (passes/ir/ops.py, ``slot``).
+    node = g.insert_after(anchor, COPY_D2H, (base, dim_order, int(s)))
     node.meta["val"] = _host_value(base.meta["val"], dim_order)
     g.d2h[s], g.d2h_anchor[s] = node, anchor
 

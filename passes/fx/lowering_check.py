@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 
-import torch.fx as fx
+from torch import fx
 
 from ..analysis.liveness import storage_liveness
 from ..analysis.validator import ScheduleReport, check_schedule
@@ -40,7 +40,10 @@ def derive_schedule(
     fw: fx.GraphModule, bw: fx.GraphModule, fx_trace: FxTrace, *, num_fwd_outputs: int
 ) -> ResidencySchedule:
     """The schedule the lowered graphs ``fw`` / ``bw`` execute, on ``fx_trace.trace``."""
-    lowered = build_fx_trace(fw, bw, num_fwd_outputs=num_fwd_outputs)
+    lowered = build_fx_trace(
+        fw, bw, num_fwd_outputs=num_fwd_outputs, activation_inputs=fx_trace.activation_inputs,
+        outputs_move=fx_trace.outputs_move,
+    )
     planned = [(op.name, op.accesses) for op in fx_trace.trace.ops]
     rebuilt = [(op.name, op.accesses) for op in lowered.trace.ops]
     if planned != rebuilt:

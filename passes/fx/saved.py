@@ -6,8 +6,11 @@ ops), whose bytes belong to a storage that the forward does not save as itself. 
 that moves is therefore the storage, not the tensor: a storage is **movable** when
 
 * an op of the forward created it (parameters, inputs and their views are not
-  activations), and no model output aliases it (those outlive the step anyway), so after
-  its last forward use only saved tensors reach it;
+  activations), or it is a graph input the caller named an *activation* (the compile
+  backend's step scope: a block's input, the residual stream, which the block saves for
+  its norm's backward) that the forward never writes; and no model output aliases it
+  (those outlive the step anyway), so after its last forward use only saved tensors (and,
+  for an input, the caller until it moves on) reach it;
 * its *base*, the tensor the creating op returned, covers it densely (offset 0, every
   byte once), so one copy of the base is a byte-for-byte copy of the storage;
 * every saved tensor on it has the base's dtype and, if its layout differs from the
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from ..ir.ops import dense_layout
 from ..ir.trace import StorageId
@@ -129,10 +132,13 @@ def _storage_reason(
     bases: Mapping[StorageId, StorageBase],
     model_outputs: set[StorageId],
     base: fx.Node | None,
+    pinned: Mapping[StorageId, str],
 ) -> str:
     """Why no saved tensor on ``sid`` can move ("" when the storage is movable)."""
     if sid is None:
         return "a parameter or input (or a view of one)"
+    if sid in pinned:
+        return pinned[sid]
     if sid in model_outputs:
         return "its storage is also a model output"
     if sizes[sid] == 0:
@@ -171,10 +177,13 @@ def _storage_verdicts(
     sizes: Mapping[StorageId, int],
     bases: Mapping[StorageId, StorageBase],
     model_outputs: set[StorageId],
+    pinned: Mapping[StorageId, str],
 ) -> dict[str, str]:
     """Reason each saved node on ``sid`` stays ("" for all of them when it moves). A
     storage moves whole or not at all: one view that cannot be rebuilt keeps them all."""
-    reason = _storage_reason(sid, sizes=sizes, bases=bases, model_outputs=model_outputs, base=base)
+    reason = _storage_reason(
+        sid, sizes=sizes, bases=bases, model_outputs=model_outputs, base=base, pinned=pinned
+    )
     if reason:
         return {node.name: reason for node in nodes}
     assert sid is not None
@@ -194,10 +203,14 @@ def classify_saved(
     sizes: Mapping[StorageId, int],
     bases: Mapping[StorageId, StorageBase],
     model_outputs: set[StorageId],
+    pinned: Mapping[StorageId, str] | None = None,
 ) -> list[SavedActivation]:
     """One :class:`SavedActivation` per saved node, in order, by the rules of the module
     docstring. ``storage_of`` maps forward node names to their storage; ``bases`` says
-    which op created each storage."""
+    which op (or, for a movable graph input, which placeholder) created each storage;
+    ``pinned`` keeps storages on the device with a reason (a graph input written in
+    place)."""
+    pinned = pinned or {}
     by_storage: dict[StorageId | None, list[fx.Node]] = {}
     for node in saved_nodes:
         by_storage.setdefault(storage_of.get(node.name), []).append(node)
@@ -207,7 +220,8 @@ def classify_saved(
     for sid, nodes in by_storage.items():
         base = base_node(fw_nodes, bases[sid]) if sid in bases else None
         verdicts = _storage_verdicts(
-            sid, nodes, base, sizes=sizes, bases=bases, model_outputs=model_outputs
+            sid, nodes, base, sizes=sizes, bases=bases, model_outputs=model_outputs,
+            pinned=pinned,
         )
         reasons.update(verdicts)
         if base is not None and not any(verdicts.values()):
