@@ -25,6 +25,7 @@ keeps a plain ``torch.compile``, or other options, from sharing those entries, a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 # The compiled graphs call the transfer ops: importing .ops registers their real kernels
@@ -42,14 +43,20 @@ from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
+from hyper_offload.runtime.memory_meter import is_host_labelled
 
 from . import region_cache
+from .backend_registry import BackendRegistry
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import search_region
 from .region_plan import PlannedRegion, lower_region
 from .region_report import LOGGER, RegionReport, log_region_report
+from .saved_bytes import node_saved_tensors
+from .step_model import Invocation, StepRecorder, StepTimeline
+from .step_plan import RegionProfile, StepPlan, plan_step, region_profile
+from .step_report import StepReport, build_step_report, log_step_plan
 
-__all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend"]
+__all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_backend"]
 
 # The code that decides a region's rewritten graphs: every planning pass (the op
 # declarations included, in passes/ir/) and this package. Its hash is in the
@@ -60,12 +67,17 @@ _PLANNING_CODE = (Path(passes.__file__).parent, Path(__file__).parent)
 
 
 class _Region:
-    """Per-region state: the runtime made current around its forward, and the plan."""
+    """Per-region state: its plan and, under the step scope, its floor profile."""
 
-    def __init__(self, index: int, options: BackendOptions, example_inputs: Sequence[Any]) -> None:
+    def __init__(
+        self, index: int, example_inputs: Sequence[Any], runtime: TransferRuntime
+    ) -> None:
         self.index = index
-        self.runtime = TransferRuntime(pool=PinnedMemoryPool(options.config.max_host_bytes))
+        self.runtime = runtime
+        """The backend's runtime (every region of a backend shares it and its pool)."""
         self.planned: PlannedRegion | None = None
+        self.activation_inputs = activation_inputs(example_inputs)
+        """AOTAutograd's names of the graph inputs that are activations (may move)."""
         self.from_cache = False
         """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
@@ -74,6 +86,18 @@ class _Region:
             if isinstance(v, torch.SymInt) and v.node.hint is not None
         }
         self.hint_warned = False
+
+    @functools.cached_property
+    def profile(self) -> RegionProfile:
+        """The floor profile the step plan lays out (no ops for a region never planned:
+        an inference graph, or a cached one whose plan was not stored)."""
+        if self.planned is None:
+            return RegionProfile(self.index, 0, (), ())
+        trace = self.planned.fx_trace
+        return region_profile(
+            self.index, trace.num_fw_ops, self.planned.check.resident_bytes,
+            self.planned.schedule, trace.trace.storage_sizes,
+        )
 
     def check_hints(self, args: Sequence[Any]) -> None:
         """Warn once if a dynamic size differs from the hint the plan was made for."""
@@ -92,6 +116,19 @@ class _Region:
                 return
 
 
+def activation_inputs(example_inputs: Sequence[Any]) -> frozenset[str]:
+    """The forward placeholders (AOTAutograd names the i-th graph input ``primals_<i+1>``)
+    of inputs that are activations: tensors an autograd graph made (a block's input, the
+    previous block's output), not parameters, buffers or data, which the caller keeps
+    anyway. Dynamo guards a region on ``requires_grad``, not on who made a tensor: a leaf
+    passed where an activation was compiled moves too, exact but for no memory."""
+    return frozenset(
+        f"primals_{i + 1}" for i, value in enumerate(example_inputs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+        and value.grad_fn is not None
+    )
+
+
 class _RegionForward:
     """What Dynamo calls for a region: its compiled forward, with the runtime current."""
 
@@ -103,12 +140,18 @@ class _RegionForward:
         self._backend = backend
 
     def __call__(self, *args: Any) -> Any:
-        self._region.check_hints(args)
+        region, backend = self._region, self._backend
+        region.check_hints(args)
         # Copies seen complete drop their hold on host copies whose graph died (a step
-        # that raised, a forward without backward), in every region: buffers come back
-        # whichever region runs next.
-        self._backend.collect()
-        with self._region.runtime:
+        # that raised, a forward without backward): buffers come back at the next forward.
+        backend.collect()
+        # Fake arguments: Dynamo propagating shapes through a compiled region (DDPOptimizer
+        # runs each compiled submodule on fake tensors while it compiles the next one).
+        # That is no invocation of a step; it moves nothing either (fake kernels).
+        if (backend.options.step_scoped and torch.is_grad_enabled()
+                and torch._guards.detect_fake_mode(args) is None):
+            return backend.run_invocation(region, self._compiled, args)
+        with backend.runtime:
             return self._compiled(*args)
 
 
@@ -136,7 +179,8 @@ class _OffloadPartitioner(CustomPartitionerFn):
         started = time.perf_counter()
         choice = search_region(
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
-            bandwidth=self._backend.bandwidth, region=region.index,
+            bandwidth=self._backend.bandwidth, region=region.index, floor=options.step_scoped,
+            activation_inputs=region.activation_inputs if options.step_scoped else frozenset(),
         )
         fw, bw = choice.fw, choice.bw
         region.planned = lower_region(
@@ -167,14 +211,22 @@ class _OffloadPartitioner(CustomPartitionerFn):
 class HyperOffloadBackend:
     """A configured ``hyper_offload`` backend: pass it as ``torch.compile(backend=...)``.
 
-    ``reports`` lists one :class:`RegionReport` per compiled region, in compile order
-    (a recompilation adds one). ``regions`` keeps the plans for inspection.
+    Every region it compiles shares one :class:`TransferRuntime` and host pool and, under
+    ``budget_scope="step"``, one step: ``recorder`` learns it, ``step_plan`` (None until
+    a step was seen) keeps each invocation's slots under the one budget, and
+    ``step_report`` shows it. ``reports`` lists one :class:`RegionReport` per compiled
+    region, in compile order (a recompilation adds one). ``regions`` keeps the plans.
     """
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
         self.regions: list[_Region] = []
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
+        self.runtime = TransferRuntime(pool=PinnedMemoryPool(options.config.max_host_bytes))
+        self.recorder = StepRecorder(self._on_step)
+        self.step_plan: StepPlan | None = None
+        self.replans = 0
+        """Step plans made so far (one per step whose shape or bytes changed)."""
         self._bandwidth: dict[torch.device, TransferBandwidth] = {}
         self._counter = itertools.count()
 
@@ -199,12 +251,72 @@ class HyperOffloadBackend:
         return self._bandwidth[device]
 
     def collect(self) -> None:
-        """Let every region's runtime observe finished copies (see ``TransferRuntime.collect``)."""
-        for region in self.regions:
-            region.runtime.collect()
+        """Let the runtime observe finished copies (see ``TransferRuntime.collect``)."""
+        self.runtime.collect()
+
+    @property
+    def step_report(self) -> StepReport | None:
+        """The step plan in force, per region and invocation (None before a step ran)."""
+        plan = self.step_plan
+        return None if plan is None else build_step_report(plan, self.replans, self.recorder.steps)
+
+    def run_invocation(
+        self, region: _Region, compiled: Callable[..., Any], args: Sequence[Any]
+    ) -> Any:
+        """Run one forward of ``region`` as an invocation of the step: keep what the step
+        plan keeps for it, and record it."""
+        recorder = self.recorder
+        recorder.poll()
+        invocation = recorder.begin_forward(region.index)
+        # aot_eager's graphs never reuse a buffer, so a kept slot is its source itself.
+        alias = self.options.inner_compiler == "aot_eager"
+        with self.runtime.keeping(self._keep_for(invocation), alias=alias):
+            outputs = compiled(*args)
+        leaves = {
+            id(a.untyped_storage()) for a in args
+            if isinstance(a, torch.Tensor) and a.grad_fn is None
+        }
+        recorder.end_forward(invocation, outputs, functools.partial(self._retained, leaves))
+        return outputs
+
+    def _keep_for(self, invocation: Invocation) -> frozenset[int]:
+        """What the plan keeps for ``invocation``, while this step's forwards so far are
+        the planned step's; the floor (nothing kept) once the step departs from it."""
+        plan = self.step_plan
+        if plan is None:
+            return frozenset()
+        so_far = (*self.recorder.current_forwards(), invocation)
+        if plan.timeline.invocations[: len(so_far)] != so_far:
+            return frozenset()
+        return plan.keep_for(invocation)
+
+    def _retained(self, leaves: set[int], node: Any) -> int:
+        """Device bytes ``node`` holds that no plan moves (``StepTimeline.retained_bytes``)."""
+        storages: dict[int, int] = {}
+        for tensor in node_saved_tensors(node):
+            storage = tensor.untyped_storage()
+            if (id(storage) in leaves or is_host_labelled(tensor) or tensor.device.type == "meta"
+                    or self.runtime.is_kept(tensor)):
+                continue
+            storages[id(storage)] = storage.nbytes()
+        return sum(storages.values())
+
+    def _on_step(self, timeline: StepTimeline) -> None:
+        """A step ended: plan it again when it differs from the one planned."""
+        plan = self.step_plan
+        if plan is not None and plan.timeline == timeline:
+            return
+        profiles = {r.index: r.profile for r in self.regions}
+        fraction = self.options.budget_fraction
+        self.step_plan = plan_step(
+            timeline, profiles, None if fraction is not None else self.options.config.budget_bytes,
+            budget_fraction=fraction,
+        )
+        self.replans += 1
+        log_step_plan(self.step_plan, self.replans)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        region = _Region(next(self._counter), self.options, example_inputs)
+        region = _Region(next(self._counter), example_inputs, self.runtime)
         self.regions.append(region)
         if self.options.inner_compiler != "inductor":  # aot_eager: no cache, always planned
             partitioner = _OffloadPartitioner(self, region, plan_key=None)
@@ -297,4 +409,20 @@ def hyper_offload_backend(
                 f"{options['mode']!r} disagree; pass the mode once"
             )
         options["mode"] = mode
-    return HyperOffloadBackend(parse_backend_options(options))(gm, example_inputs)
+    parsed = parse_backend_options(options)
+    shared = _SHARED_BACKENDS.get(parsed.cache_key(), lambda: HyperOffloadBackend(parsed))
+    return shared(gm, example_inputs)
+
+
+# The backends of backend="hyper_offload", one per option set (see .backend_registry):
+# a cache, not configuration. torch._dynamo.reset() calls this function's ``reset``.
+_SHARED_BACKENDS: BackendRegistry[HyperOffloadBackend] = BackendRegistry()
+hyper_offload_backend.reset = _SHARED_BACKENDS.clear  # type: ignore[attr-defined]
+
+
+def shared_backend(options: dict[str, Any] | None = None) -> HyperOffloadBackend | None:
+    """The backend ``backend="hyper_offload"`` with these ``options`` uses now, if any:
+    how to read its ``step_report`` and ``reports`` after ``torch.compile(model,
+    backend="hyper_offload", options=...)``."""
+    parsed = parse_backend_options(options)
+    return _SHARED_BACKENDS.peek(parsed.cache_key())

@@ -15,6 +15,13 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
 * ``transfer_bandwidth_gbps``: price host/device copies at this many GB/s each way
   instead of the link measured on the region's device (plan for a target machine's
   link, or make plans independent of a noisy measurement);
+* ``budget_scope``: ``"step"`` (default) or ``"region"``. ``"step"``: the budget holds
+  for the whole training step, however many regions and invocations it runs (per-block
+  compile, graph breaks, DDP, FSDP2): each region is lowered at its floor for the first
+  step and, once a step was seen, one step plan decides what each invocation keeps
+  (:mod:`.step_plan`); a fraction is of the step's peak. ``"region"``: each region is
+  planned on its own under the whole budget (a fraction is of the region's peak), with
+  the recompute search, as before issue 31: right when the step is one region run once;
 * ``mode``: an Inductor mode (``torch.compile(..., mode=...)`` arrives here too):
   its settings apply to the inner Inductor, except CUDA graphs (a region's transfers
   keep host-side state, pool buffers and events, that a graph replay would skip; a
@@ -37,17 +44,24 @@ from typing import Any
 
 from hyper_offload.config import OffloadConfig
 
-__all__ = ["INNER_COMPILERS", "RECOMPUTE_MODES", "BackendOptions", "parse_backend_options"]
+__all__ = [
+    "BUDGET_SCOPES",
+    "INNER_COMPILERS",
+    "RECOMPUTE_MODES",
+    "BackendOptions",
+    "parse_backend_options",
+]
 
 INNER_COMPILERS = ("inductor", "aot_eager")
 RECOMPUTE_MODES = ("auto", "off")
+BUDGET_SCOPES = ("step", "region")
 _FRACTION = "max_resident_activation_fraction"
 _LINK = "transfer_bandwidth_gbps"
 _EAGER_ONLY = ("rewarm_on_mismatch",)
 _CONFIG_KEYS = tuple(
     f.name for f in dataclasses.fields(OffloadConfig) if f.name not in _EAGER_ONLY
 )
-_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK, "mode")
+_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK, "mode", "budget_scope")
 _CUDAGRAPHS = "triton.cudagraphs"
 
 
@@ -62,6 +76,12 @@ class BackendOptions:
     recompute: str = "auto"
     transfer_bandwidth_gbps: float | None = None
     mode: str | None = None
+    budget_scope: str = "step"
+
+    @property
+    def step_scoped(self) -> bool:
+        """Whether the budget is the whole step's (module docstring, ``budget_scope``)."""
+        return self.budget_scope == "step"
 
     def _mode_settings(self) -> dict[str, Any]:
         """Every Inductor setting of ``mode`` (none without a mode)."""
@@ -89,7 +109,7 @@ class BackendOptions:
     def cache_key(self) -> str:
         """What distinguishes two option sets in Inductor's caches."""
         return repr((self.config, self.inner_compiler, self.budget_fraction, self.recompute,
-                     self.transfer_bandwidth_gbps, self.mode))
+                     self.transfer_bandwidth_gbps, self.mode, self.budget_scope))
 
 
 def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
@@ -125,6 +145,12 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
             f"hyper_offload options: 'recompute' must be one of "
             f"{', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}"
         )
+    scope = options.pop("budget_scope", "step")
+    if scope not in BUDGET_SCOPES:
+        raise ValueError(
+            f"hyper_offload options: 'budget_scope' must be one of "
+            f"{', '.join(map(repr, BUDGET_SCOPES))}, got {scope!r}"
+        )
     fraction = options.pop(_FRACTION, None)
     if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
         raise ValueError(
@@ -147,7 +173,7 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
         budget_fraction=None if fraction is None else float(fraction),
         recompute=recompute,
         transfer_bandwidth_gbps=None if link is None else float(link),
-        mode=mode,
+        mode=mode, budget_scope=scope,
     )
 
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._functorch import config as functorch_config
 
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
@@ -77,9 +77,9 @@ from .region_report import PartitionReport, RecomputeReport
 
 __all__ = [
     "RECOMPUTE_GRID",
-    "PartitionChoice",
     "SPLICE_REFINEMENTS",
     "SPLICE_SHARES",
+    "PartitionChoice",
     "choose_partition",
     "copy_joint",
     "draws_random",
@@ -340,15 +340,18 @@ def graph_planner(
     bandwidth: Callable[[fx.GraphModule], TransferBandwidth],
     region: int,
     throughput: DeviceThroughput | None = None,
+    floor: bool = False,
+    activation_inputs: frozenset[str] = frozenset(),
 ) -> Planner:
     """The :data:`Planner` both doors search with: :func:`~.region_plan.plan_graphs`
-    with the options, the link ``bandwidth(fw)`` and ``throughput``."""
-
+    with the options, the link ``bandwidth(fw)`` and ``throughput``; with ``floor``,
+    every movable saved activation offloaded (``plan_graphs(floor=True)``), graph inputs in
+    ``activation_inputs`` included."""
     def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: int | None) -> GraphPlan:
         return plan_graphs(
             fw, bw, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=bandwidth(fw), region=region, throughput=throughput,
-            budget_bytes=budget,
+            budget_bytes=budget, floor=floor, activation_inputs=activation_inputs,
         )
 
     return plan
@@ -363,12 +366,17 @@ def search_region(
     bandwidth: Callable[[fx.GraphModule], TransferBandwidth],
     region: int,
     throughput: DeviceThroughput | None = None,
+    floor: bool = False,
+    activation_inputs: frozenset[str] = frozenset(),
 ) -> PartitionChoice:
     """:func:`choose_partition` as both doors call it: partitions planned by
-    :func:`graph_planner`, the low-precision rule on under Inductor."""
+    :func:`graph_planner`, the low-precision rule on under Inductor. ``floor``: the
+    step scope's first plan, torch's partition at its floor (no search: the floor is
+    the least offloading can reach, and the step plan later keeps what fits)."""
     plan = graph_planner(
         num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
-        region=region, throughput=throughput,
+        region=region, throughput=throughput, floor=floor,
+        activation_inputs=activation_inputs,
     )
     device = next(
         (n.meta["val"].device for n in joint.graph.find_nodes(op="placeholder")
@@ -376,7 +384,7 @@ def search_region(
         torch.device("cpu"),
     )
     return choose_partition(
-        joint, partition, plan, mode=options.recompute,
+        joint, partition, plan, mode="off" if floor else options.recompute,
         restrict_low_precision=options.inner_compiler == "inductor",
         seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
     )

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch.fx as fx
+from torch import fx
 
 from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
@@ -27,6 +27,7 @@ from hyper_offload.passes.fx.cost_model import DeviceThroughput, exposed_transfe
 from hyper_offload.passes.fx.graph_trace import FxTrace, build_fx_trace
 from hyper_offload.passes.fx.lowering import lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering
+from hyper_offload.passes.plan.floor import FloorPlanner
 from hyper_offload.passes.plan.planning import plan_residency
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
@@ -122,6 +123,8 @@ def plan_graphs(
     region: int,
     throughput: DeviceThroughput | None = None,
     budget_bytes: int | None = None,
+    floor: bool = False,
+    activation_inputs: frozenset[str] = frozenset(),
 ) -> GraphPlan:
     """The analysis half of a region (graphs untouched; :func:`lower_region` rewrites
     them): trace, then the
@@ -130,18 +133,26 @@ def plan_graphs(
     captured on fake tensors, so its figures are the backend's. ``throughput`` prices
     ops (default: the graphs' device's). ``budget_bytes`` replaces the options' budget
     (the recompute search plans every partition under the one budget the fraction gave
-    for torch's default partition). The returned report is ``check_schedule`` of the
-    returned schedule, without violations."""
+    for torch's default partition). ``floor``: plan at the region's floor instead of with
+    the options' planner (the step scope: :class:`~hyper_offload.passes.plan.floor.
+    FloorPlanner`, the gaps across the forward/backward boundary included, reloads placed
+    under the budget). ``activation_inputs``: forward
+    placeholders that may move (``build_fx_trace``). The returned report is
+    ``check_schedule`` of the returned schedule, without violations."""
     fx_trace = build_fx_trace(
         fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
         d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,
+        activation_inputs=activation_inputs, outputs_move=floor,
     )
     if budget_bytes is None:
         budget_bytes = options.budget_bytes(fx_trace.peak_without_offload)
     trace = fx_trace.trace.with_budget(budget_bytes)
     fx_trace = dataclasses.replace(fx_trace, trace=trace)
     planned = plan_residency(
-        trace, options.config.resolved_planner(), earliest_prefetch_op=fx_trace.num_fw_ops,
+        trace,
+        FloorPlanner(fx_trace.num_fw_ops, frozenset(fx_trace.movable())) if floor
+        else options.config.resolved_planner(),
+        earliest_prefetch_op=fx_trace.num_fw_ops,
         # the lowering's wait_transfer frees a saved activation's device bytes only once
         # its D2H is done, and inside the forward graph
         release_waits_for_d2h=True, latest_release_op=fx_trace.num_fw_ops - 1,

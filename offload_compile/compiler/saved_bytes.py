@@ -21,7 +21,7 @@ import torch
 
 from hyper_offload.runtime.memory_meter import is_host_labelled
 
-__all__ = ["saved_device_bytes", "saved_tensors_of"]
+__all__ = ["node_saved_tensors", "saved_device_bytes", "saved_tensors_of"]
 
 
 def _nodes(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
@@ -36,16 +36,21 @@ def _nodes(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
+def node_saved_tensors(node: Any) -> list[torch.Tensor]:
+    """Tensors one ``CompiledFunctionBackward`` node holds for its backward."""
+    saved = [t for t in node.saved_tensors if isinstance(t, torch.Tensor)]
+    saved.extend(
+        t for t in getattr(node, "_tensors_no_vc_check", ()) if isinstance(t, torch.Tensor)
+    )
+    return saved
+
+
 def saved_tensors_of(*outputs: torch.Tensor) -> list[torch.Tensor]:
     """Tensors saved for backward by compiled regions reachable from ``outputs``."""
     saved: list[torch.Tensor] = []
     for node in _nodes(outputs):
-        if "CompiledFunction" not in type(node).__name__:
-            continue
-        saved.extend(t for t in node.saved_tensors if isinstance(t, torch.Tensor))
-        saved.extend(
-            t for t in getattr(node, "_tensors_no_vc_check", ()) if isinstance(t, torch.Tensor)
-        )
+        if "CompiledFunction" in type(node).__name__:
+            saved.extend(node_saved_tensors(node))
     return saved
 
 

@@ -218,7 +218,9 @@ def test_plan_emits_the_schedule_of_the_shared_pipeline_and_of_the_compile_backe
     torch.manual_seed(0)
     model = mlp(layers=3, d=64)
     # 192 KiB: under the region's 224 KiB peak, above the 128 KiB its largest op needs.
-    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=192 / 1024)
+    backend = hyper_offload.backend(
+        inner_compiler="aot_eager", max_resident_activation_mb=192 / 1024, budget_scope="region"
+    )
     torch.compile(model, backend=backend)(torch.randn(128, 64)).pow(2).sum().backward()
     torch._dynamo.reset()
     (region,) = backend.regions

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-import pytest
 
 import hyper_offload
 import hyper_offload.compiler
@@ -127,11 +126,17 @@ def compile_step(
 
 def offload_backend(inner: str, budget: str) -> hyper_offload.compiler.HyperOffloadBackend:
     """``budget``: "fits" (fraction 1.0), "half" (0.5) or "tight" (0 MiB: as tight as
-    feasible, everything offloadable is offloaded)."""
+    feasible, everything offloadable is offloaded). These tests are about one region's
+    plan and lowering, so the budget is the region's (``budget_scope="region"``); the
+    step scope is tested in ``test_step_budget.py``."""
     if budget == "tight":
-        return hyper_offload.backend(inner_compiler=inner, max_resident_activation_mb=0)
+        return hyper_offload.backend(
+            inner_compiler=inner, max_resident_activation_mb=0, budget_scope="region"
+        )
     fraction = {"fits": 1.0, "half": 0.5}[budget]
-    return hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=fraction)
+    return hyper_offload.backend(
+        inner_compiler=inner, max_resident_activation_fraction=fraction, budget_scope="region"
+    )
 
 
 def transfer_ops_in(module: torch.fx.GraphModule) -> list[str]:

@@ -41,7 +41,9 @@ def _gpt_case() -> tuple[nn.Module, tuple[torch.Tensor, ...], bool]:
 )
 def test_estimate_equals_the_backends_region_report(case, inner: str) -> None:
     model, inputs, scalar_loss = case()
-    backend = hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=0.5)
+    backend = hyper_offload.backend(
+        inner_compiler=inner, max_resident_activation_fraction=0.5, budget_scope="region"
+    )
     torch._dynamo.reset()
     out = torch.compile(model, backend=backend)(*inputs)
     (out if scalar_loss else out.float().pow(2).mean()).backward()

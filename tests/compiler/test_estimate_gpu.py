@@ -3,12 +3,10 @@ traced as CUDA gives the backend's figures for the real model on the GPU."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import hyper_offload
-
 from examples.gpt_model import GPT, GPTConfig, random_batch
 
 pytestmark = [
@@ -24,7 +22,7 @@ def test_meta_model_estimated_as_cuda_equals_the_backend_on_cuda() -> None:
     torch.manual_seed(0)
     model = GPT(_GPT).cuda().to(torch.bfloat16)
     idx, targets = random_batch(_GPT, 4, device="cuda")
-    backend = hyper_offload.backend(max_resident_activation_fraction=0.5)
+    backend = hyper_offload.backend(max_resident_activation_fraction=0.5, budget_scope="region")
     torch._dynamo.reset()
     torch.compile(model, backend=backend)(idx, targets).backward()
     (compiled,) = backend.reports

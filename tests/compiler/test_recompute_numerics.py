@@ -41,8 +41,9 @@ def _step(backend: Any, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def _backend(inner: str, fraction: float, **options: Any):
+    # The recompute search runs per region (budget_scope="region").
     return hyper_offload.backend(
-        inner_compiler=inner, max_resident_activation_fraction=fraction,
+        inner_compiler=inner, max_resident_activation_fraction=fraction, budget_scope="region",
         transfer_bandwidth_gbps=options.pop("gbps", 0.3), **options,
     )
 

@@ -1,0 +1,249 @@
+"""What a training step is, as the compile backend sees it: invocations of its regions.
+
+A step is rarely one compiled region run once. torchtitan compiles each block on its own
+and runs that one compiled graph for every layer; FSDP2, DDP and any graph break cut a
+model into several regions. Every *invocation* (one call of a region's forward with
+autograd recording) saves activations that live until *its* backward, and all of them
+share the device. :class:`StepRecorder` learns the step from the calls themselves:
+
+* each forward of a region with grad enabled whose outputs carry its
+  ``CompiledFunctionBackward`` node is an invocation ``r<region>#<ordinal>`` (the
+  ordinal counts that region's forwards in the step, so one compiled block run for N
+  layers is N invocations); a forward under ``no_grad`` or with nothing to differentiate
+  is not part of the step;
+* a pre-hook on that node records when its backward starts, a post-hook when it is done;
+* a step ends when no invocation is outstanding any more (each one's backward ran, or
+  its graph died unrun: a step that raised, an evaluation forward with grad enabled).
+  Then the recorder hands a :class:`StepTimeline` to its callback. Plain training is
+  forwards then backwards in reverse; gradient accumulation makes one step per
+  micro-batch (their activations never coexist); a pipeline stage's micro-batches
+  (several forwards before their backwards) are one step, so invocations may come in
+  any order. A retained graph's second backward belongs to no step (its invocation
+  was already done), nor does ``autograd.grad`` over part of a graph change anything
+  (the invocations it does not reach end when their graph dies).
+
+Invariants: a timeline holds each of its invocations' forward exactly once, and a
+backward only after that invocation's forward; every invocation of a timeline that has a
+backward event was *completed* (its post-hook ran). The recorder never touches a tensor's
+values and keeps no strong reference to an autograd graph. Hooks may run on autograd's
+device threads: every state change holds the recorder's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Invocation", "StepEvent", "StepEventKind", "StepRecorder", "StepTimeline"]
+
+
+class StepEventKind(str, Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+class Invocation(NamedTuple):
+    """The ``ordinal``-th forward of compiled region ``region`` in a step."""
+
+    region: int
+    ordinal: int
+
+    def __repr__(self) -> str:
+        return f"r{self.region}#{self.ordinal}"
+
+
+class StepEvent(NamedTuple):
+    kind: StepEventKind
+    invocation: Invocation
+
+    def __repr__(self) -> str:
+        return f"{'F' if self.kind is StepEventKind.FORWARD else 'B'}({self.invocation!r})"
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One observed step: forwards and backwards of its invocations, in the order they ran.
+
+    ``retained_bytes[i]``: device bytes invocation ``i``'s backward held at the end of its
+    forward that no plan can move: saved activations the region keeps and saved
+    activation inputs (a block's input), measured on the autograd graph; not the
+    parameters, buffers or leaf inputs, not host copies, not slots a step plan kept.
+    Only invocations whose backward ran are listed (the others left no activations).
+    """
+
+    events: tuple[StepEvent, ...]
+    retained_bytes: Mapping[Invocation, int] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"StepTimeline({' '.join(map(repr, self.events))})"
+
+    @property
+    def invocations(self) -> tuple[Invocation, ...]:
+        """Every invocation, in forward order."""
+        return tuple(e.invocation for e in self.events if e.kind is StepEventKind.FORWARD)
+
+    @property
+    def regions(self) -> frozenset[int]:
+        return frozenset(i.region for i in self.invocations)
+
+    def same_shape(self, other: StepTimeline) -> bool:
+        """Whether ``other`` ran the same events in the same order (bytes may differ)."""
+        return self.events == other.events
+
+
+class _Pending(NamedTuple):
+    """An invocation whose backward has not completed: its node, weakly."""
+
+    node: weakref.ref[Any]
+    retained_bytes: int
+
+
+class StepRecorder:
+    """Learns steps from invocations of compiled regions (module docstring).
+
+    ``on_step`` receives each finished step that ran at least one backward, on the thread
+    that finished it (a backward hook's, or the caller of :meth:`begin_forward`)."""
+
+    def __init__(self, on_step: Callable[[StepTimeline], None]) -> None:
+        self._on_step = on_step
+        self._lock = threading.RLock()
+        self._events: list[StepEvent] = []
+        self._ordinals: dict[int, int] = {}
+        self._pending: dict[Invocation, _Pending] = {}
+        self._done: dict[Invocation, int] = {}
+        self._dead: list[Invocation] = []  # appended by weakref callbacks, lock-free
+        self._ready: list[StepTimeline] = []  # ended inside _reap; delivered by poll()
+        self.steps = 0
+        """Steps finished so far (with at least one backward)."""
+
+    def __repr__(self) -> str:
+        with self._lock:
+            return (f"StepRecorder(steps={self.steps}, events={len(self._events)}, "
+                    f"outstanding={len(self._pending)})")
+
+    def current_forwards(self) -> tuple[Invocation, ...]:
+        """The invocations of the step in progress, in forward order."""
+        with self._lock:
+            return tuple(e.invocation for e in self._events if e.kind is StepEventKind.FORWARD)
+
+    def begin_forward(self, region: int) -> Invocation:
+        """The invocation a forward of ``region`` about to run will be, if it records."""
+        with self._lock:
+            self._reap()
+            return Invocation(region, self._ordinals.get(region, 0))
+
+    def end_forward(
+        self, invocation: Invocation, outputs: Any, retained_bytes: Callable[[Any], int]
+    ) -> bool:
+        """Record ``invocation`` if ``outputs`` carry a compiled backward node; hook it.
+        ``retained_bytes(node)`` measures what the node holds (see :class:`StepTimeline`).
+        Returns whether the forward is part of the step."""
+        node = compiled_backward_node(outputs)
+        if node is None:
+            return False
+        held = retained_bytes(node)
+        dead = self._dead
+        # The hooks hold the node weakly: a hook holding it strongly would make a cycle
+        # (node -> hook -> node) that keeps an abandoned graph alive until a collection.
+        ref = weakref.ref(node, lambda _: dead.append(invocation))
+        with self._lock:
+            self._reap()
+            if self._ordinals.get(invocation.region, 0) != invocation.ordinal:
+                return False  # another thread recorded this ordinal first: not tracked
+            self._ordinals[invocation.region] = invocation.ordinal + 1
+            self._events.append(StepEvent(StepEventKind.FORWARD, invocation))
+            self._pending[invocation] = _Pending(ref, held)
+        node.register_prehook(lambda grads: self._backward_started(invocation, ref))
+        node.register_hook(lambda grad_inputs, grad_outputs: self._backward_done(invocation, ref))
+        return True
+
+    def _is_current(self, invocation: Invocation, ref: weakref.ref[Any]) -> bool:
+        pending = self._pending.get(invocation)
+        return pending is not None and pending.node is ref
+
+    def _backward_started(self, invocation: Invocation, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            if self._is_current(invocation, ref):
+                self._events.append(StepEvent(StepEventKind.BACKWARD, invocation))
+
+    def _backward_done(self, invocation: Invocation, ref: weakref.ref[Any]) -> None:
+        with self._lock:
+            if not self._is_current(invocation, ref):
+                return  # a retained graph's second backward: its step is over
+            self._done[invocation] = self._pending.pop(invocation).retained_bytes
+            finished = self._finish_if_idle()
+        if finished is not None:
+            self._on_step(finished)
+
+    def _reap(self) -> None:
+        """Forget invocations whose graph died before its backward completed. Called
+        with the lock held; a step left with nothing outstanding ends here (its callback
+        runs later, from :meth:`poll`)."""
+        while self._dead:
+            invocation = self._dead.pop()
+            pending = self._pending.get(invocation)
+            if pending is not None and pending.node() is None:
+                del self._pending[invocation]
+                self._events = [e for e in self._events if e.invocation != invocation]
+        if not self._pending and (self._events or self._ordinals):
+            finished = self._finish_if_idle()
+            if finished is not None:
+                self._ready.append(finished)
+
+    def _finish_if_idle(self) -> StepTimeline | None:
+        """End the step if nothing is outstanding; the timeline if it ran a backward."""
+        if self._pending:
+            return None
+        events = [e for e in self._events if e.invocation in self._done]
+        timeline = StepTimeline(tuple(events), dict(self._done)) if events else None
+        self._events, self._done, self._ordinals = [], {}, {}
+        if timeline is not None:
+            self.steps += 1
+        return timeline
+
+    def poll(self) -> None:
+        """Deliver steps that ended because a graph died (the forward path calls this)."""
+        with self._lock:
+            self._reap()
+            ready, self._ready = self._ready, []
+        for timeline in ready:
+            self._on_step(timeline)
+
+
+def compiled_backward_node(outputs: Any) -> Any | None:
+    """The ``CompiledFunctionBackward`` node of a compiled region's ``outputs`` (directly
+    on an output, or one view away), or None when nothing will be differentiated."""
+    for tensor in _tensors(outputs):
+        node = tensor.grad_fn
+        if node is None:
+            continue
+        if _is_compiled_node(node):
+            return node
+        for parent, _ in node.next_functions:
+            if parent is not None and _is_compiled_node(parent):
+                return parent
+    return None
+
+
+def _is_compiled_node(node: Any) -> bool:
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+def _tensors(outputs: Any) -> Iterable[torch.Tensor]:
+    if isinstance(outputs, torch.Tensor):
+        yield outputs
+    elif isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            yield from _tensors(item)
+    elif isinstance(outputs, dict):
+        for item in outputs.values():
+            yield from _tensors(item)

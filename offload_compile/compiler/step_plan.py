@@ -1,0 +1,230 @@
+"""One budget for the whole step: which invocations keep which slots on the device.
+
+Under ``budget_scope="step"`` (the default) every region is lowered at its *floor*
+(:class:`~hyper_offload.passes.plan.floor.FloorPlanner`: each movable saved activation
+gets a ``copy_d2h`` whose ``slot`` is its storage id), so the first step fits before
+anything is known about what else shares the device. Once
+:class:`~.step_model.StepRecorder` has seen a step, :func:`plan_step` decides, per
+invocation, which slots stay on the device (``TransferRuntime.keeping``): the compiled
+graphs are not lowered again, the runtime makes a device copy where the floor would
+have made a host copy.
+
+The step's device bytes on one timeline: the invocations' forward and backward ops laid
+end to end in the order the step ran them (the eager code between regions holds no
+saved activation and adds no op). At each position::
+
+    bytes(t) = floor profile of the region op running at t        (its own schedule)
+             + retained bytes of every other invocation between its forward and backward
+             + nbytes of every kept slot whose range covers t
+
+A slot of invocation ``i`` kept costs its bytes from just after its ``copy_d2h`` (the
+device copy exists from there; the source is freed where the floor frees it) until the
+op where the floor's reload would land, in ``i``'s backward. Keeping is chosen greedily,
+shortest range first (a slot whose reload follows its copy soonest is the hardest to
+hide and holds its bytes over the fewest positions), larger slots first on ties, while
+the range's maximum plus the slot stays within the budget: each decision is one range
+query and one range add on a :class:`~hyper_offload.passes.plan.segment_tree.
+RangeAddMaxTree`. Everything not kept moves, exactly as the floor schedule moves it.
+
+Invariant: at every position the plan's bytes are at most ``max(budget, floor bytes
+there)``: within the budget wherever the floor is, and no worse than the floor where the
+floor alone is over it (a region's working memory there is more than the budget; only
+recompute could help, and the report says so). So ``peak_bytes <= budget_bytes`` whenever
+``floor_peak_bytes <= budget_bytes``. Pure: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from hyper_offload.passes.ir.schedule import ActionKind, ResidencySchedule
+from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
+
+from .step_model import Invocation, StepEventKind, StepTimeline
+
+__all__ = ["RegionProfile", "SlotRange", "StepPlan", "plan_step", "region_profile"]
+
+
+class SlotRange(NamedTuple):
+    """Keeping slot ``slot`` costs ``nbytes`` over the region's ops ``start .. end - 1``
+    (op indices over forward then backward; ``start`` at most the forward's length, ``end``
+    in the backward) and over everything the step runs between the two graphs."""
+
+    slot: int
+    nbytes: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class RegionProfile:
+    """A region's floor schedule, as the step plan needs it: device bytes during each op
+    (``resident[i]``, forward ops first) and the range each slot would hold if kept."""
+
+    region: int
+    num_fw_ops: int
+    resident: tuple[int, ...]
+    slots: tuple[SlotRange, ...]
+
+    @property
+    def num_bw_ops(self) -> int:
+        return len(self.resident) - self.num_fw_ops
+
+
+def region_profile(
+    region: int,
+    num_fw_ops: int,
+    resident: tuple[int, ...],
+    schedule: ResidencySchedule,
+    storage_sizes: Mapping[int, int],
+) -> RegionProfile:
+    """The profile of a region lowered with ``schedule`` (its floor): a slot per storage
+    copied to the host in the forward and reloaded in the backward."""
+    d2h: dict[int, int] = {}
+    h2d: dict[int, int] = {}
+    for op, _, action in schedule.actions():
+        if action.kind is ActionKind.COPY_D2H and op < num_fw_ops:
+            d2h.setdefault(action.storage, op)
+        elif action.kind is ActionKind.COPY_H2D and op >= num_fw_ops:
+            h2d.setdefault(action.storage, op)
+    # A slot copied after the forward's last op and reloaded before the backward's first
+    # holds nothing inside the region (start == end) but everything run between.
+    slots = tuple(
+        SlotRange(sid, storage_sizes[sid], d2h[sid] + 1, h2d[sid])
+        for sid in sorted(d2h) if sid in h2d
+    )
+    return RegionProfile(region, num_fw_ops, tuple(resident), slots)
+
+
+class InvocationPlan(NamedTuple):
+    """What one invocation keeps, moves and retains (bytes)."""
+
+    invocation: Invocation
+    keep: frozenset[int]
+    kept_bytes: int
+    moved_bytes: int
+    retained_bytes: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """:func:`plan_step`'s answer for one step timeline (see the module docstring)."""
+
+    timeline: StepTimeline
+    budget_bytes: int
+    peak_without_offload_bytes: int
+    floor_peak_bytes: int
+    peak_bytes: int
+    invocations: tuple[InvocationPlan, ...]
+
+    def keep_for(self, invocation: Invocation) -> frozenset[int]:
+        """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
+        return self._keep.get(invocation, frozenset())
+
+    @property
+    def _keep(self) -> dict[Invocation, frozenset[int]]:
+        return {p.invocation: p.keep for p in self.invocations}
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak is within the budget (never when the floor is not)."""
+        return self.peak_bytes <= self.budget_bytes
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes copied to the host per step (each comes back once)."""
+        return sum(p.moved_bytes for p in self.invocations)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(p.kept_bytes for p in self.invocations)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepPlan({len(self.invocations)} invocations, budget={self.budget_bytes}, "
+            f"floor_peak={self.floor_peak_bytes}, peak={self.peak_bytes}, "
+            f"moved={self.moved_bytes}, kept={self.kept_bytes})"
+        )
+
+
+class _Layout(NamedTuple):
+    """Where each invocation's forward and backward ops start on the step timeline."""
+
+    values: list[int]
+    forward_at: dict[Invocation, int]
+    backward_at: dict[Invocation, int]
+
+
+def _lay_out(timeline: StepTimeline, profiles: Mapping[int, RegionProfile]) -> _Layout:
+    values: list[int] = []
+    forward_at: dict[Invocation, int] = {}
+    backward_at: dict[Invocation, int] = {}
+    for kind, invocation in timeline.events:
+        profile = profiles[invocation.region]
+        if kind is StepEventKind.FORWARD:
+            forward_at[invocation] = len(values)
+            values.extend(profile.resident[: profile.num_fw_ops])
+        else:
+            backward_at[invocation] = len(values)
+            values.extend(profile.resident[profile.num_fw_ops :])
+    return _Layout(values, forward_at, backward_at)
+
+
+def plan_step(
+    timeline: StepTimeline,
+    profiles: Mapping[int, RegionProfile],
+    budget_bytes: int | None,
+    *,
+    budget_fraction: float | None = None,
+) -> StepPlan:
+    """Choose the kept slots of every invocation of ``timeline`` under one budget.
+
+    ``profiles`` maps each region of the timeline to its floor profile. The budget is
+    ``budget_bytes``, or ``budget_fraction`` of the step's peak without offload."""
+    layout = _lay_out(timeline, profiles)
+    tree = RangeAddMaxTree(layout.values or [0])
+    width = max(len(layout.values), 1)
+    retained = dict(timeline.retained_bytes)
+    for invocation, backward in layout.backward_at.items():
+        profile = profiles[invocation.region]
+        lo = layout.forward_at[invocation] + profile.num_fw_ops
+        if lo < backward and retained.get(invocation, 0):
+            tree.add(lo, backward, retained[invocation])
+    ranges = [
+        (invocation, slot, layout.forward_at[invocation] + slot.start,
+         backward + slot.end - profiles[invocation.region].num_fw_ops)
+        for invocation, backward in layout.backward_at.items()
+        for slot in profiles[invocation.region].slots
+    ]
+    floor = tree.values()[:width]
+    everything = RangeAddMaxTree(floor)
+    for _, slot, lo, hi in ranges:
+        if lo < hi:
+            everything.add(lo, hi, slot.nbytes)
+    peak_without = everything.max_all()
+    if budget_bytes is None:
+        budget_bytes = int((budget_fraction or 1.0) * peak_without)
+    # Room left at each position under its cap: the budget, or the floor where the floor
+    # alone is over it (as the planner treats infeasible ops: no worse than the floor).
+    room = RangeAddMaxTree([min(value - budget_bytes, 0) for value in floor])
+    keep: dict[Invocation, set[int]] = {i: set() for i in timeline.invocations}
+    for invocation, slot, lo, hi in sorted(ranges, key=lambda r: (r[3] - r[2], -r[1].nbytes)):
+        if lo >= hi:  # nothing runs while it would be away: keeping it is free
+            keep[invocation].add(slot.slot)
+        elif room.max(lo, hi) + slot.nbytes <= 0:
+            room.add(lo, hi, slot.nbytes)
+            tree.add(lo, hi, slot.nbytes)
+            keep[invocation].add(slot.slot)
+    plans = []
+    for invocation in timeline.invocations:
+        slots = profiles[invocation.region].slots
+        kept = sum(s.nbytes for s in slots if s.slot in keep[invocation])
+        plans.append(InvocationPlan(
+            invocation, frozenset(keep[invocation]), kept,
+            sum(s.nbytes for s in slots) - kept, retained.get(invocation, 0),
+        ))
+    return StepPlan(
+        timeline, budget_bytes, peak_without, max(floor, default=0), tree.max_all(), tuple(plans)
+    )

@@ -1,0 +1,108 @@
+"""``HyperOffloadBackend.step_report``: the step plan in force, readable.
+
+One row per invocation (region, ordinal): the bytes its slots keep on the device, the
+bytes they move (to the host in the forward, back in the backward), and the bytes it
+retains that no plan moves (activations a region keeps, a block's saved input); then
+the step's predicted peak against the budget, the floor (everything movable moved) and
+the peak without offload. Every re-plan logs one line on ``hyper_offload`` (INFO), a
+step plan that cannot fit (the floor is over the budget) a WARNING.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .region_report import LOGGER
+from .step_plan import InvocationPlan, StepPlan
+
+__all__ = ["StepReport", "build_step_report", "log_step_plan"]
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """The step plan's figures (bytes; all *predicted* except ``retained_bytes``, which
+    were measured on the autograd graph of the step the plan was made from)."""
+
+    budget_bytes: int
+    peak_bytes: int
+    floor_peak_bytes: int
+    peak_without_offload_bytes: int
+    invocations: tuple[InvocationPlan, ...]
+    replans: int
+    steps_seen: int
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes copied to the host per step (each also comes back once)."""
+        return sum(p.moved_bytes for p in self.invocations)
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(p.kept_bytes for p in self.invocations)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    def summary(self) -> dict[str, object]:
+        """Flat, JSON-friendly figures."""
+        return {
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.peak_bytes,
+            "floor_peak_bytes": self.floor_peak_bytes,
+            "peak_without_offload_bytes": self.peak_without_offload_bytes,
+            "moved_bytes": self.moved_bytes,
+            "kept_bytes": self.kept_bytes,
+            "invocations": len(self.invocations),
+            "replans": self.replans,
+            "steps_seen": self.steps_seen,
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"hyper_offload step: {len(self.invocations)} invocation(s), predicted peak "
+            f"{self.peak_bytes / _MIB:.2f} MiB for a budget of {self.budget_bytes / _MIB:.2f} "
+            f"MiB (floor {self.floor_peak_bytes / _MIB:.2f}, without offload "
+            f"{self.peak_without_offload_bytes / _MIB:.2f}); {self.replans} plan(s) in "
+            f"{self.steps_seen} step(s)",
+            f"{'invocation':>10} {'kept MiB':>9} {'moved MiB':>9} {'retained MiB':>12}",
+        ]
+        lines += [
+            f"{p.invocation!r:>10} {p.kept_bytes / _MIB:9.2f} {p.moved_bytes / _MIB:9.2f} "
+            f"{p.retained_bytes / _MIB:12.2f}"
+            for p in self.invocations
+        ]
+        return "\n".join(lines)
+
+
+def build_step_report(plan: StepPlan, replans: int, steps_seen: int) -> StepReport:
+    return StepReport(
+        budget_bytes=plan.budget_bytes, peak_bytes=plan.peak_bytes,
+        floor_peak_bytes=plan.floor_peak_bytes,
+        peak_without_offload_bytes=plan.peak_without_offload_bytes,
+        invocations=plan.invocations, replans=replans, steps_seen=steps_seen,
+    )
+
+
+def log_step_plan(plan: StepPlan, number: int) -> None:
+    """One log line per step plan (module docstring)."""
+    regions = len({p.invocation.region for p in plan.invocations})
+    figures = (
+        number, len(plan.invocations), regions, plan.peak_bytes / _MIB,
+        plan.budget_bytes / _MIB, plan.floor_peak_bytes / _MIB, plan.moved_bytes / _MIB,
+        plan.kept_bytes / _MIB,
+    )
+    message = (
+        "hyper_offload step plan %d: %d invocation(s) of %d region(s), predicted peak "
+        "%.2f MiB for a budget of %.2f MiB (floor %.2f MiB); moves %.2f MiB, keeps %.2f MiB"
+    )
+    if plan.floor_peak_bytes > plan.budget_bytes:
+        LOGGER.warning(
+            message + "; the floor is over the budget: everything movable moves and the "
+            "step still exceeds it. Fix: raise the budget, or recompute more "
+            "(budget_scope='region' searches recompute per region)", *figures,
+        )
+    else:
+        LOGGER.info(message, *figures)

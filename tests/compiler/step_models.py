@@ -1,0 +1,93 @@
+"""Small models in the layouts users compile them (issue 31), shared by the step tests.
+
+An MLP-transformer block (LayerNorm, Linear 4x, GELU, Linear, residual) stacked
+``layers`` times: compiled whole, block by block (torchtitan's way: one compiled graph
+serves every layer), or whole with a graph break after the first half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from hyper_offload.compiler.saved_bytes import saved_device_bytes
+
+D, BATCH, SEQ, LAYERS = 64, 4, 128, 4
+SLACK = 256 * 1024
+"""Bytes a measured step may exceed the budget by (issue 31: buffers the plan does not see)."""
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int = LAYERS, d: int = D, graph_break: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+        self.graph_break = graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if self.graph_break and i == len(self.layers) // 2:
+                torch._dynamo.graph_break()
+            x = layer(x)
+        return self.head(x).float().pow(2).mean()
+
+
+LAYOUTS = ("whole", "per_block", "graph_break")
+
+
+def build(layout: str, backend: Any, options: dict[str, Any] | None = None,
+          dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+    """A fresh model (seeded: every call has the same weights) and its compiled step."""
+    torch.manual_seed(0)
+    model = Stack(graph_break=layout == "graph_break").to(dtype)
+    kwargs = {"backend": backend} if options is None else {"backend": backend, "options": options}
+    if layout == "per_block":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, **kwargs)
+        return model, model
+    return model, torch.compile(model, **kwargs)
+
+
+def batch(dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, SEQ, D, generator=generator).to(dtype)
+
+
+class StepResult(NamedTuple):
+    saved_bytes: int
+    """Device bytes the compiled backward holds after the forward (measured)."""
+    loss: torch.Tensor
+    grads: tuple[torch.Tensor, ...]
+
+
+def train(model: nn.Module, step: Callable[..., torch.Tensor], steps: int,
+          dtype: torch.dtype = torch.float32) -> list[StepResult]:
+    """``steps`` training steps on the same batch; what each saved, its loss and grads."""
+    x = batch(dtype)
+    results = []
+    for _ in range(steps):
+        loss = step(x)
+        saved = saved_device_bytes(loss, exclude=[*model.parameters(), x])
+        loss.backward()
+        grads = tuple(p.grad.clone() for p in model.parameters())
+        results.append(StepResult(saved, loss.detach().clone(), grads))
+        model.zero_grad(set_to_none=True)
+    return results
+
+
+def exact(a: StepResult, b: StepResult) -> bool:
+    return torch.equal(a.loss, b.loss) and all(torch.equal(x, y) for x, y in zip(a.grads, b.grads))

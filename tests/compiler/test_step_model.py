@@ -1,0 +1,141 @@
+"""StepRecorder on a real compiled block: what a step is, learned from the calls.
+
+One aot_eager compile of a 2-layer per-block stack, shared by every test (each test
+starts a fresh recorder on the shared backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hyper_offload
+from hyper_offload.compiler.step_model import (
+    Invocation,
+    StepEvent,
+    StepEventKind,
+    StepRecorder,
+    StepTimeline,
+)
+
+from .step_models import Stack, batch
+
+F, B = StepEventKind.FORWARD, StepEventKind.BACKWARD
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    torch._dynamo.reset()
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=1)
+    torch.manual_seed(0)
+    model = Stack(layers=2)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, backend=backend)
+    x = batch().requires_grad_()  # every block's input has grad: one graph for both
+    model(x).backward()
+    return backend, model
+
+
+@pytest.fixture
+def steps(compiled) -> list[StepTimeline]:
+    """Install a fresh recorder; the steps it finishes."""
+    backend, _ = compiled
+    finished: list[StepTimeline] = []
+    backend.recorder = StepRecorder(finished.append)
+    backend.step_plan = None
+    return finished
+
+
+def _events(*spec: tuple[StepEventKind, int, int]) -> tuple[StepEvent, ...]:
+    return tuple(StepEvent(kind, Invocation(region, ordinal)) for kind, region, ordinal in spec)
+
+
+def _x() -> torch.Tensor:
+    return batch().requires_grad_()
+
+
+def test_one_graph_for_two_layers_is_two_invocations_backward_in_reverse(compiled, steps):
+    backend, model = compiled
+    model(_x()).backward()
+    assert len(steps) == 1 and len(steps[0].regions) == 1
+    (r,) = steps[0].regions
+    assert steps[0].events == _events((F, r, 0), (F, r, 1), (B, r, 1), (B, r, 0))
+    assert set(steps[0].retained_bytes) == {Invocation(r, 0), Invocation(r, 1)}
+    # The second layer retains its input (the first layer's output); the first one's
+    # leaf input is not counted (it belongs to the caller).
+    assert steps[0].retained_bytes[Invocation(r, 0)] == 0
+    assert steps[0].retained_bytes[Invocation(r, 1)] == _x().nbytes
+
+
+def test_forwards_without_grad_are_not_part_of_a_step(compiled, steps):
+    _, model = compiled
+    with torch.no_grad():
+        model(_x())
+    assert backend_recorder_idle(compiled) and steps == []
+    model(_x()).backward()
+    assert len(steps) == 1 and len(steps[0].invocations) == 2
+
+
+def test_gradient_accumulation_makes_one_step_per_micro_batch(compiled, steps):
+    _, model = compiled
+    for _ in range(3):
+        model(_x()).backward()
+    assert len(steps) == 3 and all(s.events == steps[0].events for s in steps)
+
+
+def test_micro_batches_forwarded_before_their_backwards_are_one_step(compiled, steps):
+    _, model = compiled
+    first, second = model(_x()), model(_x())
+    (first + second).backward()
+    assert len(steps) == 1
+    forwards = [e for e in steps[0].events if e.kind is F]
+    assert [e.invocation.ordinal for e in forwards] == [0, 1, 2, 3]
+    assert len(steps[0].events) == 8
+
+
+def test_a_graph_that_dies_unrun_leaves_the_step(compiled, steps):
+    backend, model = compiled
+    abandoned = model(_x())  # e.g. an evaluation forward with grad enabled
+    del abandoned
+    model(_x()).backward()  # its ordinals continue: the abandoned step ended silently
+    backend.recorder.poll()
+    assert len(steps) == 1
+    (r,) = steps[0].regions
+    assert steps[0].events == _events((F, r, 0), (F, r, 1), (B, r, 1), (B, r, 0))
+
+
+def test_a_retained_graphs_second_backward_belongs_to_no_step():
+    from torch._functorch import config as functorch_config
+
+    torch._dynamo.reset()
+    # AOTAutograd donates buffers to a backward unless told not to; a retained graph
+    # needs them (torch's own rule, see its error message).
+    with functorch_config.patch(donated_buffer=False):
+        backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=1)
+        torch.manual_seed(0)
+        model = Stack(layers=1)
+        model.layers[0] = torch.compile(model.layers[0], backend=backend)
+        x = _x()
+        loss = model(x)
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        loss.backward()
+    assert backend.recorder.steps == 1  # the second backward ended no step
+    assert torch.equal(x.grad, 2 * first)  # and ran on what the first left in place
+
+
+def test_autograd_grad_over_part_of_the_graph_ends_when_the_graph_dies(compiled, steps):
+    backend, model = compiled
+    x = _x()
+    hidden = model.layers[0](x)
+    out = model.layers[1](hidden).sum()
+    torch.autograd.grad(out, hidden)  # reaches the second layer's backward only
+    assert steps == []
+    del out, hidden
+    backend.recorder.poll()
+    # Only the second layer's invocation ran its backward; the first one's left.
+    assert len(steps) == 1 and [i.ordinal for i in steps[0].invocations] == [1]
+
+
+def backend_recorder_idle(compiled) -> bool:
+    backend, _ = compiled
+    return backend.recorder.current_forwards() == ()

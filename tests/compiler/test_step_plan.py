@@ -1,0 +1,195 @@
+"""plan_step on hand-built floor profiles and step timelines (pure: no torch, no compile).
+
+The bound is checked against an independent, naive recomputation of the step's bytes at
+every position, never against the plan's own figures."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyper_offload.compiler.step_model import Invocation, StepEvent, StepEventKind, StepTimeline
+from hyper_offload.compiler.step_plan import (
+    RegionProfile,
+    SlotRange,
+    plan_step,
+    region_profile,
+)
+from hyper_offload.passes import ActionKind, ResidencyAction, ResidencySchedule
+
+F, B = StepEventKind.FORWARD, StepEventKind.BACKWARD
+
+
+def _timeline(order: list[tuple[StepEventKind, Invocation]], retained: dict | None = None):
+    events = tuple(StepEvent(kind, inv) for kind, inv in order)
+    return StepTimeline(events, retained or {})
+
+
+def naive_bytes(timeline: StepTimeline, profiles: dict[int, RegionProfile], keep) -> list[int]:
+    """Device bytes at every position of the step, position by position (no tree)."""
+    positions: list[tuple[Invocation, int]] = []  # (invocation, region op) per position
+    for kind, inv in timeline.events:
+        p = profiles[inv.region]
+        ops = range(p.num_fw_ops) if kind is F else range(p.num_fw_ops, len(p.resident))
+        positions += [(inv, op) for op in ops]
+    fw_at = {inv: next(i for i, (v, op) in enumerate(positions) if v == inv) for inv in
+             timeline.invocations}
+    bw_at = {inv: next(i for i, (v, op) in enumerate(positions)
+                       if v == inv and op >= profiles[inv.region].num_fw_ops)
+             for inv in timeline.invocations if profiles[inv.region].num_bw_ops}
+    values = []
+    for t, (inv, op) in enumerate(positions):
+        total = profiles[inv.region].resident[op]
+        for other, bw in bw_at.items():
+            fw_end = fw_at[other] + profiles[other.region].num_fw_ops
+            if fw_end <= t < bw:
+                total += timeline.retained_bytes.get(other, 0)
+            for slot in profiles[other.region].slots:
+                lo = fw_at[other] + slot.start
+                hi = bw + slot.end - profiles[other.region].num_fw_ops
+                if slot.slot in keep(other) and lo <= t < hi:
+                    total += slot.nbytes
+        values.append(total)
+    return values
+
+
+def block_profile(region: int = 0) -> RegionProfile:
+    """A block: 3 forward ops, 3 backward ops, two slots (sizes 4 and 2)."""
+    return RegionProfile(
+        region, 3, (5, 6, 5, 6, 5, 3),
+        (SlotRange(1, 4, 1, 4), SlotRange(2, 2, 2, 3)),
+    )
+
+
+def test_four_invocations_of_one_block_keep_the_latest_first() -> None:
+    invs = [Invocation(0, i) for i in range(4)]
+    order = [(F, i) for i in invs] + [(B, i) for i in reversed(invs)]
+    timeline = _timeline(order)
+    profiles = {0: block_profile()}
+    plan = plan_step(timeline, profiles, budget_bytes=14)
+    values = naive_bytes(timeline, profiles, plan.keep_for)
+    assert max(values) == plan.peak_bytes <= 14
+    # The last block's forward is followed at once by its backward: its slots have the
+    # shortest ranges and are kept first; the first block's are the longest and move.
+    assert plan.keep_for(invs[3]) == {1, 2}
+    assert plan.keep_for(invs[0]) == frozenset()
+    assert plan.moved_bytes + plan.kept_bytes == 4 * 6
+    assert plan.floor_peak_bytes == max(naive_bytes(timeline, profiles, lambda i: set()))
+    everything = naive_bytes(timeline, profiles, lambda i: {1, 2})
+    assert plan.peak_without_offload_bytes == max(everything)
+
+
+def test_where_the_floor_is_over_the_budget_keeping_never_makes_it_worse() -> None:
+    invs = [Invocation(0, i) for i in range(2)]
+    timeline = _timeline([(F, invs[0]), (F, invs[1]), (B, invs[1]), (B, invs[0])])
+    profiles = {0: block_profile()}
+    plan = plan_step(timeline, profiles, budget_bytes=3)
+    assert not plan.fits and plan.kept_bytes == 0 and plan.peak_bytes == plan.floor_peak_bytes
+    # A budget the floor exceeds only at its working-memory peaks still keeps elsewhere.
+    tall = {0: RegionProfile(0, 3, (1, 9, 1, 1, 1, 1), (SlotRange(1, 2, 2, 4),))}
+    plan = plan_step(timeline, tall, budget_bytes=5)
+    floor = naive_bytes(timeline, tall, lambda i: set())
+    values = naive_bytes(timeline, tall, plan.keep_for)
+    assert plan.kept_bytes > 0 and plan.floor_peak_bytes == 9 == plan.peak_bytes
+    assert all(v <= max(5, f) for v, f in zip(values, floor))
+
+
+def test_a_fraction_is_of_the_step_peak_without_offload() -> None:
+    invs = [Invocation(0, i) for i in range(3)]
+    timeline = _timeline([(F, i) for i in invs] + [(B, i) for i in reversed(invs)])
+    plan = plan_step(timeline, {0: block_profile()}, None, budget_fraction=0.75)
+    assert plan.budget_bytes == int(0.75 * plan.peak_without_offload_bytes)
+    assert plan.peak_bytes <= plan.budget_bytes
+
+
+def test_retained_bytes_count_between_forward_and_backward_only() -> None:
+    a, b = Invocation(0, 0), Invocation(1, 0)
+    timeline = _timeline([(F, a), (F, b), (B, b), (B, a)], retained={a: 100})
+    profiles = {0: block_profile(0), 1: block_profile(1)}
+    plan = plan_step(timeline, profiles, budget_bytes=10**6)
+    # b's whole forward and backward run while a retains its 100 bytes.
+    assert plan.floor_peak_bytes == 100 + 6
+    assert plan.invocations[0].retained_bytes == 100
+
+
+def test_unknown_invocations_get_the_floor() -> None:
+    inv = Invocation(0, 0)
+    plan = plan_step(_timeline([(F, inv), (B, inv)]), {0: block_profile()}, budget_bytes=10**6)
+    assert plan.keep_for(inv) == {1, 2}
+    assert plan.keep_for(Invocation(0, 1)) == frozenset()
+    assert plan.keep_for(Invocation(7, 0)) == frozenset()
+
+
+def test_region_profile_reads_the_floor_schedule() -> None:
+    # 2 forward ops, 2 backward ops; storage 0 copied after op 0, reloaded before op 3.
+    post = [(ResidencyAction(ActionKind.COPY_D2H, 0), ResidencyAction(ActionKind.RELEASE_DEVICE, 0)),
+            (), (), (ResidencyAction(ActionKind.RELEASE_DEVICE, 0),
+                     ResidencyAction(ActionKind.RELEASE_HOST, 0))]
+    pre = [(), (), (), (ResidencyAction(ActionKind.COPY_H2D, 0),
+                        ResidencyAction(ActionKind.WAIT_H2D, 0))]
+    schedule = ResidencySchedule(tuple(pre), tuple(post))
+    profile = region_profile(3, 2, (8, 0, 0, 8), schedule, {0: 8})
+    assert profile.slots == (SlotRange(0, 8, 1, 3),)
+    assert profile.region == 3 and profile.num_bw_ops == 2
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> tuple[StepTimeline, dict[int, RegionProfile], int]:
+    """Random regions (floor profiles with slots), invocations and an order in which each
+    invocation's backward follows its forward; a budget between 0 and the peak."""
+    profiles = {}
+    for region in range(draw(st.integers(1, 3))):
+        fw = draw(st.integers(1, 4))
+        bw = draw(st.integers(1, 4))
+        resident = tuple(draw(st.lists(st.integers(0, 9), min_size=fw + bw, max_size=fw + bw)))
+        slots = []
+        for slot in range(draw(st.integers(0, 3))):
+            start = draw(st.integers(1, fw))  # == fw: copied after the forward's last op
+            end = draw(st.integers(fw, fw + bw - 1))  # == fw: reloaded before the first
+            slots.append(SlotRange(slot, draw(st.integers(1, 8)), start, end))
+        profiles[region] = RegionProfile(region, fw, resident, tuple(slots))
+    invocations = []
+    for region in profiles:
+        invocations += [Invocation(region, i) for i in range(draw(st.integers(1, 3)))]
+    # Interleave: each backward somewhere after its forward.
+    order: list[tuple[StepEventKind, Invocation]] = []
+    waiting = list(draw(st.permutations(invocations)))
+    started: list[Invocation] = []
+    while waiting or started:
+        if waiting and (not started or draw(st.booleans())):
+            inv = waiting.pop()
+            order.append((F, inv))
+            started.append(inv)
+        else:
+            inv = started.pop(draw(st.integers(0, len(started) - 1)))
+            order.append((B, inv))
+    retained = {inv: draw(st.integers(0, 5)) for inv in invocations}
+    timeline = _timeline(order, retained)
+    peak = max(naive_bytes(timeline, profiles, lambda i: {s.slot for s in profiles[i.region].slots}))
+    return timeline, profiles, draw(st.integers(0, peak + 2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps())
+def test_the_plan_meets_the_budget_wherever_the_floor_does(case) -> None:
+    timeline, profiles, budget = case
+    plan = plan_step(timeline, profiles, budget_bytes=budget)
+    values = naive_bytes(timeline, profiles, plan.keep_for)
+    floor = max(naive_bytes(timeline, profiles, lambda i: set()))
+    assert plan.floor_peak_bytes == floor
+    assert plan.peak_bytes == max(values)
+    floors = naive_bytes(timeline, profiles, lambda i: set())
+    caps = [max(budget, f) for f in floors]
+    assert all(v <= cap for v, cap in zip(values, caps))
+    if floor <= budget:
+        assert plan.peak_bytes <= budget and plan.fits
+    # Maximal: no slot left behind could be kept without breaking a cap.
+    for p in plan.invocations:
+        for slot in profiles[p.invocation.region].slots:
+            if slot.slot in p.keep:
+                continue
+            more = naive_bytes(
+                timeline, profiles,
+                lambda i, p=p, s=slot: plan.keep_for(i) | ({s.slot} if i == p.invocation else set()),
+            )
+            assert any(v > cap for v, cap in zip(more, caps))
