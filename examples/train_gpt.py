@@ -228,7 +228,8 @@ def _compile_trainer(name: str, backend: str, options: dict[str, Any] | None, co
 
 
 def run_compile(config: GPTConfig, args: argparse.Namespace, device: torch.device) -> ModeResult:
-    options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute}
+    options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute,
+                               "budget_scope": args.budget_scope}
     if args.link_gbps is not None:
         options["transfer_bandwidth_gbps"] = args.link_gbps
     if args.budget_mb is not None:
@@ -403,6 +404,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="compile mode's inner compiler (Inductor compiles take minutes on 2 cores)")
     p.add_argument("--recompute", choices=("auto", "off"), default="auto",
                    help="compile mode: let the backend also recompute where offload alone stalls (default auto)")
+    # The demo compiles the whole model: one region run once per step, where the region's
+    # own plan (with the recompute search) is the step's plan. Per-block compile, graph
+    # breaks, DDP and FSDP2 need the backend's default, "step" (README "One budget for
+    # the whole step").
+    p.add_argument("--budget-scope", choices=("region", "step"), default="region",
+                   help="compile mode: the budget's scope (default region: the demo is one region)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="compile mode: price copies at this GB/s each way (default: the measured link)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run (the first compiles / warms up)")

@@ -2,8 +2,13 @@
 
 * :mod:`.dynamo_backend` — the Dynamo backend (:class:`HyperOffloadBackend`, :func:`backend`);
 * :mod:`.options` — the ``options={...}`` the backend accepts;
+* :mod:`.backend_registry` — one backend per option set for ``backend="hyper_offload"``
+  (:func:`shared_backend` finds it);
 * :mod:`.region_plan` / :mod:`.region_report` — plan one compiled region's graphs and
   report it (:class:`RegionReport`);
+* :mod:`.step_model` / :mod:`.step_plan` / :mod:`.step_timeline` / :mod:`.step_report` —
+  one budget for the whole step (``budget_scope="step"``): learn the step's invocations,
+  choose what each keeps, price it on the timeline model, report it (:class:`StepReport`);
 * :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
   autograd's graph (:func:`saved_device_bytes`);
 * :mod:`.fake_capture` / :mod:`.fit_estimate` — the same graphs on fake tensors, and
@@ -18,6 +23,8 @@ from .._lazy import lazy_getattr
 _LAZY = {
     "HyperOffloadBackend": ".dynamo_backend",
     "backend": ".dynamo_backend",
+    "shared_backend": ".dynamo_backend",
+    "StepReport": ".step_report",
     "RegionReport": ".region_report",
     "EstimateReport": ".fit_estimate",
     "estimate": ".fit_estimate",

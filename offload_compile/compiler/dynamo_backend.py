@@ -41,6 +41,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
+from hyper_offload.passes import ActivationTrace, ResidencySchedule
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.memory_meter import is_host_labelled
@@ -55,6 +56,7 @@ from .saved_bytes import node_saved_tensors
 from .step_model import Invocation, StepRecorder, StepTimeline
 from .step_plan import RegionProfile, StepPlan, plan_step, region_profile
 from .step_report import StepReport, build_step_report, log_step_plan
+from .step_timeline import RegionFloor, predicted_step_stall
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_backend"]
 
@@ -78,6 +80,8 @@ class _Region:
         self.planned: PlannedRegion | None = None
         self.activation_inputs = activation_inputs(example_inputs)
         """AOTAutograd's names of the graph inputs that are activations (may move)."""
+        self.compile_started = time.perf_counter()
+        """When Dynamo handed the region over (the recompute search's time bound)."""
         self.from_cache = False
         """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
@@ -98,6 +102,14 @@ class _Region:
             self.index, trace.num_fw_ops, self.planned.check.resident_bytes,
             self.planned.schedule, trace.trace.storage_sizes,
         )
+
+    @functools.cached_property
+    def floor(self) -> RegionFloor:
+        """The region's floor trace and schedule (empty for a region never planned)."""
+        if self.planned is None:
+            return RegionFloor(ActivationTrace((), {}, 0), ResidencySchedule((), ()), 0)
+        trace = self.planned.fx_trace
+        return RegionFloor(trace.trace, self.planned.schedule, trace.num_fw_ops)
 
     def check_hints(self, args: Sequence[Any]) -> None:
         """Warn once if a dynamic size differs from the hint the plan was made for."""
@@ -181,6 +193,7 @@ class _OffloadPartitioner(CustomPartitionerFn):
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=self._backend.bandwidth, region=region.index, floor=options.step_scoped,
             activation_inputs=region.activation_inputs if options.step_scoped else frozenset(),
+            spent_s=started - region.compile_started,
         )
         fw, bw = choice.fw, choice.bw
         region.planned = lower_region(
@@ -225,6 +238,8 @@ class HyperOffloadBackend:
         self.runtime = TransferRuntime(pool=PinnedMemoryPool(options.config.max_host_bytes))
         self.recorder = StepRecorder(self._on_step)
         self.step_plan: StepPlan | None = None
+        self.step_stall_s = 0.0
+        """The step plan's predicted stall (seconds, the regions' device prices)."""
         self.replans = 0
         """Step plans made so far (one per step whose shape or bytes changed)."""
         self._bandwidth: dict[torch.device, TransferBandwidth] = {}
@@ -258,7 +273,9 @@ class HyperOffloadBackend:
     def step_report(self) -> StepReport | None:
         """The step plan in force, per region and invocation (None before a step ran)."""
         plan = self.step_plan
-        return None if plan is None else build_step_report(plan, self.replans, self.recorder.steps)
+        if plan is None:
+            return None
+        return build_step_report(plan, self.replans, self.recorder.steps, self.step_stall_s)
 
     def run_invocation(
         self, region: _Region, compiled: Callable[..., Any], args: Sequence[Any]
@@ -312,8 +329,11 @@ class HyperOffloadBackend:
             timeline, profiles, None if fraction is not None else self.options.config.budget_bytes,
             budget_fraction=fraction,
         )
+        self.step_stall_s = predicted_step_stall(
+            timeline, {r.index: r.floor for r in self.regions}, self.step_plan.keep_for
+        )
         self.replans += 1
-        log_step_plan(self.step_plan, self.replans)
+        log_step_plan(self.step_plan, self.replans, self.step_stall_s)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         region = _Region(next(self._counter), example_inputs, self.runtime)

@@ -52,6 +52,7 @@ import copy
 import dataclasses
 import math
 import operator
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -139,17 +140,28 @@ def choose_partition(
     restrict_low_precision: bool,
     grid: Iterable[float] = RECOMPUTE_GRID,
     seconds: Callable[[fx.Node], float] | None = None,
+    spent_s: float | None = None,
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
     low-precision values follow the exactness rule above, and the spliced backwards of
     :mod:`.recompute_splice` join the search. ``seconds`` prices one op for ranking
-    splice options (default: the roofline at CPU figures)."""
+    splice options (default: the roofline at CPU figures). ``spent_s``: seconds the
+    region's compile took before this call (AOTAutograd's trace); with it the search
+    is time-bounded: it may spend at most what ``recompute="off"`` spends up to the end
+    of the default partition's plan (``spent_s`` plus that partition and plan), so a
+    searched region compiles in at most about twice the time of an unsearched one (the
+    issue-31 bound: HF RWKV at 10% took 5.3x before it)."""
+    started = time.perf_counter()
     seconds = seconds or partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
     user_budget = float(functorch_config.activation_memory_budget)
     pristine = copy_joint(joint) if mode == "auto" else None
     fw, bw = partition(joint)  # the original graph: exactly what plain compile partitions
     default_plan = plan(fw, bw, None)
+    deadline = None
+    if spent_s is not None:
+        now = time.perf_counter()
+        deadline = now + spent_s + (now - started)
     default = _Candidate(_partition_report(user_budget, default_plan, 0), fw, bw, default_plan)
     offload_only_s = default.report.step_s if default.report.feasible else None
     if pristine is None or (default.report.feasible and default_plan.predicted_stall_s <= 0):
@@ -172,9 +184,10 @@ def choose_partition(
     budgets = [b for b in grid if b < user_budget]
     candidates = [
         default,
-        *_search(pristine, partition, plan, default, default_recomputed, budgets, banned),
+        *_search(pristine, partition, plan, default, default_recomputed, budgets, banned,
+                 deadline),
     ]
-    if restriction is not None:
+    if restriction is not None and not _past(deadline):
         candidates += _splice_search(pristine, partition, plan, default, user_budget, seconds)
     usable = [c for c in candidates if c.plan is not None]
     feasible = [c for c in usable if c.report.feasible]
@@ -189,7 +202,7 @@ def choose_partition(
         recomputed=best.recomputed, offload_only_s=offload_only_s,
         recompute_only_s=min(fits_alone, default=None), joint_s=best.report.step_s,
         partitions=tuple(c.report for c in candidates), restriction=restriction,
-        spliced=best.report.spliced,
+        spliced=best.report.spliced, time_bounded=_past(deadline),
     )
     assert best.plan is not None
     return PartitionChoice(best.fw, best.bw, best.plan, report)
@@ -203,6 +216,7 @@ def _search(
     default_recomputed: set[str],
     budgets: list[float],
     banned: frozenset[str],
+    deadline: float | None = None,
 ) -> list[_Candidate]:
     """Torch's partition at each of ``budgets`` (``banned`` ops marked ``MUST_SAVE``),
     each distinct one planned under the default partition's byte budget, or rejected
@@ -214,6 +228,8 @@ def _search(
     seen = {_saved_signature(default.fw)}
     found = []
     for memory_budget in budgets:
+        if _past(deadline):
+            break  # the time bound (choose_partition): keep what was found so far
         graph = copy_joint(pristine)
         for node in graph.graph.nodes:
             if node.name in banned:
@@ -238,6 +254,10 @@ def _search(
         found.append(_Candidate(_partition_report(memory_budget, planned, len(extra)), fw, bw,
                                 planned, extra))
     return found
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.perf_counter() > deadline
 
 
 SPLICE_SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
@@ -368,6 +388,7 @@ def search_region(
     throughput: DeviceThroughput | None = None,
     floor: bool = False,
     activation_inputs: frozenset[str] = frozenset(),
+    spent_s: float | None = None,
 ) -> PartitionChoice:
     """:func:`choose_partition` as both doors call it: partitions planned by
     :func:`graph_planner`, the low-precision rule on under Inductor. ``floor``: the
@@ -387,6 +408,7 @@ def search_region(
         joint, partition, plan, mode="off" if floor else options.recompute,
         restrict_low_precision=options.inner_compiler == "inductor",
         seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
+        spent_s=spent_s,
     )
 
 

@@ -178,53 +178,103 @@ def plan_step(
     budget_bytes: int | None,
     *,
     budget_fraction: float | None = None,
+    shared: bool = False,
 ) -> StepPlan:
     """Choose the kept slots of every invocation of ``timeline`` under one budget.
 
     ``profiles`` maps each region of the timeline to its floor profile. The budget is
-    ``budget_bytes``, or ``budget_fraction`` of the step's peak without offload."""
+    ``budget_bytes``, or ``budget_fraction`` of the step's peak without offload.
+    ``shared``: decide per region and slot for all its invocations at once, as a graph
+    that cannot tell its invocations apart would have to (the alternative the backend
+    does not take: ``benchmarks/step_budget.py`` measures what it costs)."""
     layout = _lay_out(timeline, profiles)
-    tree = RangeAddMaxTree(layout.values or [0])
-    width = max(len(layout.values), 1)
-    retained = dict(timeline.retained_bytes)
-    for invocation, backward in layout.backward_at.items():
-        profile = profiles[invocation.region]
-        lo = layout.forward_at[invocation] + profile.num_fw_ops
-        if lo < backward and retained.get(invocation, 0):
-            tree.add(lo, backward, retained[invocation])
+    floor = _floor(layout, timeline, profiles)
     ranges = [
-        (invocation, slot, layout.forward_at[invocation] + slot.start,
-         backward + slot.end - profiles[invocation.region].num_fw_ops)
+        _SlotOnStep(invocation, slot, layout.forward_at[invocation] + slot.start,
+                    backward + slot.end - profiles[invocation.region].num_fw_ops)
         for invocation, backward in layout.backward_at.items()
         for slot in profiles[invocation.region].slots
     ]
-    floor = tree.values()[:width]
     everything = RangeAddMaxTree(floor)
-    for _, slot, lo, hi in ranges:
-        if lo < hi:
-            everything.add(lo, hi, slot.nbytes)
+    for r in ranges:
+        if r.lo < r.hi:
+            everything.add(r.lo, r.hi, r.slot.nbytes)
     peak_without = everything.max_all()
     if budget_bytes is None:
         budget_bytes = int((budget_fraction or 1.0) * peak_without)
-    # Room left at each position under its cap: the budget, or the floor where the floor
-    # alone is over it (as the planner treats infeasible ops: no worse than the floor).
-    room = RangeAddMaxTree([min(value - budget_bytes, 0) for value in floor])
+    groups = (
+        [[r for r in ranges if (r.invocation.region, r.slot.slot) == key]
+         for key in dict.fromkeys((r.invocation.region, r.slot.slot) for r in ranges)]
+        if shared else [[r] for r in ranges]
+    )
+    kept, peak = _keep_greedily(groups, floor, budget_bytes)
     keep: dict[Invocation, set[int]] = {i: set() for i in timeline.invocations}
-    for invocation, slot, lo, hi in sorted(ranges, key=lambda r: (r[3] - r[2], -r[1].nbytes)):
-        if lo >= hi:  # nothing runs while it would be away: keeping it is free
-            keep[invocation].add(slot.slot)
-        elif room.max(lo, hi) + slot.nbytes <= 0:
-            room.add(lo, hi, slot.nbytes)
-            tree.add(lo, hi, slot.nbytes)
-            keep[invocation].add(slot.slot)
+    for r in kept:
+        keep[r.invocation].add(r.slot.slot)
     plans = []
     for invocation in timeline.invocations:
         slots = profiles[invocation.region].slots
-        kept = sum(s.nbytes for s in slots if s.slot in keep[invocation])
+        kept_bytes = sum(s.nbytes for s in slots if s.slot in keep[invocation])
         plans.append(InvocationPlan(
-            invocation, frozenset(keep[invocation]), kept,
-            sum(s.nbytes for s in slots) - kept, retained.get(invocation, 0),
+            invocation, frozenset(keep[invocation]), kept_bytes,
+            sum(s.nbytes for s in slots) - kept_bytes,
+            timeline.retained_bytes.get(invocation, 0),
         ))
     return StepPlan(
-        timeline, budget_bytes, peak_without, max(floor, default=0), tree.max_all(), tuple(plans)
+        timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans)
     )
+
+
+class _SlotOnStep(NamedTuple):
+    """A slot of one invocation and the positions ``lo .. hi - 1`` keeping it costs."""
+
+    invocation: Invocation
+    slot: SlotRange
+    lo: int
+    hi: int
+
+
+def _floor(
+    layout: _Layout, timeline: StepTimeline, profiles: Mapping[int, RegionProfile]
+) -> list[int]:
+    """Bytes at each position with every slot moved: the regions' floors plus what each
+    invocation retains between its forward and its backward."""
+    tree = RangeAddMaxTree(layout.values or [0])
+    for invocation, backward in layout.backward_at.items():
+        lo = layout.forward_at[invocation] + profiles[invocation.region].num_fw_ops
+        held = timeline.retained_bytes.get(invocation, 0)
+        if lo < backward and held:
+            tree.add(lo, backward, held)
+    return tree.values()[: max(len(layout.values), 1)]
+
+
+def _keep_greedily(
+    groups: list[list[_SlotOnStep]], floor: list[int], budget_bytes: int
+) -> tuple[list[_SlotOnStep], int]:
+    """Keep whole groups, those holding the fewest positions first (larger first on
+    ties), while every position stays within its cap (the budget, or the floor where the
+    floor alone is over it); the kept slots and the resulting peak."""
+    room = RangeAddMaxTree([min(value - budget_bytes, 0) for value in floor])
+    bytes_now = RangeAddMaxTree(floor)
+    kept: list[_SlotOnStep] = []
+
+    def span(group: list[_SlotOnStep]) -> tuple[int, int]:
+        return (sum(max(r.hi - r.lo, 0) for r in group), -sum(r.slot.nbytes for r in group))
+
+    for group in sorted(groups, key=span):
+        added: list[_SlotOnStep] = []
+        for r in group:
+            if r.lo >= r.hi:  # nothing runs while it would be away: keeping it is free
+                continue
+            if room.max(r.lo, r.hi) + r.slot.nbytes > 0:
+                break
+            room.add(r.lo, r.hi, r.slot.nbytes)
+            added.append(r)
+        else:
+            for r in added:
+                bytes_now.add(r.lo, r.hi, r.slot.nbytes)
+            kept += group
+            continue
+        for r in added:  # the group does not fit whole: undo its part
+            room.add(r.lo, r.hi, -r.slot.nbytes)
+    return kept, bytes_now.max_all()

@@ -32,6 +32,9 @@ class StepReport:
     invocations: tuple[InvocationPlan, ...]
     replans: int
     steps_seen: int
+    predicted_stall_s: float = 0.0
+    """Seconds the step waits for copies (*predicted*: the timeline model at the prices
+    the regions were traced with)."""
 
     @property
     def moved_bytes(self) -> int:
@@ -58,6 +61,7 @@ class StepReport:
             "invocations": len(self.invocations),
             "replans": self.replans,
             "steps_seen": self.steps_seen,
+            "predicted_stall_s": self.predicted_stall_s,
         }
 
     def __str__(self) -> str:
@@ -65,7 +69,8 @@ class StepReport:
             f"hyper_offload step: {len(self.invocations)} invocation(s), predicted peak "
             f"{self.peak_bytes / _MIB:.2f} MiB for a budget of {self.budget_bytes / _MIB:.2f} "
             f"MiB (floor {self.floor_peak_bytes / _MIB:.2f}, without offload "
-            f"{self.peak_without_offload_bytes / _MIB:.2f}); {self.replans} plan(s) in "
+            f"{self.peak_without_offload_bytes / _MIB:.2f}), predicted stall "
+            f"{self.predicted_stall_s * 1e3:.3f} ms; {self.replans} plan(s) in "
             f"{self.steps_seen} step(s)",
             f"{'invocation':>10} {'kept MiB':>9} {'moved MiB':>9} {'retained MiB':>12}",
         ]
@@ -77,26 +82,30 @@ class StepReport:
         return "\n".join(lines)
 
 
-def build_step_report(plan: StepPlan, replans: int, steps_seen: int) -> StepReport:
+def build_step_report(
+    plan: StepPlan, replans: int, steps_seen: int, predicted_stall_s: float = 0.0
+) -> StepReport:
     return StepReport(
         budget_bytes=plan.budget_bytes, peak_bytes=plan.peak_bytes,
         floor_peak_bytes=plan.floor_peak_bytes,
         peak_without_offload_bytes=plan.peak_without_offload_bytes,
         invocations=plan.invocations, replans=replans, steps_seen=steps_seen,
+        predicted_stall_s=predicted_stall_s,
     )
 
 
-def log_step_plan(plan: StepPlan, number: int) -> None:
+def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -> None:
     """One log line per step plan (module docstring)."""
     regions = len({p.invocation.region for p in plan.invocations})
     figures = (
         number, len(plan.invocations), regions, plan.peak_bytes / _MIB,
         plan.budget_bytes / _MIB, plan.floor_peak_bytes / _MIB, plan.moved_bytes / _MIB,
-        plan.kept_bytes / _MIB,
+        plan.kept_bytes / _MIB, predicted_stall_s * 1e3,
     )
     message = (
         "hyper_offload step plan %d: %d invocation(s) of %d region(s), predicted peak "
-        "%.2f MiB for a budget of %.2f MiB (floor %.2f MiB); moves %.2f MiB, keeps %.2f MiB"
+        "%.2f MiB for a budget of %.2f MiB (floor %.2f MiB); moves %.2f MiB, keeps %.2f "
+        "MiB, predicted stall %.3f ms"
     )
     if plan.floor_peak_bytes > plan.budget_bytes:
         LOGGER.warning(

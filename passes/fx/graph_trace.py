@@ -302,16 +302,7 @@ def build_fx_trace(
     inputs = _input_storages(builder, fw.graph, activation_inputs)
     builder.add_graph(FORWARD_GRAPH, fw.graph, inputs)
     num_fw_ops, num_fw_storages = len(builder.ops), len(builder.sizes)
-    bw_placeholders = {n.name for n in bw.graph.find_nodes(op="placeholder")}
-    # A lowered forward returns a wait node in place of each saved activation; classify
-    # the activation itself (found by its saved name), so a lowering's trace is unchanged.
-    fw_nodes = {n.name: n for n in fw.graph.nodes}
-    saved_nodes = [
-        fw_nodes.get(name, node)
-        for name, node in zip(saved_output_names(fw)[num_fwd_outputs:], outputs[num_fwd_outputs:])
-        if isinstance(node, fx.Node) and name in bw_placeholders
-        and isinstance(node.meta.get("val"), torch.Tensor)
-    ]
+    saved_nodes = _saved_nodes(fw, bw, outputs, num_fwd_outputs)
     saved_storage = {
         n.name: builder.storage.get(f"{FORWARD_GRAPH}:{n.name}", [None])[0] for n in saved_nodes
     }
@@ -360,6 +351,22 @@ def build_fx_trace(
         trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device,
         frozenset(inputs), outputs_move,
     )
+
+
+def _saved_nodes(
+    fw: fx.GraphModule, bw: fx.GraphModule, outputs: Sequence[Any], num_fwd_outputs: int
+) -> list[fx.Node]:
+    """The forward nodes the backward takes as saved tensors. A lowered forward returns
+    a wait node in place of each saved activation; this names the activation itself
+    (found by its saved name), so a lowering's trace is unchanged."""
+    bw_placeholders = {n.name for n in bw.graph.find_nodes(op="placeholder")}
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    return [
+        fw_nodes.get(name, node)
+        for name, node in zip(saved_output_names(fw)[num_fwd_outputs:], outputs[num_fwd_outputs:])
+        if isinstance(node, fx.Node) and name in bw_placeholders
+        and isinstance(node.meta.get("val"), torch.Tensor)
+    ]
 
 
 def _input_storages(

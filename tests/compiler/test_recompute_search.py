@@ -9,7 +9,9 @@ reported.
 from __future__ import annotations
 
 import math
+import time
 import warnings
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -313,3 +315,37 @@ def test_refine_count_finds_the_minimum_of_a_falling_then_rising_step(best, slop
     counts = sorted({0, 200, *coarse})
     scores = refine_count({c: step(c) for c in counts}, price, limit=2 * 8 + 2)
     assert min(scores.values()) == step(best)
+
+
+class _SlowStubs(_Stubs):
+    """Stubs whose every partition takes ``seconds`` (a large graph's partitioner)."""
+
+    def __init__(self, *args, seconds: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds = seconds
+
+    def partition(self, joint):
+        time.sleep(self.seconds)
+        return super().partition(joint)
+
+
+def test_the_search_stops_at_its_time_bound_and_keeps_what_it_found():
+    pairs = {1.0: (["a", "b"], []), 0.8: (["a"], ["b"]), 0.5: (["x"], ["a", "b"]),
+             0.2: (["y"], ["a", "b", "x"])}
+    prices = {1.0: (1.0, 5.0, True, 200), 0.8: (1.5, 1.0, True, 150),
+              0.5: (1.7, 0.0, True, 90), 0.2: (1.2, 0.0, True, 90)}
+    unbounded = _SlowStubs(pairs, prices, seconds=0.05)
+    choose = partial(choose_partition, JOINT, mode="auto", restrict_low_precision=False,
+                     grid=(0.8, 0.5, 0.2))
+    assert not choose(unbounded.partition, unbounded.plan).report.time_bounded
+    assert unbounded.partitioned == [1.0, 0.8, 0.5, 0.2]
+    # Nothing spent before the search: it may spend what the default partition took
+    # (one partition), so it stops after at most two more.
+    bounded = _SlowStubs(pairs, prices, seconds=0.05)
+    report = choose(bounded.partition, bounded.plan, spent_s=0.0).report
+    assert report.time_bounded and len(bounded.partitioned) <= 3
+    assert report.partitions[0].memory_budget == 1.0  # the default is always planned
+    # With the compile's earlier work as allowance, the whole grid fits again.
+    generous = _SlowStubs(pairs, prices, seconds=0.05)
+    assert not choose(generous.partition, generous.plan, spent_s=10.0).report.time_bounded
+    assert generous.partitioned == [1.0, 0.8, 0.5, 0.2]

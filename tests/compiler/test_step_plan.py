@@ -193,3 +193,29 @@ def test_the_plan_meets_the_budget_wherever_the_floor_does(case) -> None:
                 lambda i, p=p, s=slot: plan.keep_for(i) | ({s.slot} if i == p.invocation else set()),
             )
             assert any(v > cap for v, cap in zip(more, caps))
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps())
+def test_shared_decisions_keep_the_same_slots_in_every_invocation_of_a_region(case) -> None:
+    timeline, profiles, budget = case
+    plan = plan_step(timeline, profiles, budget_bytes=budget, shared=True)
+    values = naive_bytes(timeline, profiles, plan.keep_for)
+    floors = naive_bytes(timeline, profiles, lambda i: set())
+    assert all(v <= max(budget, f) for v, f in zip(values, floors))
+    assert plan.peak_bytes == max(values)
+    for region in profiles:
+        kept = {plan.keep_for(i) for i in timeline.invocations if i.region == region}
+        assert len(kept) <= 1
+
+
+def test_shared_decisions_move_more_when_invocations_differ() -> None:
+    # The last block's slots are cheap to keep, the first block's are not: per
+    # invocation keeps the last block's; shared must treat them alike.
+    invs = [Invocation(0, i) for i in range(4)]
+    timeline = _timeline([(F, i) for i in invs] + [(B, i) for i in reversed(invs)])
+    profiles = {0: block_profile()}
+    apart = plan_step(timeline, profiles, budget_bytes=12)
+    shared = plan_step(timeline, profiles, budget_bytes=12, shared=True)
+    assert (apart.moved_bytes, shared.moved_bytes) == (18, 24)
+    assert shared.peak_bytes <= 12 and apart.peak_bytes <= 12

@@ -54,7 +54,7 @@ def transfer_nodes(gm: torch.fx.GraphModule) -> list[object]:
 
 def test_schemas_declare_exactly_what_the_ops_do() -> None:
     assert [str(op._schema) for op in ops.TRANSFER_OPS] == [
-        "hyper_offload::copy_d2h(Tensor src, int[]? dim_order=None) -> Tensor",
+        "hyper_offload::copy_d2h(Tensor src, int[]? dim_order=None, int slot=-1) -> Tensor",
         "hyper_offload::copy_h2d(Tensor host, Device device) -> Tensor",
         "hyper_offload::wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)",
         "hyper_offload::release_host(Tensor host, Tensor? after=None) -> ()",

@@ -1,0 +1,233 @@
+"""Step-budget benchmark (issue 31): one budget for the whole step, however it is compiled.
+
+The issue's model: a 4-block MLP-transformer (d=128, batch 8, seq 256), aot_eager inner
+compiler, compiled three ways (the whole model; each block on its own, torchtitan's way;
+the whole model with a graph break after block 2), at 70 / 50 / 30% of the plain step's
+saved bytes. Per row, in one process, against plain ``torch.compile`` of the same layout:
+
+* **measured**: device bytes the compiled backward holds after the forward (first step
+  and third), the profiler's peak of the third step (``examples/step_memory.py``), bytes
+  the runtime moved per step (first and third), and whether loss and every gradient are
+  ``torch.equal`` to plain compile's;
+* **predicted** (GPU pricing: ops on the roofline at 400 TFLOP/s and 3 TB/s, links at
+  16 and 50 GB/s, the one timeline model): the step plan's stall, the first step's (the
+  floor: everything movable moves), and the stall and bytes of the alternative the
+  backend does not take (shared decisions: every invocation of a compiled graph keeps
+  the same slots);
+* **compile cost** (measured): the first two steps' wall time over plain per-layout
+  compile's, and the whole-model compile with ``budget_scope="region"`` (the region plan
+  as before issue 31) as the bytes-moved reference.
+
+One JSON line per row; ``--table`` prints the Markdown table of docs/benchmarks.md.
+Run from the repository root: ``python benchmarks/step_budget.py [--table] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import hyper_offload
+from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.compiler.step_plan import plan_step
+from hyper_offload.compiler.step_timeline import RegionFloor, predicted_step_stall
+from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from step_memory import profiled_step  # noqa: E402
+
+D, BATCH, SEQ, LAYERS = 128, 8, 256, 4
+GPU = DeviceThroughput(flops_per_s=400e12, bytes_per_s=3e12)
+LINKS_GBPS = (16.0, 50.0)
+FRACTIONS = (0.7, 0.5, 0.3)
+LAYOUTS = ("whole", "per_block", "graph_break")
+STEPS = 3
+_MIB = float(1 << 20)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, graph_break: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head, self.graph_break = nn.Linear(D, 1), graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if self.graph_break and i == LAYERS // 2:
+                torch._dynamo.graph_break()
+            x = layer(x)
+        return self.head(x).pow(2).mean()
+
+
+def _build(layout: str, backend: Any) -> tuple[nn.Module, Any]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack(graph_break=layout == "graph_break")
+    if layout == "per_block":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=backend)
+        return model, model
+    return model, torch.compile(model, backend=backend)
+
+
+def _train(layout: str, backend: Any, runtime: Any = None) -> dict[str, Any]:
+    """``STEPS`` steps: measured saved bytes, moved bytes, peak, numerics, wall times."""
+    model, step = _build(layout, backend)
+    x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {"saved": [], "moved": [], "seconds": []}
+    for number in range(STEPS):
+        before = runtime.bytes_d2h if runtime is not None else 0
+        started = time.perf_counter()
+
+        def run() -> torch.Tensor:
+            loss = step(x)
+            out["saved"].append(saved_device_bytes(loss, exclude=[*model.parameters(), x]))
+            loss.backward()
+            return loss
+
+        if number == STEPS - 1:
+            loss, memory = profiled_step(run, torch.device("cpu"), model.parameters())
+            out["profiler_peak"] = memory.peak_bytes
+        else:
+            loss = run()
+        out["seconds"].append(time.perf_counter() - started)
+        out["moved"].append((runtime.bytes_d2h - before) if runtime is not None else 0)
+        out["loss"], out["grads"] = loss.detach(), [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _gpu_floors(backend: Any) -> tuple[dict[int, RegionFloor], dict[int, list[float]]]:
+    """Each region's floor, and its ops re-priced on the GPU roofline."""
+    floors, durations = {}, {}
+    for region in backend.regions:
+        floors[region.index] = region.floor
+        if region.planned is None or region.graphs is None:
+            durations[region.index] = []
+            continue
+        fw, bw = region.graphs
+        nodes = {f"fw:{n.name}": n for n in fw.graph.nodes}
+        nodes.update({f"bw:{n.name}": n for n in bw.graph.nodes})
+        durations[region.index] = [
+            node_seconds(nodes[name], GPU) for name in region.planned.fx_trace.op_nodes
+        ]
+    return floors, durations
+
+
+def _predicted(backend: Any) -> dict[str, Any]:
+    """The step plan's and the shared alternative's stall on GPU pricing, per link."""
+    plan = backend.step_plan
+    profiles = {r.index: r.profile for r in backend.regions}
+    shared = plan_step(plan.timeline, profiles, plan.budget_bytes, shared=True)
+    floors, durations = _gpu_floors(backend)
+    figures: dict[str, Any] = {"shared_moved_bytes": shared.moved_bytes}
+    for gbps in LINKS_GBPS:
+        price = {"durations": durations, "bandwidth_gbps": (gbps, gbps)}
+        figures[f"stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
+            plan.timeline, floors, plan.keep_for, **price)
+        figures[f"shared_stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
+            plan.timeline, floors, shared.keep_for, **price)
+        figures[f"first_step_stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
+            plan.timeline, floors, lambda invocation: frozenset(), **price)
+    return figures
+
+
+def _exact(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return torch.equal(a["loss"], b["loss"]) and all(
+        torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+
+
+def run_row(layout: str, fraction: float, reference_moved: int) -> dict:
+    # Plain compile of the same layout right before ours, so that both pay the same
+    # process state (the first compile in a process pays one-time costs: warm up first).
+    plain = _train(layout, "aot_eager")
+    budget = int(fraction * plain["saved"][0])
+    backend = hyper_offload.backend(inner_compiler="aot_eager",
+                                    max_resident_activation_mb=budget / _MIB)
+    ours = _train(layout, backend, backend.runtime)
+    report = backend.step_report
+    return {
+        "benchmark": "step_budget", "layout": layout, "fraction": fraction,
+        "budget_bytes": budget, "plain_saved_bytes": plain["saved"][0],
+        "measured_saved_bytes_step1": ours["saved"][0],
+        "measured_saved_bytes_step3": ours["saved"][-1],
+        "measured_profiler_peak_bytes": ours["profiler_peak"],
+        "plain_profiler_peak_bytes": plain["profiler_peak"],
+        "measured_moved_bytes_step1": ours["moved"][0],
+        "measured_moved_bytes_step3": ours["moved"][-1],
+        "whole_model_region_moved_bytes": reference_moved,
+        "moved_ratio_vs_whole_model": ours["moved"][-1] / max(reference_moved, 1),
+        "exact": _exact(ours, plain),
+        "invocations": len(report.invocations), "regions": len(backend.regions),
+        "predicted_peak_bytes": report.peak_bytes,
+        "predicted_floor_peak_bytes": report.floor_peak_bytes,
+        **{f"predicted_{k}": v for k, v in _predicted(backend).items()},
+        "first_two_steps_ratio_vs_plain": sum(ours["seconds"][:2]) / sum(plain["seconds"][:2]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", action="store_true", help="also print the Markdown table")
+    parser.add_argument("--quick", action="store_true", help="50%% only")
+    args = parser.parse_args()
+    fractions = (0.5,) if args.quick else FRACTIONS
+    whole = _train("whole", "aot_eager")  # also the warm-up: Dynamo's first compile
+    rows = []
+    for fraction in fractions:
+        budget = int(fraction * whole["saved"][0])
+        region = hyper_offload.backend(inner_compiler="aot_eager", budget_scope="region",
+                                       max_resident_activation_mb=budget / _MIB)
+        reference = _train("whole", region, region.runtime)["moved"][-1]
+        for layout in LAYOUTS:
+            row = run_row(layout, fraction, reference)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.table:
+        print(table(rows))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| layout | budget | saved step 1 / 3 (MiB, measured) | profiler peak (MiB, "
+            "measured; plain) | moved per step 1 / 3 (MiB, measured) | vs whole model | "
+            "stall 16 / 50 GB/s (ms, predicted) | first step stall 16 GB/s | shared: "
+            "moved, stall 16 GB/s | first 2 steps vs plain | exact |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(
+            f"| {r['layout']} | {r['fraction']:.0%} = {r['budget_bytes'] / _MIB:.2f} | "
+            f"{r['measured_saved_bytes_step1'] / _MIB:.2f} / "
+            f"{r['measured_saved_bytes_step3'] / _MIB:.2f} | "
+            f"{r['measured_profiler_peak_bytes'] / _MIB:.1f}; "
+            f"{r['plain_profiler_peak_bytes'] / _MIB:.1f} | "
+            f"{r['measured_moved_bytes_step1'] / _MIB:.2f} / "
+            f"{r['measured_moved_bytes_step3'] / _MIB:.2f} | "
+            f"{r['moved_ratio_vs_whole_model']:.2f}x | "
+            f"{r['predicted_stall_ms_16gbps']:.3f} / {r['predicted_stall_ms_50gbps']:.3f} | "
+            f"{r['predicted_first_step_stall_ms_16gbps']:.3f} | "
+            f"{r['predicted_shared_moved_bytes'] / _MIB:.2f}, "
+            f"{r['predicted_shared_stall_ms_16gbps']:.3f} | "
+            f"{r['first_two_steps_ratio_vs_plain']:.2f}x | {r['exact']} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
