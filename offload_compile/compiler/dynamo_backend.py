@@ -100,7 +100,7 @@ class _Region:
         trace = self.planned.fx_trace
         return region_profile(
             self.index, trace.num_fw_ops, self.planned.check.resident_bytes,
-            self.planned.schedule, trace.trace.storage_sizes,
+            self.planned.schedule, trace.trace,
         )
 
     @functools.cached_property

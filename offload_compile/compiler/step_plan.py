@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencySchedule
+from hyper_offload.passes.ir.trace import ActivationTrace
 from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
 
 from .step_model import Invocation, StepEventKind, StepTimeline
@@ -78,10 +79,25 @@ def region_profile(
     num_fw_ops: int,
     resident: tuple[int, ...],
     schedule: ResidencySchedule,
-    storage_sizes: Mapping[int, int],
+    trace: ActivationTrace,
 ) -> RegionProfile:
-    """The profile of a region lowered with ``schedule`` (its floor): a slot per storage
-    copied to the host in the forward and reloaded in the backward."""
+    """The profile of a region lowered with ``schedule`` (its floor) on ``trace``: a slot
+    per storage copied to the host in the forward and reloaded in the backward.
+
+    ``resident`` is ``check_schedule``'s, where a model output stays "retained" to the end
+    of the region's backward. In a step it is the caller's from the end of the forward
+    (the next block's input, dropped once that block ran; what it holds is measured as
+    that block's input): so the bytes of an output the backward never reads are not
+    counted over the backward's ops here."""
+    storage_sizes = trace.storage_sizes
+    outputs_bytes = sum(
+        storage_sizes[sid] for sid in trace.retained
+        if all(op < num_fw_ops for op, _ in trace.accesses_of(sid))
+    )
+    resident = tuple(
+        max(value - outputs_bytes, 0) if op >= num_fw_ops else value
+        for op, value in enumerate(resident)
+    )
     d2h: dict[int, int] = {}
     h2d: dict[int, int] = {}
     for op, _, action in schedule.actions():

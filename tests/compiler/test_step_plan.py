@@ -15,7 +15,7 @@ from hyper_offload.compiler.step_plan import (
     plan_step,
     region_profile,
 )
-from hyper_offload.passes import ActionKind, ResidencyAction, ResidencySchedule
+from hyper_offload.passes import ActionKind, ActivationTrace, ResidencyAction, ResidencySchedule
 
 F, B = StepEventKind.FORWARD, StepEventKind.BACKWARD
 
@@ -128,9 +128,16 @@ def test_region_profile_reads_the_floor_schedule() -> None:
     pre = [(), (), (), (ResidencyAction(ActionKind.COPY_H2D, 0),
                         ResidencyAction(ActionKind.WAIT_H2D, 0))]
     schedule = ResidencySchedule(tuple(pre), tuple(post))
-    profile = region_profile(3, 2, (8, 0, 0, 8), schedule, {0: 8})
+    # storage 1 (4 B): a model output the backward never reads, "retained" to the end
+    trace = ActivationTrace.from_accesses(
+        [{0: "W", 1: "W"}, {0: "R"}, {}, {0: "R"}], {0: 8, 1: 4}, budget_bytes=0,
+        retained={1},
+    )
+    profile = region_profile(3, 2, (12, 4, 4, 12), schedule, trace)
     assert profile.slots == (SlotRange(0, 8, 1, 3),)
     assert profile.region == 3 and profile.num_bw_ops == 2
+    # the caller holds the output once the forward returned: not the backward's bytes
+    assert profile.resident == (12, 4, 0, 8)
 
 
 @st.composite
