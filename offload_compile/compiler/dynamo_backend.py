@@ -1,20 +1,25 @@
 """The ``hyper_offload`` torch.compile backend.
 
 ``torch.compile(model, backend="hyper_offload", options={...})`` (registered through the
-``torch_dynamo_backends`` entry point) or ``torch.compile(model,
-backend=hyper_offload.backend(config))``. For every region Dynamo hands over:
+``torch_dynamo_backends`` entry point; one backend per option set, :mod:`.backend_registry`)
+or ``torch.compile(model, backend=hyper_offload.backend(config))``. For every region
+Dynamo hands over:
 
 1. AOTAutograd captures the joint graph; :func:`~.recompute_search.choose_partition`
    partitions it with the stock min-cut partitioner (the user's
-   ``activation_memory_budget`` applies) and plans it under the budget, and with
-   ``recompute="auto"`` (the default), where that plan stalls or cannot meet the budget,
-   also tries partitions that recompute more and keeps the fastest predicted step;
+   ``activation_memory_budget`` applies) and plans it: under ``budget_scope="step"``
+   (the default) at its floor (:mod:`.step_plan`); under ``"region"`` under the whole
+   budget, and with ``recompute="auto"`` (the default), where that plan stalls or cannot
+   meet the budget, also with partitions that recompute more (time-bounded), keeping
+   the fastest predicted step;
 2. :func:`~.region_plan.lower_region` lowers the chosen plan onto the
    ``hyper_offload::`` transfer ops and checks the lowered graphs again;
 3. the inner compiler (Inductor, or aot_eager's nop compiler) compiles both graphs.
 
-Each region owns a :class:`TransferRuntime` and pinned pool. The callable returned to
-Dynamo makes the runtime current around the forward; the backward needs nothing around
+Every region of a backend shares its :class:`TransferRuntime` and pinned pool. The
+callable returned to Dynamo makes the runtime current around the forward (under the step
+scope: keeping what the step plan keeps for this invocation, and recording it in the
+step); the backward needs nothing around
 it (its transfer ops reach the runtime through the host copies they read), so the
 compiled graphs carry no per-process state and AOTAutograd's and Inductor's caches may
 serve them to another region or process: a warm restart runs the partitioner for no

@@ -339,13 +339,15 @@ def test_the_search_stops_at_its_time_bound_and_keeps_what_it_found():
                      grid=(0.8, 0.5, 0.2))
     assert not choose(unbounded.partition, unbounded.plan).report.time_bounded
     assert unbounded.partitioned == [1.0, 0.8, 0.5, 0.2]
-    # Nothing spent before the search: it may spend what the default partition took
-    # (one partition), so it stops after at most two more.
+    # Nothing spent before the search: it may spend 3/4 of what the default partition
+    # took, less than one more partition, so it stops at once (or after one).
     bounded = _SlowStubs(pairs, prices, seconds=0.05)
-    report = choose(bounded.partition, bounded.plan, spent_s=0.0).report
+    # (min_search_s: the bound's floor, scaled to the stubs' times)
+    report = choose(bounded.partition, bounded.plan, spent_s=0.0, min_search_s=0.0).report
     assert report.time_bounded and len(bounded.partitioned) <= 3
     assert report.partitions[0].memory_budget == 1.0  # the default is always planned
     # With the compile's earlier work as allowance, the whole grid fits again.
     generous = _SlowStubs(pairs, prices, seconds=0.05)
-    assert not choose(generous.partition, generous.plan, spent_s=10.0).report.time_bounded
+    assert not choose(generous.partition, generous.plan, spent_s=10.0,
+                      min_search_s=0.0).report.time_bounded
     assert generous.partitioned == [1.0, 0.8, 0.5, 0.2]
