@@ -108,10 +108,11 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
         "MiB, predicted stall %.3f ms"
     )
     if plan.floor_peak_bytes > plan.budget_bytes:
-        LOGGER.warning(
-            message + "; the floor is over the budget: everything movable moves and the "
-            "step still exceeds it. Fix: raise the budget, or recompute more "
-            "(budget_scope='region' searches recompute per region)", *figures,
+        over = (
+            "; the floor is over the budget: everything movable moves and the step still "
+            "exceeds it. Fix: raise the budget, or recompute more (budget_scope='region' "
+            "searches recompute per region)"
         )
+        LOGGER.warning(message + over, *figures)
     else:
         LOGGER.info(message, *figures)

@@ -339,8 +339,8 @@ def test_the_search_stops_at_its_time_bound_and_keeps_what_it_found():
                      grid=(0.8, 0.5, 0.2))
     assert not choose(unbounded.partition, unbounded.plan).report.time_bounded
     assert unbounded.partitioned == [1.0, 0.8, 0.5, 0.2]
-    # Nothing spent before the search: it may spend 3/4 of what the default partition
-    # took, less than one more partition, so it stops at once (or after one).
+    # Nothing spent before the search: it may spend what the default partition took,
+    # about one more partition, so it stops after at most two.
     bounded = _SlowStubs(pairs, prices, seconds=0.05)
     # (min_search_s: the bound's floor, scaled to the stubs' times)
     report = choose(bounded.partition, bounded.plan, spent_s=0.0, min_search_s=0.0).report

@@ -127,7 +127,7 @@ def test_a_mib_budget_per_region_is_what_issue_31_found_broken(plain):
     """The region scope keeps its per-region meaning: per-block compile moves nothing
     when each block fits alone (why the step scope is the default)."""
     budget = int(0.5 * plain["per_block"].saved_bytes)
-    backend, results, moved = _run("per_block", budget, scope="region")
+    _, results, moved = _run("per_block", budget, scope="region")
     assert sum(moved) == 0 and results[0].saved_bytes > budget + SLACK
 
 

@@ -54,7 +54,7 @@ def _x() -> torch.Tensor:
 
 
 def test_one_graph_for_two_layers_is_two_invocations_backward_in_reverse(compiled, steps):
-    backend, model = compiled
+    _, model = compiled
     model(_x()).backward()
     assert len(steps) == 1 and len(steps[0].regions) == 1
     (r,) = steps[0].regions
