@@ -173,15 +173,7 @@ def choose_partition(
     pristine = copy_joint(joint) if mode == "auto" else None
     fw, bw = partition(joint)  # the original graph: exactly what plain compile partitions
     default_plan = plan(fw, bw, None)
-    deadline = None
-    if spent_s is not None:
-        now = time.perf_counter()
-        # A share of what the compile spent so far (never under SEARCH_MIN_S: a small
-        # graph's whole search takes a few seconds).
-        # One more partition costs about what the default's did: start one only if it
-        # is expected to end in time (the bound holds for the last one too).
-        allowance = max(SEARCH_TIME_SHARE * (spent_s + now - started), min_search_s)
-        deadline = _Deadline(now + allowance, attempt_s=now - started)
+    deadline = None if spent_s is None else _Deadline.after(started, spent_s, min_search_s)
     default = _Candidate(_partition_report(user_budget, default_plan, 0), fw, bw, default_plan)
     offload_only_s = default.report.step_s if default.report.feasible else None
     if pristine is None or (default.report.feasible and default_plan.predicted_stall_s <= 0):
@@ -288,6 +280,16 @@ class _Deadline:
 
     def __init__(self, at: float, attempt_s: float) -> None:
         self.at, self.attempt_s, self.hit = at, attempt_s, False
+
+    @classmethod
+    def after(cls, started: float, spent_s: float, min_search_s: float) -> _Deadline:
+        """The bound once the default partition, begun at ``started``, is planned: a
+        share of what the compile spent so far, never under ``min_search_s`` (a small
+        graph's whole search takes a few seconds). One more partition costs about what
+        the default's did: one starts only if it is expected to end in time."""
+        now = time.perf_counter()
+        allowance = max(SEARCH_TIME_SHARE * (spent_s + now - started), min_search_s)
+        return cls(now + allowance, attempt_s=now - started)
 
     def affords(self) -> bool:
         """Whether one more attempt is expected to end by the deadline."""
