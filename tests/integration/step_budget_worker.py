@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 
 from ..compiler.step_models import Stack
+from .dp_compile_worker import _grads, _wrap  # DDP with 1 MiB buckets, FSDP2 per block
 
 DIM, SEQ, BATCH = 256, 256, 4
 LAYERS = {"ddp": 2, "fsdp": 3}
@@ -33,28 +33,6 @@ FRACTIONS = (0.5, 0.3)
 STEPS = 3
 TIMEOUT = datetime.timedelta(seconds=120)
 _MIB = float(1 << 20)
-
-
-def _wrap(kind: str, model: nn.Module) -> nn.Module:
-    if kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        # Each layer's 2 MiB of parameters ends a 1 MiB bucket: several regions.
-        return DistributedDataParallel(model, bucket_cap_mb=1)
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
-
-
-def _grads(model: nn.Module) -> list[torch.Tensor]:
-    out = []
-    for p in model.parameters():
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        out.append(grad.detach().clone())
-    return out
 
 
 def _train(kind: str, backend: Any, rank: int, steps: int) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ a ``copy_d2h`` makes a host or a device copy, which no collective sees.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,12 @@ import torch.multiprocessing as mp
 
 from ..compiler.step_models import SLACK
 from . import step_budget_worker as worker_module
+from .test_compile_data_parallel import _free_port
 
 pytestmark = [pytest.mark.slow,  # two gloo processes compiling under DDP / FSDP2
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")]
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
