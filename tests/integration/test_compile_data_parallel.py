@@ -18,50 +18,31 @@ budget of 0 MiB. The tests here assert on what the ranks sent back:
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from . import dp_compile_worker as worker_module
+from .ranks import WORLD, rank_case, spawn_ranks
 
 pytestmark = [pytest.mark.slow,  # four gloo processes compiling under DDP / FSDP2
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")]
 
-WORLD = 2
 CASES = [f"{kind}-{inner}" for kind, inner in worker_module.CASES]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Per rank: case name -> what the worker saved (see ``dp_compile_worker``)."""
-    out = tmp_path_factory.mktemp("dp_compile")
-    # join=True re-raises a rank's failure here; the gloo timeout bounds a hung rank.
-    mp.spawn(worker_module.worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _case(results: list[dict[str, Any]], name: str, rank: int) -> dict[str, Any]:
-    case = results[rank][name]
-    if "error" in case:
-        pytest.fail(f"rank {rank}, case {name} raised:\n{case['error']}")
-    return case
+    return spawn_ranks(worker_module.worker, tmp_path_factory.mktemp("dp_compile"))
 
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_loss_and_gradients_equal_the_run_without_offload(results, name, rank):
-    case = _case(results, name, rank)
+    case = rank_case(results, name, rank)
     (want_loss, want_grads), (loss, grads) = case["reference"], case["offload"]
     assert torch.equal(loss, want_loss)
     layers = worker_module.LAYERS[name.split("-")[0]]
@@ -74,7 +55,7 @@ def test_loss_and_gradients_equal_the_run_without_offload(results, name, rank):
 def test_ddp_gradients_are_reduced_across_ranks(results, name):
     # Each rank had its own data: equal gradients on both ranks mean DDP's all-reduce
     # ran through the compiled, offloading backward.
-    ranks = [_case(results, name, r)["offload"] for r in range(WORLD)]
+    ranks = [rank_case(results, name, r)["offload"] for r in range(WORLD)]
     assert not torch.equal(ranks[0][0], ranks[1][0])  # different local losses
     for a, b in zip(ranks[0][1], ranks[1][1]):
         assert torch.equal(a, b)
@@ -83,7 +64,7 @@ def test_ddp_gradients_are_reduced_across_ranks(results, name):
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_every_region_is_planned_and_the_budget_really_offloads(results, name, rank):
-    case = _case(results, name, rank)
+    case = rank_case(results, name, rank)
     regions = case["regions"]
     assert len(regions) == case["num_regions"]  # no region escaped the partitioner
     if name.startswith("ddp"):
@@ -103,7 +84,7 @@ def test_every_region_is_planned_and_the_budget_really_offloads(results, name, r
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("fsdp")])
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_unsharded_parameters_are_graph_inputs_and_never_offloaded(results, name, rank):
-    case = _case(results, name, rank)
+    case = rank_case(results, name, rank)
     for region in case["regions"]:
         placeholders = set(region["fw_placeholders"])
         # torch 2.13: FSDP2's all-gather runs in dynamo-disabled hooks, never in a graph.

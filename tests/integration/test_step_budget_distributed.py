@@ -11,43 +11,29 @@ a ``copy_d2h`` makes a host or a device copy, which no collective sees.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..compiler.step_models import SLACK
 from . import step_budget_worker as worker_module
-from .test_compile_data_parallel import _free_port
+from .ranks import WORLD, rank_case, spawn_ranks
 
 pytestmark = [pytest.mark.slow,  # two gloo processes compiling under DDP / FSDP2
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")]
 
-WORLD = 2
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("step_budget")
-    mp.spawn(worker_module.worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _case(results: list[dict[str, Any]], kind: str, rank: int) -> dict[str, Any]:
-    case = results[rank][kind]
-    if "error" in case:
-        pytest.fail(f"rank {rank}, {kind} raised:\n{case['error']}")
-    return case
+    return spawn_ranks(worker_module.worker, tmp_path_factory.mktemp("step_budget"))
 
 
 @pytest.mark.parametrize("fraction", worker_module.FRACTIONS)
 @pytest.mark.parametrize("kind", list(worker_module.LAYERS))
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_every_step_fits_the_ranks_budget_and_is_exact(results, kind, rank, fraction):
-    case = _case(results, kind, rank)
+    case = rank_case(results, kind, rank)
     reference, run = case["reference"], case[fraction]
     for number, step in enumerate(run["steps"], 1):
         assert step["saved"] <= run["budget"] + SLACK, (
@@ -70,7 +56,7 @@ def test_every_step_fits_the_ranks_budget_and_is_exact(results, kind, rank, frac
 
 @pytest.mark.parametrize("kind", list(worker_module.LAYERS))
 def test_the_step_spans_several_regions_and_every_layer(results, kind):
-    run = _case(results, kind, 0)[0.5]
+    run = rank_case(results, kind, 0)[0.5]
     layers = worker_module.LAYERS[kind]
     assert run["regions"] >= 2  # DDPOptimizer's split / FSDP2's graph breaks
     assert len(run["invocations"]) >= layers

@@ -36,7 +36,8 @@ class WorkerContext:
         return self._groups[size]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that is free now (the gloo rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -78,7 +79,7 @@ class Cluster:
         self.world_size = world_size
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(
                 target=_worker,
