@@ -35,6 +35,7 @@ recompute could help, and the report says so). So ``peak_bytes <= budget_bytes``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -139,8 +140,9 @@ class StepPlan:
         """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
         return self._keep.get(invocation, frozenset())
 
-    @property
+    @functools.cached_property
     def _keep(self) -> dict[Invocation, frozenset[int]]:
+        # Built once: keep_for runs at every forward of every invocation.
         return {p.invocation: p.keep for p in self.invocations}
 
     @property
