@@ -162,7 +162,7 @@ def llama_7b() -> None:
     from llama_model import llama_7b as build
 
     tokens = torch.empty(1, 4096, dtype=torch.int64, device="meta")
-    report = hyper_offload.estimate(build(), (tokens, tokens), budget=16384)
+    report = hyper_offload.estimate(build(), (tokens, tokens), budget=16384, budget_scope="region")
     _emit(bench="llama_7b", model="Llama-7B seq 4096 bf16 (estimate: predicted)",
           min_feasible_budget_mib=round(report.min_feasible_budget_bytes / MIB, 1),
           peak_without_offload_mib=round(report.region.predicted_peak_before / MIB, 1),

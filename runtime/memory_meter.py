@@ -57,12 +57,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from hyper_offload.passes.ir.ops import HOST_LABEL
+
 from .device import DeviceLike, resolve_device
 
-# Name of the attribute that marks an UntypedStorage as host memory. It lives on the
-# storage object itself (whose Python object is preserved while the storage lives), so
-# every meter, on every thread, sees the same label without any shared registry.
-_HOST_LABEL = "_hyper_offload_host_label"
+# The attribute that marks an UntypedStorage as host memory. It lives on the storage
+# object itself (whose Python object is preserved while the storage lives), so every
+# meter, on every thread, sees the same label without any shared registry; the IR owns
+# the name because copy_d2h's fake kernel labels fake host copies too.
+_HOST_LABEL = HOST_LABEL
 
 __all__ = [
     "DeviceMemoryMeter",

@@ -8,8 +8,14 @@ no memory), makes meta example inputs of the given shapes and dtypes, and prints
 or containing a path separator; its folder is importable while it loads) or an
 importable module name (``mypkg.models``).
 
+``--budget-scope step`` (the default, as the backend's) runs one step on fake tensors
+through the backend and reports its step plan: the model's own compiled blocks stay
+compiled on their own, graph breaks split it into regions, as in training; ``region``
+plans the model as one region under the whole budget (with the recompute search).
+
 Exit codes (as ``plan``): 0 the plan fits the budget; 1 the budget is infeasible (some
-op's own live activations exceed it; the report says the smallest feasible budget);
+op's own live activations exceed it, or under the step scope the floor does: everything
+movable moved; the report says the smallest feasible budget);
 2 bad input (an unloadable target, a factory or forward that raises, a malformed shape
 or dtype, a bad budget) with one line on stderr, never a traceback; 3 the planner
 produced a schedule the validator rejects (a bug: please report it).
@@ -37,9 +43,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "estimate",
         help="will a training step fit? trace a model on fake tensors and plan it",
         description="Trace one training step (forward + backward) of MODULE:FACTORY() on fake "
-        "tensors (nothing is allocated), plan it under the budget like the compile backend, "
-        "and report peaks, bytes moved, predicted exposed transfer time and the smallest "
-        "feasible budget.",
+        "tensors (nothing is allocated), plan it under the budget like the compile backend "
+        "(the whole step's plan by default), and report peaks, bytes moved, predicted "
+        "exposed transfer time and the smallest feasible budget.",
     )
     parser.add_argument("target", metavar="MODULE:FACTORY",
                         help="a .py file or importable module, and a function of no arguments "
@@ -55,6 +61,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="budget as a fraction in (0, 1] of the peak without offload")
     parser.add_argument("--inner-compiler", choices=("inductor", "aot_eager"), default="inductor",
                         help="whose graphs to model (default inductor, as the backend)")
+    parser.add_argument("--budget-scope", choices=("step", "region"), default="step",
+                        help="step (default, as the backend): run one step on fake tensors "
+                        "through the backend (the model's own compiled blocks stay so, graph "
+                        "breaks split it) and report its step plan; region: the model as one "
+                        "region under the whole budget")
     parser.add_argument("--recompute", choices=("auto", "off"), default="auto",
                         help="auto (default, as the backend): where offload alone stalls, also "
                         "search partitions that recompute more; off: torch's default partition")
@@ -172,7 +183,8 @@ def _throughput(args: argparse.Namespace) -> Any:
 def _estimate(args: argparse.Namespace) -> Any:
     from hyper_offload.compiler.fit_estimate import estimate
 
-    options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute}
+    options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute,
+                               "budget_scope": args.budget_scope}
     if args.budget_fraction is not None:
         options["max_resident_activation_fraction"] = args.budget_fraction
     else:

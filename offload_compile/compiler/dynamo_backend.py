@@ -47,12 +47,14 @@ import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
 from hyper_offload.passes import ActivationTrace, ResidencySchedule
+from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.memory_meter import is_host_labelled
 
 from . import region_cache
 from .backend_registry import BackendRegistry
+from .fake_capture import compile_graphs_only
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import search_region
 from .region_plan import PlannedRegion, lower_region
@@ -164,9 +166,10 @@ class _RegionForward:
         backend.collect()
         # Fake arguments: Dynamo propagating shapes through a compiled region (DDPOptimizer
         # runs each compiled submodule on fake tensors while it compiles the next one).
-        # That is no invocation of a step; it moves nothing either (fake kernels).
-        if (backend.options.step_scoped and torch.is_grad_enabled()
-                and torch._guards.detect_fake_mode(args) is None):
+        # That is no invocation of a step; it moves nothing either (fake kernels). Only
+        # estimate's backend runs whole steps on fake tensors.
+        if backend.options.step_scoped and torch.is_grad_enabled() and (
+                backend.fake_steps or torch._guards.detect_fake_mode(args) is None):
             return backend.run_invocation(region, self._compiled, args)
         with backend.runtime:
             return self._compiled(*args)
@@ -197,6 +200,7 @@ class _OffloadPartitioner(CustomPartitionerFn):
         choice = search_region(
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=self._backend.bandwidth, region=region.index, floor=options.step_scoped,
+            throughput=self._backend.throughput,
             activation_inputs=region.activation_inputs if options.step_scoped else frozenset(),
             spent_s=started - region.compile_started,
         )
@@ -236,8 +240,23 @@ class HyperOffloadBackend:
     region, in compile order (a recompilation adds one). ``regions`` keeps the plans.
     """
 
-    def __init__(self, options: BackendOptions) -> None:
+    def __init__(
+        self,
+        options: BackendOptions,
+        *,
+        link: TransferBandwidth | None = None,
+        throughput: DeviceThroughput | None = None,
+        fake_steps: bool = False,
+    ) -> None:
         self.options = options
+        self.link = link
+        """Copy bandwidth plans are priced with, overriding the options' and the probe's."""
+        self.throughput = throughput
+        """Op prices (default: the roofline of each region's device)."""
+        self.fake_steps = fake_steps
+        """``hyper_offload.estimate``'s backend: regions are partitioned, planned and
+        lowered as always but no code is generated (graphs run as FX on fake tensors),
+        and steps run on fake tensors are the step (:mod:`.step_estimate`)."""
         self.regions: list[_Region] = []
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
         self.runtime = TransferRuntime(pool=PinnedMemoryPool(options.config.max_host_bytes))
@@ -262,6 +281,8 @@ class HyperOffloadBackend:
         given, else the region's device's, measured once per device."""
         from hyper_offload.passes.fx.graph_trace import device_of, fw_outputs
 
+        if self.link is not None:
+            return self.link
         if self.options.transfer_bandwidth_gbps is not None:
             gbps = self.options.transfer_bandwidth_gbps
             return TransferBandwidth(gbps, gbps, measured=False)
@@ -343,6 +364,13 @@ class HyperOffloadBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         region = _Region(next(self._counter), example_inputs, self.runtime)
         self.regions.append(region)
+        if self.fake_steps:
+            partitioner = _OffloadPartitioner(self, region, plan_key=None)
+            graphs = compile_graphs_only(
+                gm, example_inputs, partitioner, self.options.inner_compiler,
+                self.options.inductor_patches(),
+            )
+            return _RegionForward(graphs, region, self)
         if self.options.inner_compiler != "inductor":  # aot_eager: no cache, always planned
             partitioner = _OffloadPartitioner(self, region, plan_key=None)
             return _RegionForward(_compile_aot_eager(gm, example_inputs, partitioner), region, self)

@@ -31,7 +31,10 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CapturedGraphs", "PartitionHook", "capture_graphs"]
+__all__ = [
+    "CapturedGraphs", "PartitionHook", "capture_graphs", "compile_graphs_only", "fake_inputs",
+    "fake_module",
+]
 
 StockPartition = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]
 PartitionHook = Callable[
@@ -160,7 +163,7 @@ def capture_graphs(
     captured: dict[str, Any] = {}
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     wrapper = _FlatOutputs(model, lambda t: _fake(mode, t, device))
-    inputs = [_fake(mode, x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    inputs = fake_inputs(mode, example_inputs, device)
     # Parameters and buffers come first among the joint graph's primals. Under Dynamo
     # the backend's partitioner learns they are static-lifetime inputs (so min-cut
     # saves the parameter, not a transpose of it); tell it the same here.
@@ -220,3 +223,60 @@ def _partitioner(
             yield
 
     return inductor_partition, select_decomp_table(), context
+
+
+def fake_module(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake twins on ``device``
+    (shapes, strides, dtypes, ``requires_grad`` kept; tied weights stay tied): what a
+    step on fake tensors runs. The model itself is not touched, and no bytes are
+    allocated, even for a model on the meta device."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in memo:
+            memo[id(tensor)] = _fake(mode, tensor, device)
+    return copy.deepcopy(model, memo)
+
+
+def fake_inputs(mode: Any, example_inputs: Sequence[Any], device: torch.device) -> list[Any]:
+    """Fake twins on ``device`` of the tensors among ``example_inputs`` (others as given)."""
+    return [_fake(mode, x, device) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+def compile_graphs_only(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    partitioner: Callable[..., Any],
+    inner_compiler: str,
+    inductor_patches: dict[str, Any],
+) -> Callable[..., Any]:
+    """A Dynamo region compiled as the backend compiles it, minus code generation.
+
+    AOTAutograd runs with the decompositions and the partition pipeline of
+    ``inner_compiler`` (for ``"inductor"``: Inductor's table, its joint-graph passes and
+    then ``partitioner`` as its ``custom_partitioner_fn``, under the backend's Inductor
+    settings), and the forward and backward graphs are kept as FX graphs: they run as
+    written, on fake tensors too. For ``"aot_eager"`` this *is* the backend's compile."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    if inner_compiler != "inductor":
+        return aot_autograd(
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partitioner,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+    from torch._functorch import config as functorch_config
+    from torch._inductor import compile_fx
+    from torch._inductor import config as inductor_config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
+
+    mode = torch._guards.detect_fake_mode(example_inputs)
+    patches = {**inductor_patches, "custom_partitioner_fn": partitioner}
+    with (inductor_config.patch(patches), V.set_fake_mode(mode),
+          functorch_config.patch(unlift_effect_tokens=True)):
+        return aot_autograd(
+            fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=compile_fx.partition_fn,
+            decompositions=select_decomp_table(), keep_inference_input_mutations=True,
+        )(gm, example_inputs)

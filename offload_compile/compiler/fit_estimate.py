@@ -4,13 +4,20 @@
     report = hyper_offload.estimate(model, (tokens,), max_resident_activation_fraction=0.5)
     print(report.summary())
 
-The step (forward + backward of ``model(*example_inputs)``) is traced on fake tensors
-(:mod:`.fake_capture`: AOTAutograd on the whole module, no Dynamo, the stock min-cut
-partition the compile backend uses), then planned, checked and hoisted by the compile
-backend's own analysis (:func:`.region_plan.plan_graphs`). So the figures are exactly
-what ``torch.compile(model, backend="hyper_offload")`` would predict for the model as one
-region, and nothing is allocated: the model may live on the meta device and be far
-larger than the machine's memory.
+Nothing is allocated: the model may live on the meta device and be far larger than the
+machine's memory. Two scopes, as the backend's ``budget_scope``:
+
+* ``"step"`` (the default, as the backend's): one step runs on fake tensors through the
+  compile backend itself (:mod:`.step_estimate`): Dynamo splits it into the regions a
+  real compile makes (graph breaks; blocks the model compiled on their own stay so, one
+  compiled block invoked per layer), each region is planned at its floor, and the step
+  plan is :func:`~.step_plan.plan_step`'s. ``report.step`` is exactly the backend's
+  ``step_report`` after a real first step, ``report.regions`` its region reports.
+* ``"region"``: the model as one region (:mod:`.fake_capture`: AOTAutograd on the whole
+  module, no Dynamo, the stock min-cut partition the backend uses), planned, checked and
+  hoisted by the backend's own analysis (:func:`.region_plan.plan_graphs`) under the
+  whole budget, with the recompute search: ``report.region`` is what the backend reports
+  for the model compiled whole under ``budget_scope="region"``.
 
 Figures are for saved activations and the temporaries of the step as the compile
 backend counts them (parameters, inputs, gradients and optimizer state excluded; see
@@ -38,6 +45,7 @@ from .options import BackendOptions, parse_backend_options
 from .recompute_search import PartitionChoice, search_region
 from .region_plan import build_region_report
 from .region_report import RegionReport
+from .step_report import StepReport
 
 __all__ = ["EstimateReport", "estimate"]
 
@@ -48,79 +56,92 @@ MIB = 1 << 20
 class EstimateReport:
     """What a step needs and what the plan does to it (bytes, seconds).
 
+    Exactly one of ``step`` (``budget_scope="step"``) and ``region`` (``"region"``) is
+    set, and the figures below are its: the backend's :class:`StepReport` or
+    :class:`RegionReport` for the same model, so estimate and backend never disagree.
     Invariants: ``peak_with_plan <= peak_without_offload``; ``fits`` (the plan meets
-    ``budget_bytes`` at every op) iff ``budget_bytes >= min_feasible_budget_bytes``;
-    ``region`` is the compile backend's
-    :class:`RegionReport` for the same graphs, so the two never disagree.
+    ``budget_bytes`` at every op) iff ``budget_bytes >= min_feasible_budget_bytes``
+    (under the step scope that is the floor's peak: everything movable moved).
     """
 
     model: str
     device: str
     inner_compiler: str
-    region: RegionReport
+    region: RegionReport | None
     min_feasible_budget_bytes: int
     d2h_bandwidth_gbps: float
     h2d_bandwidth_gbps: float
     flops_per_s: float
     memory_bytes_per_s: float
     trace_seconds: float
-    stall_lower_bound_s: float = 0.0
-    """No schedule under this budget is predicted to stall compute less
+    stall_lower_bound_s: float | None = None
+    """Region scope: no schedule under this budget is predicted to stall compute less
     (:func:`~hyper_offload.passes.analysis.stall_bound.stall_lower_bound`, the compile
-    door's rules): how far ``exposed_transfer_s`` is from the best any plan could do."""
+    door's rules): how far ``exposed_transfer_s`` is from the best any plan could do.
+    None under the step scope (the bound is per region)."""
+    step: StepReport | None = None
+    """Step scope: the step plan the backend makes after the first step."""
+    regions: tuple[RegionReport, ...] = ()
+    """Step scope: the region reports of every region the step compiled (at the floor)."""
+
+    @property
+    def budget_scope(self) -> str:
+        return "step" if self.step is not None else "region"
 
     @property
     def budget_bytes(self) -> int:
-        return self.region.budget_bytes
+        return self.step.budget_bytes if self.step is not None else self._region.budget_bytes
 
     @property
     def peak_without_offload(self) -> int:
-        return self.region.predicted_peak_before
+        if self.step is not None:
+            return self.step.peak_without_offload_bytes
+        return self._region.predicted_peak_before
 
     @property
     def peak_with_plan(self) -> int:
-        return self.region.predicted_peak_after
+        return self.step.peak_bytes if self.step is not None else self._region.predicted_peak_after
 
     @property
     def bytes_d2h(self) -> int:
-        return self.region.bytes_d2h
+        return self.step.moved_bytes if self.step is not None else self._region.bytes_d2h
 
     @property
     def bytes_h2d(self) -> int:
-        return self.region.bytes_h2d
+        return self.step.moved_bytes if self.step is not None else self._region.bytes_h2d
 
     @property
     def exposed_transfer_s(self) -> float:
-        return self.region.exposed_transfer_s
+        if self.step is not None:
+            return self.step.predicted_stall_s
+        return self._region.exposed_transfer_s
 
     @property
     def fits(self) -> bool:
         """True when the plan keeps every op at or under the budget."""
-        return self.region.feasible
+        return self.step.fits if self.step is not None else self._region.feasible
+
+    @property
+    def _region(self) -> RegionReport:
+        assert self.region is not None, "an EstimateReport holds a step or a region"
+        return self.region
 
     def to_dict(self) -> dict[str, Any]:
-        r = self.region
-        data = {k: v for k, v in asdict(self).items() if k != "region"}
+        data = {k: v for k, v in asdict(self).items() if k not in ("region", "step", "regions")}
         data.update(
+            budget_scope=self.budget_scope,
             budget_bytes=self.budget_bytes,
             peak_without_offload_bytes=self.peak_without_offload,
             peak_with_plan_bytes=self.peak_with_plan,
             fits=self.fits,
-            fw_ops=self.region.fw_nodes,
-            bw_ops=self.region.bw_nodes,
-            saved_activation_bytes=self.region.saved_activation_bytes,
             bytes_d2h=self.bytes_d2h,
             bytes_h2d=self.bytes_h2d,
-            transfers=self.region.transfers,
-            d2h_s=self.region.d2h_s,
-            h2d_s=self.region.h2d_s,
             exposed_transfer_s=self.exposed_transfer_s,
-            infeasible_ops=len(self.region.infeasible_ops),
-            kept_saved_bytes=self.region.kept_bytes,
-            plan_seconds=self.region.plan_seconds,
-            stall_lower_bound_s=self.stall_lower_bound_s,
-            recompute=None if r.recompute is None else r.recompute.summary(),
         )
+        if self.step is not None:
+            data.update(_step_dict(self.step, self.regions))
+        else:
+            data.update(_region_dict(self._region))
         return data
 
     def to_json(self) -> str:
@@ -129,42 +150,118 @@ class EstimateReport:
 
     def summary(self) -> str:
         """A few readable lines, the verdict first."""
-        r = self.region
         verdict = "fits" if self.fits else "DOES NOT FIT"
-        lines = [
-            f"{self.model} on {self.device} ({self.inner_compiler} graphs, {r.fw_nodes}+"
-            f"{r.bw_nodes} ops): {verdict} in a budget of {_mib(self.budget_bytes)}",
-            f"peak activations: {_mib(self.peak_without_offload)} without offload -> "
-            f"{_mib(self.peak_with_plan)} with the plan "
-            f"(saved for backward: {_mib(r.saved_activation_bytes)})",
-            f"smallest feasible budget: {_mib(self.min_feasible_budget_bytes)}",
-            f"moved per step: D2H {_mib(r.bytes_d2h)}, H2D {_mib(r.bytes_h2d)} "
-            f"({r.transfers} transfers)",
-            f"transfer time at {self.d2h_bandwidth_gbps:g}/{self.h2d_bandwidth_gbps:g} GB/s "
-            f"(D2H/H2D): {r.d2h_s * 1e3:.1f} + {r.h2d_s * 1e3:.1f} ms, predicted exposed "
-            f"{r.exposed_transfer_s * 1e3:.1f} ms, no plan under {self.stall_lower_bound_s * 1e3:.1f} "
-            f"ms (ops priced at {self.flops_per_s / 1e12:g} TFLOP/s, "
-            f"{self.memory_bytes_per_s / 1e9:g} GB/s)",
-            f"traced in {self.trace_seconds:.1f} s, planned in {r.plan_seconds:.1f} s",
-        ]
-        if r.kept:
-            worst = r.kept[0]
-            lines.insert(3, (
-                f"saved activations that cannot move: {_mib(r.kept_bytes)} in {len(r.kept)} "
-                f"storage(s), largest {_mib(worst.nbytes)} ({worst.names[0]}: {worst.reason})"
-            ))
-        if r.recompute is not None:
-            placed = f"{len(r.resident)} saved tensor(s) kept, {len(r.offloaded)} moved"
-            lines.insert(-1, r.recompute.describe(placed))
-        if not self.fits:
-            lines.append(
-                f"raise the budget to at least {_mib(self.min_feasible_budget_bytes)}: "
-                f"{len(r.infeasible_ops)} op(s) need more than the budget on their own"
-            )
-        return "\n".join(lines)
+        prices = (
+            f"ops priced at {self.flops_per_s / 1e12:g} TFLOP/s, "
+            f"{self.memory_bytes_per_s / 1e9:g} GB/s"
+        )
+        if self.step is not None:
+            return _step_summary(self, verdict, prices)
+        return _region_summary(self, verdict, prices)
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _region_dict(r: RegionReport) -> dict[str, Any]:
+    return dict(
+        fw_ops=r.fw_nodes,
+        bw_ops=r.bw_nodes,
+        saved_activation_bytes=r.saved_activation_bytes,
+        transfers=r.transfers,
+        d2h_s=r.d2h_s,
+        h2d_s=r.h2d_s,
+        infeasible_ops=len(r.infeasible_ops),
+        kept_saved_bytes=r.kept_bytes,
+        plan_seconds=r.plan_seconds,
+        recompute=None if r.recompute is None else r.recompute.summary(),
+    )
+
+
+def _step_dict(step: StepReport, regions: tuple[RegionReport, ...]) -> dict[str, Any]:
+    return dict(
+        step=step.summary(),
+        regions=len(regions),
+        fw_ops=sum(r.fw_nodes for r in regions),
+        bw_ops=sum(r.bw_nodes for r in regions),
+        saved_activation_bytes=sum(
+            r.saved_activation_bytes * _count(step, r.region) for r in regions
+        ),
+        kept_saved_bytes=step.kept_bytes,
+        plan_seconds=sum(r.plan_seconds for r in regions),
+        invocations=[
+            {"region": p.invocation.region, "ordinal": p.invocation.ordinal,
+             "kept_bytes": p.kept_bytes, "moved_bytes": p.moved_bytes,
+             "retained_bytes": p.retained_bytes}
+            for p in step.invocations
+        ],
+    )
+
+
+def _count(step: StepReport, region: int) -> int:
+    """How many times the step invoked ``region``."""
+    return sum(p.invocation.region == region for p in step.invocations)
+
+
+def _region_summary(report: EstimateReport, verdict: str, prices: str) -> str:
+    r = report._region
+    lines = [
+        f"{report.model} on {report.device} ({report.inner_compiler} graphs, {r.fw_nodes}+"
+        f"{r.bw_nodes} ops, one region): {verdict} in a budget of {_mib(report.budget_bytes)}",
+        f"peak activations: {_mib(report.peak_without_offload)} without offload -> "
+        f"{_mib(report.peak_with_plan)} with the plan "
+        f"(saved for backward: {_mib(r.saved_activation_bytes)})",
+        f"smallest feasible budget: {_mib(report.min_feasible_budget_bytes)}",
+        f"moved per step: D2H {_mib(r.bytes_d2h)}, H2D {_mib(r.bytes_h2d)} "
+        f"({r.transfers} transfers)",
+        f"transfer time at {report.d2h_bandwidth_gbps:g}/{report.h2d_bandwidth_gbps:g} GB/s "
+        f"(D2H/H2D): {r.d2h_s * 1e3:.1f} + {r.h2d_s * 1e3:.1f} ms, predicted exposed "
+        f"{r.exposed_transfer_s * 1e3:.1f} ms, no plan under "
+        f"{(report.stall_lower_bound_s or 0.0) * 1e3:.1f} ms ({prices})",
+        f"traced in {report.trace_seconds:.1f} s, planned in {r.plan_seconds:.1f} s",
+    ]
+    if r.kept:
+        worst = r.kept[0]
+        lines.insert(3, (
+            f"saved activations that cannot move: {_mib(r.kept_bytes)} in {len(r.kept)} "
+            f"storage(s), largest {_mib(worst.nbytes)} ({worst.names[0]}: {worst.reason})"
+        ))
+    if r.recompute is not None:
+        placed = f"{len(r.resident)} saved tensor(s) kept, {len(r.offloaded)} moved"
+        lines.insert(-1, r.recompute.describe(placed))
+    if not report.fits:
+        lines.append(
+            f"raise the budget to at least {_mib(report.min_feasible_budget_bytes)}: "
+            f"{len(r.infeasible_ops)} op(s) need more than the budget on their own"
+        )
+    return "\n".join(lines)
+
+
+def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
+    step, regions = report.step, report.regions
+    assert step is not None
+    lines = [
+        f"{report.model} on {report.device} ({report.inner_compiler} graphs, "
+        f"{len(regions)} region(s), {len(step.invocations)} invocation(s) per step): "
+        f"{verdict} in a budget of {_mib(report.budget_bytes)}",
+        f"peak activations: {_mib(report.peak_without_offload)} without offload -> "
+        f"{_mib(report.peak_with_plan)} with the step plan",
+        f"smallest feasible budget: {_mib(report.min_feasible_budget_bytes)} (the floor: "
+        "everything movable moved)",
+        f"moved per step: {_mib(step.moved_bytes)} each way, kept on the device "
+        f"{_mib(step.kept_bytes)}",
+        f"predicted stall at {report.d2h_bandwidth_gbps:g}/{report.h2d_bandwidth_gbps:g} "
+        f"GB/s (D2H/H2D): {step.predicted_stall_s * 1e3:.1f} ms ({prices})",
+        f"traced and planned in {report.trace_seconds:.1f} s",
+        *str(step).splitlines()[1:],
+    ]
+    if not report.fits:
+        lines.append(
+            f"raise the budget to at least {_mib(report.min_feasible_budget_bytes)}: a "
+            "region's own working memory is over the budget even with everything movable "
+            "moved (budget_scope='region' also searches recompute per region)"
+        )
+    return "\n".join(lines)
 
 
 def _mib(nbytes: int) -> str:
@@ -199,7 +296,11 @@ def estimate(
     ``budget`` is the device budget in MiB (``max_resident_activation_mb``); the other
     keys of the compile backend's ``options=`` are accepted and validated the same way
     (``max_resident_activation_fraction`` for a fraction of the peak, ``planner``,
-    ``inner_compiler`` = which graphs to model, default ``"inductor"``).
+    ``inner_compiler`` = which graphs to model, default ``"inductor"``,
+    ``budget_scope`` = ``"step"`` (default) or ``"region"``, module docstring). Under the
+    step scope, blocks the model compiled on its own (``torch.compile(block)`` or
+    ``block.compile()``) are estimated as such and the rest runs eagerly; a model with no
+    compiled part is compiled whole.
     ``device``: the device the step is traced on (its kernels decide what is saved);
     default the parameters' device, for a meta model the current accelerator or CPU.
     ``bandwidth`` (GB/s each way, or a :class:`TransferBandwidth`) prices the copies,
@@ -219,6 +320,22 @@ def estimate(
     link = _bandwidth(bandwidth)
     target = resolve_trace_device(model, device)
     prices = throughput or throughput_for(target)
+    common = dict(
+        model=type(model).__name__, device=str(target), inner_compiler=parsed.inner_compiler,
+        d2h_bandwidth_gbps=link.d2h_gbps, h2d_bandwidth_gbps=link.h2d_gbps,
+        flops_per_s=prices.flops_per_s, memory_bytes_per_s=prices.bytes_per_s,
+    )
+    if parsed.step_scoped:
+        from .step_estimate import estimate_step
+
+        found = estimate_step(
+            model, example_inputs, device=target, options=parsed, link=link,
+            throughput=throughput,
+        )
+        return EstimateReport(
+            **common, region=None, min_feasible_budget_bytes=found.step.floor_peak_bytes,
+            trace_seconds=found.seconds, step=found.step, regions=found.regions,
+        )
     choice, plan_seconds, trace_seconds = _capture_and_search(
         model, example_inputs, target, parsed, link, prices
     )
@@ -227,15 +344,9 @@ def estimate(
         fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report
     )
     return EstimateReport(
-        model=type(model).__name__,
-        device=str(target),
-        inner_compiler=parsed.inner_compiler,
+        **common,
         region=report,
         min_feasible_budget_bytes=max(required_bytes(fx_trace.trace), default=0),
-        d2h_bandwidth_gbps=link.d2h_gbps,
-        h2d_bandwidth_gbps=link.h2d_gbps,
-        flops_per_s=prices.flops_per_s,
-        memory_bytes_per_s=prices.bytes_per_s,
         trace_seconds=trace_seconds,
         stall_lower_bound_s=stall_lower_bound(
             fx_trace.trace, earliest_prefetch_op=fx_trace.num_fw_ops,

@@ -89,6 +89,7 @@ __all__ = [
     "COPY_D2H",
     "COPY_H2D",
     "DISCARD",
+    "HOST_LABEL",
     "MATERIALIZE",
     "NAMESPACE",
     "REAL_KERNEL_KEY",
@@ -101,6 +102,13 @@ __all__ = [
 ]
 
 NAMESPACE = "hyper_offload"
+
+HOST_LABEL = "_hyper_offload_host_label"
+"""The attribute that marks an ``UntypedStorage`` as host memory (set to True on the
+storage object, whose Python object lives as long as the storage): the runtime labels
+its host buffers (``runtime.memory_meter.label_host``) and ``copy_d2h``'s fake kernel its
+fake host copies, so that a step run on fake tensors (``hyper_offload.estimate``) tells
+host copies from device bytes exactly as a real step does."""
 
 # FRAGMENT, not DEF: other modules of the library may add ops to the same namespace.
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -247,7 +255,9 @@ def _copy_d2h_fake(
     src: torch.Tensor, dim_order: list[int] | None = None, slot: int = -1
 ) -> torch.Tensor:
     shape, stride = host_layout(src, dim_order)
-    return torch.empty_strided(shape, stride, dtype=src.dtype, device="cpu")
+    host = torch.empty_strided(shape, stride, dtype=src.dtype, device="cpu")
+    setattr(host.untyped_storage(), HOST_LABEL, True)  # a host copy, as the real kernel's
+    return host
 
 
 @torch.library.register_fake(f"{NAMESPACE}::copy_h2d", lib=_LIB)

@@ -34,6 +34,23 @@ def broken():
 
 def frozen():
     return nn.Linear(16, 16).requires_grad_(False)
+
+
+class TwoHalves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        self.second = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def forward(self, x):
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def two_halves():
+    torch.manual_seed(0)
+    return TwoHalves()
 '''
 
 
@@ -163,7 +180,8 @@ def test_bad_input_is_one_line_and_exit_code_2(factories, capsys, target, extra,
 
 def test_recompute_flag_reaches_the_search(factories, capsys) -> None:
     base = ["estimate", f"{factories}:small", "--input-shape", "4,16", "--budget-fraction", "0.5",
-            "--inner-compiler", "aot_eager", "--bandwidth-gbps", "0.001", "--json"]
+            "--inner-compiler", "aot_eager", "--bandwidth-gbps", "0.001", "--json",
+            "--budget-scope", "region"]
     main([*base, "--recompute", "off"])
     off = json.loads(capsys.readouterr().out)["recompute"]
     main(base)
@@ -172,3 +190,21 @@ def test_recompute_flag_reaches_the_search(factories, capsys) -> None:
     # a link this slow stalls the offload-only plan: the default (auto) searches
     assert auto["mode"] == "auto" and auto["searched"] and len(auto["partitions"]) > 1
     assert auto["joint_s"] <= off["joint_s"]
+
+
+def test_the_step_scope_sees_the_graph_break_the_region_scope_plans_across(
+        factories, capsys) -> None:
+    base = ["estimate", f"{factories}:two_halves", "--input-shape", "4,16", "--budget-fraction",
+            "0.9", "--inner-compiler", "aot_eager", "--json"]
+    assert main(base) == 0
+    step = json.loads(capsys.readouterr().out)
+    main([*base, "--budget-scope", "region"])
+    region = json.loads(capsys.readouterr().out)
+    assert step["budget_scope"] == "step" and region["budget_scope"] == "region"
+    # Dynamo splits the step in two regions, as torch.compile would; one invocation each.
+    assert step["regions"] == 2 and [i["region"] for i in step["invocations"]] == [0, 1]
+    assert step["step"]["invocations"] == 2 and "invocations" not in region
+    assert step["fits"] and step["bytes_d2h"] == sum(i["moved_bytes"] for i in step["invocations"])
+    main([*base[:-1], "--budget-scope", "step"])  # the human summary
+    text = capsys.readouterr().out
+    assert "2 region(s), 2 invocation(s) per step" in text and "r1#0" in text

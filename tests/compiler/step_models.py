@@ -91,3 +91,26 @@ def train(model: nn.Module, step: Callable[..., torch.Tensor], steps: int,
 
 def exact(a: StepResult, b: StepResult) -> bool:
     return torch.equal(a.loss, b.loss) and all(torch.equal(x, y) for x, y in zip(a.grads, b.grads))
+
+
+def assert_estimate_is_the_step_plan(
+    model: nn.Module, inputs: tuple[Any, ...], backend: Any, **options: Any
+) -> None:
+    """``hyper_offload.estimate`` of ``model`` (uncompiled, or with the blocks it compiled
+    on their own; fresh weights are fine) gives ``backend``'s step plan after a real step:
+    the same invocations with the same kept / moved / retained bytes, the same peaks and
+    predicted stall, and the same regions (issue 31, item 6)."""
+    import hyper_offload
+
+    real = backend.step_report
+    link = backend.bandwidth(backend.regions[0].graphs[0])  # what the backend priced with
+    estimate = hyper_offload.estimate(model, inputs, bandwidth=link, **options)
+    assert estimate.step is not None and real is not None
+    for field in ("budget_bytes", "peak_bytes", "floor_peak_bytes",
+                  "peak_without_offload_bytes", "invocations", "predicted_stall_s"):
+        assert getattr(estimate.step, field) == getattr(real, field), field
+    assert estimate.fits == real.fits and estimate.bytes_d2h == real.moved_bytes
+    compiled = [(r.fw_nodes, r.bw_nodes, r.saved_activation_bytes, r.bytes_d2h)
+                for r in backend.reports]
+    assert [(r.fw_nodes, r.bw_nodes, r.saved_activation_bytes, r.bytes_d2h)
+            for r in estimate.regions] == compiled

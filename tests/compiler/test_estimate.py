@@ -1,4 +1,9 @@
-"""``hyper_offload.estimate``: the same figures as the compile backend, nothing allocated."""
+"""``hyper_offload.estimate``: the same figures as the compile backend, nothing allocated.
+
+Under ``budget_scope="region"`` the estimate is the backend's region report of the model
+compiled whole; under ``"step"`` (the default) the backend's step report of the model as
+it was compiled (``test_estimate_step.py`` compares those per layout). The properties
+below hold in both scopes."""
 
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ def test_estimate_equals_the_backends_region_report(case, inner: str) -> None:
     (compiled,) = backend.reports
     fresh, _, _ = case()
     report = hyper_offload.estimate(
-        fresh, inputs, inner_compiler=inner, max_resident_activation_fraction=0.5
+        fresh, inputs, inner_compiler=inner, max_resident_activation_fraction=0.5,
+        budget_scope="region",
     )
     for name in _COMPARED:
         assert getattr(report.region, name) == getattr(compiled, name), name
@@ -66,25 +72,34 @@ def tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model, inputs
 
 
-def test_min_feasible_budget_is_the_boundary_of_fits(tiny) -> None:
+SCOPES = pytest.mark.parametrize("scope", ["step", "region"])
+
+
+@SCOPES
+def test_min_feasible_budget_is_the_boundary_of_fits(tiny, scope: str) -> None:
     model, inputs = tiny
-    loose = hyper_offload.estimate(model, inputs, budget=1024, inner_compiler="aot_eager")
+    loose = hyper_offload.estimate(model, inputs, budget=1024, inner_compiler="aot_eager",
+                                   budget_scope=scope)
+    assert loose.budget_scope == scope
     assert loose.fits and loose.bytes_d2h == 0 and loose.peak_with_plan == loose.peak_without_offload
     needed = loose.min_feasible_budget_bytes
     assert 0 < needed < loose.peak_without_offload
     mib = 1 << 20
-    at = hyper_offload.estimate(model, inputs, budget=needed / mib, inner_compiler="aot_eager")
-    below = hyper_offload.estimate(model, inputs, budget=(needed - 1) / mib, inner_compiler="aot_eager")
+    at = hyper_offload.estimate(model, inputs, budget=needed / mib, inner_compiler="aot_eager",
+                                budget_scope=scope)
+    below = hyper_offload.estimate(model, inputs, budget=(needed - 1) / mib,
+                                   inner_compiler="aot_eager", budget_scope=scope)
     assert at.budget_bytes == needed and at.fits and at.peak_with_plan <= needed
     assert below.budget_bytes == needed - 1 and not below.fits
-    assert below.peak_with_plan == needed  # the best any schedule can do
+    assert below.peak_with_plan == needed  # the best any schedule can do (the floor)
     assert at.bytes_d2h == at.bytes_h2d > 0
 
 
 def test_report_summary_and_json(tiny) -> None:
     model, inputs = tiny
     report = hyper_offload.estimate(model, inputs, max_resident_activation_fraction=0.5,
-                                    inner_compiler="aot_eager", bandwidth=8.0)
+                                    inner_compiler="aot_eager", bandwidth=8.0,
+                                    budget_scope="region")
     data = json.loads(report.to_json())
     assert data["peak_without_offload_bytes"] == report.peak_without_offload
     assert data["peak_with_plan_bytes"] == report.peak_with_plan
@@ -103,10 +118,11 @@ def test_report_summary_and_json(tiny) -> None:
         report.budget_bytes = 0  # type: ignore[misc]  # frozen
 
 
-def test_model_and_inputs_are_untouched(tiny) -> None:
+@SCOPES
+def test_model_and_inputs_are_untouched(tiny, scope: str) -> None:
     model, inputs = tiny
     before = [(id(p), p.device, p.grad) for p in model.parameters()]
-    hyper_offload.estimate(model, inputs, budget=0, inner_compiler="aot_eager")
+    hyper_offload.estimate(model, inputs, budget=0, inner_compiler="aot_eager", budget_scope=scope)
     assert [(id(p), p.device, p.grad) for p in model.parameters()] == before
     assert all(p.grad is None for p in model.parameters())
 
@@ -122,6 +138,7 @@ def test_model_and_inputs_are_untouched(tiny) -> None:
         ({"colour": "blue"}, "unknown key"),
         ({"bandwidth": 0.0}, "bandwidth"),
         ({"device": "meta"}, "meta device"),
+        ({"budget": 10, "budget_scope": "block"}, "budget_scope"),
     ],
 )
 def test_bad_options_are_rejected_with_the_backends_messages(tiny, options, message) -> None:
@@ -137,21 +154,25 @@ def test_an_unavailable_accelerator_is_refused_not_crashed(tiny) -> None:
         hyper_offload.estimate(model, inputs, budget=1, device="cuda")
 
 
-def test_a_step_without_backward_is_an_error() -> None:
+@SCOPES
+def test_a_step_without_backward_is_an_error(scope: str) -> None:
     model = nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(ValueError, match="no backward"):
-        hyper_offload.estimate(model, (torch.randn(2, 4),), budget=1, inner_compiler="aot_eager")
+        hyper_offload.estimate(model, (torch.randn(2, 4),), budget=1, inner_compiler="aot_eager",
+                               budget_scope=scope)
 
 
-def test_meta_inputs_and_meta_model_match_the_real_model() -> None:
+@SCOPES
+def test_meta_inputs_and_meta_model_match_the_real_model(scope: str) -> None:
     model = llama_tiny()
     tokens = torch.randint(64, (2, 16))
     inputs = (tokens, tokens)
-    real = hyper_offload.estimate(model, inputs, budget=0, inner_compiler="aot_eager")
+    real = hyper_offload.estimate(model, inputs, budget=0, inner_compiler="aot_eager",
+                                  budget_scope=scope)
     meta_model = llama_tiny().to("meta")
     meta_inputs = tuple(x.to("meta") for x in inputs)
     meta = hyper_offload.estimate(meta_model, meta_inputs, budget=0, inner_compiler="aot_eager",
-                                  device="cpu")
+                                  device="cpu", budget_scope=scope)
     assert meta.device == real.device == "cpu"
     assert (meta.peak_without_offload, meta.peak_with_plan, meta.bytes_d2h,
             meta.min_feasible_budget_bytes) == (real.peak_without_offload, real.peak_with_plan,
@@ -166,5 +187,6 @@ def test_required_bytes_is_what_the_report_calls_smallest_feasible(tiny) -> None
     model, inputs = tiny
     graphs = capture_graphs(model, inputs, device=torch.device("cpu"), inner_compiler="aot_eager")
     trace = build_fx_trace(graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs).trace
-    report = hyper_offload.estimate(model, inputs, budget=0, inner_compiler="aot_eager")
+    report = hyper_offload.estimate(model, inputs, budget=0, inner_compiler="aot_eager",
+                                    budget_scope="region")
     assert report.min_feasible_budget_bytes == max(required_bytes(trace))

@@ -31,6 +31,7 @@ def test_meta_model_estimated_as_cuda_equals_the_backend_on_cuda() -> None:
     report = hyper_offload.estimate(
         meta, (idx.to("meta"), targets.to("meta")), max_resident_activation_fraction=0.5,
         bandwidth=backend.bandwidth(backend.regions[0].graphs[0]),  # the backend's measurement
+        budget_scope="region",
     )
     assert report.device.startswith("cuda")
     for name in ("fw_nodes", "bw_nodes", "saved_activation_bytes", "predicted_peak_before",

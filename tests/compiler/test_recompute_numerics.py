@@ -132,7 +132,7 @@ def test_estimate_reports_the_backends_choice(plain_aot_eager):
     model, batch = _gpt(torch.float32)
     est = hyper_offload.estimate(
         model, batch, inner_compiler="aot_eager", max_resident_activation_fraction=0.4,
-        bandwidth=0.3,
+        bandwidth=0.3, budget_scope="region",
     )
     rc = est.region.recompute
     assert rc.searched and rc.recomputed and est.region.offloaded

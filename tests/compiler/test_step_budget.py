@@ -18,7 +18,15 @@ import torch
 import hyper_offload
 from hyper_offload.compiler.dynamo_backend import shared_backend
 
-from .step_models import LAYOUTS, SLACK, build, exact, train
+from .step_models import (
+    LAYOUTS,
+    SLACK,
+    assert_estimate_is_the_step_plan,
+    batch,
+    build,
+    exact,
+    train,
+)
 
 STEPS = 3
 FRACTIONS = (0.5, 0.3)
@@ -90,6 +98,12 @@ def test_every_step_fits_the_budget_and_is_exact(layout, fraction, plain, whole_
         f"region moves {reference} B"
     )
     assert moved[0] > moved[1]  # the first step ran at the floor
+    # hyper_offload.estimate of the same layout, on fake tensors, plans the same step.
+    model, _ = build(layout, "aot_eager")
+    assert_estimate_is_the_step_plan(
+        model, (batch(),), backend, inner_compiler="aot_eager",
+        max_resident_activation_mb=budget / _MIB,
+    )
 
 
 def test_per_block_compile_counts_one_graph_for_every_layer(plain):
@@ -143,3 +157,10 @@ def test_inductor_per_block_compile_fits_and_is_exact():
     assert moved[2] == backend.step_report.moved_bytes
     # Inductor may reuse a dead buffer: kept slots are device copies, counted as kept.
     assert backend.runtime.bytes_kept == 2 * backend.step_report.kept_bytes
+    # The estimate partitions with Inductor's decompositions and joint passes, generates
+    # no code, and plans the same step.
+    model, _ = build("per_block", "inductor")
+    assert_estimate_is_the_step_plan(
+        model, (batch(),), backend, inner_compiler="inductor",
+        max_resident_activation_mb=budget / _MIB,
+    )

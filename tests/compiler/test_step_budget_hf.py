@@ -15,7 +15,7 @@ import torch
 import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 
-from .step_models import SLACK
+from .step_models import SLACK, assert_estimate_is_the_step_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,13 +44,23 @@ def llama() -> tuple[torch.nn.Module, list[torch.nn.Module]]:
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {"gpt2": gpt2, "llama": llama}
 
 
-def _train(name: str, backend: Any, steps: int) -> list[tuple[int, torch.Tensor, list]]:
-    torch._dynamo.reset()
+def _per_layer(name: str, backend: Any) -> torch.nn.Module:
+    """The model (seeded), each decoder layer compiled on its own with ``backend``."""
     torch.manual_seed(0)
     model, layers = MODELS[name]()
     for i, layer in enumerate(layers):
         layers[i] = torch.compile(layer, backend=backend)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    return model
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+
+
+def _train(name: str, backend: Any, steps: int) -> list[tuple[int, torch.Tensor, list]]:
+    torch._dynamo.reset()
+    model = _per_layer(name, backend)
+    ids = _ids()
     out = []
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
@@ -82,3 +92,9 @@ def test_per_layer_compile_fits_every_step_and_is_exact(name, fraction, plain):
     report = backend.step_report
     assert report is not None and len(report.invocations) >= 3  # every layer
     assert report.peak_bytes <= max(budget, report.floor_peak_bytes)
+    # estimate (fake tensors; the loss's backward is the logits' here: the layers' regions
+    # and the step's order are the same) gives this step plan.
+    assert_estimate_is_the_step_plan(
+        _per_layer(name, "aot_eager"), (_ids(),), backend, inner_compiler="aot_eager",
+        max_resident_activation_mb=budget / _MIB,
+    )

@@ -1,0 +1,123 @@
+"""``hyper_offload.estimate`` under ``budget_scope="step"``: the backend's own step plan,
+on fake tensors.
+
+A copy of the model whose parameters are fake twins (:func:`.fake_capture.fake_module`)
+is compiled with ``torch.compile`` and a :class:`~.dynamo_backend.HyperOffloadBackend`
+in *fake-steps* mode, and runs one step on fake inputs: one forward (Dynamo splits it
+into the regions a real compile makes: graph breaks, blocks compiled on their own,
+one compiled block invoked once per layer) and one backward of every output that
+requires grad (gradients of ones, as AOTAutograd's tangents). Each region is
+partitioned, planned at its floor and lowered by the backend's own code; its graphs run
+as FX graphs on the fake tensors, so the backend's step recorder sees the step exactly
+as it sees a real first step, and :func:`~.step_plan.plan_step` plans it. Estimate and
+backend therefore agree by construction: same regions, same floor plans, same step plan
+(a test compares them).
+
+What a fake step cannot do: eager code between regions that reads tensor *values*
+(``if x.sum() > 0``, ``.item()``, ``.tolist()``) has no values to read; the error names
+the op, and the fix is to estimate with ``budget_scope="region"`` (one region, no Dynamo)
+or to hide that code behind a graph-break-free path. Inductor's code generation is
+skipped; its decompositions, joint-graph passes and partition are not.
+
+Dynamo caches: the copy is a new module, so its frames compile afresh and every cache
+entry the estimate makes guards on objects that die with it; ``torch._dynamo`` is not
+reset (the caller's compiled models keep their code).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from hyper_offload.passes.fx.cost_model import DeviceThroughput
+from hyper_offload.runtime.bandwidth import TransferBandwidth
+
+from .dynamo_backend import HyperOffloadBackend
+from .fake_capture import fake_inputs, fake_module
+from .options import BackendOptions
+from .region_report import RegionReport
+from .step_report import StepReport
+
+__all__ = ["StepEstimate", "compile_as_given", "estimate_step"]
+
+
+class StepEstimate(NamedTuple):
+    """The step plan of one fake step, the regions it ran, and the seconds it took."""
+
+    step: StepReport
+    regions: tuple[RegionReport, ...]
+    seconds: float
+
+
+def estimate_step(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    device: torch.device,
+    options: BackendOptions,
+    link: TransferBandwidth,
+    throughput: DeviceThroughput | None,
+) -> StepEstimate:
+    """Run one step of ``model(*example_inputs)`` on fake tensors on ``device`` through
+    the backend in fake-steps mode, and return its step plan (module docstring).
+
+    Raises ``ValueError`` when the step has no backward (nothing requires grad, or no
+    compiled region's output reaches one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake = fake_module(model, mode, device)
+    inputs = fake_inputs(mode, example_inputs, device)
+    backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True)
+    compiled = compile_as_given(fake, backend)
+    with mode, torch.enable_grad():
+        outputs = compiled(*inputs)
+        leaves = [
+            t for t in tree_flatten(outputs)[0]
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if leaves:
+            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    report = backend.step_report
+    if report is None:
+        raise ValueError(
+            f"hyper_offload.estimate: {type(model).__name__}'s step has no backward through "
+            "a compiled region (no parameter or input requires grad), so there are no "
+            "saved activations to plan. Fix: estimate a training step (parameters with "
+            "requires_grad=True)"
+        )
+    return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started)
+
+
+def compile_as_given(model: nn.Module, backend: Any) -> Any:
+    """``model`` compiled with ``backend`` the way its owner compiled it: each submodule
+    the owner compiled (``torch.compile(block)`` in its parent's place, or
+    ``block.compile()``) is compiled again with ``backend`` and the rest runs eagerly, as
+    in per-block training; a model compiled whole, or not compiled at all, is compiled
+    whole. ``model`` (a private copy) is changed in place.
+
+    One Dynamo context serves every submodule, with its own recompile bucket
+    (``isolate_recompiles``): blocks share compiled regions as they do under one
+    backend, and the estimate's entries never count against the caller's recompile
+    limit (each copy and backend is new, so they could never be reused anyway)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    optimize = torch._dynamo.optimize(backend=backend, isolate_recompiles=True)
+    if isinstance(model, OptimizedModule):
+        return optimize(model._orig_mod)
+    recompiled = False
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, OptimizedModule):
+                setattr(parent, name, optimize(child._orig_mod))
+                recompiled = True
+        if getattr(parent, "_compiled_call_impl", None) is not None:  # block.compile()
+            parent._compiled_call_impl = optimize(parent._call_impl)
+            recompiled = True
+    return model if recompiled else optimize(model)
