@@ -20,6 +20,13 @@ saved bytes. Per row, in one process, against plain ``torch.compile`` of the sam
 
 One JSON line per row; ``--table`` prints the Markdown table of docs/benchmarks.md.
 Run from the repository root: ``python benchmarks/step_budget.py [--table] [--quick]``.
+
+``--recompute``: recompute co-planned with the step (issue 31, item 3), as an H200 would
+plan it: the backend prices ops on the GPU roofline and copies at 16 GB/s (so its step
+plan, its predicted stall and the re-lowering's search see a GPU's step, while the step
+itself runs here), ``recompute="off"`` against ``"auto"`` per layout and budget:
+measured bytes moved per step and exactness, predicted stall and compute of the step,
+the regions the search re-lowered, and the first two steps' wall time auto / off.
 """
 
 from __future__ import annotations
@@ -35,10 +42,14 @@ import torch
 import torch.nn as nn
 
 import hyper_offload
+from hyper_offload.compiler.dynamo_backend import HyperOffloadBackend
+from hyper_offload.compiler.options import parse_backend_options
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 from hyper_offload.compiler.step_plan import plan_step
 from hyper_offload.compiler.step_timeline import RegionFloor, predicted_step_stall
+from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
+from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -188,21 +199,83 @@ def run_row(layout: str, fraction: float) -> dict:
     }
 
 
+def run_recompute_row(layout: str, fraction: float) -> dict[str, Any]:
+    """``recompute="off"`` against ``"auto"`` with a backend that plans as an H200 would
+    (module docstring)."""
+    plain = _train(layout, "aot_eager")
+    budget = int(fraction * plain["saved"][0])
+    row: dict[str, Any] = {"benchmark": "step_budget_recompute", "layout": layout,
+                           "fraction": fraction, "budget_bytes": budget}
+    for recompute in ("off", "auto"):
+        options = parse_backend_options({
+            "inner_compiler": "aot_eager", "max_resident_activation_mb": budget / _MIB,
+            "recompute": recompute,
+        })
+        backend = HyperOffloadBackend(
+            options, link=TransferBandwidth(LINKS_GBPS[0], LINKS_GBPS[0], measured=False),
+            throughput=GPU,
+        )
+        ours = _train(layout, backend, backend.runtime)
+        report = backend.step_report
+        compute = sum(sum(op_durations(backend.regions[p.invocation.region].floor.trace))
+                      for p in report.invocations)
+        row.update({
+            f"{recompute}_measured_moved_bytes_step2": ours["moved"][1],
+            f"{recompute}_measured_moved_bytes_step3": ours["moved"][-1],
+            f"{recompute}_measured_saved_bytes_max": max(ours["saved"]),
+            f"{recompute}_predicted_stall_ms": 1e3 * report.predicted_stall_s,
+            f"{recompute}_predicted_compute_ms": 1e3 * compute,
+            f"{recompute}_predicted_peak_bytes": report.peak_bytes,
+            f"{recompute}_relowered": list(report.relowered),
+            f"{recompute}_exact": _exact(ours, plain),
+            f"{recompute}_first_two_steps_s": sum(ours["seconds"][:2]),
+        })
+    row["first_two_steps_ratio_auto_vs_off"] = (
+        row["auto_first_two_steps_s"] / row["off_first_two_steps_s"])
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", action="store_true", help="also print the Markdown table")
     parser.add_argument("--quick", action="store_true", help="50%% only")
+    parser.add_argument("--recompute", action="store_true",
+                        help="recompute off vs auto, planned as an H200 would (module docstring)")
     args = parser.parse_args()
     fractions = (0.5,) if args.quick else FRACTIONS
     _train("whole", "aot_eager")  # the warm-up: Dynamo's first compile in the process
+    run, render = (run_recompute_row, recompute_table) if args.recompute else (run_row, table)
     rows = []
     for fraction in fractions:
         for layout in LAYOUTS:
-            row = run_row(layout, fraction)
+            row = run(layout, fraction)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.table:
-        print(table(rows))
+        print(render(rows))
+
+
+def recompute_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| layout | budget | moved per step 2 / 3, off -> auto (MiB, measured) | "
+            "saved max, auto (MiB, measured) | stall off -> auto (ms, predicted) | "
+            "compute off -> auto (ms, predicted) | regions re-lowered | exact (off, auto) | "
+            "first 2 steps auto / off |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['layout']} | {r['fraction']:.0%} = {r['budget_bytes'] / _MIB:.2f} | "
+            f"{r['off_measured_moved_bytes_step2'] / _MIB:.2f} / "
+            f"{r['off_measured_moved_bytes_step3'] / _MIB:.2f} -> "
+            f"{r['auto_measured_moved_bytes_step2'] / _MIB:.2f} / "
+            f"{r['auto_measured_moved_bytes_step3'] / _MIB:.2f} | "
+            f"{r['auto_measured_saved_bytes_max'] / _MIB:.2f} | "
+            f"{r['off_predicted_stall_ms']:.3f} -> {r['auto_predicted_stall_ms']:.3f} | "
+            f"{r['off_predicted_compute_ms']:.3f} -> {r['auto_predicted_compute_ms']:.3f} | "
+            f"{', '.join(map(str, r['auto_relowered'])) or 'none'} | "
+            f"{r['off_exact']}, {r['auto_exact']} | "
+            f"{r['first_two_steps_ratio_auto_vs_off']:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -62,9 +62,8 @@ def _copy_d2h_kernel(
     src: torch.Tensor, dim_order: list[int] | None = None, slot: int = -1
 ) -> torch.Tensor:
     runtime = current_transfer_runtime("hyper_offload::copy_d2h")
-    keep, alias = current_keep(slot)
-    if keep:
-        return runtime.keep_on_device(src, *host_layout(src, dim_order), alias=alias)
+    if current_keep(slot):
+        return runtime.keep_on_device(src, *host_layout(src, dim_order))
     return runtime.copy_d2h(src, *host_layout(src, dim_order))
 
 

@@ -82,12 +82,11 @@ class HostCopyState(str, Enum):
 @dataclass(frozen=True, eq=False)
 class _Scope:
     """One ``with runtime`` block (compared by identity): the transfers it started are
-    drained at its exit. ``keep``: the ``copy_d2h`` slots this block keeps on the device,
-    ``alias``: whether it may keep them by reference (:meth:`TransferRuntime.keeping`)."""
+    drained at its exit. ``keep``: the ``copy_d2h`` slots this block keeps on the device
+    (:meth:`TransferRuntime.keeping`)."""
 
     runtime: TransferRuntime
     keep: frozenset[int] = frozenset()
-    alias: bool = False
 
 
 _CURRENT: ContextVar[_Scope | None] = ContextVar("hyper_offload_transfer_runtime", default=None)
@@ -218,15 +217,13 @@ class TransferRuntime:
         self._tokens.append(_CURRENT.set(_Scope(self)))
         return self
 
-    def keeping(self, slots: frozenset[int], *, alias: bool = False) -> _KeepingBlock:
+    def keeping(self, slots: frozenset[int]) -> _KeepingBlock:
         """``with runtime.keeping(slots):`` is ``with runtime:`` in which a ``copy_d2h``
-        whose ``slot`` is in ``slots`` keeps its source on the device
+        whose ``slot`` is in ``slots`` keeps a device copy of its source
         (:meth:`keep_on_device`) instead of starting a D2H: how a step plan keeps one
         invocation of a compiled graph resident while another invocation of the same
-        graph offloads. ``alias``: the graph's buffers are never reused for other values
-        (aot_eager's graphs: each op allocates), so the source itself may stand for the
-        host copy; otherwise (Inductor reuses a dead buffer's memory) a device copy does."""
-        return _KeepingBlock(self, frozenset(slots), alias)
+        graph offloads."""
+        return _KeepingBlock(self, frozenset(slots))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._exit_scope(exc_type)
@@ -285,21 +282,20 @@ class TransferRuntime:
         return host
 
     def keep_on_device(
-        self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...],
-        *, alias: bool = False,
+        self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]
     ) -> torch.Tensor:
-        """``src`` on the device laid out as ``shape``/``stride``, standing for a host
+        """A device copy of ``src`` laid out as ``shape``/``stride``, standing for a host
         copy: ``wait_transfer`` and ``release_host`` of it do nothing, ``copy_h2d`` returns
-        it without a transfer. With ``alias`` and ``src`` already laid out so (offset 0),
-        ``src`` itself: no byte moves. Otherwise a device copy, because an inner compiler
-        may reuse ``src``'s buffer once the graph is done with it (Inductor does): one
-        device-to-device copy, after which ``src`` is freed at its wait as after a D2H,
-        so the device holds the slot's bytes once."""
-        if alias and tuple(src.stride()) == tuple(stride) and src.storage_offset() == 0:
-            kept = src
-        else:
-            kept = torch.empty_strided(shape, stride, dtype=src.dtype, device=src.device)
-            kept.copy_(src)
+        it without a transfer. One device-to-device copy, after which ``src`` is freed at
+        its wait as after a D2H, so the device holds the slot's bytes once.
+
+        Never ``src`` itself: ``copy_d2h`` is a functional op, and an output aliasing its
+        input breaks that contract (AOTAutograd checks each compiled graph's first call
+        for it: a warning today, an error under ``CI=1`` and in later torch), and an inner
+        compiler may reuse ``src``'s buffer once the graph is done with it (Inductor
+        does)."""
+        kept = torch.empty_strided(shape, stride, dtype=src.dtype, device=src.device)
+        kept.copy_(src)
         storage = kept.untyped_storage()
         setattr(storage, _RUNTIME_LINK, weakref.ref(self))
         key, dead, table = _key(kept), self._dead, self._kept
@@ -560,22 +556,20 @@ class TransferRuntime:
 class _KeepingBlock:
     """The context manager of :meth:`TransferRuntime.keeping`."""
 
-    def __init__(self, runtime: TransferRuntime, keep: frozenset[int], alias: bool) -> None:
-        self._runtime, self._keep, self._alias = runtime, keep, alias
+    def __init__(self, runtime: TransferRuntime, keep: frozenset[int]) -> None:
+        self._runtime, self._keep = runtime, keep
 
     def __enter__(self) -> TransferRuntime:
         runtime = self._runtime
-        runtime._tokens.append(_CURRENT.set(_Scope(runtime, self._keep, self._alias)))
+        runtime._tokens.append(_CURRENT.set(_Scope(runtime, self._keep)))
         return runtime
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._runtime._exit_scope(exc_type)
 
 
-def current_keep(slot: int) -> tuple[bool, bool]:
-    """Whether the current block keeps ``copy_d2h`` slot ``slot`` on the device, and
-    whether it may keep it by reference (``TransferRuntime.keeping``)."""
+def current_keep(slot: int) -> bool:
+    """Whether the current block keeps ``copy_d2h`` slot ``slot`` on the device
+    (``TransferRuntime.keeping``)."""
     scope = _CURRENT.get()
-    if scope is None or slot not in scope.keep:
-        return False, False
-    return True, scope.alias
+    return scope is not None and slot in scope.keep

@@ -46,7 +46,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
-from hyper_offload.passes import ActivationTrace, ResidencySchedule
+from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
@@ -56,12 +56,13 @@ from . import region_cache
 from .backend_registry import BackendRegistry
 from .fake_capture import compile_graphs_only
 from .options import BackendOptions, parse_backend_options
-from .recompute_search import search_region
+from .recompute_search import Scorer, search_region
 from .region_plan import PlannedRegion, lower_region
 from .region_report import LOGGER, RegionReport, log_region_report
 from .saved_bytes import node_saved_tensors
 from .step_model import Invocation, StepRecorder, StepTimeline
 from .step_plan import RegionProfile, StepPlan, plan_step, region_profile
+from .step_recompute import regions_to_relower, step_scorer
 from .step_report import StepReport, build_step_report, log_step_plan
 from .step_timeline import RegionFloor, predicted_step_stall
 
@@ -75,16 +76,41 @@ __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_ba
 _PLANNING_CODE = (Path(passes.__file__).parent, Path(__file__).parent)
 
 
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
+
+
 class _Region:
     """Per-region state: its plan and, under the step scope, its floor profile."""
 
     def __init__(
-        self, index: int, example_inputs: Sequence[Any], runtime: TransferRuntime
+        self,
+        index: int,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        runtime: TransferRuntime,
     ) -> None:
         self.index = index
         self.runtime = runtime
         """The backend's runtime (every region of a backend shares it and its pool)."""
         self.planned: PlannedRegion | None = None
+        self.dynamo_graph = (gm, example_inputs)
+        """What Dynamo handed over: the step scope may lower the region again from it."""
+        self.collectives = any(
+            getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
+            for node in gm.graph.nodes
+        )
+        """Whether the region's graph runs collectives (tensor parallel does)."""
+        self.compiled: Callable[..., Any] | None = None
+        """What runs the region's forward (a re-lowering replaces it)."""
+        self.relower_requested = False
+        """The step asked for this region's re-lowering with the recompute search ranked
+        on the step (:mod:`.step_recompute`); done before the next step's first forward."""
+        self.scorer: Scorer | None = None
+        """That search's objective, while the re-lowering compiles."""
+        self.relowered = False
+        self.compile_seconds = 0.0
+        """Seconds from Dynamo's hand-over to the end of the first plan (the time bound of
+        a re-lowering's search)."""
         self.activation_inputs = activation_inputs(example_inputs)
         """AOTAutograd's names of the graph inputs that are activations (may move)."""
         self.compile_started = time.perf_counter()
@@ -97,6 +123,12 @@ class _Region:
             if isinstance(v, torch.SymInt) and v.node.hint is not None
         }
         self.hint_warned = False
+
+    def set_planned(self, planned: PlannedRegion) -> None:
+        """Adopt a (new) plan: the floor profile and trace are derived from it again."""
+        self.planned = planned
+        self.__dict__.pop("profile", None)
+        self.__dict__.pop("floor", None)
 
     @functools.cached_property
     def profile(self) -> RegionProfile:
@@ -154,13 +186,16 @@ class _RegionForward:
     def __init__(
         self, compiled: Callable[..., Any], region: _Region, backend: HyperOffloadBackend
     ) -> None:
-        self._compiled = compiled
+        region.compiled = compiled
         self._region = region
         self._backend = backend
 
     def __call__(self, *args: Any) -> Any:
         region, backend = self._region, self._backend
         region.check_hints(args)
+        backend.relower_if_requested()  # the step asked for recompute (.step_recompute)
+        compiled = region.compiled
+        assert compiled is not None
         # Copies seen complete drop their hold on host copies whose graph died (a step
         # that raised, a forward without backward): buffers come back at the next forward.
         backend.collect()
@@ -170,9 +205,9 @@ class _RegionForward:
         # estimate's backend runs whole steps on fake tensors.
         if backend.options.step_scoped and torch.is_grad_enabled() and (
                 backend.fake_steps or torch._guards.detect_fake_mode(args) is None):
-            return backend.run_invocation(region, self._compiled, args)
+            return backend.run_invocation(region, compiled, args)
         with backend.runtime:
-            return self._compiled(*args)
+            return compiled(*args)
 
 
 class _OffloadPartitioner(CustomPartitionerFn):
@@ -197,19 +232,23 @@ class _OffloadPartitioner(CustomPartitionerFn):
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         started = time.perf_counter()
+        relowering = region.scorer is not None
         choice = search_region(
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=self._backend.bandwidth, region=region.index, floor=options.step_scoped,
             throughput=self._backend.throughput,
             activation_inputs=region.activation_inputs if options.step_scoped else frozenset(),
-            spent_s=started - region.compile_started,
+            spent_s=region.compile_seconds if relowering else started - region.compile_started,
+            score=region.scorer,
         )
         fw, bw = choice.fw, choice.bw
-        region.planned = lower_region(
+        region.set_planned(lower_region(
             fw, bw, choice.plan, num_fwd_outputs=num_fwd_outputs, options=options,
             region=region.index, recompute=choice.report,
             search_seconds=time.perf_counter() - started,
-        )
+        ))
+        if not relowering:
+            region.compile_seconds = time.perf_counter() - region.compile_started
         region.graphs = (fw, bw)
         if self._plan_key is not None:  # an inner compiler with a cache (Inductor)
             region_cache.store_plan(self._plan_key, region.planned)
@@ -268,6 +307,9 @@ class HyperOffloadBackend:
         """Step plans made so far (one per step whose shape or bytes changed)."""
         self._bandwidth: dict[torch.device, TransferBandwidth] = {}
         self._counter = itertools.count()
+        self._budget_pin: int | None = None
+        """The step budget in bytes once a re-lowering was asked for (.step_recompute)."""
+        self._relower_step: StepTimeline | None = None
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -301,7 +343,10 @@ class HyperOffloadBackend:
         plan = self.step_plan
         if plan is None:
             return None
-        return build_step_report(plan, self.replans, self.recorder.steps, self.step_stall_s)
+        relowered = tuple(r.index for r in self.regions if r.relowered and _recomputes(r))
+        return build_step_report(
+            plan, self.replans, self.recorder.steps, self.step_stall_s, relowered
+        )
 
     def run_invocation(
         self, region: _Region, compiled: Callable[..., Any], args: Sequence[Any]
@@ -311,9 +356,7 @@ class HyperOffloadBackend:
         recorder = self.recorder
         recorder.poll()
         invocation = recorder.begin_forward(region.index)
-        # aot_eager's graphs never reuse a buffer, so a kept slot is its source itself.
-        alias = self.options.inner_compiler == "aot_eager"
-        with self.runtime.keeping(self._keep_for(invocation), alias=alias):
+        with self.runtime.keeping(self._keep_for(invocation)):
             outputs = compiled(*args)
         leaves = {
             id(a.untyped_storage()) for a in args
@@ -345,54 +388,156 @@ class HyperOffloadBackend:
         return sum(storages.values())
 
     def _on_step(self, timeline: StepTimeline) -> None:
-        """A step ended: plan it again when it differs from the one planned."""
+        """A step ended: plan it again when it differs from the one planned; where the
+        plan cannot fit or stalls, ask for recompute (:mod:`.step_recompute`)."""
         plan = self.step_plan
         if plan is not None and plan.timeline == timeline:
             return
         profiles = {r.index: r.profile for r in self.regions}
+        floors = {r.index: r.floor for r in self.regions}
         fraction = self.options.budget_fraction
-        self.step_plan = plan_step(
-            timeline, profiles, None if fraction is not None else self.options.config.budget_bytes,
-            budget_fraction=fraction,
-        )
-        self.step_stall_s = predicted_step_stall(
-            timeline, {r.index: r.floor for r in self.regions}, self.step_plan.keep_for
-        )
+        budget = self._budget_pin
+        if budget is None and fraction is None:
+            budget = self.options.config.budget_bytes
+        plan = plan_step(timeline, profiles, budget, budget_fraction=fraction)
+        self.step_stall_s = predicted_step_stall(timeline, floors, plan.keep_for)
+        self.step_plan = plan
         self.replans += 1
-        log_step_plan(self.step_plan, self.replans, self.step_stall_s)
+        log_step_plan(plan, self.replans, self.step_stall_s)
+        if self.options.recompute != "auto":
+            return
+        # A region running collectives on several ranks is not searched: each rank prices
+        # the search with its own measured link and could pick another partition.
+        ranks = torch.distributed.is_available() and torch.distributed.is_initialized() and (
+            torch.distributed.get_world_size() > 1)
+        done = frozenset(
+            r.index for r in self.regions
+            if r.relowered or r.planned is None or (ranks and r.collectives)
+        )
+        working = {r.index: required_bytes(r.floor.trace) for r in self.regions}
+        todo = regions_to_relower(plan, self.step_stall_s, profiles, done, working)
+        if not todo:
+            return
+        # Done before the next step's first forward, then that step is planned at once
+        # (relower_requested), under the budget resolved here.
+        self._budget_pin = plan.budget_bytes
+        self._relower_step = timeline
+        for index in todo:
+            self.regions[index].relower_requested = True
+        # (The step plan in force stays until then: a region the search leaves as it is
+        # keeps its graphs and the plan its decisions.)
+        LOGGER.info(
+            "hyper_offload step plan %d %s: re-lowering region(s) %s with the recompute "
+            "search ranked on the step", self.replans,
+            "does not fit" if not plan.fits else "stalls", ", ".join(map(str, todo)),
+        )
+
+    def _scorer_for(self, region: _Region) -> Scorer:
+        """The step objective for ``region``'s re-lowering, against the other regions as
+        they are lowered now (one pass of coordinate descent, .step_recompute)."""
+        assert self._relower_step is not None and self._budget_pin is not None
+        return step_scorer(
+            self._relower_step, {r.index: r.profile for r in self.regions},
+            {r.index: r.floor for r in self.regions}, self._budget_pin, region.index,
+        )
+
+    def relower_if_requested(self) -> None:
+        """Re-lower every region the last step asked for (:meth:`_on_step`), one after
+        the other, and plan the step again when one of them changed partition: the step
+        about to start runs planned, not at the floor. Nothing to do almost always."""
+        requested = [r for r in self.regions if r.relower_requested]
+        if not requested or not sum(self.relower(region) for region in requested):
+            return
+        timeline, budget = self._relower_step, self._budget_pin
+        assert timeline is not None and budget is not None
+        plan = plan_step(timeline, {r.index: r.profile for r in self.regions}, budget)
+        self.step_stall_s = predicted_step_stall(
+            timeline, {r.index: r.floor for r in self.regions}, plan.keep_for
+        )
+        self.step_plan = plan
+        self.replans += 1
+        log_step_plan(plan, self.replans, self.step_stall_s)
+
+    def relower(self, region: _Region) -> bool:
+        """Search ``region``'s partitions again, ranked on the step; where the search
+        chooses one other than torch's, compile the region with it (its plan, profile
+        and compiled forward follow). Whether the region changed."""
+        region.relower_requested, region.relowered = False, True
+        before = (region.planned, region.graphs)
+        gm, example_inputs = region.dynamo_graph
+        region.scorer = self._scorer_for(region)
+        try:
+            # The search on graphs only (no code generation; for aot_eager and fake steps
+            # that is the compile). No plan cache entry (the choice depends on the step),
+            # and AOTAutograd's cache must not serve the floor's graphs for another
+            # partition.
+            from torch._functorch import config as functorch_config
+
+            with functorch_config.patch(enable_autograd_cache=False):
+                searched = self._compile(region, gm, example_inputs, None, graphs_only=True)
+                report = region.planned.report.recompute if region.planned else None
+                changed = _recomputes(region)
+                if not changed:
+                    region.set_planned(before[0])  # type: ignore[arg-type]
+                    region.graphs = before[1]
+                elif self.fake_steps or self.options.inner_compiler != "inductor":
+                    region.compiled = searched
+                else:  # Inductor: the same search again, then code generation
+                    region.compiled = self._compile(region, gm, example_inputs, None)
+        finally:
+            region.scorer = None
+        LOGGER.info(
+            "hyper_offload region %d searched on the step: %s", region.index,
+            report.describe("") if report is not None else "no search",
+        )
+        return changed
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        region = _Region(next(self._counter), example_inputs, self.runtime)
+        region = _Region(next(self._counter), gm, example_inputs, self.runtime)
         self.regions.append(region)
-        if self.fake_steps:
-            partitioner = _OffloadPartitioner(self, region, plan_key=None)
-            graphs = compile_graphs_only(
-                gm, example_inputs, partitioner, self.options.inner_compiler,
-                self.options.inductor_patches(),
+        plan_key = None
+        if self.options.inner_compiler == "inductor" and not self.fake_steps:
+            plan_key = region_cache.cache_key(
+                gm, example_inputs, self.options.cache_key(), self.planning_code
             )
-            return _RegionForward(graphs, region, self)
-        if self.options.inner_compiler != "inductor":  # aot_eager: no cache, always planned
-            partitioner = _OffloadPartitioner(self, region, plan_key=None)
-            return _RegionForward(_compile_aot_eager(gm, example_inputs, partitioner), region, self)
-        plan_key = region_cache.cache_key(
-            gm, example_inputs, self.options.cache_key(), self.planning_code
-        )
-        partitioner = _OffloadPartitioner(self, region, plan_key)
         if self.options.drops_cudagraphs and region.index == 0:
             LOGGER.warning(
                 "hyper_offload: mode=%r asks for CUDA graphs; hyper_offload regions run "
                 "without them (their transfers keep host-side state a graph replay would "
                 "skip); the mode's other Inductor settings apply", self.options.mode,
             )
-        compiled = _compile_inductor(gm, example_inputs, partitioner, self.options)
-        if region.planned is None:  # served by AOTAutograd's cache (or inference)
-            region.planned = region_cache.load_plan(plan_key)
+        compiled = self._compile(region, gm, example_inputs, plan_key)
+        if region.planned is None and plan_key is not None:  # AOTAutograd's cache served it
+            region.set_planned(region_cache.load_plan(plan_key))
             region.from_cache = region.planned is not None
             if region.planned is not None:
                 LOGGER.info("hyper_offload region %d: compiled code and plan served "
                             "from the cache", region.index)
                 log_region_report(region.planned.report)
         return _RegionForward(compiled, region, self)
+
+    def _compile(
+        self, region: _Region, gm: fx.GraphModule, example_inputs: Sequence[Any],
+        plan_key: str | None, *, graphs_only: bool = False,
+    ) -> Callable[..., Any]:
+        """``gm`` compiled with this backend's partitioner for ``region``: graphs only
+        (estimate's fake steps, a re-lowering's search), aot_eager (no cache, always
+        planned) or Inductor."""
+        partitioner = _OffloadPartitioner(self, region, plan_key)
+        if self.fake_steps or graphs_only:
+            return compile_graphs_only(
+                gm, example_inputs, partitioner, self.options.inner_compiler,
+                self.options.inductor_patches(),
+            )
+        if self.options.inner_compiler != "inductor":
+            return _compile_aot_eager(gm, example_inputs, partitioner)
+        return _compile_inductor(gm, example_inputs, partitioner, self.options)
+
+
+def _recomputes(region: _Region) -> bool:
+    """Whether ``region``'s plan chose a partition that recomputes more than torch's."""
+    report = region.planned.report.recompute if region.planned is not None else None
+    return report is not None and bool(report.recomputed or report.spliced)
 
 
 def _compile_inductor(

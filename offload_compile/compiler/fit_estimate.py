@@ -257,9 +257,10 @@ def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
     ]
     if not report.fits:
         lines.append(
-            f"raise the budget to at least {_mib(report.min_feasible_budget_bytes)}: a "
-            "region's own working memory is over the budget even with everything movable "
-            "moved (budget_scope='region' also searches recompute per region)"
+            f"raise the budget to at least {_mib(report.min_feasible_budget_bytes)}: with "
+            "everything movable moved (and, under recompute='auto', the step's regions "
+            "re-lowered with recompute), a region's working memory and what the rest of "
+            "the step holds there are over the budget"
         )
     return "\n".join(lines)
 

@@ -57,6 +57,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import fx
@@ -81,6 +82,8 @@ __all__ = [
     "SPLICE_REFINEMENTS",
     "SPLICE_SHARES",
     "PartitionChoice",
+    "PlanScore",
+    "Scorer",
     "choose_partition",
     "copy_joint",
     "draws_random",
@@ -88,6 +91,7 @@ __all__ = [
     "low_precision_bans",
     "recomputed_nodes",
     "refine_count",
+    "region_score",
     "search_region",
     "share_counts",
     "uses_low_precision",
@@ -106,6 +110,29 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 Partitioner = Callable[[fx.GraphModule], tuple[fx.GraphModule, fx.GraphModule]]
 """The stock partition of a joint graph (it may rewrite the graph it is given)."""
+
+
+class PlanScore(NamedTuple):
+    """How the search ranks one planned partition: predicted compute and stall
+    (seconds), whether it meets the budget, and its predicted peak (bytes)."""
+
+    compute_s: float
+    stall_s: float
+    feasible: bool
+    peak_bytes: int
+
+
+Scorer = Callable[[GraphPlan], PlanScore]
+"""The search's objective for a planned partition (:func:`region_score` by default; the
+step scope prices a region's partition on the whole step, :mod:`.step_recompute`)."""
+
+
+def region_score(plan: GraphPlan) -> PlanScore:
+    """The region scope's objective: the region's own compute and its plan's stall, and
+    whether its plan meets the region's budget."""
+    return PlanScore(
+        plan.compute_s, plan.predicted_stall_s, plan.feasible, plan.check.peak_resident_bytes
+    )
 Planner = Callable[[fx.GraphModule, fx.GraphModule, "int | None"], GraphPlan]
 """Plans a forward/backward pair under a byte budget (None: the options' budget)."""
 
@@ -155,6 +182,7 @@ def choose_partition(
     seconds: Callable[[fx.Node], float] | None = None,
     spent_s: float | None = None,
     min_search_s: float = SEARCH_MIN_S,
+    score: Scorer = region_score,
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
@@ -166,7 +194,8 @@ def choose_partition(
     spends up to the end of the default partition's plan (``spent_s`` plus that
     partition and plan), and at least ``min_search_s``, so a large searched region
     compiles in under twice the time of an unsearched one (the issue-31 bound: HF RWKV
-    at 10% took 5.3x before it)."""
+    at 10% took 5.3x before it). ``score`` is the objective every partition is ranked by
+    (default: the region's own plan, :func:`region_score`)."""
     started = time.perf_counter()
     seconds = seconds or partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
     user_budget = float(functorch_config.activation_memory_budget)
@@ -174,9 +203,11 @@ def choose_partition(
     fw, bw = partition(joint)  # the original graph: exactly what plain compile partitions
     default_plan = plan(fw, bw, None)
     deadline = None if spent_s is None else _Deadline.after(started, spent_s, min_search_s)
-    default = _Candidate(_partition_report(user_budget, default_plan, 0), fw, bw, default_plan)
+    default = _Candidate(
+        _partition_report(user_budget, default_plan, 0, score), fw, bw, default_plan
+    )
     offload_only_s = default.report.step_s if default.report.feasible else None
-    if pristine is None or (default.report.feasible and default_plan.predicted_stall_s <= 0):
+    if pristine is None or (default.report.feasible and default.report.stall_s <= 0):
         report = RecomputeReport(
             mode=mode, searched=False, memory_budget=user_budget, recomputed=(),
             offload_only_s=offload_only_s, recompute_only_s=None,
@@ -197,11 +228,11 @@ def choose_partition(
     candidates = [
         default,
         *_search(pristine, partition, plan, default, default_recomputed, budgets, banned,
-                 deadline),
+                 deadline, score),
     ]
     if restriction is not None and (deadline is None or deadline.affords()):
         candidates += _splice_search(
-            pristine, partition, plan, default, user_budget, seconds, deadline
+            pristine, partition, plan, default, user_budget, seconds, deadline, score
         )
     usable = [c for c in candidates if c.plan is not None]
     feasible = [c for c in usable if c.report.feasible]
@@ -231,6 +262,7 @@ def _search(
     budgets: list[float],
     banned: frozenset[str],
     deadline: _Deadline | None = None,
+    score: Scorer = region_score,
 ) -> list[_Candidate]:
     """Torch's partition at each of ``budgets`` (``banned`` ops marked ``MUST_SAVE``),
     each distinct one planned under the default partition's byte budget, or rejected
@@ -266,8 +298,8 @@ def _search(
             found.append(_Candidate(rejected, fw, bw, None, extra))
             continue
         planned = plan(fw, bw, byte_budget)
-        found.append(_Candidate(_partition_report(memory_budget, planned, len(extra)), fw, bw,
-                                planned, extra))
+        found.append(_Candidate(_partition_report(memory_budget, planned, len(extra), score),
+                                fw, bw, planned, extra))
         if deadline is not None:
             deadline.record(time.perf_counter() - attempt_started)
     return found
@@ -360,6 +392,7 @@ def _splice_search(
     user_budget: float,
     seconds: Callable[[fx.Node], float],
     deadline: _Deadline | None = None,
+    score: Scorer = region_score,
 ) -> list[_Candidate]:
     """The default partition with its cheapest saved activations recomputed by the
     spliced backward (:mod:`.recompute_splice`, exact in low precision under Inductor):
@@ -386,7 +419,7 @@ def _splice_search(
         planned = plan(fw, bw, byte_budget)
         ops = tuple(sorted({name for option in chosen for name in option.chain}))
         report = dataclasses.replace(
-            _partition_report(user_budget, planned, len(ops)), spliced=count,
+            _partition_report(user_budget, planned, len(ops), score), spliced=count,
         )
         built[count] = _Candidate(report, fw, bw, planned, ops)
         if deadline is not None:
@@ -436,11 +469,15 @@ def search_region(
     floor: bool = False,
     activation_inputs: frozenset[str] = frozenset(),
     spent_s: float | None = None,
+    score: Scorer | None = None,
 ) -> PartitionChoice:
     """:func:`choose_partition` as both doors call it: partitions planned by
     :func:`graph_planner`, the low-precision rule on under Inductor. ``floor``: the
-    step scope's first plan, torch's partition at its floor (no search: the floor is
-    the least offloading can reach, and the step plan later keeps what fits)."""
+    step scope's plan, each partition at its floor; without ``score``, torch's partition
+    alone (the first lowering: nothing is known of the step yet, and the step plan later
+    keeps what fits); with ``score`` (the step scope's re-lowering once the step is
+    known, :mod:`.step_recompute`) the ``recompute`` option's search, every partition
+    ranked on the whole step."""
     plan = graph_planner(
         num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,
         region=region, throughput=throughput, floor=floor,
@@ -452,10 +489,10 @@ def search_region(
         torch.device("cpu"),
     )
     return choose_partition(
-        joint, partition, plan, mode="off" if floor else options.recompute,
+        joint, partition, plan, mode="off" if floor and score is None else options.recompute,
         restrict_low_precision=options.inner_compiler == "inductor",
         seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
-        spent_s=spent_s,
+        spent_s=spent_s, score=score or region_score,
     )
 
 
@@ -479,14 +516,17 @@ def copy_joint(joint: fx.GraphModule) -> fx.GraphModule:
     return duplicate
 
 
-def _partition_report(memory_budget: float, plan: GraphPlan, recomputed: int) -> PartitionReport:
+def _partition_report(
+    memory_budget: float, plan: GraphPlan, recomputed: int, score: Scorer = region_score
+) -> PartitionReport:
+    scored = score(plan)
     return PartitionReport(
         memory_budget=memory_budget,
-        compute_s=plan.compute_s,
-        stall_s=plan.predicted_stall_s,
-        feasible=plan.feasible,
+        compute_s=scored.compute_s,
+        stall_s=scored.stall_s,
+        feasible=scored.feasible,
         peak_without_offload=plan.fx_trace.peak_without_offload,
-        peak_with_plan=plan.check.peak_resident_bytes,
+        peak_with_plan=scored.peak_bytes,
         bytes_d2h=plan.check.bytes_d2h,
         recomputed=recomputed,
     )

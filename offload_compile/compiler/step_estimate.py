@@ -6,7 +6,8 @@ is compiled with ``torch.compile`` and a :class:`~.dynamo_backend.HyperOffloadBa
 in *fake-steps* mode, and runs one step on fake inputs: one forward (Dynamo splits it
 into the regions a real compile makes: graph breaks, blocks compiled on their own,
 one compiled block invoked once per layer) and one backward of every output that
-requires grad (gradients of ones, as AOTAutograd's tangents). Each region is
+requires grad (gradients of ones, as AOTAutograd's tangents), and one more step when
+the plan asked for recompute (as a real run's second step). Each region is
 partitioned, planned at its floor and lowered by the backend's own code; its graphs run
 as FX graphs on the fake tensors, so the backend's step recorder sees the step exactly
 as it sees a real first step, and :func:`~.step_plan.plan_step` plans it. Estimate and
@@ -76,14 +77,10 @@ def estimate_step(
     inputs = fake_inputs(mode, example_inputs, device)
     backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True)
     compiled = compile_as_given(fake, backend)
-    with mode, torch.enable_grad():
-        outputs = compiled(*inputs)
-        leaves = [
-            t for t in tree_flatten(outputs)[0]
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if leaves:
-            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    for _ in range(_MAX_STEPS):
+        _fake_step(compiled, inputs, mode)
+        if not any(r.relower_requested for r in backend.regions):
+            break
     report = backend.step_report
     if report is None:
         raise ValueError(
@@ -93,6 +90,24 @@ def estimate_step(
             "requires_grad=True)"
         )
     return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started)
+
+
+_MAX_STEPS = 2
+"""Fake steps an estimate runs: the first at the floor, and one more when the step plan
+asked for recompute (:mod:`.step_recompute`: each region is re-lowered at most once, at
+its next forward, and that step is planned at its end), as a real run's second step."""
+
+
+def _fake_step(compiled: Any, inputs: Sequence[Any], mode: Any) -> None:
+    """One forward and the backward of every output that requires grad (ones)."""
+    with mode, torch.enable_grad():
+        outputs = compiled(*inputs)
+        leaves = [
+            t for t in tree_flatten(outputs)[0]
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if leaves:
+            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
 
 
 def compile_as_given(model: nn.Module, backend: Any) -> Any:

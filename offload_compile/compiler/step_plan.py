@@ -135,6 +135,9 @@ class StepPlan:
     floor_peak_bytes: int
     peak_bytes: int
     invocations: tuple[InvocationPlan, ...]
+    over_budget: frozenset[tuple[int, int]] = frozenset()
+    """``(region, op)`` pairs where the floor alone is over the budget (in some
+    invocation): where only recompute, or a larger budget, could help."""
 
     def keep_for(self, invocation: Invocation) -> frozenset[int]:
         """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
@@ -168,26 +171,28 @@ class StepPlan:
 
 
 class _Layout(NamedTuple):
-    """Where each invocation's forward and backward ops start on the step timeline."""
+    """Where each invocation's forward and backward ops start on the step timeline, and
+    which region op runs at each position."""
 
     values: list[int]
     forward_at: dict[Invocation, int]
     backward_at: dict[Invocation, int]
+    ops: list[tuple[int, int]]
 
 
 def _lay_out(timeline: StepTimeline, profiles: Mapping[int, RegionProfile]) -> _Layout:
     values: list[int] = []
     forward_at: dict[Invocation, int] = {}
     backward_at: dict[Invocation, int] = {}
+    ops: list[tuple[int, int]] = []
     for kind, invocation in timeline.events:
         profile = profiles[invocation.region]
-        if kind is StepEventKind.FORWARD:
-            forward_at[invocation] = len(values)
-            values.extend(profile.resident[: profile.num_fw_ops])
-        else:
-            backward_at[invocation] = len(values)
-            values.extend(profile.resident[profile.num_fw_ops :])
-    return _Layout(values, forward_at, backward_at)
+        span = (range(profile.num_fw_ops) if kind is StepEventKind.FORWARD
+                else range(profile.num_fw_ops, len(profile.resident)))
+        (forward_at if kind is StepEventKind.FORWARD else backward_at)[invocation] = len(values)
+        values.extend(profile.resident[op] for op in span)
+        ops.extend((invocation.region, op) for op in span)
+    return _Layout(values, forward_at, backward_at, ops)
 
 
 def plan_step(
@@ -238,8 +243,9 @@ def plan_step(
             sum(s.nbytes for s in slots) - kept_bytes,
             timeline.retained_bytes.get(invocation, 0),
         ))
+    over = frozenset(op for op, value in zip(layout.ops, floor) if value > budget_bytes)
     return StepPlan(
-        timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans)
+        timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans), over
     )
 
 

@@ -35,6 +35,10 @@ class StepReport:
     predicted_stall_s: float = 0.0
     """Seconds the step waits for copies (*predicted*: the timeline model at the prices
     the regions were traced with)."""
+    relowered: tuple[int, ...] = ()
+    """Regions lowered again with the recompute search ranked on the step, because an
+    earlier plan did not fit or stalled (:mod:`.step_recompute`); their region reports
+    say what they recompute."""
 
     @property
     def moved_bytes(self) -> int:
@@ -62,6 +66,7 @@ class StepReport:
             "replans": self.replans,
             "steps_seen": self.steps_seen,
             "predicted_stall_s": self.predicted_stall_s,
+            "relowered": list(self.relowered),
         }
 
     def __str__(self) -> str:
@@ -71,7 +76,9 @@ class StepReport:
             f"MiB (floor {self.floor_peak_bytes / _MIB:.2f}, without offload "
             f"{self.peak_without_offload_bytes / _MIB:.2f}), predicted stall "
             f"{self.predicted_stall_s * 1e3:.3f} ms; {self.replans} plan(s) in "
-            f"{self.steps_seen} step(s)",
+            f"{self.steps_seen} step(s)"
+            + (f"; region(s) {', '.join(map(str, self.relowered))} re-lowered with "
+               "recompute" if self.relowered else ""),
             f"{'invocation':>10} {'kept MiB':>9} {'moved MiB':>9} {'retained MiB':>12}",
         ]
         lines += [
@@ -83,14 +90,15 @@ class StepReport:
 
 
 def build_step_report(
-    plan: StepPlan, replans: int, steps_seen: int, predicted_stall_s: float = 0.0
+    plan: StepPlan, replans: int, steps_seen: int, predicted_stall_s: float = 0.0,
+    relowered: tuple[int, ...] = (),
 ) -> StepReport:
     return StepReport(
         budget_bytes=plan.budget_bytes, peak_bytes=plan.peak_bytes,
         floor_peak_bytes=plan.floor_peak_bytes,
         peak_without_offload_bytes=plan.peak_without_offload_bytes,
         invocations=plan.invocations, replans=replans, steps_seen=steps_seen,
-        predicted_stall_s=predicted_stall_s,
+        predicted_stall_s=predicted_stall_s, relowered=relowered,
     )
 
 
@@ -110,8 +118,9 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
     if plan.floor_peak_bytes > plan.budget_bytes:
         over = (
             "; the floor is over the budget: everything movable moves and the step still "
-            "exceeds it. Fix: raise the budget, or recompute more (budget_scope='region' "
-            "searches recompute per region)"
+            "exceeds it. Fix: raise the budget; with recompute='auto' (the default) the "
+            "step's regions are lowered again once with the recompute search, which may "
+            "bring the floor down (a region's own working memory it cannot)"
         )
         LOGGER.warning(message + over, *figures)
     else:

@@ -226,3 +226,27 @@ def test_shared_decisions_move_more_when_invocations_differ() -> None:
     shared = plan_step(timeline, profiles, budget_bytes=12, shared=True)
     assert (apart.moved_bytes, shared.moved_bytes) == (18, 24)
     assert shared.peak_bytes <= 12 and apart.peak_bytes <= 12
+
+
+def test_recompute_is_asked_for_only_where_the_plan_cannot_fit_or_stalls() -> None:
+    from hyper_offload.compiler.step_recompute import regions_to_relower
+
+    a, b = Invocation(0, 0), Invocation(1, 0)
+    timeline = _timeline([(F, a), (F, b), (B, b), (B, a)])
+    slotless = RegionProfile(1, 3, (1, 1, 1, 1, 1, 1), ())
+    profiles = {0: block_profile(0), 1: slotless}
+    small = {0: [1] * 6, 1: [1] * 6}  # every op's own inputs and outputs: 1 byte
+    fits = plan_step(timeline, profiles, budget_bytes=10**6)
+    assert fits.over_budget == frozenset()
+    assert regions_to_relower(fits, 0.0, profiles, frozenset(), small) == ()
+    # A stall, or a floor over the budget: every region that saves a movable activation,
+    # once (a region already searched is not searched again).
+    assert regions_to_relower(fits, 1e-3, profiles, frozenset(), small) == (0,)
+    tight = plan_step(timeline, profiles, budget_bytes=3)
+    assert not tight.fits and (0, 1) in tight.over_budget and (1, 0) not in tight.over_budget
+    assert regions_to_relower(tight, 0.0, profiles, frozenset(), small) == (0,)
+    assert regions_to_relower(tight, 0.0, profiles, frozenset({0}), small) == ()
+    # Over the budget only where an op's own inputs and outputs are: no partition helps.
+    heavy = {0: [6] * 6, 1: [6] * 6}
+    assert regions_to_relower(tight, 0.0, profiles, frozenset(), heavy) == ()
+    assert regions_to_relower(tight, 1e-3, profiles, frozenset(), heavy) == (0,)
