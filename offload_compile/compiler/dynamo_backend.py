@@ -61,7 +61,7 @@ from .region_plan import PlannedRegion, lower_region
 from .region_report import LOGGER, RegionReport, log_region_report
 from .saved_bytes import node_saved_tensors
 from .step_model import Invocation, StepRecorder, StepTimeline
-from .step_plan import RegionProfile, StepPlan, plan_step, region_profile
+from .step_plan import RegionProfile, StepPlan, held_inputs, plan_step, region_profile
 from .step_recompute import regions_to_relower, step_scorer
 from .step_report import StepReport, build_step_report, log_step_plan
 from .step_timeline import RegionFloor, predicted_step_stall
@@ -140,6 +140,7 @@ class _Region:
         return region_profile(
             self.index, trace.num_fw_ops, self.planned.check.resident_bytes,
             self.planned.schedule, trace.trace,
+            held_inputs(trace.node_storage, trace.activation_inputs),
         )
 
     @functools.cached_property

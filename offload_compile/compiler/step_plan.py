@@ -36,7 +36,7 @@ recompute could help, and the report says so). So ``peak_bytes <= budget_bytes``
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,7 +46,9 @@ from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
 
 from .step_model import Invocation, StepEventKind, StepTimeline
 
-__all__ = ["RegionProfile", "SlotRange", "StepPlan", "plan_step", "region_profile"]
+__all__ = [
+    "RegionProfile", "SlotRange", "StepPlan", "held_inputs", "plan_step", "region_profile",
+]
 
 
 class SlotRange(NamedTuple):
@@ -75,12 +77,24 @@ class RegionProfile:
         return len(self.resident) - self.num_fw_ops
 
 
+def held_inputs(
+    node_storage: Mapping[str, int], activation_inputs: Iterable[str]
+) -> frozenset[int]:
+    """The storages of a region's activation inputs (``FxTrace.node_storage`` and
+    ``activation_inputs``): what its caller holds through the whole forward."""
+    return frozenset(
+        node_storage[key] for key in (f"fw:{name}" for name in activation_inputs)
+        if key in node_storage
+    )
+
+
 def region_profile(
     region: int,
     num_fw_ops: int,
     resident: tuple[int, ...],
     schedule: ResidencySchedule,
     trace: ActivationTrace,
+    held: frozenset[int] = frozenset(),
 ) -> RegionProfile:
     """The profile of a region lowered with ``schedule`` (its floor) on ``trace``: a slot
     per storage copied to the host in the forward and reloaded in the backward.
@@ -89,14 +103,25 @@ def region_profile(
     of the region's backward. In a step it is the caller's from the end of the forward
     (the next block's input, dropped once that block ran; what it holds is measured as
     that block's input): so the bytes of an output the backward never reads are not
-    counted over the backward's ops here."""
+    counted over the backward's ops here.
+
+    ``held``: storages of activation inputs (:func:`held_inputs`). The caller holds a
+    block's input through the whole forward (``x = block(x)`` drops it once the block
+    returned), and the model outputs from where they are made (they are returned), so the
+    device bytes the floor returns at their copy come back only at the forward's end (an
+    output's, at the end of the next region's forward, which counts it as its input):
+    each is counted over those forward ops, whatever the schedule says (a kept one's
+    device copy is its slot's, as any other)."""
     storage_sizes = trace.storage_sizes
     outputs_bytes = sum(
         storage_sizes[sid] for sid in trace.retained
         if all(op < num_fw_ops for op, _ in trace.accesses_of(sid))
     )
+    held = held | trace.retained
+    counted = _counted_ops(schedule, trace, held, num_fw_ops)
     resident = tuple(
-        max(value - outputs_bytes, 0) if op >= num_fw_ops else value
+        max(value - outputs_bytes, 0) if op >= num_fw_ops
+        else value + sum(storage_sizes[sid] for sid in held if op not in counted[sid])
         for op, value in enumerate(resident)
     )
     d2h: dict[int, int] = {}
@@ -113,6 +138,29 @@ def region_profile(
         for sid in sorted(d2h) if sid in h2d
     )
     return RegionProfile(region, num_fw_ops, tuple(resident), slots)
+
+
+def _counted_ops(
+    schedule: ResidencySchedule, trace: ActivationTrace, held: frozenset[int], num_fw_ops: int
+) -> dict[int, range]:
+    """Forward ops at which the floor's own ``resident`` already counts each held
+    storage: from its first access to where the floor releases it in the forward (a
+    copy's release), or past its last forward access when the backward never reads it."""
+    released = {
+        action.storage: op + (when == "post")
+        for op, when, action in schedule.actions()
+        if action.kind is ActionKind.RELEASE_DEVICE and op < num_fw_ops and action.storage in held
+    }
+    counted = {}
+    for sid in held:
+        ops = [op for op, _ in trace.accesses_of(sid)]
+        forward = [op for op in ops if op < num_fw_ops] or [num_fw_ops]
+        # Unreleased, a storage the backward reads or a model output ("retained") is
+        # counted to the forward's end; any other, past its last forward access.
+        to_end = sid in trace.retained or max(ops, default=0) >= num_fw_ops
+        end = released.get(sid, num_fw_ops if to_end else max(forward) + 1)
+        counted[sid] = range(min(forward), end)
+    return counted
 
 
 class InvocationPlan(NamedTuple):

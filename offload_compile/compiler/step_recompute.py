@@ -37,7 +37,7 @@ from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from .recompute_search import PlanScore, Scorer
 from .region_plan import GraphPlan
 from .step_model import StepTimeline
-from .step_plan import RegionProfile, StepPlan, plan_step, region_profile
+from .step_plan import RegionProfile, StepPlan, held_inputs, plan_step, region_profile
 from .step_timeline import RegionFloor, predicted_step_stall
 
 __all__ = ["regions_to_relower", "step_scorer"]
@@ -83,7 +83,8 @@ def step_scorer(
     def score(plan: GraphPlan) -> PlanScore:
         trace = plan.fx_trace
         profile = region_profile(
-            region, trace.num_fw_ops, plan.check.resident_bytes, plan.schedule, trace.trace
+            region, trace.num_fw_ops, plan.check.resident_bytes, plan.schedule, trace.trace,
+            held_inputs(trace.node_storage, trace.activation_inputs),
         )
         floor = RegionFloor(trace.trace, plan.schedule, trace.num_fw_ops)
         step = plan_step(timeline, {**profiles, region: profile}, budget_bytes)

@@ -250,3 +250,40 @@ def test_recompute_is_asked_for_only_where_the_plan_cannot_fit_or_stalls() -> No
     heavy = {0: [6] * 6, 1: [6] * 6}
     assert regions_to_relower(tight, 0.0, profiles, frozenset(), heavy) == ()
     assert regions_to_relower(tight, 1e-3, profiles, frozenset(), heavy) == (0,)
+
+
+def test_a_blocks_input_is_held_by_its_caller_through_the_whole_forward() -> None:
+    # 3 forward ops, 1 backward op. Storage 0 (8 B) is the block's input: first read at
+    # op 1, copied and released after op 1 by the floor, reloaded for the backward.
+    # Storage 1 (2 B), another input, is read at op 0 only and never saved.
+    d2h, h2d = ResidencyAction(ActionKind.COPY_D2H, 0), ResidencyAction(ActionKind.COPY_H2D, 0)
+    release = ResidencyAction(ActionKind.RELEASE_DEVICE, 0)
+    post = [(), (d2h, release), (), (release,)]
+    pre = [(), (), (), (h2d, ResidencyAction(ActionKind.WAIT_H2D, 0))]
+    trace = ActivationTrace.from_accesses(
+        [{1: "R"}, {0: "R"}, {}, {0: "R"}], {0: 8, 1: 2}, budget_bytes=0,
+    )
+    floor = (2, 8, 0, 8)  # what check_schedule counts: each storage only while accessed
+    alone = region_profile(0, 3, floor, ResidencySchedule(tuple(pre), tuple(post)), trace)
+    held = region_profile(
+        0, 3, floor, ResidencySchedule(tuple(pre), tuple(post)), trace, frozenset({0, 1}),
+    )
+    assert alone.resident == floor
+    # The caller returns neither before the forward's end: both count at every forward op.
+    assert held.resident == (2 + 8, 8 + 2, 0 + 8 + 2, 8)
+    assert held.slots == alone.slots == (SlotRange(0, 8, 2, 3),)
+
+
+def test_a_moved_model_output_is_held_to_the_forwards_end() -> None:
+    # Storage 0 (4 B): the model output, made at op 0, copied and released right after it
+    # by the floor (the next block saves it as its input), never read by the backward.
+    post = [(ResidencyAction(ActionKind.COPY_D2H, 0),
+             ResidencyAction(ActionKind.RELEASE_DEVICE, 0)), (), (), ()]
+    trace = ActivationTrace.from_accesses(
+        [{0: "W"}, {}, {}, {}], {0: 4}, budget_bytes=0, retained={0},
+    )
+    schedule = ResidencySchedule(((),) * 4, tuple(post))
+    profile = region_profile(0, 3, (4, 0, 0, 0), schedule, trace)
+    # Returned to the caller, it lives on the device until the forward ends (then the
+    # next region counts it as its held input), whatever the floor's release says.
+    assert profile.resident == (4, 4, 4, 0)
