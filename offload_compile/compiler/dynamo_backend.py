@@ -466,8 +466,8 @@ class HyperOffloadBackend:
         region.relower_requested, region.relowered = False, True
         before = (region.planned, region.graphs)
         gm, example_inputs = region.dynamo_graph
-        region.scorer = self._scorer_for(region)
         try:
+            region.scorer = self._scorer_for(region)
             # The search on graphs only (no code generation; for aot_eager and fake steps
             # that is the compile). No plan cache entry (the choice depends on the step),
             # and AOTAutograd's cache must not serve the floor's graphs for another
@@ -479,14 +479,23 @@ class HyperOffloadBackend:
                 report = region.planned.report.recompute if region.planned else None
                 changed = _recomputes(region)
                 if not changed:
-                    region.set_planned(before[0])  # type: ignore[arg-type]
-                    region.graphs = before[1]
+                    pass
                 elif self.fake_steps or self.options.inner_compiler != "inductor":
                     region.compiled = searched
                 else:  # Inductor: the same search again, then code generation
                     region.compiled = self._compile(region, gm, example_inputs, None)
+        except Exception as error:  # an optimisation failed: the floor's graphs still run
+            LOGGER.warning(
+                "hyper_offload region %d: the step's recompute search failed (%s: %s); the "
+                "region keeps its floor graphs, exact as before. Fix: report it, or pass "
+                "recompute='off'", region.index, type(error).__name__, error,
+            )
+            report, changed = None, False
         finally:
             region.scorer = None
+        if not changed:  # torch's partition again, or a failure: the floor's plan stays
+            region.set_planned(before[0])  # type: ignore[arg-type]
+            region.graphs = before[1]
         LOGGER.info(
             "hyper_offload region %d searched on the step: %s", region.index,
             report.describe("") if report is not None else "no search",

@@ -231,3 +231,29 @@ def test_a_region_that_runs_collectives_is_marked_so_ranks_never_search_it_alone
     runtime = hyper_offload.backend().runtime
     assert _Region(0, with_collective, [], runtime).collectives
     assert not _Region(1, plain_graph, [], runtime).collectives
+
+
+def test_a_failing_step_search_keeps_the_floor_graphs_and_stays_exact(plain, caplog):
+    """The re-lowering is an optimisation: if it raises, the region keeps its floor
+    graphs, training goes on exact, and a WARNING says so."""
+    torch._dynamo.reset()
+    model, step = build("per_block", "aot_eager")
+    reference = train(model, step, 1)[0]
+    budget = int(0.5 * plain["per_block"].saved_bytes)
+    torch._dynamo.reset()
+    backend = hyper_offload.backend(
+        inner_compiler="aot_eager", max_resident_activation_mb=budget / _MIB,
+        transfer_bandwidth_gbps=0.01,
+    )
+
+    def broken(region):
+        raise RuntimeError("planted")
+
+    backend._scorer_for = broken  # the search's objective fails for every region
+    model, step = build("per_block", backend)
+    with caplog.at_level(logging.WARNING, logger="hyper_offload"):
+        results = train(model, step, STEPS)
+    assert all(exact(r, reference) and r.saved_bytes <= budget + SLACK for r in results)
+    assert any("recompute search failed (RuntimeError: planted)" in r.getMessage()
+               for r in caplog.records)
+    assert backend.step_report.relowered == () and all(r.relowered for r in backend.regions)
