@@ -150,7 +150,10 @@ class RegionReport:
     torch's default partition (plain compile), "with" includes any extra recompute;
     ``exposed_transfer_s`` is the copy time compute is not predicted to hide;
     ``kept`` lists the saved activations no plan can move (parameters and inputs are
-    not activations and are not listed), largest first.
+    not activations and are not listed), largest first. ``budget_bytes`` is the bound the
+    region was planned under: the options' budget under ``budget_scope="region"``; under
+    ``"step"`` the region's floor is planned under its own peak (the most any of its ops
+    needs), and the step's budget is the step report's.
     """
 
     region: int

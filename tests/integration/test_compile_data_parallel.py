@@ -74,7 +74,10 @@ def test_every_region_is_planned_and_the_budget_really_offloads(results, name, r
         assert 1 <= len(regions) < worker_module.LAYERS["fsdp"]
     for region in regions:
         report = region["report"]
-        assert report["budget_bytes"] == 0
+        # The step scope plans each region's floor under its own peak (the 0 MiB budget
+        # is the step's): every movable saved activation moves, no op is over that bound.
+        assert report["budget_bytes"] >= report["predicted_peak_after"] > 0
+        assert report["infeasible_ops"] == []
         assert report["bytes_d2h"] == report["bytes_h2d"]
         assert len(region["offloaded_sources"]) == len(report["offloaded"])
     assert sum(len(r["report"]["offloaded"]) for r in regions) > 0

@@ -14,6 +14,7 @@ from hyper_offload.passes import (
     ActionKind,
     ActivationTrace,
     GreedyResidencyPlanner,
+    ResidencySchedule,
     check_schedule,
     plan_residency,
     predict_timeline,
@@ -21,17 +22,8 @@ from hyper_offload.passes import (
 from hyper_offload.passes.analysis.candidates import offload_candidates
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
 from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
-from hyper_offload.passes.plan.prefetch import hoist_prefetches
-from hyper_offload.passes.plan.release_delay import delay_releases
 
 from ..planner_strategies import timed_pressured, with_times
-
-
-def _placed(trace: ActivationTrace, schedule, earliest: int, latest: int | None, waits: bool):  # noqa: ANN001, ANN202
-    placed = hoist_prefetches(trace, schedule, earliest_op=earliest)
-    if waits:
-        placed = delay_releases(trace, placed, latest_op=latest)
-    return placed
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -109,9 +101,20 @@ def test_the_h2d_side_counts_reloads_that_cannot_start_before_the_backward() -> 
     assert predict_timeline(trace, planned.schedule).exposed_transfer_s == pytest.approx(2.0)
 
 
+class _Chosen:
+    """A planner that proposes one given schedule: the pipeline places it."""
+
+    def __init__(self, schedule: ResidencySchedule) -> None:
+        self.schedule = schedule
+
+    def plan(self, trace: ActivationTrace) -> ResidencySchedule:
+        return self.schedule
+
+
 def _best_choice_stall(trace: ActivationTrace, waits: bool) -> float:
     """The least predicted stall over every feasible set of gaps, each placed by the
-    pipeline's own passes: what a perfect chooser would get from them."""
+    pipeline itself (``plan_residency``: both of its placements, releases held for their
+    D2H or not, the better one kept): what a perfect chooser would get from it."""
     candidates = offload_candidates(trace)
     best = float("inf")
     for count in range(len(candidates) + 1):
@@ -119,8 +122,9 @@ def _best_choice_stall(trace: ActivationTrace, waits: bool) -> float:
             schedule = lower_offload_choice(trace, chosen)
             if not check_schedule(trace, schedule).ok:
                 continue
-            placed = _placed(trace, schedule, 0, None, waits)
-            best = min(best, predict_timeline(trace, placed, release_waits_for_d2h=waits).exposed_transfer_s)
+            placed = plan_residency(trace, _Chosen(schedule), release_waits_for_d2h=waits)
+            best = min(best, predict_timeline(
+                trace, placed.schedule, release_waits_for_d2h=waits).exposed_transfer_s)
     return best
 
 
