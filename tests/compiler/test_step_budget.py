@@ -44,10 +44,12 @@ def plain() -> dict[str, object]:
     return results
 
 
-def _run(layout: str, budget_bytes: int, scope: str = "step", inner: str = "aot_eager"):
+def _run(layout: str, budget_bytes: int, scope: str = "step", inner: str = "aot_eager",
+         **options):
     torch._dynamo.reset()
     backend = hyper_offload.backend(
         inner_compiler=inner, max_resident_activation_mb=budget_bytes / _MIB, budget_scope=scope,
+        **options,
     )
     model, step = build(layout, backend)
     moved, results = [], []
@@ -170,18 +172,8 @@ def test_inductor_per_block_compile_fits_and_is_exact():
 
 def _slow_link_run(inner: str, recompute: str, budget: int):
     """Per-block compile on a link so slow that moving the floor's bytes stalls."""
-    torch._dynamo.reset()
-    backend = hyper_offload.backend(
-        inner_compiler=inner, max_resident_activation_mb=budget / _MIB, recompute=recompute,
-        transfer_bandwidth_gbps=0.01,
-    )
-    model, step = build("per_block", backend)
-    moved, results = [], []
-    for _ in range(STEPS):
-        before = backend.runtime.bytes_d2h
-        results += train(model, step, 1)
-        moved.append(backend.runtime.bytes_d2h - before)
-    return backend, results, moved
+    return _run("per_block", budget, inner=inner, recompute=recompute,
+                transfer_bandwidth_gbps=0.01)
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
