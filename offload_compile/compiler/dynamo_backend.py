@@ -415,7 +415,10 @@ class HyperOffloadBackend:
             r.index for r in self.regions
             if r.relowered or r.planned is None or (ranks and r.collectives)
         )
-        working = {r.index: required_bytes(r.floor.trace) for r in self.regions}
+        # Each op's own working memory matters only where the floor is over the budget.
+        working = {} if plan.fits else {
+            r.index: required_bytes(r.floor.trace) for r in self.regions
+        }
         todo = regions_to_relower(plan, self.step_stall_s, profiles, done, working)
         if not todo:
             return
