@@ -394,17 +394,12 @@ class HyperOffloadBackend:
         plan = self.step_plan
         if plan is not None and plan.timeline == timeline:
             return
-        profiles = {r.index: r.profile for r in self.regions}
-        floors = {r.index: r.floor for r in self.regions}
         fraction = self.options.budget_fraction
         budget = self._budget_pin
         if budget is None and fraction is None:
             budget = self.options.config.budget_bytes
-        plan = plan_step(timeline, profiles, budget, budget_fraction=fraction)
-        self.step_stall_s = predicted_step_stall(timeline, floors, plan.keep_for)
-        self.step_plan = plan
-        self.replans += 1
-        log_step_plan(plan, self.replans, self.step_stall_s)
+        plan = self._adopt_plan(timeline, budget, fraction)
+        profiles = {r.index: r.profile for r in self.regions}
         if self.options.recompute != "auto":
             return
         # A region running collectives on several ranks is not searched: each rank prices
@@ -436,33 +431,47 @@ class HyperOffloadBackend:
             "does not fit" if not plan.fits else "stalls", ", ".join(map(str, todo)),
         )
 
-    def _scorer_for(self, region: _Region) -> Scorer:
-        """The step objective for ``region``'s re-lowering, against the other regions as
-        they are lowered now (one pass of coordinate descent, .step_recompute)."""
-        assert self._relower_step is not None and self._budget_pin is not None
+    def _scorer_for(self, region: _Region, timeline: StepTimeline) -> Scorer:
+        """The step objective for ``region``'s re-lowering on ``timeline``, against the
+        other regions as they are lowered now (one pass of coordinate descent,
+        .step_recompute)."""
+        assert self._budget_pin is not None
         return step_scorer(
-            self._relower_step, {r.index: r.profile for r in self.regions},
+            timeline, {r.index: r.profile for r in self.regions},
             {r.index: r.floor for r in self.regions}, self._budget_pin, region.index,
         )
 
-    def relower_if_requested(self) -> None:
-        """Re-lower every region the last step asked for (:meth:`_on_step`), one after
-        the other, and plan the step again when one of them changed partition: the step
-        about to start runs planned, not at the floor. Nothing to do almost always."""
-        requested = [r for r in self.regions if r.relower_requested]
-        if not requested or not sum(self.relower(region) for region in requested):
-            return
-        timeline, budget = self._relower_step, self._budget_pin
-        assert timeline is not None and budget is not None
-        plan = plan_step(timeline, {r.index: r.profile for r in self.regions}, budget)
+    def _adopt_plan(
+        self, timeline: StepTimeline, budget: int | None, fraction: float | None = None
+    ) -> StepPlan:
+        """Plan ``timeline`` with the regions as lowered now, and put the plan in force
+        (its predicted stall, the re-plan count, one log line)."""
+        plan = plan_step(
+            timeline, {r.index: r.profile for r in self.regions}, budget,
+            budget_fraction=fraction,
+        )
         self.step_stall_s = predicted_step_stall(
             timeline, {r.index: r.floor for r in self.regions}, plan.keep_for
         )
         self.step_plan = plan
         self.replans += 1
         log_step_plan(plan, self.replans, self.step_stall_s)
+        return plan
 
-    def relower(self, region: _Region) -> bool:
+    def relower_if_requested(self) -> None:
+        """Re-lower every region the last step asked for (:meth:`_on_step`), one after
+        the other, and plan the step again when one of them changed partition: the step
+        about to start runs planned, not at the floor. Runs at every forward: nothing
+        to do but one check almost always."""
+        timeline = self._relower_step
+        if timeline is None:
+            return
+        self._relower_step = None  # before compiling: a forward inside it finds nothing
+        requested = [r for r in self.regions if r.relower_requested]
+        if sum(self.relower(region, timeline) for region in requested):
+            self._adopt_plan(timeline, self._budget_pin)
+
+    def relower(self, region: _Region, timeline: StepTimeline) -> bool:
         """Search ``region``'s partitions again, ranked on the step; where the search
         chooses one other than torch's, compile the region with it (its plan, profile
         and compiled forward follow). Whether the region changed."""
@@ -470,7 +479,7 @@ class HyperOffloadBackend:
         before = (region.planned, region.graphs)
         gm, example_inputs = region.dynamo_graph
         try:
-            region.scorer = self._scorer_for(region)
+            region.scorer = self._scorer_for(region, timeline)
             # The search on graphs only (no code generation; for aot_eager and fake steps
             # that is the compile). No plan cache entry (the choice depends on the step),
             # and AOTAutograd's cache must not serve the floor's graphs for another

@@ -238,7 +238,7 @@ def test_a_failing_step_search_keeps_the_floor_graphs_and_stays_exact(plain, cap
         transfer_bandwidth_gbps=0.01,
     )
 
-    def broken(region):
+    def broken(region, timeline):
         raise RuntimeError("planted")
 
     backend._scorer_for = broken  # the search's objective fails for every region
