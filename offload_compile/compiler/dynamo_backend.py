@@ -546,13 +546,12 @@ class HyperOffloadBackend:
         (estimate's fake steps, a re-lowering's search), aot_eager (no cache, always
         planned) or Inductor."""
         partitioner = _OffloadPartitioner(self, region, plan_key)
-        if self.fake_steps or graphs_only:
+        if self.fake_steps or graphs_only or self.options.inner_compiler != "inductor":
+            # aot_eager's compile *is* the graphs, run as written
             return compile_graphs_only(
                 gm, example_inputs, partitioner, self.options.inner_compiler,
                 self.options.inductor_patches(),
             )
-        if self.options.inner_compiler != "inductor":
-            return _compile_aot_eager(gm, example_inputs, partitioner)
         return _compile_inductor(gm, example_inputs, partitioner, self.options)
 
 
@@ -573,20 +572,6 @@ def _compile_inductor(
     # this ``with`` (the partitioner runs inside it, at the forward's compile).
     with inductor_config.patch(custom_partitioner_fn=partitioner):
         return compile_fx(gm, example_inputs, config_patches=options.inductor_patches() or None)
-
-
-def _compile_aot_eager(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], partitioner: Any
-) -> Callable[..., Any]:
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-
-    return aot_autograd(
-        fw_compiler=boxed_nop,
-        bw_compiler=boxed_nop,
-        partition_fn=partitioner,
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
 
 
 def backend(config: OffloadConfig | None = None, **options: Any) -> HyperOffloadBackend:

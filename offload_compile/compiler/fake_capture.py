@@ -209,20 +209,24 @@ def _partitioner(
     if inner_compiler != "inductor":
         return min_cut, None, lambda _mode: contextlib.nullcontext()
 
-    from torch._functorch import config as functorch_config
     from torch._inductor import compile_fx
     from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.virtualized import V
 
     def inductor_partition(gm: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
         return compile_fx.partition_fn(gm, joint_inputs, partitioner_fn_override=min_cut, **kwargs)
 
-    @contextlib.contextmanager
-    def context(mode: Any) -> Any:
-        with V.set_fake_mode(mode), functorch_config.patch(unlift_effect_tokens=True):
-            yield
+    return inductor_partition, select_decomp_table(), _inductor_context
 
-    return inductor_partition, select_decomp_table(), context
+
+@contextlib.contextmanager
+def _inductor_context(mode: Any) -> Any:
+    """What Inductor's compile_fx sets around AOTAutograd: its fake mode, and effect
+    tokens unlifted (the partition then sees the graphs Inductor's would)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(mode), functorch_config.patch(unlift_effect_tokens=True):
+        yield
 
 
 def fake_module(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:
@@ -266,16 +270,13 @@ def compile_graphs_only(
             fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partitioner,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
-    from torch._functorch import config as functorch_config
     from torch._inductor import compile_fx
     from torch._inductor import config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.virtualized import V
 
-    mode = torch._guards.detect_fake_mode(example_inputs)
     patches = {**inductor_patches, "custom_partitioner_fn": partitioner}
-    with (inductor_config.patch(patches), V.set_fake_mode(mode),
-          functorch_config.patch(unlift_effect_tokens=True)):
+    with (inductor_config.patch(patches),
+          _inductor_context(torch._guards.detect_fake_mode(example_inputs))):
         return aot_autograd(
             fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=compile_fx.partition_fn,
             decompositions=select_decomp_table(), keep_inference_input_mutations=True,

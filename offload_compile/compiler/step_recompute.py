@@ -17,15 +17,16 @@ and ranked by :func:`step_scorer`: the step plan made with that partition in the
 region's place (every other region as it is) and its predicted stall, plus the step's
 compute (the region's once per invocation). The fastest predicted step that fits wins;
 with none fitting, the lowest predicted peak. The time objective and the search are the
-region scope's, only priced on the whole step. Regions are searched one at a time, at
-their next forward, each against the others as lowered then (one pass of coordinate
-descent; a region is never searched twice, so a step cannot oscillate).
+region scope's, only priced on the whole step. Before the next step's first forward the
+regions are searched one at a time, each against the others as lowered then (one pass
+of coordinate descent; a region is never searched twice, so a step cannot oscillate),
+on graphs only; a region whose search keeps torch's partition is not compiled again.
 
-The step after the re-lowering runs at the floor again (the new graphs' slots are new
-storages) and is planned at its end: the first step, the re-lowering step and then the
-planned steps, each within the budget after its forward. With a fraction the budget
-stays the one resolved on the first step's plan (torch's partitions), as the region
-scope resolves its fraction against the default partition. Pure: no torch.
+When a region changed, the step is planned at once with the new floor profiles (the
+last step's order and retained bytes), so the next step runs planned; at its end the
+step is re-planned if its measured bytes differ. With a fraction the budget stays the
+one resolved on the first step's plan (torch's partitions), as the region scope
+resolves its fraction against the default partition.
 """
 
 from __future__ import annotations
