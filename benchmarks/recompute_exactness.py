@@ -148,7 +148,7 @@ class _ProductSplice(CustomPartitionerFn):
                     copy_joint(gm), joint_inputs, **kwargs)
         (fw, bw), (_, zero_bw) = graphs[1.0], graphs[0.0]
         price = partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
-        options = rs.recompute_order(rs.splice_options(fw, bw, zero_bw, draws_random=draws_random, seconds=price))
+        options = rs.recompute_order(rs.splice_options(fw, bw, zero_bw, unrepeatable=draws_random, seconds=price))
         chosen = options[: round(len(options) * self.share)]
         self.counts = {"options": len(options), "recomputed_saved_values": len(chosen),
                        "recompute_ops": sum(len(o.chain) for o in chosen)}

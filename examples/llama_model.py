@@ -91,14 +91,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, c.heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+        # Heads as -1: under tensor parallel the projections return this rank's heads.
+        q = self.wq(x).view(b, t, -1, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, c.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads
         )
-        return self.wo(y.transpose(1, 2).reshape(b, t, c.dim))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):

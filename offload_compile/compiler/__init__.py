@@ -29,6 +29,7 @@ _LAZY = {
     "EstimateReport": ".fit_estimate",
     "estimate": ".fit_estimate",
     "saved_device_bytes": ".saved_bytes",
+    "autograd_saved_device_bytes": ".saved_bytes",
 }
 
 __all__ = sorted(_LAZY)

@@ -54,6 +54,7 @@ from hyper_offload.runtime.memory_meter import is_host_labelled
 
 from . import region_cache
 from .backend_registry import BackendRegistry
+from .collectives import is_collective
 from .fake_capture import compile_graphs_only
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import Scorer, search_region
@@ -76,9 +77,6 @@ __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_ba
 _PLANNING_CODE = (Path(passes.__file__).parent, Path(__file__).parent)
 
 
-_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
-
-
 class _Region:
     """Per-region state: its plan and, under the step scope, its floor profile."""
 
@@ -95,11 +93,9 @@ class _Region:
         self.planned: PlannedRegion | None = None
         self.dynamo_graph = (gm, example_inputs)
         """What Dynamo handed over: the step scope may lower the region again from it."""
-        self.collectives = any(
-            getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES
-            for node in gm.graph.nodes
-        )
-        """Whether the region's graph runs collectives (tensor parallel does)."""
+        self.collectives = any(is_collective(node) for node in gm.graph.nodes)
+        """Whether the region runs collectives: its Dynamo graph, or once lowered its
+        AOTAutograd graphs (tensor parallel's DTensor ops become collectives there)."""
         self.compiled: Callable[..., Any] | None = None
         """What runs the region's forward (a re-lowering replaces it)."""
         self.relower_requested = False
@@ -251,6 +247,9 @@ class _OffloadPartitioner(CustomPartitionerFn):
         if not relowering:
             region.compile_seconds = time.perf_counter() - region.compile_started
         region.graphs = (fw, bw)
+        region.collectives = region.collectives or any(
+            is_collective(node) for graph in (fw, bw) for node in graph.graph.nodes
+        )
         if self._plan_key is not None:  # an inner compiler with a cache (Inductor)
             region_cache.store_plan(self._plan_key, region.planned)
         log_region_report(region.planned.report)

@@ -34,6 +34,11 @@ Exactness (the result must equal plain compile bit for bit):
 * **Random ops** are never recomputed: the partitioner bans them, and a partition whose
   backward re-runs a seeded random op that the default partition does not is rejected
   (its RNG state would not be replayed).
+* **Collectives** (tensor parallel) are never recomputed: the search marks them
+  ``MUST_SAVE`` and no spliced chain contains one (:mod:`.collectives`: each rank ranks
+  partitions by its own measurements, and a recomputed all-reduce on one rank is a
+  collective the others never run). A device mesh among the graph's inputs is sized
+  0 bytes for the partitioner; another opaque input turns the search off for the region.
 * **Low precision under Inductor.** Inductor keeps a fused intermediate in fp32 and
   rounds it to bf16/fp16 only where it is stored, so a value recomputed inside a
   backward kernel can differ from the stored one (``benchmarks/recompute_exactness.py``:
@@ -66,6 +71,7 @@ from torch._functorch import config as functorch_config
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
+from .collectives import is_collective, sizing_opaque_inputs, unsizable_inputs
 from .options import BackendOptions
 from .recompute_splice import (
     EXTERN_MATMULS,
@@ -206,34 +212,28 @@ def choose_partition(
     default = _Candidate(
         _partition_report(user_budget, default_plan, 0, score), fw, bw, default_plan
     )
-    offload_only_s = default.report.step_s if default.report.feasible else None
     if pristine is None or (default.report.feasible and default.report.stall_s <= 0):
-        report = RecomputeReport(
-            mode=mode, searched=False, memory_budget=user_budget, recomputed=(),
-            offload_only_s=offload_only_s, recompute_only_s=None,
-            joint_s=default.report.step_s, partitions=(default.report,),
-        )
-        return PartitionChoice(fw, bw, default_plan, report)
+        return _unsearched(mode, user_budget, default)
+    if unsizable := unsizable_inputs(pristine.graph):
+        return _unsearched(mode, user_budget, default, restriction=(
+            f"opaque graph input(s) {unsizable}: the partitioner cannot size them, so "
+            "recompute is not searched (offload only)"
+        ))
 
     default_recomputed = recomputed_nodes(fw, bw)
-    restriction, banned = None, frozenset[str]()
-    if restrict_low_precision and uses_low_precision(pristine):
-        banned = low_precision_bans(pristine, default_recomputed)
-        restriction = (
-            f"low precision under Inductor: {len(banned)} forward op(s) kept from torch's "
-            "recompute (a fused recomputation may round differently); the spliced "
-            "backward recomputes exactly"
-        )
+    banned, restriction = _bans(pristine, default_recomputed, restrict_low_precision)
     budgets = [b for b in grid if b < user_budget]
-    candidates = [
-        default,
-        *_search(pristine, partition, plan, default, default_recomputed, budgets, banned,
-                 deadline, score),
-    ]
-    if restriction is not None and (deadline is None or deadline.affords()):
-        candidates += _splice_search(
-            pristine, partition, plan, default, user_budget, seconds, deadline, score
-        )
+    with sizing_opaque_inputs(pristine.graph):  # a device mesh input: 0 bytes (.collectives)
+        candidates = [
+            default,
+            *_search(pristine, partition, plan, default, default_recomputed, budgets, banned,
+                     deadline, score),
+        ]
+        if restriction is not None and (deadline is None or deadline.affords()):
+            candidates += _splice_search(
+                pristine, partition, plan, default, user_budget, seconds, deadline, score
+            )
+    offload_only_s = default.report.step_s if default.report.feasible else None
     usable = [c for c in candidates if c.plan is not None]
     feasible = [c for c in usable if c.report.feasible]
     if feasible:
@@ -251,6 +251,37 @@ def choose_partition(
     )
     assert best.plan is not None
     return PartitionChoice(best.fw, best.bw, best.plan, report)
+
+
+def _bans(
+    pristine: fx.GraphModule, default_recomputed: set[str], restrict_low_precision: bool
+) -> tuple[frozenset[str], str | None]:
+    """Forward ops the search's partitions must save, and the exactness rule that limited
+    it (None: none did). Collectives always (:mod:`.collectives`); under Inductor in low
+    precision, what the rule in the module docstring bans."""
+    banned = frozenset(n.name for n in pristine.graph.nodes if is_collective(n))
+    if not (restrict_low_precision and uses_low_precision(pristine)):
+        return banned, None
+    low_precision = low_precision_bans(pristine, default_recomputed)
+    return banned | low_precision, (
+        f"low precision under Inductor: {len(low_precision)} forward op(s) kept from "
+        "torch's recompute (a fused recomputation may round differently); the spliced "
+        "backward recomputes exactly"
+    )
+
+
+def _unsearched(
+    mode: str, user_budget: float, default: _Candidate, restriction: str | None = None
+) -> PartitionChoice:
+    """Torch's default partition, kept without a search (``restriction``: why not)."""
+    assert default.plan is not None
+    report = RecomputeReport(
+        mode=mode, searched=False, memory_budget=user_budget, recomputed=(),
+        offload_only_s=default.report.step_s if default.report.feasible else None,
+        recompute_only_s=None, joint_s=default.report.step_s, partitions=(default.report,),
+        restriction=restriction,
+    )
+    return PartitionChoice(default.fw, default.bw, default.plan, report)
 
 
 def _search(
@@ -405,7 +436,7 @@ def _splice_search(
     with functorch_config.patch(activation_memory_budget=0.0):
         _, zero_bw = partition(copy_joint(pristine))
     options = recompute_order(splice_options(
-        default.fw, default.bw, zero_bw, draws_random=draws_random, seconds=seconds,
+        default.fw, default.bw, zero_bw, unrepeatable=_unrepeatable, seconds=seconds,
         templates=inductor_uses_templates(),
     ))
     built: dict[int, _Candidate] = {}
@@ -551,6 +582,12 @@ def _random_nodes(names: set[str], fw: fx.GraphModule) -> set[str]:
     """Those of ``names`` whose op draws random numbers: a seeded, nondeterministic op,
     except an attention kernel called with ``dropout_p == 0`` (it draws nothing)."""
     return {n.name for n in fw.graph.nodes if n.name in names and draws_random(n)}
+
+
+def _unrepeatable(node: fx.Node) -> bool:
+    """An op a recompute chain must not re-run: its result would differ (a random draw)
+    or other ranks would not run it with this one (a collective)."""
+    return draws_random(node) or is_collective(node)
 
 
 def draws_random(node: fx.Node) -> bool:

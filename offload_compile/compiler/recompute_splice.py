@@ -147,7 +147,7 @@ def splice_options(
     default_bw: fx.GraphModule,
     zero_bw: fx.GraphModule,
     *,
-    draws_random: Callable[[fx.Node], bool],
+    unrepeatable: Callable[[fx.Node], bool],
     seconds: Callable[[fx.Node], float],
     templates: bool = False,
 ) -> tuple[SpliceOption, ...]:
@@ -159,8 +159,8 @@ def splice_options(
     does not save them).
 
     An activation is not an option when its chain needs a value the default partition
-    does not save, when the chain re-runs an op that draws random numbers (its RNG state
-    would not be replayed), when Inductor rounds it for its forward users because it is
+    does not save, when the chain re-runs an ``unrepeatable`` op (one that draws random
+    numbers, whose RNG state would not be replayed, or a collective), when Inductor rounds it for its forward users because it is
     saved (:func:`rounded_for_forward_users`), or, under max-autotune (``templates``),
     when the chain runs a matmul or convolution (the kernel is chosen by benchmarking,
     so the recompute may not get the forward's). ``seconds`` prices one node."""
@@ -181,7 +181,7 @@ def splice_options(
         unsaved = {
             leaf for leaf in _leaves(chain) if leaf not in kept and not is_primal(zero[leaf])
         }
-        if unsaved or any(draws_random(n) for n in chain):
+        if unsaved or any(unrepeatable(n) for n in chain):
             continue
         if templates and any(n.target in EXTERN_MATMULS for n in chain):
             continue

@@ -10,6 +10,12 @@ distinct storages among them that are on the device (host copies made by the tra
 ops carry the runtime's host label and are not counted), which is the part of
 activation memory offloading changes. On an accelerator,
 ``torch.cuda.max_memory_allocated`` measures the whole step as well.
+
+:func:`autograd_saved_device_bytes` reads every node of the graph, not only the compiled
+ones: eager autograd nodes expose what they saved as ``_saved_<name>`` attributes (the
+eager session's offloaded storages read 0 bytes there), custom Functions as
+``saved_tensors``. Wrapper subclasses (DTensor under tensor parallel) are counted by
+their inner tensors, which hold the bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import torch
 
 from hyper_offload.runtime.memory_meter import is_host_labelled
 
-__all__ = ["node_saved_tensors", "saved_device_bytes", "saved_tensors_of"]
+__all__ = [
+    "autograd_saved_device_bytes", "node_saved_tensors", "saved_device_bytes", "saved_tensors_of",
+]
 
 
 def _nodes(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
@@ -69,4 +77,51 @@ def saved_device_bytes(
         if id(storage) in skip or is_host_labelled(tensor):
             continue
         storages[id(storage)] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``tensor``'s bytes: itself, or a wrapper subclass's inner
+    tensors (``__tensor_flatten__``), recursively."""
+    if not hasattr(tensor, "__tensor_flatten__") or type(tensor) is torch.Tensor:
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = (getattr(tensor, name) for name in names)
+    return [t for value in inner if isinstance(value, torch.Tensor) for t in _inner_tensors(value)]
+
+
+def _any_node_saved(node: Any) -> list[torch.Tensor]:
+    if "CompiledFunction" in type(node).__name__:
+        return node_saved_tensors(node)
+    values: list[Any] = []
+    for name in dir(node):
+        if name.startswith("_saved_") or name == "saved_tensors":
+            try:
+                values.append(getattr(node, name))
+            except RuntimeError:  # freed by an earlier backward
+                continue
+    tensors: list[torch.Tensor] = []
+    for value in values:
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        tensors.extend(t for t in items if isinstance(t, torch.Tensor))
+    return tensors
+
+
+def autograd_saved_device_bytes(
+    *outputs: torch.Tensor, exclude: Iterable[torch.Tensor] = ()
+) -> int:
+    """Bytes of distinct device storages every autograd node reachable from ``outputs``
+    holds for the backward, compiled or eager (see the module docstring); ``exclude``
+    and host copies as in :func:`saved_device_bytes`."""
+    # ``_cdata`` (the storage's address) is stable while a tensor holds it, as each
+    # saved tensor does until this returns.
+    skip = {t.untyped_storage()._cdata for e in exclude for t in _inner_tensors(e)}
+    storages = {}
+    for node in _nodes(outputs):
+        for saved in _any_node_saved(node):
+            for tensor in _inner_tensors(saved):
+                storage = tensor.untyped_storage()
+                if storage._cdata in skip or is_host_labelled(tensor):
+                    continue
+                storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())

@@ -20,12 +20,15 @@ __all__ = [
     "OpDispatcher",
     "device_test",
     "flat_tensors",
+    "owns_storage",
     "result_tensors",
     "tensor_leaves",
     "written_arguments",
 ]
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+_active_mode = torch._C._get_dispatch_mode
 
 
 class OpDispatcher(Protocol):
@@ -44,12 +47,29 @@ class ActivationDispatchMode(TorchDispatchMode):
         self.executor = executor
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _active_mode(_FAKE_MODE) is not None:
+            # Shape propagation on fake tensors (DTensor's sharding rules run ops, and
+            # factories, under a FakeTensorMode): no device memory to track. Run the op
+            # on the fake mode below; returning NotImplemented would fail, as FakeTensor
+            # defers to an active fake mode.
+            return func(*args, **(kwargs or {}))
         for tensor_type in types:
             if tensor_type.__torch_dispatch__ is not _PLAIN_DISPATCH:
-                # A tensor subclass (e.g. ShadowTensor) unwraps itself first; its inner
-                # ops come back here with plain tensors.
+                # A tensor subclass (DTensor, ShadowTensor) unwraps itself first; its
+                # inner ops come back here with plain tensors.
                 return NotImplemented
         return self.executor.dispatch(func, args, kwargs or {})
+
+
+def owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a strided tensor over a storage of its own bytes.
+
+    False for sparse layouts and for wrapper subclasses (DTensor, the functional
+    collectives' ``AsyncCollectiveTensor``, ``ShadowTensor``): a wrapper's
+    ``untyped_storage()`` is a placeholder with no data, and its inner tensors reach the
+    mode as plain tensors through the subclass's own dispatch, where they are tracked.
+    """
+    return tensor.layout is torch.strided and type(tensor).__torch_dispatch__ is _PLAIN_DISPATCH
 
 
 def tensor_leaves(value: Any) -> Iterator[torch.Tensor]:

@@ -18,8 +18,9 @@ the storage. Nothing else ever reads an offloaded storage while the session is a
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +34,28 @@ from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import PinnedMemoryPool, PoolStats, ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
-from .dispatch_mode import device_test, flat_tensors
+from .dispatch_mode import device_test, flat_tensors, owns_storage
 
-__all__ = ["BaseExecutor", "OffloadBudgetWarning", "OffloadSessionError", "StepStats"]
+__all__ = [
+    "BaseExecutor", "OffloadBudgetWarning", "OffloadSessionError", "StepStats",
+    "settle_communication",
+]
+
+COMM_SETTLE_S = 0.05
+"""How long the end of a step waits, at most, for the communication library to drop its
+references to a finished collective's buffers (see :func:`settle_communication`)."""
+
+
+def settle_communication(held: Callable[[], bool], timeout_s: float = COMM_SETTLE_S) -> None:
+    """Wait until ``held()`` is false, at most ``timeout_s``.
+
+    A collective's ``Work`` (gloo: its worker thread) keeps the tensors it used a moment
+    past the ``wait_tensor`` that returned: whether a collective buffer still counts as
+    referenced at the end of a step is a race. The executors settle it before they read
+    reference counts, so the trace and the replay check see the step, not the thread."""
+    deadline = time.perf_counter() + timeout_s
+    while held() and time.perf_counter() < deadline:
+        time.sleep(0.0005)
 
 
 @dataclass
@@ -163,7 +183,7 @@ class BaseExecutor:
         not the address alone (see :meth:`is_input_alias`)."""
         refs: dict[int, Any] = {}
         for tensor in tensors:
-            if tensor.device == device and tensor.layout is torch.strided:
+            if tensor.device == device and owns_storage(tensor):
                 storage = tensor.untyped_storage()
                 refs[storage._cdata] = weakref.ref(storage)
         return refs

@@ -44,8 +44,8 @@ from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
-from .dispatch_mode import flat_tensors, result_tensors, tensor_leaves
-from .executor_base import BaseExecutor, OffloadSessionError
+from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_leaves
+from .executor_base import BaseExecutor, OffloadSessionError, settle_communication
 from .op_guide import OpGuide
 from .warmup import WarmupExecutor, WarmupResult
 
@@ -133,10 +133,9 @@ class ReplayExecutor(BaseExecutor):
         bound = self.bound
         keys = self._keys
         on_device = self.on_device
-        strided = torch.strided
         found = 0
         for tensor in result_tensors(result):
-            if not on_device(tensor) or tensor.layout is not strided:
+            if not on_device(tensor) or not owns_storage(tensor):
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
@@ -188,9 +187,8 @@ class ReplayExecutor(BaseExecutor):
 
     def _wait_for_early_reloads(self, tensors: tuple[torch.Tensor, ...]) -> None:
         loading = self._loading
-        strided = torch.strided
         for tensor in tensors:
-            if tensor.layout is not strided:
+            if not owns_storage(tensor):
                 continue
             sid = loading.pop(tensor.untyped_storage()._cdata, None)
             if sid is not None:
@@ -201,7 +199,7 @@ class ReplayExecutor(BaseExecutor):
     def storage_ids(self, tensors: Any) -> tuple[int, ...]:
         sids: dict[int, None] = {}
         for tensor in tensors:
-            if tensor.device == self.device and tensor.layout is torch.strided:
+            if tensor.device == self.device and owns_storage(tensor):
                 sid = self.bound.get(tensor.untyped_storage()._cdata)
                 if sid is not None:
                     sids[sid] = None
@@ -220,7 +218,7 @@ class ReplayExecutor(BaseExecutor):
         """Output leaves as warmup counted them: tracked or fresh storages."""
         count = 0
         for tensor in tensor_leaves(result):
-            if tensor.device != self.device or tensor.layout is not torch.strided:
+            if tensor.device != self.device or not owns_storage(tensor):
                 continue
             storage = tensor.untyped_storage()
             if storage._cdata in self.bound or not self.is_input_alias(storage, self._keys):
@@ -256,6 +254,16 @@ class ReplayExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ end of step
 
+    def _stranded(self, among: Iterable[int] | None = None) -> list[int]:
+        """Released storages (among ``among``, default all) a tensor still points at."""
+        manager = self.manager
+        return [
+            sid
+            for sid in (manager if among is None else (s for s in among if s in manager))
+            if manager.state(sid) is BufferState.RELEASED
+            and torch._C._storage_Use_Count(manager.buffer(sid).storage._cdata) > 1
+        ]
+
     def finish(self) -> Any:
         self.closed = True
         if self.index != self._num_ops and self.rewarm is not None and not self.opaque_depth:
@@ -272,12 +280,8 @@ class ReplayExecutor(BaseExecutor):
         manager = self.manager
         with _disable_current_modes():
             manager.wait_for_transfers()
-            stranded = [
-                sid
-                for sid in manager
-                if manager.state(sid) is BufferState.RELEASED
-                and torch._C._storage_Use_Count(manager.buffer(sid).storage._cdata) > 1
-            ]
+            settle_communication(lambda: bool(self._stranded(self.plan.comm_buffers)))
+            stranded = self._stranded()
             manager.reset(restore_offloaded=True)
         self.bound.clear()
         self.stats.end_resident_bytes = self.plan.trace.retained_bytes

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_map_only
 
 from hyper_offload.config import MIB
 from hyper_offload.passes.analysis.validator import ScheduleReport
+from hyper_offload.passes.fx.collectives import PendingCollectives, wait_accesses
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import (
     AccessKind,
@@ -51,8 +52,13 @@ from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.op_clock import OpClock
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 
-from .dispatch_mode import tensor_leaves, written_arguments
-from .executor_base import BaseExecutor, OffloadBudgetWarning, OffloadSessionError
+from .dispatch_mode import owns_storage, tensor_leaves, written_arguments
+from .executor_base import (
+    BaseExecutor,
+    OffloadBudgetWarning,
+    OffloadSessionError,
+    settle_communication,
+)
 from .tracker import ActivationTracker
 
 __all__ = ["WarmupExecutor", "WarmupResult"]
@@ -72,11 +78,14 @@ class WarmupResult:
         schedule: ResidencySchedule,
         report: ScheduleReport,
         funcs: list[Any],
+        comm_buffers: frozenset[StorageId] = frozenset(),
     ) -> None:
         self.trace = trace
         self.schedule = schedule
         self.report = report
         self.funcs = funcs
+        self.comm_buffers = comm_buffers
+        """Storages a functional collective read or wrote (tensor parallel)."""
 
 
 class WarmupExecutor(BaseExecutor):
@@ -103,13 +112,15 @@ class WarmupExecutor(BaseExecutor):
         self._current: tuple[Any, str, dict[StorageId, AccessKind], Any, int] | None = None
         self.clock = OpClock(device)  # op durations: wall clock on CPU, events on a GPU
         self._timed: dict[int, int] = {}  # op index -> clock token
+        self.collectives = PendingCollectives()
 
     # ------------------------------------------------------------------ op hooks
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = func if isinstance(func, str) else str(func)
         writes = self._writes.get(func)
-        if writes is None:
+        if writes is None:  # the first call of this op in the step
+            _refuse_invisible_communication(func, self.index)
             writes = self._writes[func] = written_arguments(func)
         written_pos = {p for p, _ in writes}
         written_names = {n for _, n in writes}
@@ -123,13 +134,13 @@ class WarmupExecutor(BaseExecutor):
             keys = self.live_inputs((t for t, _ in tensors), self.device)
         accesses: dict[StorageId, AccessKind] = {}
         for tensor, written in tensors:
-            if tensor.device != self.device or tensor.layout is not torch.strided:
+            if tensor.device != self.device or not owns_storage(tensor):
                 continue
             sid = self.tracker.sid_of(tensor.untyped_storage())
             if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
         incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
-        self._evict(set(accesses), incoming)
+        self._evict(set(accesses) | self.collectives.in_flight, incoming)
         self._current = (func, name, accesses, keys, self.clock.start())
 
     def on_op_end(self, result: Any) -> Any:
@@ -140,7 +151,7 @@ class WarmupExecutor(BaseExecutor):
         self._timed[self.index] = token
         outputs: list[StorageId] = []
         for tensor in tensor_leaves(result):
-            if tensor.device != self.device or tensor.layout is not torch.strided:
+            if tensor.device != self.device or not owns_storage(tensor):
                 continue
             storage = tensor.untyped_storage()
             sid = self.tracker.sid_of(storage)
@@ -155,6 +166,7 @@ class WarmupExecutor(BaseExecutor):
                 self._note_growth(sid, storage.nbytes())
                 accesses.setdefault(sid, AccessKind.READ)
             outputs.append(sid)
+        self._note_collective(func, accesses, outputs)
         self.ops.append(
             TraceOp(
                 name=name,
@@ -167,10 +179,20 @@ class WarmupExecutor(BaseExecutor):
         self.index += 1
         return result
 
+    def _note_collective(
+        self, func: Any, accesses: dict[StorageId, AccessKind], outputs: list[StorageId]
+    ) -> None:
+        """An issued functional collective reads its inputs and writes its outputs until
+        its ``wait_tensor``: so does the wait in the trace, and nothing evicts them
+        before it (:mod:`hyper_offload.passes.fx.collectives`)."""
+        reads = [sid for sid, kind in accesses.items() if kind is AccessKind.READ]
+        self.collectives.issued(func, reads, outputs)
+        wait_accesses(self.collectives, func, accesses, AccessKind.READ, AccessKind.WRITE)
+
     def storage_ids(self, tensors: Any) -> tuple[StorageId, ...]:
         sids: dict[StorageId, None] = {}
         for tensor in tensors:
-            if tensor.device == self.device and tensor.layout is torch.strided:
+            if tensor.device == self.device and owns_storage(tensor):
                 sid = self.tracker.sid_of(tensor.untyped_storage())
                 if sid is not None:
                     sids[sid] = None
@@ -294,6 +316,8 @@ class WarmupExecutor(BaseExecutor):
         self.closed = True
         manager = self.manager
         stranded = []
+        tracker, comm = self.tracker, self.collectives.buffers
+        settle_communication(lambda: any(tracker.referenced_elsewhere(sid) for sid in comm))
         with _disable_current_modes():
             manager.wait_for_transfers()
             for sid in list(manager):
@@ -341,7 +365,9 @@ class WarmupExecutor(BaseExecutor):
                 stacklevel=3,  # the user's `with session:` (through OffloadSession.__exit__)
             )
         self.tracker.clear()
-        return WarmupResult(trace, planned.schedule, planned.check, self.funcs)
+        return WarmupResult(
+            trace, planned.schedule, planned.check, self.funcs, frozenset(self.collectives.buffers)
+        )
 
 
 def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:
@@ -368,13 +394,38 @@ def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_
     )
 
 
+_INVISIBLE_COMMUNICATION = frozenset({"fsdp"})
+"""Namespaces of ops that prepare buffers for communication the dispatcher never sees."""
+
+
+def _refuse_invisible_communication(func: Any, index: int) -> None:
+    """Fail the warmup at FSDP2's first op: the session would plan buffers blindly.
+
+    FSDP2 (``fully_shard``) packs its all-gathers and reduce-scatters into buffers made
+    by ``fsdp::`` ops and hands them to the process group directly, outside the
+    dispatcher, with ``async_op=True``: no op of the step shows when the communication
+    reads or writes them, so a plan could copy, free or evict a buffer the library still
+    uses (measured: a segfault in ``all_gather_single``). Tensor parallel's functional
+    collectives are ops with a ``wait_tensor`` and are planned like any other."""
+    if getattr(func, "namespace", None) in _INVISIBLE_COMMUNICATION:
+        raise OffloadSessionError(
+            f"OffloadSession warmup, op {index} ({func}): FSDP2 (fully_shard) hands its "
+            "communication buffers to the process group outside the dispatcher, so the "
+            "session cannot see when the all-gathers and reduce-scatters use them and "
+            "cannot plan them safely. Fix: compile the model with "
+            "torch.compile(model, backend='hyper_offload') (FSDP2 and FSDP2 x tensor "
+            "parallel are supported there), or use the session without fully_shard "
+            "(tensor parallel alone is supported)"
+        )
+
+
 def _estimate_new_bytes(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> int:
     """Bytes of the storages ``func`` will allocate, from a run on meta tensors; 0 when the
     op has no meta kernel (data-dependent shapes, ops with side effects)."""
     def to_meta(t: torch.Tensor) -> torch.Tensor:
-        if t.device != device or t.layout is not torch.strided:
+        if t.device != device or not owns_storage(t):
             return t
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 

@@ -21,6 +21,8 @@ Storages (the trace's unit) come from fake-tensor metadata:
   once that region has run, so the saved reference is what keeps it);
 * a saved activation (a forward output the backward takes as a placeholder of the same
   name) is one storage across both graphs;
+* a functional collective's ``wait_tensor`` reads its tensor inputs and writes its
+  output (:mod:`.collectives`: the communication runs until then);
 * model outputs (the first ``num_fwd_outputs`` forward outputs) and the backward's
   outputs (gradients) are ``retained``; gradients count 0 bytes: they are the
   optimizer's memory, sized by the parameters like the parameters themselves, not
@@ -59,6 +61,7 @@ from ..ir.trace import (
     StorageId,
     TraceOp,
 )
+from .collectives import PendingCollectives, wait_accesses
 from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput_for
 from .saved import SavedActivation, StorageBase, classify_saved
 
@@ -169,6 +172,7 @@ class _Builder:
         self.ops: list[dict[StorageId, AccessKind]] = []
         self.names: list[str] = []
         self.durations: list[float] = []
+        self.pending = PendingCollectives()  # an async collective's inputs live to its wait
 
     def new_storage(self, nbytes: int, base: StorageBase) -> StorageId:
         sid = len(self.sizes)
@@ -233,6 +237,9 @@ class _Builder:
             accesses[sid] = AccessKind.WRITE
             out_sids.append(sid)
         self.storage[qualified] = out_sids or [None]
+        reads = [sid for sid, kind in accesses.items() if kind is AccessKind.READ]
+        self.pending.issued(node.target, reads, [s for s in out_sids if s is not None])
+        wait_accesses(self.pending, node.target, accesses, AccessKind.READ, AccessKind.WRITE)
         self.ops.append(accesses)
         self.names.append(qualified)
         self.durations.append(node_seconds(node, self.throughput))

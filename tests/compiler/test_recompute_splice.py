@@ -97,7 +97,7 @@ def partitions_with_saved_output() -> Partitions:
 
 def _options(p: Partitions, **kwargs: Any) -> tuple[rs.SpliceOption, ...]:
     (fw, bw), (_, zero_bw) = p.graphs[1.0], p.graphs[0.0]
-    return rs.splice_options(fw, bw, zero_bw, draws_random=kwargs.pop("draws_random", draws_random),
+    return rs.splice_options(fw, bw, zero_bw, unrepeatable=kwargs.pop("unrepeatable", draws_random),
                              seconds=lambda n: 1e-6, **kwargs)
 
 
@@ -123,7 +123,7 @@ def test_options_are_saved_values_recomputed_from_saved_values_or_inputs(partiti
 
 
 def test_a_chain_that_draws_random_numbers_is_no_option(partitions):
-    assert _options(partitions) and not _options(partitions, draws_random=lambda n: True)
+    assert _options(partitions) and not _options(partitions, unrepeatable=lambda n: True)
 
 
 def test_recompute_order_puts_most_bytes_per_second_first():

@@ -1,7 +1,7 @@
 """Run a worker on ``WORLD`` gloo ranks once and read back what each rank saved.
 
-The data-parallel compile tests (``test_compile_data_parallel.py``,
-``test_step_budget_distributed.py``) spawn one job whose ``worker(rank, world, port,
+The data-parallel and tensor-parallel tests (``test_compile_data_parallel.py``,
+``test_step_budget_distributed.py``, ``test_tensor_parallel.py``) spawn one job whose ``worker(rank, world, port,
 out_dir)`` saves ``rank<r>.pt`` (case name -> results, or ``{"error": traceback}``)."""
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from ..runtime.pipeline.dist_harness import free_port
 WORLD = 2
 
 
-def spawn_ranks(worker: Callable[..., None], out_dir: Path) -> list[dict[str, Any]]:
+def spawn_ranks(
+    worker: Callable[..., None], out_dir: Path, world: int = WORLD
+) -> list[dict[str, Any]]:
     """Per rank, what ``worker`` saved. ``join=True`` re-raises a rank's failure here;
     the workers' gloo timeout bounds a hung rank."""
-    mp.spawn(worker, args=(WORLD, free_port(), str(out_dir)), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    mp.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def rank_case(results: list[dict[str, Any]], name: str, rank: int) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""An asynchronous collective reads its input until its wait: the FX trace says so, and
+the pending-collectives record both doors share keeps the storages in flight."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from hyper_offload.passes.fx.collectives import PendingCollectives, is_collective_op, is_wait_op
+from hyper_offload.passes.fx.graph_trace import build_fx_trace
+from hyper_offload.passes.ir.trace import AccessKind
+
+funcol = torch.ops._c10d_functional
+
+
+def _forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    shard = x.relu()
+    gathered = funcol.all_gather_into_tensor.default(shard, 2, "0")
+    other = x * 3  # runs while the gather is in flight
+    gathered = funcol.wait_tensor.default(gathered)
+    return (gathered.sum() + other.sum(),)
+
+
+def _graphs() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    fw = make_fx(_forward, tracing_mode="fake")(torch.randn(4, 8))
+
+    def backward(tangent: torch.Tensor) -> tuple[torch.Tensor]:
+        return (tangent * 2,)
+
+    return fw, make_fx(backward, tracing_mode="fake")(torch.randn(()))
+
+
+def test_the_wait_reads_what_the_collective_reads():
+    fw, bw = _graphs()
+    trace = build_fx_trace(fw, bw, num_fwd_outputs=1)
+    names = list(trace.op_nodes)
+    ops = trace.trace.ops
+    relu = names.index("fw:relu")
+    shard = next(a.storage for a in ops[relu].accesses if a.kind is AccessKind.WRITE)
+    wait = next(i for i, n in enumerate(names) if n.startswith("fw:wait_tensor"))
+    gather = next(i for i, n in enumerate(names) if n.startswith("fw:all_gather"))
+    assert gather < names.index("fw:mul") < wait  # the gather's input is idle in between
+    waited = {a.storage: a.kind for a in ops[wait].accesses}
+    assert waited[shard] is AccessKind.READ
+    # the gather's output is written at the wait, where its bytes are complete
+    output = next(a.storage for a in ops[gather].accesses if a.kind is AccessKind.WRITE)
+    assert waited[output] is AccessKind.WRITE
+    # so it is resident (READ) at every op up to the wait: no plan can free it earlier
+    assert all(shard in {a.storage for a in ops[i].accesses} for i in range(relu, wait + 1))
+
+
+def test_pending_collectives_hold_inputs_and_outputs_until_the_wait():
+    pending = PendingCollectives()
+    pending.issued(funcol.all_gather_into_tensor.default, inputs=[1], outputs=[7])
+    pending.issued(torch.ops.aten.mul.Tensor, inputs=[2], outputs=[8])  # not a collective
+    assert pending.in_flight == {1, 7} and pending.buffers == {1, 7}
+    assert pending.waited(7) == (1,)
+    assert pending.in_flight == set() and pending.waited(7) is None
+    assert pending.buffers == {1, 7}  # the library may hold them a moment past the wait
+
+
+def test_namespaces():
+    assert is_collective_op(funcol.all_reduce.default) and not is_wait_op(funcol.all_reduce.default)
+    assert is_wait_op(funcol.wait_tensor.default)
+    assert not is_collective_op(torch.ops.aten.mm.default)
