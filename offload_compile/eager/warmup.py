@@ -139,8 +139,10 @@ class WarmupExecutor(BaseExecutor):
             sid = self.tracker.sid_of(tensor.untyped_storage())
             if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
+        for sid in self.collectives.in_flight:  # read by the communication meanwhile
+            accesses.setdefault(sid, AccessKind.READ)
         incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
-        self._evict(set(accesses) | self.collectives.in_flight, incoming)
+        self._evict(set(accesses), incoming)
         self._current = (func, name, accesses, keys, self.clock.start())
 
     def on_op_end(self, result: Any) -> Any:
@@ -183,8 +185,9 @@ class WarmupExecutor(BaseExecutor):
         self, func: Any, accesses: dict[StorageId, AccessKind], outputs: list[StorageId]
     ) -> None:
         """An issued functional collective reads its inputs and writes its outputs until
-        its ``wait_tensor``: so does the wait in the trace, and nothing evicts them
-        before it (:mod:`hyper_offload.passes.fx.collectives`)."""
+        its ``wait_tensor``: so does the wait in the trace, and every op in between
+        reads them (:meth:`on_op_begin`), so no plan or eviction moves them before it
+        (:mod:`hyper_offload.passes.fx.collectives`)."""
         reads = [sid for sid, kind in accesses.items() if kind is AccessKind.READ]
         self.collectives.issued(func, reads, outputs)
         wait_accesses(self.collectives, func, accesses, AccessKind.READ, AccessKind.WRITE)
