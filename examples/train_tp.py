@@ -13,6 +13,7 @@ and whether the loss and every gradient shard are ``torch.equal`` to the plain r
     python examples/train_tp.py --spawn                  # 2 ranks, TP, compile door (gloo)
     python examples/train_tp.py --spawn --door eager     # the eager session
     python examples/train_tp.py --spawn --dp 2           # 4 ranks: FSDP2 x TP (compile door)
+    python examples/train_tp.py --spawn --inner-compiler inductor
     torchrun --nproc-per-node 2 examples/train_tp.py     # under torchrun (NCCL on GPUs)
 
 The eager session refuses FSDP2 at warmup with an error naming the fix (FSDP2's
@@ -115,11 +116,11 @@ def train(
 
 
 def offload_run(door: str, model: nn.Module, data: tuple[torch.Tensor, ...], steps: int,
-                budget: int) -> tuple[list[dict[str, Any]], Any]:
-    """``steps`` steps through ``door`` at ``budget`` bytes; the steps and what planned
-    them (the backend, or the session)."""
+                budget: int, inner: str = "aot_eager") -> tuple[list[dict[str, Any]], Any]:
+    """``steps`` steps through ``door`` at ``budget`` bytes (compile door: with the
+    ``inner`` compiler); the steps and what planned them (the backend, or the session)."""
     if door == "compile":
-        backend = hyper_offload.backend(inner_compiler="aot_eager",
+        backend = hyper_offload.backend(inner_compiler=inner,
                                         max_resident_activation_mb=budget / MIB)
         total = [0]
 
@@ -150,12 +151,12 @@ def run_rank(args: argparse.Namespace) -> str:
     tp_mesh, dp_mesh, dp_rank = meshes(dist.get_world_size(), args.dp)
     data = batch(dp_rank)
     model = build_model(args.model, tp_mesh, dp_mesh)
-    forward = torch.compile(model, backend="aot_eager") if args.door == "compile" else model
+    forward = torch.compile(model, backend=args.inner_compiler) if args.door == "compile" else model
     plain = train(model, forward, data, args.steps)
     budget = int(args.budget_fraction * plain[0]["saved"])
     torch._dynamo.reset()
     steps, _ = offload_run(args.door, build_model(args.model, tp_mesh, dp_mesh), data,
-                           args.steps, budget)
+                           args.steps, budget, args.inner_compiler)
     exact = all(
         torch.equal(s["loss"], p["loss"])
         and all(torch.equal(a, b) for a, b in zip(s["grads"], p["grads"]))
@@ -173,6 +174,8 @@ def _main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    # plain Inductor on CPU is run-to-run deterministic only with this (TORCH_NOTES.md)
+    torch.use_deterministic_algorithms(args.inner_compiler == "inductor")
     warnings.simplefilter("ignore", hyper_offload.OffloadBudgetWarning)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -196,6 +199,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=1, help="FSDP2 degree (2-D mesh when > 1)")
     p.add_argument("--door", choices=("compile", "eager"), default="compile")
     p.add_argument("--model", choices=("llama", "hf_llama"), default="llama")
+    p.add_argument("--inner-compiler", choices=("aot_eager", "inductor"), default="aot_eager",
+                   help="compile door: the inner compiler (the plain run uses the same)")
     p.add_argument("--budget-fraction", type=float, default=0.5)
     p.add_argument("--steps", type=int, default=2, help="the first compiles or warms up")
     return p.parse_args(argv)

@@ -78,18 +78,19 @@ def _eager_plan(session: hyper_offload.OffloadSession) -> dict[str, Any]:
 
 
 def run_case(model_name: str, door: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None,
-             dp_rank: int) -> dict[str, Any]:
-    """The reference run, then the offload run at ``FRACTION`` of its saved bytes."""
+             dp_rank: int, inner: str = "aot_eager") -> dict[str, Any]:
+    """The reference run, then the offload run at ``FRACTION`` of its saved bytes
+    (compile door: both with the ``inner`` compiler)."""
     data = batch(dp_rank)
     torch._dynamo.reset()
     model = build_model(model_name, tp_mesh, dp_mesh)
-    forward = torch.compile(model, backend="aot_eager") if door == "compile" else model
+    forward = torch.compile(model, backend=inner) if door == "compile" else model
     reference = train(model, forward, data, 1)[0]
     budget = int(FRACTION * reference["saved"])
     torch._dynamo.reset()
     try:
         steps, planner = offload_run(door, build_model(model_name, tp_mesh, dp_mesh), data,
-                                     STEPS, budget)
+                                     STEPS, budget, inner)
     except OffloadSessionError as refused:  # FSDP2 in the eager door (the test checks)
         return {"reference": reference, "budget": budget, "refused": str(refused)}
     plan = _compile_plan(planner) if door == "compile" else _eager_plan(planner)
@@ -122,6 +123,16 @@ def run_search_case(tp_mesh: DeviceMesh) -> dict[str, Any]:
     return {"reference": reference, "budget": budget, "steps": steps, "searches": searches}
 
 
+def _inductor_case(tp_mesh: DeviceMesh) -> dict[str, Any]:
+    """The compile door with Inductor (plain Inductor on CPU needs deterministic
+    algorithms to repeat itself bit for bit: TORCH_NOTES.md)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        return run_case("llama", "compile", tp_mesh, None, 0, inner="inductor")
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point of ``torch.multiprocessing.spawn``: every case, results to a file."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -145,10 +156,13 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     results[name] = {"error": traceback.format_exc()}
                 dist.barrier()
         if dp_mesh is None:
-            try:
-                results["llama-search"] = run_search_case(tp_mesh)
-            except Exception:
-                results["llama-search"] = {"error": traceback.format_exc()}
+            for name, case in (("llama-search", lambda: run_search_case(tp_mesh)),
+                               ("llama-inductor", lambda: _inductor_case(tp_mesh))):
+                try:
+                    results[name] = case()
+                except Exception:
+                    results[name] = {"error": traceback.format_exc()}
+                dist.barrier()
     finally:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
