@@ -6,6 +6,9 @@ compiled code without running our partitioner, so its lowered graphs
 (``regions[i].graphs``) and everything a test inspects of one compile depend on test
 order. The cached path is tested on purpose, with the cache on, in
 ``tests/compiler/test_warm_restart.py`` (in-process and across processes).
+
+``one_rank``: a default process group of one gloo rank in this process (a
+``HashStore``), for tests of collectives that need no worker processes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 from torch._functorch import config as functorch_config
 
 AUTOGRAD_CACHE_ENV = "TORCHINDUCTOR_AUTOGRAD_CACHE"
@@ -29,3 +33,14 @@ def no_autograd_cache() -> Iterator[None]:
         del os.environ[AUTOGRAD_CACHE_ENV]
     else:
         os.environ[AUTOGRAD_CACHE_ENV] = previous
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    if dist.is_initialized():  # pragma: no cover - another test left a group behind
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -8,7 +8,6 @@ The multi-rank checks (DTensor models, FSDP2's refusal) are in
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,17 +19,6 @@ from hyper_offload.eager.executor_base import settle_communication
 from hyper_offload.passes import AccessKind
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():  # pragma: no cover - another test left a group behind
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

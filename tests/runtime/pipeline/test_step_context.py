@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.integration.import_graph import import_graph
 
@@ -36,17 +34,6 @@ def test_step_observer_stays_importable_from_the_runner_and_the_package() -> Non
     from hyper_offload.runtime.pipeline.step_runner import StepObserver
 
     assert StepObserver is from_package
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():  # pragma: no cover - another test left a group behind
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
