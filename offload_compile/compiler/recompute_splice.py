@@ -160,8 +160,9 @@ def splice_options(
 
     An activation is not an option when its chain needs a value the default partition
     does not save, when the chain re-runs an ``unrepeatable`` op (one that draws random
-    numbers, whose RNG state would not be replayed, or a collective), when Inductor rounds it for its forward users because it is
-    saved (:func:`rounded_for_forward_users`), or, under max-autotune (``templates``),
+    numbers, whose RNG state would not be replayed, or a collective), when Inductor
+    rounds it for its forward users because it is saved
+    (:func:`rounded_for_forward_users`), or, under max-autotune (``templates``),
     when the chain runs a matmul or convolution (the kernel is chosen by benchmarking,
     so the recompute may not get the forward's). ``seconds`` prices one node."""
     zero = {n.name: n for n in zero_bw.graph.nodes}

@@ -109,7 +109,9 @@ class WarmupExecutor(BaseExecutor):
         self.funcs: list[Any] = []
         self._resident_sids: dict[StorageId, None] = {}  # insertion-ordered set
         self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
-        self._current: tuple[Any, str, dict[StorageId, AccessKind], Any, int] | None = None
+        self._current: (
+            tuple[Any, str, dict[StorageId, AccessKind], tuple[StorageId, ...], Any, int] | None
+        ) = None  # func, name, accesses, the storages its arguments read, keys, clock token
         self.clock = OpClock(device)  # op durations: wall clock on CPU, events on a GPU
         self._timed: dict[int, int] = {}  # op index -> clock token
         self.collectives = PendingCollectives()
@@ -139,15 +141,16 @@ class WarmupExecutor(BaseExecutor):
             sid = self.tracker.sid_of(tensor.untyped_storage())
             if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
+        reads = tuple(sid for sid, kind in accesses.items() if kind is AccessKind.READ)
         for sid in self.collectives.in_flight:  # read by the communication meanwhile
             accesses.setdefault(sid, AccessKind.READ)
         incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
         self._evict(set(accesses), incoming)
-        self._current = (func, name, accesses, keys, self.clock.start())
+        self._current = (func, name, accesses, reads, keys, self.clock.start())
 
     def on_op_end(self, result: Any) -> Any:
         assert self._current is not None, "on_op_end without on_op_begin"
-        func, name, accesses, keys, token = self._current
+        func, name, accesses, reads, keys, token = self._current
         self._current = None
         self.clock.stop(token)
         self._timed[self.index] = token
@@ -168,7 +171,7 @@ class WarmupExecutor(BaseExecutor):
                 self._note_growth(sid, storage.nbytes())
                 accesses.setdefault(sid, AccessKind.READ)
             outputs.append(sid)
-        self._note_collective(func, accesses, outputs)
+        self._note_collective(func, accesses, reads, outputs)
         self.ops.append(
             TraceOp(
                 name=name,
@@ -182,15 +185,15 @@ class WarmupExecutor(BaseExecutor):
         return result
 
     def _note_collective(
-        self, func: Any, accesses: dict[StorageId, AccessKind], outputs: list[StorageId]
+        self, func: Any, accesses: dict[StorageId, AccessKind], reads: tuple[StorageId, ...],
+        outputs: list[StorageId],
     ) -> None:
         """An issued functional collective reads its inputs and writes its outputs until
         its ``wait_tensor``: so does the wait in the trace, and every op in between
         reads them (:meth:`on_op_begin`), so no plan or eviction moves them before it
         (:mod:`hyper_offload.passes.fx.collectives`)."""
-        reads = [sid for sid, kind in accesses.items() if kind is AccessKind.READ]
         self.collectives.issued(func, reads, outputs)
-        wait_accesses(self.collectives, func, accesses, AccessKind.READ, AccessKind.WRITE)
+        wait_accesses(self.collectives, func, reads, accesses, AccessKind.READ, AccessKind.WRITE)
 
     def storage_ids(self, tensors: Any) -> tuple[StorageId, ...]:
         sids: dict[StorageId, None] = {}

@@ -86,14 +86,14 @@ class PendingCollectives:
         return busy
 
 
-def wait_accesses(pending: PendingCollectives, target: Any, accesses: dict[int, Any],
-                  read: Any, write: Any) -> None:
+def wait_accesses(pending: PendingCollectives, target: Any, arguments: Iterable[int],
+                  accesses: dict[int, Any], read: Any, write: Any) -> None:
     """Apply the module's rule to one op's ``accesses`` (storage -> kind) in place: at a
-    ``wait_tensor``, each pending output it waits on is WRITTEN (``write``) and its
-    collective's inputs are READ (``read``)."""
+    ``wait_tensor``, each pending output among its ``arguments`` (the storages it waits
+    on) is WRITTEN (``write``) and its collective's inputs are READ (``read``)."""
     if not is_wait_op(target):
         return
-    for sid in list(accesses):
+    for sid in tuple(arguments):
         inputs = pending.waited(sid)
         if inputs is None:
             continue

@@ -239,7 +239,9 @@ class _Builder:
         self.storage[qualified] = out_sids or [None]
         reads = [sid for sid, kind in accesses.items() if kind is AccessKind.READ]
         self.pending.issued(node.target, reads, [s for s in out_sids if s is not None])
-        wait_accesses(self.pending, node.target, accesses, AccessKind.READ, AccessKind.WRITE)
+        wait_accesses(
+            self.pending, node.target, reads, accesses, AccessKind.READ, AccessKind.WRITE
+        )
         self.ops.append(accesses)
         self.names.append(qualified)
         self.durations.append(node_seconds(node, self.throughput))

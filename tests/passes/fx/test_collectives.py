@@ -6,7 +6,12 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hyper_offload.passes.fx.collectives import PendingCollectives, is_collective_op, is_wait_op
+from hyper_offload.passes.fx.collectives import (
+    PendingCollectives,
+    is_collective_op,
+    is_wait_op,
+    wait_accesses,
+)
 from hyper_offload.passes.fx.graph_trace import build_fx_trace
 from hyper_offload.passes.ir.trace import AccessKind
 
@@ -63,3 +68,21 @@ def test_namespaces():
     assert is_collective_op(funcol.all_reduce.default) and not is_wait_op(funcol.all_reduce.default)
     assert is_wait_op(funcol.wait_tensor.default)
     assert not is_collective_op(torch.ops.aten.mm.default)
+
+
+def test_a_wait_ends_only_the_collective_it_waits_on():
+    pending = PendingCollectives()
+    gather = funcol.all_gather_into_tensor.default
+    pending.issued(gather, inputs=[1], outputs=[7])
+    pending.issued(gather, inputs=[2], outputs=[8])
+    # an op's accesses in the eager trace hold every in-flight storage, the wait's
+    # argument is only the one it waits on
+    accesses = {s: AccessKind.READ for s in (1, 2, 7, 8)}
+    wait_accesses(pending, funcol.wait_tensor.default, [7], accesses,
+                  AccessKind.READ, AccessKind.WRITE)
+    assert accesses[7] is AccessKind.WRITE and accesses[8] is AccessKind.READ
+    assert pending.in_flight == {2, 8}  # the second gather is still running
+    accesses = {7: AccessKind.READ}
+    wait_accesses(pending, torch.ops.aten.mul.Tensor, [7], accesses,
+                  AccessKind.READ, AccessKind.WRITE)  # not a wait: nothing changes
+    assert accesses == {7: AccessKind.READ} and pending.in_flight == {2, 8}
