@@ -61,7 +61,15 @@ class ActivationTracker:
         self._by_key: dict[int, TrackedStorage] = {}
         self._entries: dict[StorageId, TrackedStorage] = {}
         self._next_sid = 0
-        self._on_free = on_free
+        # Weakly, when it is a method of the executor that owns this tracker: a strong one
+        # would make a cycle that keeps the executor, its manager and every host buffer
+        # alive until a garbage collection (measured: at interpreter exit, after the
+        # process group was destroyed, where gloo aborts the process).
+        self._on_free: Callable[[], Callable[[StorageId], None] | None] | None = (
+            None if on_free is None
+            else weakref.WeakMethod(on_free) if hasattr(on_free, "__self__")
+            else (lambda: on_free)
+        )
 
     # ------------------------------------------------------------------ queries
 
@@ -157,7 +165,8 @@ class ActivationTracker:
                 return
             entry.alive = False
             del tracker._by_key[key]
-            if tracker._on_free is not None:
-                tracker._on_free(sid)
+            on_free = tracker._on_free() if tracker._on_free is not None else None
+            if on_free is not None:
+                on_free(sid)
 
         return callback
