@@ -18,6 +18,7 @@ would never fire.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -67,7 +68,7 @@ class ActivationTracker:
         # process group was destroyed, where gloo aborts the process).
         self._on_free: Callable[[], Callable[[StorageId], None] | None] | None = (
             None if on_free is None
-            else weakref.WeakMethod(on_free) if hasattr(on_free, "__self__")
+            else weakref.WeakMethod(on_free) if isinstance(on_free, types.MethodType)
             else (lambda: on_free)
         )
 
