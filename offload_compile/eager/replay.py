@@ -41,13 +41,15 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
+from hyper_offload.passes.plan.protocol import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
 from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_leaves
 from .executor_base import BaseExecutor, OffloadSessionError, settle_communication
 from .op_guide import OpGuide
-from .warmup import WarmupExecutor, WarmupResult
+from .size_drift import SizeDrift, grown_sizes
+from .warmup import WarmupExecutor, WarmupResult, replan
 
 __all__ = ["ReplayExecutor"]
 
@@ -62,9 +64,11 @@ class ReplayExecutor(BaseExecutor):
         plan: WarmupResult,
         *,
         rewarm: Callable[[], WarmupExecutor] | None = None,
+        planner: ResidencyPlanner | None = None,
     ) -> None:
         """``rewarm``: on a structural mismatch, build a warmup executor that takes the
-        step over (``OffloadConfig.rewarm_on_mismatch``); ``None`` raises instead."""
+        step over (``OffloadConfig.rewarm_on_mismatch``); ``None`` raises instead.
+        ``planner``: remakes the plan after a step with larger sizes (:mod:`.size_drift`)."""
         super().__init__(manager, device)
         self.plan = plan
         self.rewarm = rewarm
@@ -78,6 +82,9 @@ class ReplayExecutor(BaseExecutor):
         self._post = plan.schedule.post
         self._num_ops = len(self._funcs)
         self._sizes = plan.trace.storage_sizes
+        self.drift = SizeDrift(plan.trace)
+        """Sizes that differ from the plan's this step, and the online eviction's doing."""
+        self.planner = planner
         self._keys: Any = set()
         self._mismatched: Any = None  # the unexpected func, while it runs
         self._loading: dict[int, StorageId] = {}
@@ -94,6 +101,8 @@ class ReplayExecutor(BaseExecutor):
             pre = self._pre[i]
             if pre:
                 self.apply_actions(pre)
+            if self.drift.grown:
+                self._make_room(i)
         if self.rewarm is not None:
             self._call = (func, args, kwargs)
         inputs = flat_tensors(args, kwargs)
@@ -146,8 +155,8 @@ class ReplayExecutor(BaseExecutor):
                 if found >= len(expected) or expected[found] in self.manager:
                     self._raise_mismatch(self._funcs[i], self._count_leaves(result))
                 sid = expected[found]
-                if storage.nbytes() != self._sizes[sid]:
-                    self._raise_size_mismatch(sid, storage.nbytes())
+                if storage.nbytes() != self._sizes[sid]:  # same op, other sizes
+                    self.drift.note(sid, storage.nbytes())
                 self.manager.bind(sid, tensor)
                 bound[key] = sid
                 self._resident += storage.nbytes()
@@ -167,6 +176,8 @@ class ReplayExecutor(BaseExecutor):
 
     def apply_actions(self, actions: tuple[ResidencyAction, ...]) -> None:
         """Run schedule actions and keep :attr:`_loading` (reloads in flight) current."""
+        if self.drift.evicted:
+            actions = tuple(a for a in actions if self.drift.applicable(self.manager, a))
         super().apply_actions(actions)
         for action in actions:
             kind = action.kind
@@ -243,14 +254,28 @@ class ReplayExecutor(BaseExecutor):
             "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
         )
 
-    def _raise_size_mismatch(self, sid: int, found_bytes: int) -> None:
-        i = self.index
-        raise ReplayMismatchError(
-            f"replay op {i} ({self._entries[i].name}): output storage {sid} has {found_bytes} "
-            f"bytes, warmup recorded {self._sizes[sid]}; the step runs the same ops on other "
-            "shapes, so the plan's sizes and budget no longer hold. Call session.reset() to "
-            "re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
-        )
+    def _make_room(self, i: int) -> None:
+        """A larger-than-planned step: evict online until op ``i``'s planned outputs fit
+        the budget (:mod:`.size_drift`)."""
+        incoming = sum(self._sizes[sid] for sid in self._entries[i].leaf_storages)
+        bound = max(self.plan.trace.budget_bytes, self.plan.report.resident_bytes[i])
+        excess = self._resident + incoming - bound
+        if excess <= 0:
+            return
+        manager, stats = self.manager, self.stats
+        with _disable_current_modes():
+            for sid in self.drift.victims(manager, i, set(self._loading.values())):
+                if excess <= 0:
+                    break
+                nbytes = manager.buffer(sid).nbytes
+                manager.copy_d2h(sid)
+                manager.release_device(sid)
+                self.drift.evicted.add(sid)
+                self._resident -= nbytes
+                excess -= nbytes
+                stats.evictions += 1
+                stats.bytes_d2h += nbytes
+                stats.transfers += 1
 
     # ------------------------------------------------------------------ end of step
 
@@ -282,6 +307,12 @@ class ReplayExecutor(BaseExecutor):
             manager.wait_for_transfers()
             settle_communication(lambda: bool(self._stranded(self.plan.comm_buffers)))
             stranded = self._stranded()
+            for sid in self.drift.evicted:  # dead while evicted: drop both copies
+                buffer = manager.buffer(sid)
+                if not buffer.is_resident and torch._C._storage_Use_Count(buffer.storage._cdata) <= 1:
+                    if manager.has_host_copy(sid):
+                        manager.release_host(sid)
+                    manager.unbind(sid)
             manager.reset(restore_offloaded=True)
         self.bound.clear()
         self.stats.end_resident_bytes = self.plan.trace.retained_bytes
@@ -293,3 +324,7 @@ class ReplayExecutor(BaseExecutor):
                 "last recorded use; do not read those tensors. Keep the same references in "
                 "every step (or call session.reset() to re-warm with the new ones)"
             )
+        if self.drift.grown and self.planner is not None:  # plan for the largest sizes seen
+            return replan(self.plan, grown_sizes(self.plan.trace, self.drift.observed),
+                          self.planner)
+        return None

@@ -98,6 +98,9 @@ class OffloadSession:
         """Completed steps (warmup and replay) since construction or ``reset()``."""
         self.rewarms = 0
         """Automatic re-warms after a structural mismatch (``rewarm_on_mismatch``)."""
+        self.replans = 0
+        """Plans remade after a replayed step ran the same ops with larger sizes (no
+        re-trace: :mod:`.size_drift`)."""
 
     # ------------------------------------------------------------------ public state
 
@@ -192,6 +195,8 @@ class OffloadSession:
             raise
         if isinstance(result, WarmupResult):
             self._plan = result
+            if isinstance(executor, ReplayExecutor) and executor.successor is None:
+                self.replans += 1  # same ops, larger sizes: planned again (.size_drift)
         if isinstance(executor, ReplayExecutor) and executor.successor is not None:
             executor = executor.successor  # re-warmed: report the warmup's figures
         self._close_stats(executor)
@@ -204,7 +209,8 @@ class OffloadSession:
         if self._plan is None:
             return self._new_warmup()
         rewarm = self._take_over if self.config.rewarm_on_mismatch else None
-        return ReplayExecutor(self.manager, self.device, self._plan, rewarm=rewarm)
+        return ReplayExecutor(self.manager, self.device, self._plan, rewarm=rewarm,
+                              planner=self.config.resolved_planner())
 
     def _new_warmup(self) -> WarmupExecutor:
         return WarmupExecutor(

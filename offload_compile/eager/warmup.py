@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ from .executor_base import (
 )
 from .tracker import ActivationTracker
 
-__all__ = ["WarmupExecutor", "WarmupResult"]
+__all__ = ["WarmupExecutor", "WarmupResult", "replan"]
 
 
 class WarmupResult:
@@ -374,6 +375,20 @@ class WarmupExecutor(BaseExecutor):
         return WarmupResult(
             trace, planned.schedule, planned.check, self.funcs, frozenset(self.collectives.buffers)
         )
+
+
+def replan(
+    plan: WarmupResult, sizes: Mapping[StorageId, int], planner: ResidencyPlanner
+) -> WarmupResult:
+    """``plan``'s trace with other storage sizes, planned again (same ops and accesses:
+    no re-trace). The replay's answer to a step that ran the same ops with larger
+    sizes (:mod:`.size_drift`)."""
+    trace = dataclasses.replace(plan.trace, storage_sizes=dict(sizes))
+    try:
+        planned = plan_residency(trace, planner, earliest_prefetch_op=0, where="eager re-plan")
+    except PlanningError as error:
+        raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
+    return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers)
 
 
 def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:

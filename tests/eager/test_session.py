@@ -116,13 +116,25 @@ def test_branch_mismatch_names_op_and_leaf_counts() -> None:
     assert session.phase == "replay"
 
 
-def test_shape_mismatch_is_reported() -> None:
+def test_the_same_ops_with_other_sizes_replay_and_plan_again_for_larger_ones() -> None:
+    """Issue 33: other sizes are no mismatch. Smaller ones run the plan as it is; a
+    larger one evicts online and the plan is remade for it (no re-warm)."""
     torch.manual_seed(0)
     model = Branchy()
     session = OffloadSession(TIGHT)
     _warm(model, torch.randn(64, 32), session)
-    with pytest.raises(ReplayMismatchError, match="bytes, warmup recorded"):
-        _warm(model, torch.randn(32, 32), session)
+    _warm(model, torch.randn(32, 32), session)
+    assert session.last_stats.phase == "replay" and session.replans == 0
+    assert session.last_stats.evictions == 0
+    planned = session.trace
+    _warm(model, torch.randn(96, 32), session)
+    assert session.last_stats.phase == "replay" and session.replans == 1
+    assert session.last_stats.evictions > 0  # the larger step made room online
+    assert [op.name for op in session.trace.ops] == [op.name for op in planned.ops]
+    assert sum(session.trace.storage_sizes.values()) > sum(planned.storage_sizes.values())
+    _warm(model, torch.randn(96, 32), session)
+    assert session.replans == 1 and session.last_stats.evictions == 0  # planned for it
+    assert session.rewarms == 0
     _pool_idle(session)
 
 

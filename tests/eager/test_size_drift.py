@@ -1,0 +1,162 @@
+"""The eager session on steps that run the same ops with other sizes (issue 33): packed
+or bucketed sequence lengths, and MoE routing (Hugging Face Qwen3-MoE with its
+per-expert loop, ``experts_implementation="eager"``), new data every step.
+
+Every step is ``torch.equal`` to plain eager, keeps at most the budget (+256 KiB) of
+saved device bytes after the forward (counted from the autograd graph), and no step
+re-warms: a larger step makes room online and the plan is remade for its sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_offload import OffloadConfig, OffloadSession
+from hyper_offload.compiler.saved_bytes import autograd_saved_device_bytes
+from hyper_offload.eager.size_drift import SizeDrift, grown_sizes
+from hyper_offload.passes import ActionKind, ResidencyAction
+from hyper_offload.passes.ir.trace import ActivationTrace, TraceOp
+
+SLACK = 256 * 1024
+LENGTHS = (48, 32, 64, 48, 64, 32)
+"""Six steps: the first plans for 48, the third is larger than any seen."""
+
+
+def _gpt() -> nn.Module:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from gpt_model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=64, seq_len=64, layers=2, dim=32, heads=2))
+
+
+def _tokens(step: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, vocab, (2, length), generator=generator)
+    return ids, torch.randint(0, vocab, (2, length), generator=generator)
+
+
+def _train(model: nn.Module, loss_of: Callable[..., torch.Tensor], batches: list[Any],
+           session: OffloadSession | None) -> list[dict[str, Any]]:
+    out = []
+    for batch in batches:
+        with session if session is not None else contextlib.nullcontext():
+            loss = loss_of(model, *batch)
+            saved = autograd_saved_device_bytes(loss, exclude=[*model.parameters(), *batch])
+            loss.backward()
+        out.append({"loss": loss.detach(), "saved": saved,
+                    "grads": [p.grad.clone() for p in model.parameters()],
+                    "evictions": session.last_stats.evictions if session else 0})
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_exact_within_budget(model_fn, loss_of, batches):
+    plain = _train(model_fn(), loss_of, batches, None)
+    budget = int(0.5 * max(step["saved"] for step in plain))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / (1 << 20),
+                                           rewarm_on_mismatch=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # budget warnings: the figures are asserted below
+        steps = _train(model_fn(), loss_of, batches, session)
+    for number, (got, want) in enumerate(zip(steps, plain), 1):
+        assert torch.equal(got["loss"], want["loss"]), f"step {number}"
+        assert all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"])), number
+        assert got["saved"] <= budget + SLACK, f"step {number}: {got['saved']} B > {budget} B"
+    assert session.rewarms <= 1
+    return session, steps
+
+
+def test_sequence_lengths_drawn_per_step_replay_exactly_without_a_rewarm():
+    batches = [_tokens(i, n, 64) for i, n in enumerate(LENGTHS)]
+    session, steps = _assert_exact_within_budget(_gpt, lambda m, x, y: m(x, y), batches)
+    assert session.rewarms == 0 and session.steps == len(LENGTHS)
+    assert session.replans == 1  # once, at the first step longer than 48 (the 64)
+    assert steps[2]["evictions"] > 0  # that step made room online
+    assert steps[4]["evictions"] == 0  # the next 64 ran the remade plan
+
+
+def test_moe_routing_changes_sizes_every_step_and_replays_exactly():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=128, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=64, decoder_sparse_step=1,
+    )
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(
+            config, experts_implementation="eager")  # a loop over experts: sizes vary
+
+    def loss_of(m: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, labels=labels).loss
+
+    batches = [_tokens(i, 32, 128) for i in range(6)]
+    session, _ = _assert_exact_within_budget(model, loss_of, batches)
+    assert session.last_stats.phase == "replay"
+
+
+def _trace() -> ActivationTrace:
+    ops = (
+        TraceOp("a", ((0, "W"),), (0,)), TraceOp("b", ((1, "W"),), (1,)),
+        TraceOp("c", ((0, "R"), (2, "W")), (2,)), TraceOp("d", ((1, "R"),)),
+    )
+    return ActivationTrace(ops=ops, storage_sizes={0: 8, 1: 8, 2: 8}, budget_bytes=16)
+
+
+def test_size_drift_notes_growth_and_plans_for_the_largest_sizes():
+    drift = SizeDrift(_trace())
+    drift.note(0, 4)
+    assert not drift.grown  # smaller: the plan holds
+    drift.note(1, 32)
+    assert drift.grown
+    assert grown_sizes(drift.trace, drift.observed) == {0: 8, 1: 32, 2: 8}
+
+
+class _Manager:
+    def __init__(self, resident: set[int], host: set[int]) -> None:
+        self.resident, self.host = resident, host
+
+    def __iter__(self):
+        return iter(sorted(self.resident | self.host))
+
+    def is_resident(self, sid: int) -> bool:
+        return sid in self.resident
+
+    def has_host_copy(self, sid: int) -> bool:
+        return sid in self.host
+
+
+def test_victims_are_furthest_next_use_first_never_the_ops_own_or_busy():
+    drift = SizeDrift(_trace())
+    manager = _Manager(resident={0, 1, 2}, host=set())
+    # before op 2 (reads 0, writes 2): 1 is next used at op 3; nothing else may go
+    assert drift.victims(manager, 2, busy=()) == [1]
+    assert drift.victims(manager, 2, busy={1}) == []
+    # before op 1: 2 is used at op 2 only, 0 at op 2: ties by id, 1 is the op's own
+    assert drift.victims(manager, 1, busy=()) == [2, 0]
+
+
+def test_planned_actions_the_eviction_made_moot_are_skipped():
+    drift = SizeDrift(_trace())
+    drift.evicted.add(1)
+    manager = _Manager(resident=set(), host={1})
+    action = lambda kind, sid=1: ResidencyAction(kind, sid)  # noqa: E731
+    assert not drift.applicable(manager, action(ActionKind.COPY_D2H))  # on the host already
+    assert not drift.applicable(manager, action(ActionKind.RELEASE_DEVICE))
+    assert not drift.applicable(manager, action(ActionKind.WAIT_H2D))
+    assert drift.applicable(manager, action(ActionKind.COPY_H2D))
+    assert drift.applicable(manager, action(ActionKind.RELEASE_HOST))
+    assert drift.applicable(manager, action(ActionKind.COPY_D2H, 0))  # not evicted
+    manager.resident.add(1)  # paged back by a read: the planned copy refreshes it
+    assert drift.applicable(manager, action(ActionKind.COPY_D2H))
