@@ -18,6 +18,7 @@ Meshes: ``(2,)`` tensor parallel (every rank the same batch), ``(2, 2)`` FSDP2 x
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -165,4 +166,5 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 dist.barrier()
     finally:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        gc.collect()  # cycles hold the mesh and its group: free them before (train_tp.py)
         dist.destroy_process_group()
