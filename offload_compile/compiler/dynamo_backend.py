@@ -48,6 +48,7 @@ from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
+from hyper_offload.passes.fx.sizes import unbounded_sizes
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.memory_meter import is_host_labelled
@@ -114,11 +115,10 @@ class _Region:
         self.from_cache = False
         """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
-        self.symbol_hints = {
-            i: (str(v), int(v.node.hint)) for i, v in enumerate(example_inputs)
-            if isinstance(v, torch.SymInt) and v.node.hint is not None
-        }
-        self.hint_warned = False
+        self.unbounded_sizes = unbounded_sizes(example_inputs)
+        """Graph inputs that are sizes with no upper bound: ``{input index: (symbol,
+        the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
+        self.size_warned = False
 
     def set_planned(self, planned: PlannedRegion) -> None:
         """Adopt a (new) plan: the floor profile and trace are derived from it again."""
@@ -147,19 +147,21 @@ class _Region:
         trace = self.planned.fx_trace
         return RegionFloor(trace.trace, self.planned.schedule, trace.num_fw_ops)
 
-    def check_hints(self, args: Sequence[Any]) -> None:
-        """Warn once if a dynamic size differs from the hint the plan was made for."""
-        if self.hint_warned:
+    def check_sizes(self, args: Sequence[Any]) -> None:
+        """Warn once if a call's size exceeds what the plan assumed for an unbounded one
+        (a smaller size needs fewer bytes under the same plan: no warning)."""
+        if self.size_warned:
             return
-        for index, (symbol, hint) in self.symbol_hints.items():
-            if index < len(args) and isinstance(args[index], int) and args[index] != hint:
-                self.hint_warned = True
+        for index, (symbol, planned) in self.unbounded_sizes.items():
+            if index < len(args) and isinstance(args[index], int) and args[index] > planned:
+                self.size_warned = True
                 LOGGER.warning(
-                    "hyper_offload region %d: planned for %s=%d (a size hint of a dynamic "
-                    "shape) but runs with %s=%d; results stay exact, resident bytes scale "
-                    "with the size and may exceed the budget. Fix: compile with "
-                    "dynamic=False to plan each shape", self.index, symbol, hint, symbol,
-                    args[index],
+                    "hyper_offload region %d: planned for %s <= %d (no bound was declared, so "
+                    "the plan assumes the size at the compile) but runs with %s=%d; results "
+                    "stay exact, resident bytes grow with the size and may exceed the "
+                    "budget. Fix: declare the largest size, torch._dynamo.mark_dynamic(tensor, "
+                    "dim, max=N) (a larger size then recompiles and is planned again)",
+                    self.index, symbol, planned, symbol, args[index],
                 )
                 return
 
@@ -189,7 +191,7 @@ class _RegionForward:
 
     def __call__(self, *args: Any) -> Any:
         region, backend = self._region, self._backend
-        region.check_hints(args)
+        region.check_sizes(args)
         backend.relower_if_requested()  # the step asked for recompute (.step_recompute)
         compiled = region.compiled
         assert compiled is not None

@@ -27,6 +27,7 @@ from hyper_offload.passes.fx.cost_model import DeviceThroughput, exposed_transfe
 from hyper_offload.passes.fx.graph_trace import FxTrace, build_fx_trace
 from hyper_offload.passes.fx.lowering import lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering
+from hyper_offload.passes.fx.sizes import SymbolicSize, symbolic_sizes
 from hyper_offload.passes.plan.floor import FloorPlanner
 from hyper_offload.passes.plan.planning import plan_residency
 from hyper_offload.runtime.bandwidth import TransferBandwidth
@@ -103,13 +104,15 @@ def lower_region(
     search in ``search_seconds``), re-check the lowered graphs and report."""
     started = time.perf_counter() - search_seconds
     fx_trace, schedule, check, _ = planned
+    sizes = symbolic_sizes(fw, bw)  # before the lowering adds its nodes
     lowered_check = None
     if check.num_transfers:
         lower_schedule(fw, bw, fx_trace, schedule)
         lowered_check = check_lowering(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)
         _require_ok(lowered_check, "the schedule re-derived from the lowered graphs", region)
     seconds = time.perf_counter() - started
-    report = build_region_report(fx_trace, schedule, check, options, region, seconds, recompute)
+    report = build_region_report(fx_trace, schedule, check, options, region, seconds, recompute,
+                                 sizes=sizes)
     return PlannedRegion(fx_trace, schedule, check, lowered_check, report)
 
 
@@ -178,6 +181,8 @@ def build_region_report(
     region: int,
     seconds: float,
     recompute: RecomputeReport | None = None,
+    *,
+    sizes: tuple[SymbolicSize, ...] = (),
 ) -> RegionReport:
     timing = exposed_transfer_time(fx_trace.trace, schedule)
     movable = fx_trace.movable()
@@ -215,6 +220,7 @@ def build_region_report(
         resident=tuple(
             s.name for s in fx_trace.saved if s.storage is not None and s.name not in offloaded
         ),
+        sizes=sizes,
     )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from ..passes.fx.sizes import SymbolicSize
+
 LOGGER = logging.getLogger("hyper_offload")
 
 __all__ = [
@@ -180,6 +182,11 @@ class RegionReport:
     """Saved activations that stay on the device (not moved: those the plan keeps and
     those in ``kept``); with ``offloaded`` and ``recompute.recomputed``: kept, moved,
     recomputed."""
+    sizes: tuple[SymbolicSize, ...] = ()
+    """The region's symbolic sizes and the value its plan assumes for each
+    (:mod:`hyper_offload.passes.fx.sizes`): the plan holds at every size up to a
+    ``RANGE`` bound; a ``HINT`` size has no bound and a larger one may exceed the budget
+    (empty: the region has static shapes)."""
 
     @property
     def feasible(self) -> bool:
@@ -199,10 +206,14 @@ class RegionReport:
         data["resident"] = list(self.resident)
         data["feasible"] = self.feasible
         data["recompute"] = None if self.recompute is None else self.recompute.summary()
+        data["sizes"] = [{**size.__dict__, "sources": list(size.sources),
+                          "bound": size.bound.value} for size in self.sizes]
         return data
 
     def __str__(self) -> str:
         recompute = "" if self.recompute is None else f"; {self.recompute}"
+        if self.sizes:
+            recompute += "; sizes: " + ", ".join(str(size) for size in self.sizes)
         return (
             f"hyper_offload region {self.region} ({self.inner_compiler}): "
             f"{self.fw_nodes}+{self.bw_nodes} nodes, saved activations "

@@ -3,7 +3,8 @@
 An FX node's estimated duration is ``max(flops / flops_per_s, bytes / bytes_per_s)``:
 FLOPs from torch's own formulas (``torch.utils.flop_counter.flop_registry``; ops it does
 not know count 0 FLOPs), bytes the sum of the node's tensor inputs and outputs as their
-fake-tensor metadata says. Symbolic sizes are evaluated at their size hints. This is an
+fake-tensor metadata says. Symbolic sizes take the value a plan assumes (:mod:`.sizes`:
+the largest their guards allow, else their hint). This is an
 estimate for *placing* prefetches and *predicting* exposed copy time, never for
 correctness: every schedule is still judged by ``check_schedule``.
 
@@ -21,11 +22,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from hyper_offload.errors import DynamicShapeError
-
 from ..analysis.predicted_timeline import predict_timeline
 from ..ir.schedule import ActionKind, ResidencySchedule
 from ..ir.trace import ActivationTrace
+from .sizes import planning_size
 
 __all__ = [
     "DeviceThroughput",
@@ -33,7 +33,6 @@ __all__ = [
     "exposed_transfer_time",
     "node_seconds",
     "throughput_for",
-    "to_hint",
 ]
 
 
@@ -55,28 +54,15 @@ def throughput_for(device: torch.device) -> DeviceThroughput:
     return _CPU if device.type == "cpu" else _ACCELERATOR
 
 
-def to_hint(value: Any, where: str) -> int:
-    """``value`` as an int: plain ints pass, a ``SymInt`` gives its size hint."""
-    if isinstance(value, torch.SymInt):
-        hint = value.node.hint
-        if hint is None:
-            raise DynamicShapeError(
-                f"{where}: size {value} is symbolic and has no hint; hyper_offload plans on "
-                "size hints. Fix: compile with dynamic=False, or mark the dimension with "
-                "a concrete example before compiling"
-            )
-        return int(hint)
-    return int(value)
-
-
 def _tensors(values: Any) -> Iterator[torch.Tensor]:
     flat, _ = tree_flatten(values)
     return (v for v in flat if isinstance(v, torch.Tensor))
 
 
 def tensor_bytes(tensor: torch.Tensor, where: str) -> int:
-    """Bytes of ``tensor``'s elements (numel x element size) at size hints."""
-    return to_hint(tensor.numel(), where) * tensor.element_size()
+    """Bytes of ``tensor``'s elements (numel x element size) at the sizes a plan
+    assumes (:func:`~.sizes.planning_size`)."""
+    return planning_size(tensor.numel(), where) * tensor.element_size()
 
 
 def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
@@ -96,7 +82,7 @@ def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
     formula = flop_registry.get(packet)
     if formula is not None:
         try:
-            flops = to_hint(formula(*args, out_val=out, **kwargs), node.name)
+            flops = planning_size(formula(*args, out_val=out, **kwargs), node.name)
         except Exception:  # a formula that rejects these arguments: count bytes only
             flops = 0
     return max(flops / throughput.flops_per_s, nbytes / throughput.bytes_per_s)

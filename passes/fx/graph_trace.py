@@ -9,7 +9,7 @@ name the storage of their source). Op names are
 Storages (the trace's unit) come from fake-tensor metadata:
 
 * every tensor an op returns is a new storage of ``numel x element_size`` bytes (at
-  size hints), unless the op's schema says the result aliases an argument (views,
+  the sizes a plan assumes, :mod:`.sizes`), unless the op's schema says the result aliases an argument (views,
   in-place ops): then it is that argument's storage, and a mutated argument is a WRITE;
 * placeholders of the forward (parameters, inputs) and non-saved placeholders of the
   backward (tangents) are not activations: they are not in the trace and never move,

@@ -38,7 +38,8 @@ from torch import fx
 
 from ..ir.ops import dense_layout
 from ..ir.trace import StorageId
-from .cost_model import tensor_bytes, to_hint
+from .cost_model import tensor_bytes
+from .sizes import planning_size
 
 __all__ = ["SavedActivation", "StorageBase", "classify_saved", "same_layout", "view_layout"]
 
@@ -147,7 +148,8 @@ def _storage_reason(
         return "no forward node holds the base tensor of its storage"
     value = bases[sid].value
     where = f"fw:{base.name}"
-    covers = to_hint(value.storage_offset(), where) == 0 and tensor_bytes(value, where) == sizes[sid]
+    covers = (planning_size(value.storage_offset(), where) == 0
+              and tensor_bytes(value, where) == sizes[sid])
     if not (covers and _dense(value)):
         return (
             f"the base of its storage ({base.name}, size {tuple(value.shape)}, stride "

@@ -83,6 +83,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 __all__ = [
     "ALL_OPS",
@@ -154,12 +155,17 @@ def dense_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     contiguous strides. Used by the fake and the real kernels alike.
     """
     shape = tuple(tensor.shape)
-    if tensor.numel() > 0:
+    # A data-dependent size (an unbacked SymInt) cannot be guarded on: each test assumes
+    # the general case when the fake metadata cannot decide it (guard_or_true), which is
+    # the answer the real kernel gets for every size but 0 and 1, and those give the
+    # same strides for the tensors the compile path copies (contiguous ones).
+    if guard_or_true(tensor.numel() > 0):
         # Dense: the dims of size > 1, ordered by stride, tile memory without gaps.
-        dims = sorted((d for d in range(tensor.dim()) if shape[d] != 1), key=tensor.stride)
+        dims = sorted((d for d in range(tensor.dim()) if guard_or_true(shape[d] != 1)),
+                      key=lambda d: _stride_order(tensor.stride(d)))
         expected = 1
         for d in dims:
-            if tensor.stride(d) != expected:
+            if guard_or_true(tensor.stride(d) != expected):
                 break
             expected *= shape[d]
         else:
@@ -167,8 +173,14 @@ def dense_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
-        step *= max(size, 1)
+        step *= torch.sym_max(size, 1)
     return shape, tuple(reversed(strides))
+
+
+def _stride_order(stride: int | torch.SymInt) -> int:
+    """A stride as a sort key: its value, a symbolic one's hint (0 without one)."""
+    hint = stride.node.hint if isinstance(stride, torch.SymInt) else stride
+    return int(hint) if hint is not None else 0
 
 
 def dim_order_of(tensor: torch.Tensor) -> list[int]:
@@ -178,9 +190,7 @@ def dim_order_of(tensor: torch.Tensor) -> list[int]:
     contiguous tensor has them. Symbolic strides are ordered by their size hints."""
 
     def key(dim: int) -> tuple[int, int]:
-        stride = tensor.stride(dim)
-        hint = stride.node.hint if isinstance(stride, torch.SymInt) else stride
-        return (int(hint) if hint is not None else 0, -dim)
+        return (_stride_order(tensor.stride(dim)), -dim)
 
     return sorted(range(tensor.dim()), key=key)
 

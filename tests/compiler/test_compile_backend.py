@@ -15,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 from hyper_offload.passes.analysis.candidates import offload_candidates
+from hyper_offload.passes.fx.sizes import SizeBound
 
 from .compile_models import INNER_COMPILERS, deterministic, mlp, moved_storages, offload_backend  # noqa: F401 (autouse)
 
@@ -213,21 +214,31 @@ def test_recompilation_on_a_new_shape_replans():
     assert second.bytes_d2h * 2 == first.bytes_d2h  # planned for the new shape
 
 
-def test_dynamic_shapes_plan_on_size_hints_and_say_so(caplog):
+def test_an_unbounded_dynamic_size_is_planned_at_its_hint_and_a_larger_call_warns(caplog):
+    """``dynamic=True`` with no declared bound: the plan assumes the size of the first
+    compile (``SizeBound.HINT``, in the report); a smaller call is covered by that plan
+    and says nothing, a larger one logs the one warning that names the fix."""
     torch._dynamo.reset()
     model = _model()
     backend = offload_backend("aot_eager", "tight")
     compiled = torch.compile(model, backend=backend, dynamic=True)
-    x16, x8 = torch.randn(16, D), torch.randn(8, D)
+    x16, x8, x32 = torch.randn(16, D), torch.randn(8, D), torch.randn(32, D)
     with caplog.at_level(logging.WARNING, logger="hyper_offload"):
         loss16 = _step(compiled, x16)
         grads16 = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         loss8 = _step(compiled, x8)
-        _step(compiled, x8)
-    assert len(backend.reports) == 1  # one dynamic graph, planned once on the hints
-    hints = [r.getMessage() for r in caplog.records if "size hint" in r.getMessage()]
-    assert len(hints) == 1 and "=16" in hints[0] and "=8" in hints[0]
+        assert not [r for r in caplog.records if "planned for" in r.getMessage()]
+        _step(compiled, x32)
+        _step(compiled, x32)
+    assert len(backend.reports) == 1  # one dynamic graph, planned once
+    (size,) = [s for s in backend.reports[0].sizes if s.hint == 16]
+    assert size.bound is SizeBound.HINT and size.planned == 16
+    assert ".size()[0]" in " ".join(size.sources)  # Dynamo's name for where it comes from
+    assert f"{size.symbol} (" in str(backend.reports[0])
+    larger = [r.getMessage() for r in caplog.records if "planned for" in r.getMessage()]
+    assert len(larger) == 1 and "<= 16" in larger[0] and "=32" in larger[0]
+    assert "mark_dynamic" in larger[0]
     torch._dynamo.reset()
     model.zero_grad()
     plain = torch.compile(model, backend="aot_eager", dynamic=True)
