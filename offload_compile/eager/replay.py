@@ -324,7 +324,7 @@ class ReplayExecutor(BaseExecutor):
                 "last recorded use; do not read those tensors. Keep the same references in "
                 "every step (or call session.reset() to re-warm with the new ones)"
             )
-        if self.drift.grown and self.planner is not None:  # plan for the largest sizes seen
+        if self.drift.needs_replan and self.planner is not None:  # for the largest sizes seen
             return replan(self.plan, grown_sizes(self.plan.trace, self.drift.observed),
                           self.planner)
         return None

@@ -17,9 +17,11 @@ no longer holds is its byte count. The rule (issue 33):
   Evictions are counted in ``StepStats.evictions``. Planned actions the eviction made
   moot (a copy of a storage already on the host, a release of one already released)
   are skipped.
-* **At the end of such a step the plan is remade** for each storage's largest size seen
-  (:func:`grown_sizes`): same trace structure, planning only, no re-trace. Sizes then
-  converge to their maxima and later steps run the plan without evictions. Only a
+* **The plan is remade when it no longer holds the budget by itself**: at the end of a
+  step that had to evict online (a larger step that still fit needs nothing), for each
+  storage's largest size seen (:func:`grown_sizes`): same trace structure, planning
+  only, no re-trace. A re-plan raises the sizes planned for, so each one answers a new
+  maximum; sizes converge and later steps run the plan without evictions. Only a
   different op sequence re-warms (or raises), as before.
 """
 
@@ -52,6 +54,11 @@ class SizeDrift:
         """Whether a storage of this step is larger than the plan assumed (from then on
         the replay makes room before each op)."""
         self._uses: dict[StorageId, list[int]] | None = None
+
+    @property
+    def needs_replan(self) -> bool:
+        """The step had to evict outside the plan: the plan is remade at its end."""
+        return bool(self.evicted)
 
     def note(self, sid: StorageId, nbytes: int) -> None:
         self.observed[sid] = nbytes
