@@ -6,7 +6,8 @@ One JSON line per result::
 
 Modes: ``plain`` (no session), ``warmup`` (step 1: trace + online eviction + plan),
 ``replay`` at a budget >= the plain peak (nothing to move: pure dispatch overhead) and at
-50% of it (offload + prefetch). ``ratio`` is step time / plain step time (medians);
+50% of it (offload + prefetch); ``replay_lengths``: the same with a sequence length drawn
+per step (the same ops with other sizes, :func:`run_lengths`). ``ratio`` is step time / plain step time (medians);
 ``overhead_us_per_op`` is (replay - plain) / ops. The target is ratio <= 1.3 at budget
 >= peak on a model whose mean op takes >= 200 us (``mean_op_us`` says which it was).
 
@@ -116,6 +117,58 @@ def run(model_name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
                "bytes_h2d": stats.bytes_h2d, "transfers": stats.transfers})
 
 
+def run_lengths(model: nn.Module, vocab: int, seq: int, batch_size: int, steps: int,
+                device: torch.device) -> None:
+    """Replay over the same ops with other sizes (issue 33): every step draws its sequence
+    length from {seq/2, 3seq/4, seq}; the warmup sees 3seq/4, so the first full-length
+    step evicts online and the plan is remade for the largest sizes (``replans``). One
+    untimed pass over the lengths, then plain and session steps of the same length in
+    alternation; ``ratio`` is the median of the per-length step ratios."""
+    lengths = (seq // 2, 3 * seq // 4, seq)
+    generator = torch.Generator().manual_seed(0)
+    order = [lengths[1]] + [lengths[int(i)] for i in torch.randint(0, 3, (3 * steps,),
+                                                                   generator=generator)]
+    batches = {}
+    for n in lengths:
+        idx = torch.randint(0, vocab, (batch_size, n), generator=generator).to(device)
+        batches[n] = (idx, torch.roll(idx, -1, dims=1))
+    base = copy.deepcopy(model)
+    opt = torch.optim.SGD(base.parameters(), lr=1e-4)
+    probe, probe_model = OffloadSession(OffloadConfig()), copy.deepcopy(model)
+    with probe:  # the plain peak at the longest length: the budgets' reference
+        _step(probe_model, torch.optim.SGD(probe_model.parameters(), lr=1e-4), batches[seq])
+    assert probe.trace is not None
+    peak = max(resident_bytes_without_offload(probe.trace))
+    for label, budget in (("peak", peak), ("half_peak", peak // 2)):
+        session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+        sess_model = copy.deepcopy(model)
+        sess_opt = torch.optim.SGD(sess_model.parameters(), lr=1e-4)
+        for n in (lengths[1], lengths[0], lengths[2], lengths[1]):  # untimed: warmup, growth
+            with session:
+                _step(sess_model, sess_opt, batches[n])
+            _step(base, opt, batches[n])
+        ratios, evictions = {n: [] for n in lengths}, 0
+        for n in order:
+            plain, replay = _time_alternating(lambda: _step(base, opt, batches[n]),
+                                              lambda: _session_step(session, sess_model,
+                                                                    sess_opt, batches[n]), 1)
+            ratios[n].append(replay / plain)
+            evictions += session.last_stats.evictions
+        per_length = {n: statistics.median(r) for n, r in ratios.items() if r}
+        _emit({"model": "gpt", "mode": "replay_lengths", "budget": label, "budget_bytes": budget,
+               "plain_peak_bytes": peak, "lengths": list(lengths), "timed_steps": len(order),
+               "ratio": statistics.median(per_length.values()),
+               "ratio_per_length": {str(n): r for n, r in per_length.items()},
+               "replans": session.replans, "rewarms": session.rewarms,
+               "timed_evictions": evictions})
+
+
+def _session_step(session: OffloadSession, model: nn.Module, opt: torch.optim.Optimizer,
+                  batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    with session:
+        _step(model, opt, batch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 timed steps")
@@ -145,6 +198,7 @@ def main() -> None:
     gpt = make_gpt(**sizes).to(device=device, dtype=dtype)
     idx = torch.randint(0, sizes["vocab"], (batch_size, sizes["seq"])).to(device)
     run("gpt", gpt, (idx, torch.roll(idx, -1, dims=1)), steps)
+    run_lengths(gpt, sizes["vocab"], sizes["seq"], batch_size, steps, device)
     if args.no_tiny_model:
         return
     # Dispatch overhead on a model of tiny ops (mean op a few us): the per-op cost.
