@@ -50,6 +50,7 @@ __all__ = [
     "TimelineError",
     "TraceFormatError",
     "TransferFailedError",
+    "TransferIntegrityError",
     "TransferMisuseError",
     "UnsupportedScheduleError",
 ]
@@ -157,6 +158,17 @@ class TransferFailedError(OffloadRuntimeError):
     """A copy between device and host failed. The message says which copy of the data is
     still valid; the state was rolled back so that no transfer is in flight and no buffer
     is leaked. The original exception is chained as ``__cause__``."""
+
+
+class TransferIntegrityError(OffloadRuntimeError):
+    """``verify`` found bytes that differ from what left the device: a reload whose bytes
+    are not those the D2H read, or device bytes written after their D2H was issued (a
+    copy-stream race). ``check`` names which check failed ("reload" or "write after
+    copy"); the message names where, the storage and its size, and what to do."""
+
+    def __init__(self, message: str, *, check: str = "") -> None:
+        super().__init__(message)
+        self.check = check
 
 
 class DataLostError(OffloadRuntimeError):

@@ -48,10 +48,16 @@ from enum import Enum
 
 import torch
 
-from hyper_offload.errors import DataLostError, ResidencyMisuseError, TransferFailedError
+from hyper_offload.errors import (
+    DataLostError,
+    ResidencyMisuseError,
+    TransferFailedError,
+    TransferIntegrityError,
+)
 
 from .device import Transfer, TransferEngine
 from .pinned_pool import PinnedMemoryPool
+from .verify import checksum, same_checksum
 
 __all__ = ["AllDone", "BufferState", "PhysicalBuffer", "TensorLayout", "byte_view"]
 
@@ -118,6 +124,7 @@ class PhysicalBuffer:
         pool: PinnedMemoryPool,
         *,
         label: str = "storage",
+        verify: bool = False,
     ) -> None:
         storage = tensor.untyped_storage()
         if tensor.device.type == "meta":
@@ -142,6 +149,11 @@ class PhysicalBuffer:
         self.host_event: Transfer | None = None
         self.device_event: Transfer | None = None
         self._host_readers: list[Transfer] = []  # H2Ds that read host_buffer
+        self.verify = verify
+        """Checksum what leaves the device and check it where it is freed and reloaded
+        (:mod:`.verify`)."""
+        self._sent: torch.Tensor | None = None  # checksum of the bytes the last D2H read
+        self._reload_unchecked = False
 
     # ------------------------------------------------------------------ state
 
@@ -199,6 +211,8 @@ class PhysicalBuffer:
         earlier = (self.device_event, self.host_event, *self._host_readers)
         after = [t for t in earlier if t is not None]
         device_bytes = byte_view(self.storage, self.nbytes)
+        # on the compute stream, right where the copy stream will wait before reading
+        sent = checksum(device_bytes) if self.verify else None
         try:
             transfer = self._engine.d2h(
                 device_bytes, host[: self.nbytes], after=after, free_before_wait=True
@@ -217,6 +231,7 @@ class PhysicalBuffer:
         self.host_buffer = host
         self.host_event = transfer
         self._host_readers = []
+        self._sent = sent
         return transfer
 
     def release_device(self) -> None:
@@ -227,6 +242,9 @@ class PhysicalBuffer:
                 f"{self.state.value}); each RELEASE_DEVICE must follow a residency (bind or "
                 "copy_h2d)"
             )
+        if self._sent is not None and self.host_buffer is not None:
+            self._check("write after copy", "the device bytes changed after their D2H was "
+                        "issued, so the host copy holds older or torn bytes")
         # No host block on either path: the stream that reuses the bytes is ordered
         # after the copy instead (a no-op once WAIT_H2D ran or the D2H was recorded).
         for transfer in (self.device_event, self.host_event):
@@ -270,12 +288,35 @@ class PhysicalBuffer:
         self._on_device = True
         self.device_event = transfer
         self._host_readers = [t for t in self._host_readers if not t.query()] + [transfer]
+        self._reload_unchecked = self._sent is not None
         return transfer
 
     def wait_device(self) -> None:
-        """Make the current compute stream wait for the H2D filling the storage (if any)."""
+        """Make the current compute stream wait for the H2D filling the storage (if any);
+        under ``verify`` the reload is then checked, once, before anything reads it."""
         if self.device_event is not None:
             self.device_event.wait()
+        if self._reload_unchecked:
+            self.check_reload()
+
+    def check_reload(self) -> None:
+        """``verify``: the reloaded bytes must be those the D2H read. Called after the
+        wait (on the compute stream, so it reads what an op would read)."""
+        self._reload_unchecked = False
+        self._check("reload", "the reloaded bytes differ from those the D2H read")
+
+    def _check(self, check: str, what: str) -> None:
+        assert self._sent is not None
+        if same_checksum(checksum(byte_view(self.storage, self.nbytes)), self._sent):
+            return
+        raise TransferIntegrityError(
+            f"verify ({check}): {self.label}, {self.nbytes} B on {self.device}: {what}. A "
+            "copy-stream race (a skipped wait, a release before its D2H completed, a host "
+            "buffer reused while its H2D was in flight, or a write after the copy was "
+            "issued): the values this step computes from it are wrong. Fix: do not trust "
+            "this step; report it with this message (the run without offload is exact)",
+            check=check,
+        )
 
     def release_host(self) -> None:
         """Return the host buffer to the pool once every transfer touching it completed."""

@@ -45,9 +45,13 @@ __all__ = ["ResidencyManager"]
 class ResidencyManager:
     """Physical residency of bound storages; see the module docstring."""
 
-    def __init__(self, engine: TransferEngine, pool: PinnedMemoryPool) -> None:
+    def __init__(
+        self, engine: TransferEngine, pool: PinnedMemoryPool, *, verify: bool = False
+    ) -> None:
         self.engine = engine
         self.pool = pool
+        self.verify = verify
+        """Every storage bound from now on checks its copies (:mod:`.verify`)."""
         self._buffers: dict[StorageId, PhysicalBuffer] = {}
         self._sid_of_storage: dict[int, StorageId] = {}  # UntypedStorage._cdata -> sid
         self._in_flight: list[Transfer] = []
@@ -76,7 +80,8 @@ class ResidencyManager:
                 f"bind({sid}): this tensor's storage is already bound as storage {other}; views "
                 "share a storage, so bind the storage once and reuse its id"
             )
-        buffer = PhysicalBuffer(tensor, self.engine, self.pool, label=f"storage {sid}")
+        buffer = PhysicalBuffer(tensor, self.engine, self.pool, label=f"storage {sid}",
+                                verify=self.verify)
         self._buffers[sid] = buffer
         self._sid_of_storage[key] = sid
         return buffer

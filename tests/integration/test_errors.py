@@ -38,6 +38,7 @@ BUILTIN_OF_ERROR = {
     "TimelineError": ValueError,
     "TraceFormatError": ValueError,
     "TransferFailedError": RuntimeError,
+    "TransferIntegrityError": RuntimeError,
     "TransferMisuseError": RuntimeError,
     "UnsupportedScheduleError": ValueError,
 }
