@@ -32,7 +32,15 @@ class OffloadConfig:
     trace (another branch or shape), re-trace and re-plan transparently instead of
     raising ``ReplayMismatchError``. Off by default so a changing step is reported."""
 
+    verify: bool | str = False
+    """Check every transfer (``hyper_offload.runtime.verify``): a checksum of the bytes each
+    D2H reads, compared where the device bytes are freed and after each reload's wait;
+    a difference raises ``TransferIntegrityError``. ``True``: every step;
+    ``"first_steps:N"``: the first N steps, then off (leave it in a real run);
+    ``False`` (default): nothing is computed."""
+
     def __post_init__(self) -> None:
+        verify_steps(self.verify)  # validates
         for name in ("max_resident_activation_mb", "max_offload_activation_mb"):
             value = getattr(self, name)
             # ``not 0 <= value < inf`` is also true for NaN, which int() would reject later.
@@ -67,3 +75,19 @@ class OffloadConfig:
         from hyper_offload.passes import GreedyResidencyPlanner
 
         return GreedyResidencyPlanner()
+
+
+def verify_steps(verify: bool | str) -> int | None:
+    """How many steps ``verify`` checks: 0 (off), N (``"first_steps:N"``) or None (every
+    step). Raises ``ValueError`` naming the accepted forms for anything else."""
+    if verify is False:
+        return 0
+    if verify is True:
+        return None
+    if isinstance(verify, str) and verify.startswith("first_steps:"):
+        count = verify.removeprefix("first_steps:")
+        if count.isdigit() and int(count) > 0:
+            return int(count)
+    raise ValueError(
+        f"verify: expected True, False or 'first_steps:N' with N >= 1, got {verify!r}"
+    )

@@ -166,9 +166,11 @@ class TransferIntegrityError(OffloadRuntimeError):
     copy-stream race). ``check`` names which check failed ("reload" or "write after
     copy"); the message names where, the storage and its size, and what to do."""
 
-    def __init__(self, message: str, *, check: str = "") -> None:
+    def __init__(self, message: str, *, check: str = "", where: str = "") -> None:
         super().__init__(message)
         self.check = check
+        self.where = where
+        """Where the door found it ("eager op 12", "region 0, fw:mm"); empty below."""
 
 
 class DataLostError(OffloadRuntimeError):

@@ -299,6 +299,11 @@ class PhysicalBuffer:
         if self._reload_unchecked:
             self.check_reload()
 
+    @property
+    def reload_unchecked(self) -> bool:
+        """``verify``: a reload was issued and not yet checked."""
+        return self._reload_unchecked
+
     def check_reload(self) -> None:
         """``verify``: the reloaded bytes must be those the D2H read. Called after the
         wait (on the compute stream, so it reads what an op would read)."""

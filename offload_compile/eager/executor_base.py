@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hyper_offload.errors import OffloadBudgetWarning, OffloadSessionError
+from hyper_offload.errors import OffloadBudgetWarning, OffloadSessionError, TransferIntegrityError
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import PinnedMemoryPool, PoolStats, ResidencyManager
@@ -116,11 +116,18 @@ class BaseExecutor:
     # ------------------------------------------------------------------ template
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.opaque_depth:
-            self.guard(func, flat_tensors(args, kwargs))
-            return func(*args, **kwargs)
-        self.on_op_begin(func, args, kwargs)
-        return self.on_op_end(func(*args, **kwargs))
+        try:
+            if self.opaque_depth:
+                self.guard(func, flat_tensors(args, kwargs))
+                return func(*args, **kwargs)
+            self.on_op_begin(func, args, kwargs)
+            return self.on_op_end(func(*args, **kwargs))
+        except TransferIntegrityError as error:
+            if error.where:
+                raise
+            raise TransferIntegrityError(
+                f"eager door, op {self.index} ({func}): {error}", check=error.check,
+                where=f"eager op {self.index}") from error
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -172,7 +179,18 @@ class BaseExecutor:
                 sid = self.bound.get(key)
                 if sid is not None:
                     self.page_in(sid, where)
+        if self.manager.verify:
+            self._check_reloads(keys)
         return keys
+
+    def _check_reloads(self, keys: Iterable[int]) -> None:
+        """``verify``: a reload this op reads whose wait has not checked it yet (a wait
+        the schedule skipped) is checked now, before the op reads it."""
+        manager = self.manager
+        for key in keys:
+            sid = self.bound.get(key)
+            if sid is not None and sid in manager and manager.buffer(sid).reload_unchecked:
+                manager.buffer(sid).check_reload()
 
     @staticmethod
     def live_inputs(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, Any]:

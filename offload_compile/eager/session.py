@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from hyper_offload.config import OffloadConfig
+from hyper_offload.config import OffloadConfig, verify_steps
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
@@ -101,6 +101,9 @@ class OffloadSession:
         self.replans = 0
         """Plans remade after a replayed step ran the same ops with larger sizes (no
         re-trace: :mod:`.size_drift`)."""
+        self.verified_steps = 0
+        """Steps whose transfers were checked (``OffloadConfig.verify``)."""
+        self._verify_steps = verify_steps(self.config.verify)
 
     # ------------------------------------------------------------------ public state
 
@@ -108,6 +111,12 @@ class OffloadSession:
     def phase(self) -> str:
         """``"warmup"`` until a plan exists, then ``"replay"``."""
         return "warmup" if self._plan is None else "replay"
+
+    @property
+    def verifying(self) -> bool:
+        """Whether the next step checks its transfers (``OffloadConfig.verify``)."""
+        limit = self._verify_steps
+        return limit is None or self.verified_steps < limit
 
     @property
     def active(self) -> bool:
@@ -161,6 +170,7 @@ class OffloadSession:
                 f"OffloadSession.__enter__: {which} already active; sessions do not nest. "
                 "Finish the current `with` block first"
             )
+        self.manager.verify = self.verifying
         self._executor = self._new_executor()
         self._mode = ActivationDispatchMode(self._executor)
         self._token = activate(self)
@@ -200,6 +210,7 @@ class OffloadSession:
         if isinstance(executor, ReplayExecutor) and executor.successor is not None:
             executor = executor.successor  # re-warmed: report the warmup's figures
         self._close_stats(executor)
+        self.verified_steps += self.manager.verify
         self.steps += 1
         return None
 
