@@ -189,8 +189,11 @@ class BaseExecutor:
         manager = self.manager
         for key in keys:
             sid = self.bound.get(key)
-            if sid is not None and sid in manager and manager.buffer(sid).reload_unchecked:
-                manager.buffer(sid).check_reload()
+            if sid is None or sid not in manager:
+                continue
+            buffer = manager.buffer(sid)
+            if buffer.reload_unchecked:
+                buffer.check_reload()
 
     @staticmethod
     def live_inputs(tensors: Iterable[torch.Tensor], device: torch.device) -> dict[int, Any]:
