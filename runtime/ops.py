@@ -64,7 +64,7 @@ def _copy_d2h_kernel(
     runtime = current_transfer_runtime("hyper_offload::copy_d2h")
     if current_keep(slot):
         return runtime.keep_on_device(src, *host_layout(src, dim_order))
-    return runtime.copy_d2h(src, *host_layout(src, dim_order))
+    return runtime.copy_d2h(src, *host_layout(src, dim_order), slot)
 
 
 def _copy_h2d_kernel(host: torch.Tensor, device: torch.device) -> torch.Tensor:

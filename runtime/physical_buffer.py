@@ -52,12 +52,11 @@ from hyper_offload.errors import (
     DataLostError,
     ResidencyMisuseError,
     TransferFailedError,
-    TransferIntegrityError,
 )
 
 from .device import Transfer, TransferEngine
 from .pinned_pool import PinnedMemoryPool
-from .verify import checksum, same_checksum
+from .verify import checksum, integrity_error, same_checksum
 
 __all__ = ["AllDone", "BufferState", "PhysicalBuffer", "TensorLayout", "byte_view"]
 
@@ -314,14 +313,7 @@ class PhysicalBuffer:
         assert self._sent is not None
         if same_checksum(checksum(byte_view(self.storage, self.nbytes)), self._sent):
             return
-        raise TransferIntegrityError(
-            f"verify ({check}): {self.label}, {self.nbytes} B on {self.device}: {what}. A "
-            "copy-stream race (a skipped wait, a release before its D2H completed, a host "
-            "buffer reused while its H2D was in flight, or a write after the copy was "
-            "issued): the values this step computes from it are wrong. Fix: do not trust "
-            "this step; report it with this message (the run without offload is exact)",
-            check=check,
-        )
+        raise integrity_error(check, f"{self.label}, {self.nbytes} B on {self.device}", what)
 
     def release_host(self) -> None:
         """Return the host buffer to the pool once every transfer touching it completed."""

@@ -37,6 +37,14 @@ the same copy again, which is why neither is an error. One transfer is started b
 ``copy_d2h``/``copy_h2d`` (keyed by its destination's storage) and ended by exactly
 one ``wait_transfer``. Every violation raises :class:`TransferMisuseError` naming the op,
 the tensor, the rule and the fix; nothing is changed by a call that raises.
+
+``verify`` (:mod:`.verify`): while it is on, ``copy_d2h`` takes a checksum of the bytes it
+copies (on the compute stream, right before the copy stream is told to read them); the
+D2H's ``wait_transfer``, the last point before the graph frees the source, checks the
+source again (a write after the copy was issued), and an H2D's ``wait_transfer`` checks
+the reloaded bytes once the compute stream waited for them, before any op reads them. A
+mismatch raises :class:`TransferIntegrityError` naming the block's ``where`` (door,
+region) and the copy (``slot_names``).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import dataclasses
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from enum import Enum
@@ -59,6 +67,7 @@ from .device import Transfer, TransferEngine, resolve_device
 from .memory_meter import label_host
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
+from .verify import checksum, dense_bytes, integrity_error, same_checksum
 
 __all__ = [
     "HostCopyState",
@@ -83,10 +92,18 @@ class HostCopyState(str, Enum):
 class _Scope:
     """One ``with runtime`` block (compared by identity): the transfers it started are
     drained at its exit. ``keep``: the ``copy_d2h`` slots this block keeps on the device
-    (:meth:`TransferRuntime.keeping`)."""
+    (:meth:`TransferRuntime.keeping`); ``where`` and ``slot_names`` name the block and its
+    copies in ``verify``'s errors."""
 
     runtime: TransferRuntime
     keep: frozenset[int] = frozenset()
+    where: str = ""
+    slot_names: Mapping[int, str] = dataclasses.field(default_factory=dict)
+
+    def origin(self, slot: int) -> str:
+        """Where the ``copy_d2h`` of ``slot`` ran, for ``verify``'s errors."""
+        name = self.slot_names.get(slot, f"slot {slot}" if slot >= 0 else "")
+        return ", ".join(part for part in (self.where, f"copy_d2h {name}".strip()) if part)
 
 
 _CURRENT: ContextVar[_Scope | None] = ContextVar("hyper_offload_transfer_runtime", default=None)
@@ -153,6 +170,10 @@ class _HostCopy:
     d2h: Transfer
     lifetime: weakref.ref[torch.UntypedStorage]
     """To the copy's storage; its death ends the record (and returns the buffer)."""
+    sent: torch.Tensor | None = None
+    """``verify``: the checksum of the bytes the D2H copies (None when unverified)."""
+    origin: str = ""
+    """Where the D2H was issued (door, region, copy), for ``verify``'s errors."""
 
 
 @dataclass(eq=False)
@@ -176,6 +197,9 @@ class _Pending:
     host_key: int
     scope: _Scope | None
     keep: tuple[torch.Tensor, ...]
+    expect: torch.Tensor | None = None
+    """``verify``: the checksum the destination must have once waited (None: unchecked)."""
+    origin: str = ""
 
 
 class TransferRuntime:
@@ -189,8 +213,16 @@ class TransferRuntime:
     path: each goes back to the pool when its host copy dies.
     """
 
-    def __init__(self, *, pool: PinnedMemoryPool, engines: Iterable[TransferEngine] = ()) -> None:
+    def __init__(
+        self, *, pool: PinnedMemoryPool, engines: Iterable[TransferEngine] = (),
+        verify: bool = False,
+    ) -> None:
         self.pool = pool
+        self.verify = verify
+        """Checksum every ``copy_d2h`` from now on and check it (module docstring); the
+        copies it checksummed stay checked after it is turned off."""
+        self.checks = 0
+        """Checks that passed since the runtime was made (``verify``)."""
         self._engines: dict[torch.device, TransferEngine] = {e.device: e for e in engines}
         self._lock = threading.RLock()
         self._pending: dict[int, _Pending] = {}
@@ -217,13 +249,17 @@ class TransferRuntime:
         self._tokens.append(_CURRENT.set(_Scope(self)))
         return self
 
-    def keeping(self, slots: frozenset[int]) -> _KeepingBlock:
+    def keeping(
+        self, slots: frozenset[int], *, where: str = "",
+        slot_names: Mapping[int, str] | None = None,
+    ) -> _KeepingBlock:
         """``with runtime.keeping(slots):`` is ``with runtime:`` in which a ``copy_d2h``
         whose ``slot`` is in ``slots`` keeps a device copy of its source
         (:meth:`keep_on_device`) instead of starting a D2H: how a step plan keeps one
         invocation of a compiled graph resident while another invocation of the same
-        graph offloads."""
-        return _KeepingBlock(self, frozenset(slots))
+        graph offloads. ``where`` and ``slot_names`` name the block and its copies in
+        ``verify``'s errors."""
+        return _KeepingBlock(_Scope(self, frozenset(slots), where, slot_names or {}))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._exit_scope(exc_type)
@@ -239,7 +275,8 @@ class TransferRuntime:
             return self._engines[resolved]
 
     def copy_d2h(
-        self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]
+        self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...],
+        slot: int = -1,
     ) -> torch.Tensor:
         """Start copying ``src`` into a pool buffer laid out as ``shape``/``stride`` (a
         dense layout, see ``ops.dense_layout``); returns the host tensor.
@@ -253,6 +290,8 @@ class TransferRuntime:
         self.collect()  # a finished copy may hold the last reference to a reusable buffer
         buffer = self.pool.acquire(nbytes)
         host = self._host_tensor(buffer, nbytes, src.dtype, shape, stride)
+        # Enqueued right before the copy: the copy stream reads exactly these bytes.
+        sent = checksum(dense_bytes(src, shape, stride)) if self.verify else None
         try:
             transfer = engine.d2h(src, host)
         except Exception as exc:
@@ -268,12 +307,15 @@ class TransferRuntime:
         storage = host.untyped_storage()
         with self._lock:
             self._collect_locked()
+            scope = _CURRENT.get()
+            origin = scope.origin(slot) if scope is not None else ""
             self._hosts[key] = _HostCopy(
                 HostCopyState.FILLING, transfer,
-                weakref.ref(storage, self._on_host_death(key, buffer)),
+                weakref.ref(storage, self._on_host_death(key, buffer)), sent, origin,
             )
             self._pending[key] = self._new_pending(
-                "copy_d2h", transfer, src, host, key, keep=(src, host)
+                "copy_d2h", transfer, src, host, key, keep=(src, host), expect=sent,
+                origin=origin,
             )
             self._unobserved.append(transfer)
             self.bytes_d2h += nbytes
@@ -331,6 +373,7 @@ class TransferRuntime:
             # The D2H that filled the host copy, waited or not: a wait orders only the
             # stream it ran on, so name the D2H explicitly (the engine skips it once done).
             after = [record.d2h]
+            expect, origin = record.sent, record.origin
         engine = self.engine(device)
         device_tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
         try:
@@ -345,7 +388,8 @@ class TransferRuntime:
         setattr(device_tensor.untyped_storage(), _RUNTIME_LINK, weakref.ref(self))
         with self._lock:
             self._pending[_key(device_tensor)] = self._new_pending(
-                "copy_h2d", transfer, host, device_tensor, host_key
+                "copy_h2d", transfer, host, device_tensor, host_key, expect=expect,
+                origin=origin,
             )
             self._unobserved.append(transfer)
             self.bytes_h2d += device_tensor.numel() * device_tensor.element_size()
@@ -377,9 +421,33 @@ class TransferRuntime:
             del self._pending[key]
         pending.transfer.wait()
         pending.transfer.query()  # drops the handle's references at once if already done
+        if pending.expect is not None:
+            self._check(pending, tensor if pending.op == "copy_h2d" else pending.keep[0])
         if pending.op == "copy_d2h":
             with self._lock:
                 self._hosts[pending.host_key].state = HostCopyState.VALID
+
+    def _check(self, pending: _Pending, data: torch.Tensor) -> None:
+        """``verify``: after the wait of ``pending``, ``data`` (a D2H's source, which the
+        graph frees next; an H2D's destination, which ops read next) must still hold, or
+        now hold, the bytes the D2H copied."""
+        assert pending.expect is not None
+        layout = pending.keep[1] if pending.op == "copy_d2h" else data
+        found = checksum(dense_bytes(data, tuple(layout.shape), tuple(layout.stride())))
+        if same_checksum(found, pending.expect):
+            self.checks += 1
+            return
+        nbytes = data.numel() * data.element_size()
+        subject = f"{_describe(data)} ({nbytes} B)"
+        if pending.op == "copy_d2h":
+            raise integrity_error(
+                "write after copy", subject, "the device bytes changed after their D2H was "
+                "issued, so the host copy holds older or torn bytes", pending.origin,
+            )
+        raise integrity_error(
+            "reload", subject, "the reloaded bytes differ from those the D2H read",
+            f"{pending.origin}, reloaded by copy_h2d" if pending.origin else "copy_h2d",
+        )
 
     def release_host(self, host: torch.Tensor) -> None:
         """Mark the program's last use of host copy ``host``. Its buffer goes back to the
@@ -449,6 +517,7 @@ class TransferRuntime:
     def _new_pending(
         self, op: str, transfer: Transfer, source: torch.Tensor, destination: torch.Tensor,
         host_key: int, *, keep: tuple[torch.Tensor, ...] = (),
+        expect: torch.Tensor | None = None, origin: str = "",
     ) -> _Pending:
         dead, table, key = self._dead, self._pending, _key(destination)
         scope = _CURRENT.get()
@@ -457,6 +526,7 @@ class TransferRuntime:
             weakref.ref(source.untyped_storage()),
             weakref.ref(destination.untyped_storage(), lambda ref: dead.append((table, key, ref))),
             host_key, scope if scope is not None and scope.runtime is self else None, keep,
+            expect, origin,
         )
 
     def _host_tensor(
@@ -556,16 +626,16 @@ class TransferRuntime:
 class _KeepingBlock:
     """The context manager of :meth:`TransferRuntime.keeping`."""
 
-    def __init__(self, runtime: TransferRuntime, keep: frozenset[int]) -> None:
-        self._runtime, self._keep = runtime, keep
+    def __init__(self, scope: _Scope) -> None:
+        self._scope = scope
 
     def __enter__(self) -> TransferRuntime:
-        runtime = self._runtime
-        runtime._tokens.append(_CURRENT.set(_Scope(runtime, self._keep)))
+        runtime = self._scope.runtime
+        runtime._tokens.append(_CURRENT.set(self._scope))
         return runtime
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._runtime._exit_scope(exc_type)
+        self._scope.runtime._exit_scope(exc_type)
 
 
 def current_keep(slot: int) -> bool:

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK_WORDS", "checksum", "same_checksum"]
+from hyper_offload.errors import TransferIntegrityError
+
+__all__ = ["BLOCK_WORDS", "checksum", "dense_bytes", "integrity_error", "same_checksum"]
 
 BLOCK_WORDS = 1 << 12
 """Words per block of the position-weighted word (32 KiB of data)."""
@@ -66,3 +68,32 @@ def checksum(data: torch.Tensor) -> torch.Tensor:
 def same_checksum(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two checksums agree (reads them back: one host synchronization)."""
     return bool(torch.equal(a, b))
+
+
+def dense_bytes(tensor: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of ``tensor`` laid out as the dense ``shape``/``stride`` (what a copy into
+    that layout writes), as a flat uint8 tensor. A view of ``tensor``'s own bytes when it
+    already has that layout (the usual case: the lowering copies a value in the layout
+    its producer gave it), else a copy made on ``tensor``'s device and stream."""
+    nbytes = tensor.numel() * tensor.element_size()
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    if tuple(tensor.shape) != tuple(shape) or (
+            tensor.numel() > 1 and tuple(tensor.stride()) != tuple(stride)):
+        tensor = torch.empty_strided(shape, stride, dtype=tensor.dtype,
+                                     device=tensor.device).copy_(tensor)
+    offset = tensor.storage_offset() * tensor.element_size()
+    return flat.set_(tensor.untyped_storage(), offset, (nbytes,), (1,))
+
+
+def integrity_error(check: str, subject: str, what: str, where: str = "") -> TransferIntegrityError:
+    """The error of a failed ``check`` ("reload", "write after copy") on ``subject`` (the
+    storage, its size and device): ``what`` differs, found ``where`` (door, region, op)."""
+    place = f"{where}: " if where else ""
+    return TransferIntegrityError(
+        f"verify ({check}): {place}{subject}: {what}. A copy-stream race (a skipped wait, a "
+        "release before its D2H completed, a host buffer reused while its H2D was in "
+        "flight, or a write after the copy was issued): the values this step computes "
+        "from it are wrong. Fix: do not trust this step; report it with this message "
+        "(the run without offload is exact)",
+        check=check, where=where,
+    )

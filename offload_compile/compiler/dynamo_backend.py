@@ -45,7 +45,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload import passes
-from hyper_offload.config import OffloadConfig
+from hyper_offload.config import OffloadConfig, verify_steps
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.sizes import unbounded_sizes
@@ -123,8 +123,24 @@ class _Region:
     def set_planned(self, planned: PlannedRegion) -> None:
         """Adopt a (new) plan: the floor profile and trace are derived from it again."""
         self.planned = planned
-        self.__dict__.pop("profile", None)
-        self.__dict__.pop("floor", None)
+        for derived in ("profile", "floor", "slot_names"):
+            self.__dict__.pop(derived, None)
+
+    @property
+    def where(self) -> str:
+        """The region in ``verify``'s errors."""
+        return f"compile door, region {self.index}"
+
+    @functools.cached_property
+    def slot_names(self) -> dict[int, str]:
+        """``copy_d2h`` slot (a storage of the region's trace) -> the graph node that made
+        it, for ``verify``'s errors."""
+        if self.planned is None:
+            return {}
+        names: dict[int, str] = {}
+        for name, storage in self.planned.fx_trace.node_storage.items():
+            names.setdefault(int(storage), f"of {name} (slot {int(storage)})")
+        return names
 
     @functools.cached_property
     def profile(self) -> RegionProfile:
@@ -205,7 +221,8 @@ class _RegionForward:
         if backend.options.step_scoped and torch.is_grad_enabled() and (
                 backend.fake_steps or torch._guards.detect_fake_mode(args) is None):
             return backend.run_invocation(region, compiled, args)
-        with backend.runtime:
+        with backend.runtime.keeping(frozenset(), where=region.where,
+                                     slot_names=region.slot_names):
             return compiled(*args)
 
 
@@ -300,7 +317,12 @@ class HyperOffloadBackend:
         and steps run on fake tensors are the step (:mod:`.step_estimate`)."""
         self.regions: list[_Region] = []
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
-        self.runtime = TransferRuntime(pool=PinnedMemoryPool(options.config.max_host_bytes))
+        self._verify_steps = verify_steps(options.config.verify)
+        self.runtime = TransferRuntime(
+            pool=PinnedMemoryPool(options.config.max_host_bytes), verify=self._verify_steps != 0
+        )
+        self.verified_steps = 0
+        """Steps whose transfers were checked (``verify``; counted under the step scope)."""
         self.recorder = StepRecorder(self._on_step)
         self.step_plan: StepPlan | None = None
         self.step_stall_s = 0.0
@@ -358,7 +380,8 @@ class HyperOffloadBackend:
         recorder = self.recorder
         recorder.poll()
         invocation = recorder.begin_forward(region.index)
-        with self.runtime.keeping(self._keep_for(invocation)):
+        with self.runtime.keeping(self._keep_for(invocation), where=region.where,
+                                  slot_names=region.slot_names):
             outputs = compiled(*args)
         leaves = {
             id(a.untyped_storage()) for a in args
@@ -366,6 +389,13 @@ class HyperOffloadBackend:
         }
         recorder.end_forward(invocation, outputs, functools.partial(self._retained, leaves))
         return outputs
+
+    def _count_verified_step(self) -> None:
+        """A step ended: count it if it was checked; ``verify="first_steps:N"`` turns the
+        checks off after N (copies already checksummed are still checked at their waits)."""
+        self.verified_steps += self.runtime.verify
+        limit = self._verify_steps
+        self.runtime.verify = limit is None or self.verified_steps < limit
 
     def _keep_for(self, invocation: Invocation) -> frozenset[int]:
         """What the plan keeps for ``invocation``, while this step's forwards so far are
@@ -392,6 +422,7 @@ class HyperOffloadBackend:
     def _on_step(self, timeline: StepTimeline) -> None:
         """A step ended: plan it again when it differs from the one planned; where the
         plan cannot fit or stalls, ask for recompute (:mod:`.step_recompute`)."""
+        self._count_verified_step()
         plan = self.step_plan
         if plan is not None and plan.timeline == timeline:
             return

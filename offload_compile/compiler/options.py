@@ -25,7 +25,12 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
 * ``mode``: an Inductor mode (``torch.compile(..., mode=...)`` arrives here too):
   its settings apply to the inner Inductor, except CUDA graphs (a region's transfers
   keep host-side state, pool buffers and events, that a graph replay would skip; a
-  warning says so once). Refused for ``inner_compiler="aot_eager"``, which has no modes.
+  warning says so once). Refused for ``inner_compiler="aot_eager"``, which has no modes;
+* ``verify``: ``True`` checks every transfer (:mod:`hyper_offload.runtime.verify`: a
+  checksum at each D2H, checked where the source is freed and where the reload is
+  waited); ``"first_steps:N"`` checks the first N steps (needs ``budget_scope="step"``,
+  which is where the backend sees steps). It changes no graph: the checks run inside
+  the transfer ops' kernels, and a change of ``verify`` recompiles nothing.
 
 Eager-only ``OffloadConfig`` fields (``rewarm_on_mismatch``) are refused: compiled
 regions re-plan on recompilation instead.
@@ -107,8 +112,10 @@ class BackendOptions:
         return self.config.budget_bytes
 
     def cache_key(self) -> str:
-        """What distinguishes two option sets in Inductor's caches."""
-        return repr((self.config, self.inner_compiler, self.budget_fraction, self.recompute,
+        """What distinguishes two option sets in Inductor's caches (not ``verify``: it
+        changes no graph, only what the transfer ops' kernels check)."""
+        config = dataclasses.replace(self.config, verify=False)
+        return repr((config, self.inner_compiler, self.budget_fraction, self.recompute,
                      self.transfer_bandwidth_gbps, self.mode, self.budget_scope))
 
 
@@ -168,6 +175,12 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
     except (TypeError, ValueError) as error:
         key = next((k for k in options if k in str(error)), ", ".join(options))
         raise ValueError(f"hyper_offload options: {key!r}: {error}") from None
+    if isinstance(config.verify, str) and scope != "step":
+        raise ValueError(
+            f"hyper_offload options: verify={config.verify!r} counts steps, and with "
+            "budget_scope='region' the backend sees regions, not steps. Fix: use "
+            "verify=True, or budget_scope='step' (the default)"
+        )
     return BackendOptions(
         config=config, inner_compiler=inner,
         budget_fraction=None if fraction is None else float(fraction),
