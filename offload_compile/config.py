@@ -40,7 +40,10 @@ class OffloadConfig:
     ``False`` (default): nothing is computed."""
 
     def __post_init__(self) -> None:
-        verify_steps(self.verify)  # validates
+        # Validated here, where the user wrote it (torch is imported by then anyway).
+        from hyper_offload.runtime.verify import verify_steps
+
+        verify_steps(self.verify)
         for name in ("max_resident_activation_mb", "max_offload_activation_mb"):
             value = getattr(self, name)
             # ``not 0 <= value < inf`` is also true for NaN, which int() would reject later.
@@ -75,19 +78,3 @@ class OffloadConfig:
         from hyper_offload.passes import GreedyResidencyPlanner
 
         return GreedyResidencyPlanner()
-
-
-def verify_steps(verify: bool | str) -> int | None:
-    """How many steps ``verify`` checks: 0 (off), N (``"first_steps:N"``) or None (every
-    step). Raises ``ValueError`` naming the accepted forms for anything else."""
-    if verify is False:
-        return 0
-    if verify is True:
-        return None
-    if isinstance(verify, str) and verify.startswith("first_steps:"):
-        count = verify.removeprefix("first_steps:")
-        if count.isdigit() and int(count) > 0:
-            return int(count)
-    raise ValueError(
-        f"verify: expected True, False or 'first_steps:N' with N >= 1, got {verify!r}"
-    )

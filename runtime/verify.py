@@ -36,7 +36,9 @@ import torch
 
 from hyper_offload.errors import TransferIntegrityError
 
-__all__ = ["BLOCK_WORDS", "checksum", "dense_bytes", "integrity_error", "same_checksum"]
+__all__ = [
+    "BLOCK_WORDS", "checksum", "dense_bytes", "integrity_error", "same_checksum", "verify_steps",
+]
 
 BLOCK_WORDS = 1 << 12
 """Words per block of the position-weighted word (32 KiB of data)."""
@@ -96,4 +98,20 @@ def integrity_error(check: str, subject: str, what: str, where: str = "") -> Tra
         "from it are wrong. Fix: do not trust this step; report it with this message "
         "(the run without offload is exact)",
         check=check, where=where,
+    )
+
+
+def verify_steps(verify: bool | str) -> int | None:
+    """How many steps ``verify`` checks: 0 (off), N (``"first_steps:N"``) or None (every
+    step). Raises ``ValueError`` naming the accepted forms for anything else."""
+    if verify is False:
+        return 0
+    if verify is True:
+        return None
+    if isinstance(verify, str) and verify.startswith("first_steps:"):
+        count = verify.removeprefix("first_steps:")
+        if count.isdigit() and int(count) > 0:
+            return int(count)
+    raise ValueError(
+        f"verify: expected True, False or 'first_steps:N' with N >= 1, got {verify!r}"
     )

@@ -45,13 +45,14 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload import passes
-from hyper_offload.config import OffloadConfig, verify_steps
+from hyper_offload.config import OffloadConfig
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.sizes import unbounded_sizes
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.memory_meter import is_host_labelled
+from hyper_offload.runtime.verify import verify_steps
 
 from . import region_cache
 from .backend_registry import BackendRegistry

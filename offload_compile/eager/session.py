@@ -37,12 +37,13 @@ from typing import Any
 
 import torch
 
-from hyper_offload.config import OffloadConfig, verify_steps
+from hyper_offload.config import OffloadConfig
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import ActivationTrace
 from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine, resolve_device
+from hyper_offload.runtime.verify import verify_steps
 
 from .active import activate, current_session, deactivate
 from .compiled_modules import install_compiled_module_hooks

@@ -41,6 +41,10 @@ Invariants:
   the object holds no storage, no staging buffer and no host buffer.
 * Host buffers come from the pool, which labels them host memory (``label_host``): the
   live-storage meter never counts them as device bytes.
+* ``verify`` (:mod:`~hyper_offload.runtime.verify`): the staging buffer's checksum is
+  taken at the pack (compute stream, before the D2H reads it) and checked once the load
+  was waited, before the unpack hands the bytes to the members. The members are freed
+  at the pack, so no write after the copy can reach the bytes it moves.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from hyper_offload.errors import (
 from ..device import Transfer, TransferEngine
 from ..physical_buffer import AllDone, byte_view
 from ..pinned_pool import PinnedMemoryPool
+from ..verify import checksum, integrity_error, same_checksum
 
 __all__ = ["PackState", "PackedCopy"]
 
@@ -99,8 +104,12 @@ class PackedCopy:
         engine: TransferEngine,
         pool: PinnedMemoryPool,
         device: torch.device,
+        *,
+        verify: bool = False,
     ) -> None:
         self.name = name
+        self.verify = verify
+        self._sent: torch.Tensor | None = None  # checksum of the packed bytes (verify)
         self.engine = engine
         self.pool = pool
         self.device = torch.device(device)
@@ -155,6 +164,7 @@ class PackedCopy:
             )
         if self._nbytes:
             staging = torch.cat([byte_view(s, n) for s, n in self._members])
+            self._sent = checksum(staging) if self.verify else None
             host = self.pool.acquire(self._nbytes)
             try:
                 self._d2h = self.engine.d2h(staging, host[: self._nbytes], free_before_wait=True)
@@ -247,6 +257,14 @@ class PackedCopy:
         if self._h2d is None:
             return
         self._h2d.wait()  # the compute stream, which runs the unpack, follows the copy
+        if self._sent is not None:
+            assert self._staging is not None
+            if not same_checksum(checksum(self._staging), self._sent):
+                raise integrity_error(
+                    "reload", f"{self.name}, {len(self._members)} storages packed in "
+                    f"{self._nbytes} B on {self.device}",
+                    "the reloaded bytes differ from those the D2H read",
+                )
         self._unpack()
         self._release_host()
 

@@ -76,6 +76,8 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
     under the same gap rule (and, with ``swap_cost``, the same cost-aware choice).
     ``release_sends`` (default on) waits each send as soon as the ranks' orders prove its
     receiver has it, which frees the sent tensor there instead of at the end of the step.
+    ``verify`` (``True`` or ``"first_steps:N"``) checks every swapped byte
+    (:mod:`~hyper_offload.runtime.verify`); a race raises ``TransferIntegrityError``.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         scale_grads: bool = True,
         timeout: timedelta | float | None = None,
         pool: PinnedMemoryPool | None = None,
+        verify: bool | str = False,
     ) -> None:
         stages = list(stages)
         if not stages:
@@ -151,7 +154,9 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
                 weight_swapped=_chosen(weight_swap_only, self.rank) if weight_swap else (),
             )
         self.swap = swap
-        self.session = PipelineSwapSession(self.order, device=stages[0].device, pool=pool) if swap else None
+        self.session = PipelineSwapSession(
+            self.order, device=stages[0].device, pool=pool, verify=verify
+        ) if swap else None
         self.timeout = timeout if timeout is None or isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.real_overlap = real_overlap
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pp-overlap") if real_overlap else None

@@ -22,6 +22,10 @@ is one *generation*: :meth:`begin` starts it, :meth:`end` (normal exit) or :meth
   BWD_WEIGHT under dx/dw split), so its bytes die with autograd's saved tensors.
 * **Bytes** move through one :class:`ResidencyManager` (copy engine + host pool) owned by
   the session for all generations; its pool is reused from step to step.
+* **verify** (``True`` or ``"first_steps:N"``, :mod:`~hyper_offload.runtime.verify`):
+  every storage a swap step moves is checked at its release (write after copy) and
+  after its WAIT_LOAD (reload); a mismatch raises ``TransferIntegrityError`` naming the
+  swap step.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from itertools import count
 
 import torch
 
+from hyper_offload.errors import TransferIntegrityError
 from hyper_offload.passes.pipeline.meta_step import (
     BACKWARD_KINDS,
     SWAP_INDEX_OF,
@@ -44,6 +49,7 @@ from hyper_offload.passes.pipeline.meta_step import (
 from ..device import TransferEngine, resolve_device
 from ..pinned_pool import PinnedMemoryPool
 from ..residency import ResidencyManager
+from ..verify import verify_steps
 from .hooks import group_scope
 from .swap_group import GroupState, SwapGroup, SwapStateError, group_name, storage_keys
 
@@ -63,8 +69,12 @@ class PipelineSwapSession:
         device: torch.device | str | None = None,
         pool: PinnedMemoryPool | None = None,
         engine: TransferEngine | None = None,
+        verify: bool | str = False,
     ) -> None:
         self.device = resolve_device(device)
+        self._verify_steps = verify_steps(verify)
+        self.verified_steps = 0
+        """Generations whose swap steps were checked (``verify``)."""
         self.order = list(order)
         self.weight_swapped: frozenset[ChunkKey] = frozenset(
             step.chunk for step in self.order if step.kind is StepKind.DW_LAUNCH_OFFLOAD and step.chunk is not None
@@ -110,6 +120,8 @@ class PipelineSwapSession:
             raise SwapStateError(f"PipelineSwapSession: groups {self.live_groups()} outlived their step")
         self.generation += 1
         self._active = True
+        limit = self._verify_steps
+        self.manager.verify = limit is None or self.verified_steps < limit
         self.group_bytes = {}
         self.weight_bytes = {}
         self.packed_bytes = {}
@@ -120,6 +132,7 @@ class PipelineSwapSession:
         """Normal end of a generation: every group must have been consumed and closed."""
         leftover = [g for g in self._groups.values()]
         self._active = False
+        self.verified_steps += self.manager.verify
         if leftover:
             for group in leftover:
                 group.abort()
@@ -197,7 +210,12 @@ class PipelineSwapSession:
         if step.kind not in SWAP_PHASE_OF:
             raise ValueError(f"run_swap_step: {step!r} is not a swap step")
         action = _ACTIONS[SWAP_INDEX_OF[step.kind]]
-        getattr(group, action)(SWAP_PHASE_OF[step.kind])
+        try:
+            getattr(group, action)(SWAP_PHASE_OF[step.kind])
+        except TransferIntegrityError as error:
+            where = f"pipeline swap, {step.kind.value} of {group.name}"
+            raise TransferIntegrityError(f"{where}: {error}", check=error.check,
+                                         where=where) from error
 
     def after_compute(
         self,

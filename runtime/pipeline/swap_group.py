@@ -259,7 +259,8 @@ class SwapGroup:
         storages = [st for st in storages if st is not None and st.nbytes() > 0]
         if storages:
             self._packed = PackedCopy(
-                f"{self.name}[{phase.value}]", storages, self.manager.engine, self.manager.pool, self.device
+                f"{self.name}[{phase.value}]", storages, self.manager.engine, self.manager.pool,
+                self.device, verify=self.manager.verify,
             )
             self._packed.launch_offload()
             self.d2h_copies += self._packed.d2h_copies
