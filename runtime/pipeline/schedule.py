@@ -102,8 +102,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
         release_sends: bool = True,
         scale_grads: bool = True,
         timeout: timedelta | float | None = None,
-        pool: PinnedMemoryPool | None = None,
-        verify: bool | str = False,
+        pool: PinnedMemoryPool | None = None, verify: bool | str = False,
     ) -> None:
         stages = list(stages)
         if not stages:
@@ -154,9 +153,8 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
                 weight_swapped=_chosen(weight_swap_only, self.rank) if weight_swap else (),
             )
         self.swap = swap
-        self.session = PipelineSwapSession(
-            self.order, device=stages[0].device, pool=pool, verify=verify
-        ) if swap else None
+        device = stages[0].device
+        self.session = PipelineSwapSession(self.order, device=device, pool=pool, verify=verify) if swap else None
         self.timeout = timeout if timeout is None or isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.real_overlap = real_overlap
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pp-overlap") if real_overlap else None
