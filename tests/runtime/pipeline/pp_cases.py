@@ -163,6 +163,7 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
                 result["pool_bytes"].append(sched.session.manager.pool.stats().pinned_bytes_held)
                 result["copies"].append(sched.session.copies())
                 result["weight_swapped"] = sorted(sched.session.weight_swapped)
+                result["verified_steps"] = sched.session.verified_steps
     finally:
         sched.close()
     result["grads"] = {

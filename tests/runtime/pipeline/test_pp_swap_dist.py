@@ -46,6 +46,12 @@ CASES = [
     Case("zbv", 4, 8, stages_per_rank=2, group_swap=True),
     Case("interleaved-zb", 4, 8, stages_per_rank=2, extra={"weight_swap": False}),
 ]
+#: verify (issue 34): the SWAP_* and DW_* steps checked, per storage and packed. Its
+#: checksums are small device temporaries, so these cases check exactness, not peaks.
+VERIFY_CASES = [
+    Case("1f1b", 4, 8, dxdw_split=True, measure=False, extra={"verify": True}),
+    Case("zbv", 2, 4, stages_per_rank=2, group_swap=True, measure=False, extra={"verify": True}),
+]
 # Orders whose residency differs from the cost model's rule "a chunk is resident from its
 # FWD through its first consumer": under dx/dw split the group lives until BWD_WEIGHT.
 _SPLITS = {"interleaved-zb", "zbv", "dualpipev"}
@@ -73,6 +79,19 @@ def _losses(results: list) -> list[torch.Tensor]:
     found = [r["losses"][-1] for r in results if r is not None and r["losses"][-1]]
     assert len(found) == 1, "exactly one rank holds the last stage"
     return found[0]
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=Case.label)
+def test_verified_swap_steps_are_exact(cluster, case: Case) -> None:
+    swapped = cluster.run(run_case, (case, True))
+    ref_losses, ref_grads = reference(case)
+    swap_grads = _merged(swapped, "grads")
+    assert swap_grads.keys() == ref_grads.keys()
+    assert all(torch.equal(swap_grads[name], grad) for name, grad in ref_grads.items())
+    assert all(torch.equal(a, b) for a, b in zip(_losses(swapped), ref_losses, strict=True))
+    ranks = [r for r in swapped if r is not None]
+    assert all(r["verified_steps"] == case.steps for r in ranks)
+    assert any(sum(copies["d2h"] for copies in r["copies"]) for r in ranks)
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.label)
