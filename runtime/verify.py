@@ -72,7 +72,9 @@ def same_checksum(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def dense_bytes(tensor: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+def dense_bytes(
+    tensor: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> torch.Tensor:
     """The bytes of ``tensor`` laid out as the dense ``shape``/``stride`` (what a copy into
     that layout writes), as a flat uint8 tensor. A view of ``tensor``'s own bytes when it
     already has that layout (the usual case: the lowering copies a value in the layout

@@ -53,7 +53,8 @@ def test_verify_changes_no_graph_and_no_cache_key(runs):
 
 def test_a_verified_step_is_exact_and_checks_every_moved_storage_twice(runs):
     (loss_off, grads_off, off), (loss_on, grads_on, on) = runs[False], runs[True]
-    assert all(torch.equal(a, b) for a, b in zip(loss_off + grads_off, loss_on + grads_on, strict=True))
+    pairs = zip(loss_off + grads_off, loss_on + grads_on, strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     moved = len(moved_storages(on.regions[0].planned))
     assert moved > 0
     assert on.runtime.checks == 2 * moved  # at each D2H's wait and at each reload
@@ -90,8 +91,10 @@ def test_a_host_copy_overwritten_before_its_reload_raises_naming_region_and_node
 
 
 def test_first_steps_checks_that_many_steps_then_turns_itself_off():
-    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_fraction=0.5,
-                                    verify="first_steps:1", recompute="off")
+    backend = hyper_offload.backend(
+        inner_compiler="aot_eager", max_resident_activation_fraction=0.5,
+        verify="first_steps:1", recompute="off",
+    )
     plain = compile_step(Block, "aot_eager", torch.float32, steps=3)
     losses, params, _ = compile_step(Block, backend, torch.float32, steps=3)
     assert all(torch.equal(a, b) for a, b in zip(plain[0] + plain[1], losses + params, strict=True))

@@ -84,7 +84,9 @@ def _skip_waits(direction: TransferDirection) -> Callable[[pytest.MonkeyPatch], 
     return plant
 
 
-def _graph_step(engine: TransferEngine, verify: bool, plant: Plant) -> tuple[torch.Tensor, torch.Tensor]:
+def _graph_step(
+    engine: TransferEngine, verify: bool, plant: Plant
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One offloaded saved tensor through the lowered ops; returns (what the backward
     read, what the program had in the tensor when the forward let go of it)."""
     runtime = TransferRuntime(pool=PinnedMemoryPool(1 << 20, pin=False), engines=[engine],

@@ -73,7 +73,9 @@ def _reference() -> dict[str, torch.Tensor]:
     return _run(_order(), Net(), None, xs)
 
 
-def _assert_names_the_step(error: TransferIntegrityError, check: str, step: str, group: str) -> None:
+def _assert_names_the_step(
+    error: TransferIntegrityError, check: str, step: str, group: str
+) -> None:
     assert error.check == check
     assert error.where.startswith("pipeline swap, ") and step in error.where
     assert error.where.endswith(f" of {group}") and "Fix:" in str(error)
