@@ -21,7 +21,13 @@ activation peak); ``torch_offload_all`` (AOTAutograd's ``enable_activation_offlo
 with ``should_offload`` set on every node: what torch offers without a budget or a
 planner; Inductor only, since torch applies it in its partitioner).
 
-Run from the repository root: ``python benchmarks/compile_step.py [--quick]``.
+``--verify`` passes ``verify=True`` to every hyper_offload backend (issue 34: every
+transfer checked; a copy race raises ``TransferIntegrityError``, which a worker reports
+in its line's ``error``): each line then says ``"verify": true`` and hyper_offload lines
+give ``verify_checks`` (comparisons that passed) and ``verified_steps``. Verify costs
+time: its step ratios are not the overhead figures (``benchmarks/verify_cost.py``).
+
+Run from the repository root: ``python benchmarks/compile_step.py [--quick] [--verify]``.
 """
 
 from __future__ import annotations
@@ -49,12 +55,19 @@ def _model_and_batch(args: argparse.Namespace, device: torch.device) -> tuple[nn
     return gm.GPT(config).to(device=device, dtype=getattr(torch, args.dtype)), gm.random_batch(config, args.batch, device=device)
 
 
-def _backend(inner: str, variant: str) -> tuple[Any, Any]:
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``--verify`` adds to every line (nothing without it)."""
+    return {"verify": True} if args.verify else {}
+
+
+def _backend(inner: str, variant: str, verify: bool = False) -> tuple[Any, Any]:
     if variant == "plain":
         return inner, None
     if variant.startswith("hyper_offload@"):
         fraction = float(variant.split("@", 1)[1])
-        return hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=fraction), None
+        extra = {"verify": True} if verify else {}
+        return hyper_offload.backend(inner_compiler=inner, max_resident_activation_fraction=fraction,
+                                     **extra), None
     partitioner = mark_all_partitioner()
     return torch_offload_backend(partitioner), partitioner
 
@@ -62,7 +75,7 @@ def _backend(inner: str, variant: str) -> tuple[Any, Any]:
 def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any]:
     """One variant, in this (fresh) process."""
     torch.use_deterministic_algorithms(True)
-    backend, partitioner = _backend(inner, variant)
+    backend, partitioner = _backend(inner, variant, args.verify)
     device = torch.device(args.device)
     model, (idx, target) = _model_and_batch(args, device)
     compiled = torch.compile(model, backend=backend)
@@ -93,7 +106,7 @@ def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any
         # the fastest step: on a shared machine the median mostly measures other load
         "step_s": min(times), "step_median_s": statistics.median(times),
         "saved_device_bytes": saved, "loss": loss.item(),
-        "digest": digest([loss, *(p.grad for p in model.parameters())]),
+        "digest": digest([loss, *(p.grad for p in model.parameters())]), **_flags(args),
     }
     if device.type == "cuda":
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
@@ -104,6 +117,9 @@ def measure(args: argparse.Namespace, inner: str, variant: str) -> dict[str, Any
         result["predicted_peak_after"] = sum(r.predicted_peak_after for r in reports)
         result["predicted_exposed_transfer_s"] = sum(r.exposed_transfer_s for r in reports)
         result["feasible"] = all(r.feasible for r in reports)
+        if args.verify:
+            result["verify_checks"] = getattr(backend.runtime, "checks", None)
+            result["verified_steps"] = getattr(backend, "verified_steps", None)
     if partitioner is not None:
         result["bytes_moved"] = type(partitioner).moved
     return result
@@ -119,6 +135,8 @@ def memory_curve(args: argparse.Namespace, inner: str) -> None:
             {"max_resident_activation_mb": 0} if fraction == 0.0
             else {"max_resident_activation_fraction": fraction}
         )
+        if args.verify:
+            options["verify"] = True
         backend = hyper_offload.backend(inner_compiler=inner, **options)
         loss = torch.compile(model, backend=backend)(idx, target)
         saved = saved_device_bytes(loss, exclude=[*model.parameters(), idx, target])
@@ -130,7 +148,7 @@ def memory_curve(args: argparse.Namespace, inner: str) -> None:
             "predicted_peak_before": sum(r.predicted_peak_before for r in reports),
             "predicted_peak_after": sum(r.predicted_peak_after for r in reports),
             "bytes_moved": sum(r.bytes_d2h + r.bytes_h2d for r in reports),
-            "feasible": all(r.feasible for r in reports),
+            "feasible": all(r.feasible for r in reports), **_flags(args),
         }), flush=True)
 
 
@@ -140,10 +158,10 @@ def _run_worker(args: argparse.Namespace, inner: str, variant: str) -> dict[str,
     argv = ["--worker", inner, variant, "--device", args.device,
             "--layers", str(args.layers), "--d", str(args.d), "--heads", str(args.heads),
             "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
-            "--steps", str(args.steps), "--dtype", args.dtype]
+            "--steps", str(args.steps), "--dtype", args.dtype, *(["--verify"] if args.verify else [])]
     result = run_isolated(__file__, argv)
     if "error" in result:
-        return {"bench": "compile_step", "inner": inner, "variant": variant, **result}
+        return {"bench": "compile_step", "inner": inner, "variant": variant, **_flags(args), **result}
     return result
 
 
@@ -163,6 +181,8 @@ def main() -> None:
                         help="comma-separated; torch_offload_all runs under inductor only")
     parser.add_argument("--no-curve", action="store_true", help="skip the compile_memory_curve lines")
     parser.add_argument("--quick", action="store_true", help="2 layers, 4 steps")
+    parser.add_argument("--verify", action="store_true",
+                        help="verify=True for the hyper_offload backends: every transfer checked (issue 34)")
     parser.add_argument("--worker", nargs=2, metavar=("INNER", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:

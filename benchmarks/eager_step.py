@@ -13,6 +13,12 @@ per step (the same ops with other sizes, :func:`run_lengths`). ``ratio`` is step
 
     .venv/bin/python benchmarks/eager_step.py            # small GPT, ~1 minute on 2 cores
     .venv/bin/python benchmarks/eager_step.py --quick    # smoke run
+    .venv/bin/python benchmarks/eager_step.py --verify   # sessions with OffloadConfig(verify=True)
+
+``--verify`` checks every transfer of the sessions (issue 34): each line then says
+``"verify": true``, replay lines give ``verified_steps``, and a copy race raises
+``TransferIntegrityError`` (the run fails with its message). Verify costs time: its
+ratios are not the overhead figures (``benchmarks/verify_cost.py`` measures the cost).
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ def _emit(record: dict[str, Any]) -> None:
     print(json.dumps({"bench": "eager_step", **record}), flush=True)
 
 
-def run(model_name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps: int) -> None:
+def run(model_name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps: int,
+        verify: bool = False) -> None:
     base = copy.deepcopy(model)
     opt = torch.optim.SGD(base.parameters(), lr=1e-4)
     _step(base, opt, batch)  # warm allocator and kernels
@@ -90,12 +97,12 @@ def run(model_name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
     assert trace is not None
     peak = max(resident_bytes_without_offload(trace))
     ops = trace.num_ops
-    common = {"model": model_name, "ops": ops, "plain_peak_bytes": peak}
+    common = {"model": model_name, "ops": ops, "plain_peak_bytes": peak, **_flags(verify)}
     _emit({**common, "mode": "plain", "step_s": plain, "mean_op_us": plain / ops * 1e6})
     # Replay ratios use a plain median re-measured in alternation with the replay steps.
 
     for label, budget in (("peak", peak), ("half_peak", peak // 2)):
-        session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+        session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, verify=verify))
         sess_model = copy.deepcopy(model)
         sess_opt = torch.optim.SGD(sess_model.parameters(), lr=1e-4)
 
@@ -114,11 +121,11 @@ def run(model_name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
         _emit({**common, "mode": "replay", "budget": label, "budget_bytes": budget, "step_s": replay,
                "plain_step_s": plain, "ratio": replay / plain, "overhead_us_per_op": (replay - plain) / ops * 1e6,
                "peak_resident_bytes": stats.peak_resident_bytes, "bytes_d2h": stats.bytes_d2h,
-               "bytes_h2d": stats.bytes_h2d, "transfers": stats.transfers})
+               "bytes_h2d": stats.bytes_h2d, "transfers": stats.transfers, **_verified(session)})
 
 
 def run_lengths(model: nn.Module, vocab: int, seq: int, batch_size: int, steps: int,
-                device: torch.device) -> None:
+                device: torch.device, verify: bool = False) -> None:
     """Replay over the same ops with other sizes (issue 33): every step draws its sequence
     length from {seq/2, 3seq/4, seq}; the warmup sees 3seq/4, so the first full-length
     step evicts online and the plan is remade for the largest sizes (``replans``). One
@@ -140,7 +147,7 @@ def run_lengths(model: nn.Module, vocab: int, seq: int, batch_size: int, steps: 
     assert probe.trace is not None
     peak = max(resident_bytes_without_offload(probe.trace))
     for label, budget in (("peak", peak), ("half_peak", peak // 2)):
-        session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+        session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, verify=verify))
         sess_model = copy.deepcopy(model)
         sess_opt = torch.optim.SGD(sess_model.parameters(), lr=1e-4)
         for n in (lengths[1], lengths[0], lengths[2], lengths[1]):  # untimed: warmup, growth
@@ -160,7 +167,18 @@ def run_lengths(model: nn.Module, vocab: int, seq: int, batch_size: int, steps: 
                "ratio": statistics.median(per_length.values()),
                "ratio_per_length": {str(n): r for n, r in per_length.items()},
                "replans": session.replans, "rewarms": session.rewarms,
-               "timed_evictions": evictions})
+               "timed_evictions": evictions, **_flags(verify), **_verified(session)})
+
+
+def _flags(verify: bool) -> dict[str, Any]:
+    """What ``--verify`` adds to every line (nothing without it: the default output is as
+    before)."""
+    return {"verify": True} if verify else {}
+
+
+def _verified(session: OffloadSession) -> dict[str, Any]:
+    verify = session.config.verify
+    return {"verified_steps": session.verified_steps} if verify else {}
 
 
 def _session_step(session: OffloadSession, model: nn.Module, opt: torch.optim.Optimizer,
@@ -183,6 +201,8 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=int, default=None, help="override the preset size")
     parser.add_argument("--no-tiny-model", action="store_true",
                         help="skip the per-op overhead run on the model of tiny ops")
+    parser.add_argument("--verify", action="store_true",
+                        help="OffloadConfig(verify=True): check every transfer (issue 34)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -197,14 +217,14 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     gpt = make_gpt(**sizes).to(device=device, dtype=dtype)
     idx = torch.randint(0, sizes["vocab"], (batch_size, sizes["seq"])).to(device)
-    run("gpt", gpt, (idx, torch.roll(idx, -1, dims=1)), steps)
-    run_lengths(gpt, sizes["vocab"], sizes["seq"], batch_size, steps, device)
+    run("gpt", gpt, (idx, torch.roll(idx, -1, dims=1)), steps, args.verify)
+    run_lengths(gpt, sizes["vocab"], sizes["seq"], batch_size, steps, device, args.verify)
     if args.no_tiny_model:
         return
     # Dispatch overhead on a model of tiny ops (mean op a few us): the per-op cost.
     tiny = make_gpt(vocab=64, dim=32, layers=2, heads=2, seq=16).to(device=device, dtype=dtype)
     tidx = torch.randint(0, 64, (2, 16)).to(device)
-    run("tiny_gpt", tiny, (tidx, torch.roll(tidx, -1, dims=1)), steps * 4)
+    run("tiny_gpt", tiny, (tidx, torch.roll(tidx, -1, dims=1)), steps * 4, args.verify)
 
 
 if __name__ == "__main__":
