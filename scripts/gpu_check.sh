@@ -2,7 +2,7 @@
 # The project's prepared GPU run, in one call on a machine with CUDA (it uses that machine's
 # own python3 and CUDA build of torch; nothing is downloaded):
 #   1. gpu_tests:      the tests marked `gpu`;
-#   2. gpu_tests_csan: the same tests again under TORCH_CUDA_SANITIZER=1 (torch.cuda._sanitizer:
+#   2. gpu_tests_csan: the copy-stream tests again under TORCH_CUDA_SANITIZER=1 (torch.cuda._sanitizer:
 #      a kernel reading or writing a tensor another stream uses without an event or a
 #      synchronization between them fails the test; on CPU it checks nothing);
 #   3-5. benchmarks/eager_step.py, benchmarks/anchors.py and benchmarks/compile_step.py at a
@@ -10,7 +10,7 @@
 #   6. verify:         eager_step.py and compile_step.py (hyper_offload@0.5) with --verify
 #      (issue 34: every transfer checksummed); a TransferIntegrityError fails the stage, and
 #      the summary says "verify: no mismatch ..." or the error's line.
-# Every stage has its own timeout (90 + 50 + 40 + 180 + 110 + 60 = 530 s: the run stays
+# Every stage has its own timeout (80 + 60 + 40 + 180 + 110 + 60 = 530 s: the run stays
 # under 9 minutes); a failing stage is recorded and the next one still runs. JSON lines and
 # logs go to ${OUT:-out/gpu}; the summary (summary.txt there, and the end of stdout) says
 # what passed, failed or timed out.
@@ -59,10 +59,14 @@ files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/run
        tests/compiler/test_estimate_gpu.py tests/integration/test_train_gpt_example.py)
 # The meter's CUDA test lives beside hypothesis-based tests; include it where hypothesis is.
 $PY -c "import hypothesis" 2>/dev/null && files+=(tests/runtime/test_memory_meter.py)
-stage gpu_tests $((90 * scale)) $PY -m pytest -q -p no:cacheprovider -m gpu "${files[@]}"
+stage gpu_tests $((80 * scale)) $PY -m pytest -q -p no:cacheprovider -m gpu "${files[@]}"
 # issue 34: the stream rules checked by torch's CUDA sanitizer (every kernel's reads and
-# writes against the other streams' events); it slows each op, not the copies.
-stage gpu_tests_csan $((50 * scale)) env TORCH_CUDA_SANITIZER=1 $PY -m pytest -q -p no:cacheprovider -m gpu "${files[@]}"
+# writes against the other streams' events). It slows every op, so it runs the tests whose
+# subject is the copy stream (runtime, eager session, pipeline swap), not the compile and
+# estimate tests, whose Inductor builds would spend the stage's time without a transfer.
+transfer_files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/eager/test_gpu_session.py
+                tests/runtime/pipeline/test_swap_session_gpu.py)
+stage gpu_tests_csan $((60 * scale)) env TORCH_CUDA_SANITIZER=1 $PY -m pytest -q -p no:cacheprovider -m gpu "${transfer_files[@]}"
 
 stage eager_step $((40 * scale)) sh -c "$PY benchmarks/eager_step.py ${device[*]} --dtype $dtype ${gpt[*]} --dim $dim --steps 5 --no-tiny-model > '$out/eager_step.jsonl'"
 # One shared Inductor cache for the anchor workers: plain compile is then compiled once,
