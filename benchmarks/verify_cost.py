@@ -82,7 +82,8 @@ def eager(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps: int
     budget = max(resident_bytes_without_offload(probe.trace)) // 2
     runs = {}
     for verify in (False, True):
-        session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, verify=verify))
+        config = OffloadConfig(max_resident_activation_mb=budget / MIB, verify=verify)
+        session = OffloadSession(config)
         sess_model = copy.deepcopy(model)
         opt = torch.optim.SGD(sess_model.parameters(), lr=1e-4)
 
@@ -116,7 +117,9 @@ def compile_door(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], inn
         copy_ = copy.deepcopy(model)
         compiled = torch.compile(copy_, backend=backend)
 
-        def step(compiled: Callable[..., torch.Tensor] = compiled, copy_: nn.Module = copy_) -> None:
+        def step(
+            compiled: Callable[..., torch.Tensor] = compiled, copy_: nn.Module = copy_
+        ) -> None:
             copy_.zero_grad(set_to_none=False)
             compiled(*batch).backward()
 
@@ -144,7 +147,8 @@ def predicted(fractions: list[float], links: list[float]) -> list[dict[str, Any]
         graphs = stall.capture_graphs(model, inputs, device="cpu", inner_compiler="inductor")
         for gbps in links:
             for fraction in fractions:
-                options = stall.parse_backend_options({"max_resident_activation_fraction": fraction})
+                fractions = {"max_resident_activation_fraction": fraction}
+                options = stall.parse_backend_options(fractions)
                 fx_trace, schedule, *_ = stall.plan_graphs(
                     graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, options=options,
                     bandwidth=stall.TransferBandwidth(gbps, gbps, measured=False), region=0,
@@ -174,7 +178,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("measured", "predict"), default=None)
     parser.add_argument("--predict", action="store_true", help="also the predicted GPU rows")
-    parser.add_argument("--inner", default="aot_eager,inductor", help="compile door inner compilers")
+    parser.add_argument("--inner", default="aot_eager,inductor",
+                        help="compile door inner compilers")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per side")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (default 1, as eager_step: steadier timing)")

@@ -33,9 +33,11 @@ def test_cpu_smoke_runs_every_stage_ok(tmp_path: Path) -> None:
                           timeout=600)
     summary_file = tmp_path / "summary.txt"
     summary = summary_file.read_text() if summary_file.exists() else "(no summary.txt)"
-    context = f"summary:\n{summary}\nstdout tail:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-2000:]}"
+    context = (f"summary:\n{summary}\nstdout tail:\n{done.stdout[-3000:]}\n"
+               f"stderr:\n{done.stderr[-2000:]}")
     assert done.returncode == 0, context
     for name in stages():
-        assert re.search(rf"^{name}\s+ok\s", summary, flags=re.MULTILINE), f"stage {name}: {context}"
+        ok = re.search(rf"^{name}\s+ok\s", summary, flags=re.MULTILINE)
+        assert ok, f"stage {name}: {context}"
     assert "verify: no mismatch" in summary, context
     assert (tmp_path / "verify_eager.jsonl").read_text().count('"verify": true') >= 4
