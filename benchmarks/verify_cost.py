@@ -147,8 +147,8 @@ def predicted(fractions: list[float], links: list[float]) -> list[dict[str, Any]
         graphs = stall.capture_graphs(model, inputs, device="cpu", inner_compiler="inductor")
         for gbps in links:
             for fraction in fractions:
-                fractions = {"max_resident_activation_fraction": fraction}
-                options = stall.parse_backend_options(fractions)
+                budget = {"max_resident_activation_fraction": fraction}
+                options = stall.parse_backend_options(budget)
                 fx_trace, schedule, *_ = stall.plan_graphs(
                     graphs.fw, graphs.bw, num_fwd_outputs=graphs.num_fwd_outputs, options=options,
                     bandwidth=stall.TransferBandwidth(gbps, gbps, measured=False), region=0,
