@@ -159,11 +159,7 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
             result["losses"].append([loss.detach() for loss in losses])
             result["peaks"].append(meter.peak_bytes)
             if sched.session is not None:
-                result["live_groups"].append(len(sched.session.live_groups()))
-                result["pool_bytes"].append(sched.session.manager.pool.stats().pinned_bytes_held)
-                result["copies"].append(sched.session.copies())
-                result["weight_swapped"] = sorted(sched.session.weight_swapped)
-                result["verified_steps"] = sched.session.verified_steps
+                _record_session(result, sched.session)
     finally:
         sched.close()
     result["grads"] = {
@@ -243,6 +239,15 @@ class _Recorder:
             "predicted_peak_all_without": max(resident_curve(order, every_chunk, swapped=()), default=0),
             "group_bytes": dict(session.group_bytes),
         }
+
+
+def _record_session(result: dict[str, Any], session: Any) -> None:
+    """What one step left in the swap session: groups, pool, copies, verified steps."""
+    result["live_groups"].append(len(session.live_groups()))
+    result["pool_bytes"].append(session.manager.pool.stats().pinned_bytes_held)
+    result["copies"].append(session.copies())
+    result["weight_swapped"] = sorted(session.weight_swapped)
+    result["verified_steps"] = session.verified_steps
 
 
 def _full_grad(param: torch.Tensor) -> torch.Tensor:
