@@ -37,7 +37,8 @@ import torch
 from hyper_offload.errors import TransferIntegrityError
 
 __all__ = [
-    "BLOCK_WORDS", "checksum", "dense_bytes", "integrity_error", "same_checksum", "verify_steps",
+    "BLOCK_WORDS", "VerifySteps", "checksum", "dense_bytes", "integrity_error", "same_checksum",
+    "verify_steps",
 ]
 
 BLOCK_WORDS = 1 << 12
@@ -117,3 +118,23 @@ def verify_steps(verify: bool | str) -> int | None:
     raise ValueError(
         f"verify: expected True, False or 'first_steps:N' with N >= 1, got {verify!r}"
     )
+
+
+class VerifySteps:
+    """Which steps a door checks, for ``verify`` (``True``, ``False``, ``"first_steps:N"``):
+    the door asks :attr:`next_step` before a step and reports it with :meth:`step_done`."""
+
+    def __init__(self, verify: bool | str) -> None:
+        self.limit = verify_steps(verify)
+        """Steps to check: 0 (off), N, or None (every step)."""
+        self.verified = 0
+        """Steps checked so far."""
+
+    @property
+    def next_step(self) -> bool:
+        """Whether the next step is checked."""
+        return self.limit is None or self.verified < self.limit
+
+    def step_done(self, verified: bool) -> None:
+        """A step ended; ``verified``: whether its transfers were checked."""
+        self.verified += verified

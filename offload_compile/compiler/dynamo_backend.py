@@ -52,7 +52,7 @@ from hyper_offload.passes.fx.sizes import unbounded_sizes
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.memory_meter import is_host_labelled
-from hyper_offload.runtime.verify import verify_steps
+from hyper_offload.runtime.verify import VerifySteps
 
 from . import region_cache
 from .backend_registry import BackendRegistry
@@ -318,12 +318,10 @@ class HyperOffloadBackend:
         and steps run on fake tensors are the step (:mod:`.step_estimate`)."""
         self.regions: list[_Region] = []
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
-        self._verify_steps = verify_steps(options.config.verify)
+        self._verify = VerifySteps(options.config.verify)
         self.runtime = TransferRuntime(
-            pool=PinnedMemoryPool(options.config.max_host_bytes), verify=self._verify_steps != 0
+            pool=PinnedMemoryPool(options.config.max_host_bytes), verify=self._verify.next_step
         )
-        self.verified_steps = 0
-        """Steps whose transfers were checked (``verify``; counted under the step scope)."""
         self.recorder = StepRecorder(self._on_step)
         self.step_plan: StepPlan | None = None
         self.step_stall_s = 0.0
@@ -338,6 +336,11 @@ class HyperOffloadBackend:
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
+
+    @property
+    def verified_steps(self) -> int:
+        """Steps whose transfers were checked (``verify``; counted under the step scope)."""
+        return self._verify.verified
 
     @property
     def reports(self) -> list[RegionReport]:
@@ -394,9 +397,8 @@ class HyperOffloadBackend:
     def _count_verified_step(self) -> None:
         """A step ended: count it if it was checked; ``verify="first_steps:N"`` turns the
         checks off after N (copies already checksummed are still checked at their waits)."""
-        self.verified_steps += self.runtime.verify
-        limit = self._verify_steps
-        self.runtime.verify = limit is None or self.verified_steps < limit
+        self._verify.step_done(self.runtime.verify)
+        self.runtime.verify = self._verify.next_step
 
     def _keep_for(self, invocation: Invocation) -> frozenset[int]:
         """What the plan keeps for ``invocation``, while this step's forwards so far are

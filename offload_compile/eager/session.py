@@ -43,7 +43,7 @@ from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import ActivationTrace
 from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine, resolve_device
-from hyper_offload.runtime.verify import verify_steps
+from hyper_offload.runtime.verify import VerifySteps
 
 from .active import activate, current_session, deactivate
 from .compiled_modules import install_compiled_module_hooks
@@ -102,9 +102,7 @@ class OffloadSession:
         self.replans = 0
         """Plans remade after a replayed step ran the same ops with larger sizes (no
         re-trace: :mod:`.size_drift`)."""
-        self.verified_steps = 0
-        """Steps whose transfers were checked (``OffloadConfig.verify``)."""
-        self._verify_steps = verify_steps(self.config.verify)
+        self._verify = VerifySteps(self.config.verify)
 
     # ------------------------------------------------------------------ public state
 
@@ -116,8 +114,12 @@ class OffloadSession:
     @property
     def verifying(self) -> bool:
         """Whether the next step checks its transfers (``OffloadConfig.verify``)."""
-        limit = self._verify_steps
-        return limit is None or self.verified_steps < limit
+        return self._verify.next_step
+
+    @property
+    def verified_steps(self) -> int:
+        """Steps whose transfers were checked (``OffloadConfig.verify``)."""
+        return self._verify.verified
 
     @property
     def active(self) -> bool:
@@ -211,7 +213,7 @@ class OffloadSession:
         if isinstance(executor, ReplayExecutor) and executor.successor is not None:
             executor = executor.successor  # re-warmed: report the warmup's figures
         self._close_stats(executor)
-        self.verified_steps += self.manager.verify
+        self._verify.step_done(self.manager.verify)
         self.steps += 1
         return None
 

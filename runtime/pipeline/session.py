@@ -49,7 +49,7 @@ from hyper_offload.passes.pipeline.meta_step import (
 from ..device import TransferEngine, resolve_device
 from ..pinned_pool import PinnedMemoryPool
 from ..residency import ResidencyManager
-from ..verify import verify_steps
+from ..verify import VerifySteps
 from .hooks import group_scope
 from .swap_group import GroupState, SwapGroup, SwapStateError, group_name, storage_keys
 
@@ -72,9 +72,7 @@ class PipelineSwapSession:
         verify: bool | str = False,
     ) -> None:
         self.device = resolve_device(device)
-        self._verify_steps = verify_steps(verify)
-        self.verified_steps = 0
-        """Generations whose swap steps were checked (``verify``)."""
+        self._verify = VerifySteps(verify)
         self.order = list(order)
         self.weight_swapped: frozenset[ChunkKey] = frozenset(
             step.chunk for step in self.order if step.kind is StepKind.DW_LAUNCH_OFFLOAD and step.chunk is not None
@@ -120,8 +118,7 @@ class PipelineSwapSession:
             raise SwapStateError(f"PipelineSwapSession: groups {self.live_groups()} outlived their step")
         self.generation += 1
         self._active = True
-        limit = self._verify_steps
-        self.manager.verify = limit is None or self.verified_steps < limit
+        self.manager.verify = self._verify.next_step
         self.group_bytes = {}
         self.weight_bytes = {}
         self.packed_bytes = {}
@@ -132,7 +129,7 @@ class PipelineSwapSession:
         """Normal end of a generation: every group must have been consumed and closed."""
         leftover = [g for g in self._groups.values()]
         self._active = False
-        self.verified_steps += self.manager.verify
+        self._verify.step_done(self.manager.verify)
         if leftover:
             for group in leftover:
                 group.abort()
@@ -246,6 +243,11 @@ class PipelineSwapSession:
                 self._closed_copies[name] += value
 
     # ------------------------------------------------------------------ inspection
+
+    @property
+    def verified_steps(self) -> int:
+        """Generations whose swap steps were checked (``verify``)."""
+        return self._verify.verified
 
     def copies(self) -> dict[str, int]:
         """Engine copies and bytes the groups of the latest generation issued: ``d2h``,
