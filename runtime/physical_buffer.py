@@ -48,15 +48,11 @@ from enum import Enum
 
 import torch
 
-from hyper_offload.errors import (
-    DataLostError,
-    ResidencyMisuseError,
-    TransferFailedError,
-)
+from hyper_offload.errors import DataLostError, ResidencyMisuseError, TransferFailedError
 
 from .device import Transfer, TransferEngine
 from .pinned_pool import PinnedMemoryPool
-from .verify import checksum, integrity_error, same_checksum
+from .verify import checksum, require_checksum
 
 __all__ = ["AllDone", "BufferState", "PhysicalBuffer", "TensorLayout", "byte_view"]
 
@@ -311,9 +307,8 @@ class PhysicalBuffer:
 
     def _check(self, check: str, what: str) -> None:
         assert self._sent is not None
-        if same_checksum(checksum(byte_view(self.storage, self.nbytes)), self._sent):
-            return
-        raise integrity_error(check, f"{self.label}, {self.nbytes} B on {self.device}", what)
+        require_checksum(byte_view(self.storage, self.nbytes), self._sent, check,
+                         f"{self.label}, {self.nbytes} B on {self.device}", what)
 
     def release_host(self) -> None:
         """Return the host buffer to the pool once every transfer touching it completed."""

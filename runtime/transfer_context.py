@@ -67,7 +67,7 @@ from .device import Transfer, TransferEngine, resolve_device
 from .memory_meter import label_host
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
-from .verify import checksum, dense_bytes, integrity_error, same_checksum
+from .verify import checksum, dense_bytes, require_checksum
 
 __all__ = [
     "HostCopyState",
@@ -433,21 +433,21 @@ class TransferRuntime:
         now hold, the bytes the D2H copied."""
         assert pending.expect is not None
         layout = pending.keep[1] if pending.op == "copy_d2h" else data
-        found = checksum(dense_bytes(data, tuple(layout.shape), tuple(layout.stride())))
-        if same_checksum(found, pending.expect):
-            self.checks += 1
-            return
-        nbytes = data.numel() * data.element_size()
-        subject = f"{_describe(data)} ({nbytes} B)"
+        found = dense_bytes(data, tuple(layout.shape), tuple(layout.stride()))
+        subject = f"{_describe(data)} ({data.numel() * data.element_size()} B)"
         if pending.op == "copy_d2h":
-            raise integrity_error(
-                "write after copy", subject, "the device bytes changed after their D2H was "
-                "issued, so the host copy holds older or torn bytes", pending.origin,
+            require_checksum(
+                found, pending.expect, "write after copy", subject, "the device bytes changed "
+                "after their D2H was issued, so the host copy holds older or torn bytes",
+                pending.origin,
             )
-        raise integrity_error(
-            "reload", subject, "the reloaded bytes differ from those the D2H read",
-            f"{pending.origin}, reloaded by copy_h2d" if pending.origin else "copy_h2d",
-        )
+        else:
+            require_checksum(
+                found, pending.expect, "reload", subject,
+                "the reloaded bytes differ from those the D2H read",
+                f"{pending.origin}, reloaded by copy_h2d" if pending.origin else "copy_h2d",
+            )
+        self.checks += 1
 
     def release_host(self, host: torch.Tensor) -> None:
         """Mark the program's last use of host copy ``host``. Its buffer goes back to the

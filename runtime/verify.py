@@ -37,8 +37,8 @@ import torch
 from hyper_offload.errors import TransferIntegrityError
 
 __all__ = [
-    "BLOCK_WORDS", "VerifySteps", "checksum", "dense_bytes", "integrity_error", "same_checksum",
-    "verify_steps",
+    "BLOCK_WORDS", "VerifySteps", "checksum", "dense_bytes", "integrity_error",
+    "require_checksum", "same_checksum", "verify_steps",
 ]
 
 BLOCK_WORDS = 1 << 12
@@ -88,6 +88,15 @@ def dense_bytes(
                                      device=tensor.device).copy_(tensor)
     offset = tensor.storage_offset() * tensor.element_size()
     return flat.set_(tensor.untyped_storage(), offset, (nbytes,), (1,))
+
+
+def require_checksum(
+    data: torch.Tensor, sent: torch.Tensor, check: str, subject: str, what: str, where: str = ""
+) -> None:
+    """Raise :func:`integrity_error` unless flat uint8 ``data`` has checksum ``sent``
+    (one host synchronization)."""
+    if not same_checksum(checksum(data), sent):
+        raise integrity_error(check, subject, what, where)
 
 
 def integrity_error(check: str, subject: str, what: str, where: str = "") -> TransferIntegrityError:

@@ -9,8 +9,9 @@ name the storage of their source). Op names are
 Storages (the trace's unit) come from fake-tensor metadata:
 
 * every tensor an op returns is a new storage of ``numel x element_size`` bytes (at
-  the sizes a plan assumes, :mod:`.sizes`), unless the op's schema says the result aliases an argument (views,
-  in-place ops): then it is that argument's storage, and a mutated argument is a WRITE;
+  the sizes a plan assumes, :mod:`.sizes`), unless the op's schema says the result
+  aliases an argument (views, in-place ops): then it is that argument's storage, and a
+  mutated argument is a WRITE;
 * placeholders of the forward (parameters, inputs) and non-saved placeholders of the
   backward (tangents) are not activations: they are not in the trace and never move,
   except forward placeholders the caller names *activation inputs* (the compile

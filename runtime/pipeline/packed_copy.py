@@ -64,7 +64,7 @@ from hyper_offload.errors import (
 from ..device import Transfer, TransferEngine
 from ..physical_buffer import AllDone, byte_view
 from ..pinned_pool import PinnedMemoryPool
-from ..verify import checksum, integrity_error, same_checksum
+from ..verify import checksum, require_checksum
 
 __all__ = ["PackState", "PackedCopy"]
 
@@ -259,12 +259,11 @@ class PackedCopy:
         self._h2d.wait()  # the compute stream, which runs the unpack, follows the copy
         if self._sent is not None:
             assert self._staging is not None
-            if not same_checksum(checksum(self._staging), self._sent):
-                raise integrity_error(
-                    "reload", f"{self.name}, {len(self._members)} storages packed in "
-                    f"{self._nbytes} B on {self.device}",
-                    "the reloaded bytes differ from those the D2H read",
-                )
+            require_checksum(
+                self._staging, self._sent, "reload", f"{self.name}, {len(self._members)} "
+                f"storages packed in {self._nbytes} B on {self.device}",
+                "the reloaded bytes differ from those the D2H read",
+            )
         self._unpack()
         self._release_host()
 
