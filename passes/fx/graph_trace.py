@@ -67,6 +67,8 @@ from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput
 from .saved import SavedActivation, StorageBase, classify_saved
 
 __all__ = [
+    "REBUILT_VIEW_META",
+    "RELOADED_AS_META",
     "FxTrace",
     "SavedActivation",
     "build_fx_trace",
@@ -84,6 +86,11 @@ lowering left alone. Several saved views of one storage all stand for its host c
 REBUILT_VIEW_META = "hyper_offload_rebuilt_view"
 """``node.meta`` key on a backward ``as_strided`` the lowering added: the saved view it
 rebuilds on a reloaded base. Such a node is not an op (it aliases its source)."""
+
+RELOADED_AS_META = "hyper_offload_reloaded_as"
+"""``node.meta`` key on the backward node whose value the readers of a moved saved tensor
+now get (the reload's wait, or the last step of its rebuild): the saved names it stands
+for. :mod:`.lowering_check` requires its properties to equal the saved tensor's."""
 
 _TRANSFER_OPS = frozenset(TRANSFER_OPS)
 

@@ -18,6 +18,7 @@ and the backward, whose placeholders ``act_1 .. act_k`` now all hold that host c
     ...
     dev_w = hyper_offload.wait_transfer(dev, keepalive=act_1) # pre[first read]: WAIT_H2D s
     act_i' = aten.as_strided(dev_w, size_i, stride_i, offset_i)  # each view, rebuilt
+    act_i' = aten._conj(act_i')                               # ... with its bits, if any
     <readers of act_i>(act_i', ...)                           # (dev_w itself if act_i is base)
     hyper_offload.release_host(act_1, after=dev_w)            # post[last reload]: RELEASE_HOST s
 
@@ -29,7 +30,10 @@ moment (earlier would change which readers see it inlined, later lets Inductor i
 bf16 value unrounded: docs/architecture.md, "Compile path"). The copy of the *base*, not
 of the views, is what moves each byte once; the base's layout is exact in both inner
 compilers (a dense extern input keeps its fake strides), and each rebuilt view is an
-``as_strided`` of the reloaded buffer, whose layout the copy op's fake kernel fixes.
+``as_strided`` of the reloaded buffer, whose layout the copy op's fake kernel fixes,
+followed by ``_conj`` / ``_neg_view`` where the saved tensor carries those bits (and
+preceded by a flat ``view(dtype)`` where it views the storage in another dtype):
+:func:`.saved.rebuild_steps`, so the readers get the saved tensor in every property.
 
 The schedule's COPY_D2H slot must not precede the storage's last forward write; the
 lowering then places the copy as above (never before that write), and the schedule
@@ -61,8 +65,14 @@ from ..ir.ops import (
 )
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..ir.trace import AccessKind, StorageId
-from .graph_trace import REBUILT_VIEW_META, SAVED_NAMES_META, FxTrace, saved_output_names
-from .saved import SavedActivation, same_layout, view_layout
+from .graph_trace import (
+    REBUILT_VIEW_META,
+    RELOADED_AS_META,
+    SAVED_NAMES_META,
+    FxTrace,
+    saved_output_names,
+)
+from .saved import RebuildStep, SavedActivation, rebuild_steps
 
 __all__ = ["LoweringError", "lower_schedule"]
 
@@ -234,7 +244,9 @@ def _lower_wait_h2d(
     g: _Graphs, s: StorageId, group: Sequence[SavedActivation], reader: fx.Node
 ) -> None:
     """Wait before the storage's first backward reader, then give each saved tensor's
-    readers the reloaded base or, for a view, the view rebuilt on it."""
+    readers the reloaded base or, where the saved tensor differs from its base in any
+    observable property, the saved tensor rebuilt on it (:func:`.saved.rebuild_steps`).
+    The node each reader now gets carries the saved name in ``RELOADED_AS_META``."""
     first, copy = g.bw_nodes[group[0].name], g.h2d[s]
     with g.bw.graph.inserting_before(reader):
         wait = g.bw.graph.call_function(WAIT_TRANSFER, (copy, first))
@@ -245,16 +257,13 @@ def _lower_wait_h2d(
     for saved in group:
         placeholder, value = g.bw_nodes[saved.name], g.fw_nodes[saved.name].meta["val"]
         source = wait
-        if not same_layout(value, base_value):
-            layout = view_layout(value)
+        for step in rebuild_steps(value, base_value):
             with g.bw.graph.inserting_after(cursor):
-                source = g.bw.graph.call_function(
-                    torch.ops.aten.as_strided.default,
-                    (wait, list(layout.size), list(layout.stride), layout.offset),
-                )
-            source.meta["val"] = _rebuilt_value(wait.meta["val"], layout)
+                source = g.bw.graph.call_function(step.target, (source, *step.args))
+            source.meta["val"] = _fake_view(step, source.args[0].meta["val"])  # type: ignore[union-attr]
             source.meta[REBUILT_VIEW_META] = saved.name
             cursor = source
+        source.meta[RELOADED_AS_META] = (*source.meta.get(RELOADED_AS_META, ()), saved.name)
         for user in list(placeholder.users):
             if user not in (copy, wait) and user.target is not RELEASE_HOST:
                 user.replace_input_with(placeholder, source)
@@ -303,6 +312,8 @@ def _device_value(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         )
 
 
-def _rebuilt_value(base: torch.Tensor, layout: object) -> torch.Tensor:
-    with _in_fake_mode(base):
-        return torch.as_strided(base, *layout)  # type: ignore[misc]
+def _fake_view(step: RebuildStep, source: torch.Tensor) -> torch.Tensor:
+    """The fake value of one rebuild step, computed by the op itself (so the properties
+    :mod:`.lowering_check` compares are the ones the real kernel gives)."""
+    with _in_fake_mode(source):
+        return step.target(source, *step.args)

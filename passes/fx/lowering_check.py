@@ -11,7 +11,10 @@ and turns their positions into actions on the region's trace::
     release_host(p, ...)             after op m   ->  post[m]  RELEASE_HOST s
     (every non-retained storage)                  ->  post[last access] RELEASE_DEVICE
 
-It also rebuilds the trace from the lowered graphs (transfer ops alias their source, so
+It also checks every reload hands its readers the saved tensor itself
+(:func:`check_reloads`: dtype, sizes, strides, offset, conjugate and negative bits, read
+from the fake values the rebuild's own ops computed), and rebuilds the trace from the
+lowered graphs (transfer ops alias their source, so
 readers of a reloaded value are accesses of the saved storage) and requires it to equal
 the planned one: a lowering that dropped, added or rewired a compute op is rejected
 here, and one that put a reader before its wait, or released a host copy too early, is
@@ -26,12 +29,13 @@ from torch import fx
 
 from ..analysis.liveness import storage_liveness
 from ..analysis.validator import ScheduleReport, check_schedule
-from ..ir.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
+from ..ir.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, TRANSFER_OPS, WAIT_TRANSFER
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
-from .graph_trace import FxTrace, build_fx_trace, is_rebuilt_view
+from .graph_trace import RELOADED_AS_META, FxTrace, build_fx_trace, is_rebuilt_view
 from .lowering import LoweringError
+from .saved import TensorProperties
 
-__all__ = ["check_lowering", "derive_schedule"]
+__all__ = ["check_lowering", "check_reloads", "derive_schedule"]
 
 _POST_PHASE = {ActionKind.RELEASE_HOST: 0, ActionKind.COPY_D2H: 1, ActionKind.RELEASE_DEVICE: 2}
 
@@ -110,10 +114,48 @@ def derive_schedule(
     return ResidencySchedule(pre=pre, post=post)
 
 
+def check_reloads(bw: fx.GraphModule, fx_trace: FxTrace) -> None:
+    """Raise :class:`LoweringError` unless the readers of every saved tensor whose storage
+    the lowered backward reloads get a tensor equal to the saved one in every
+    :class:`~.saved.TensorProperties` field (the round-trip rule, docs/architecture.md),
+    and nothing but transfer ops reads its host copy."""
+    placeholders = {node.name: node for node in bw.graph.find_nodes(op="placeholder")}
+    reloaded = {
+        name: node for node in bw.graph.nodes for name in node.meta.get(RELOADED_AS_META, ())
+    }
+    moved = {
+        saved.storage for saved in fx_trace.saved if saved.name in placeholders
+        and any(user.target is COPY_H2D for user in placeholders[saved.name].users)
+    }
+    for saved in fx_trace.saved:
+        if saved.storage not in moved or saved.storage is None:
+            continue
+        stray = [u.name for u in placeholders[saved.name].users if u.target not in TRANSFER_OPS]
+        node = reloaded.get(saved.name)
+        if stray or node is None or saved.properties is None:
+            raise LoweringError(
+                f"check_reloads: saved {saved.name} (storage {saved.storage}) is reloaded, but "
+                f"{'bw:' + ', bw:'.join(stray) + ' read its host copy' if stray else 'no node hands its readers the reload'}. "
+                "Rule: every reader of a moved saved tensor reads its reload. Fix: report it; "
+                "compile with max_resident_activation_mb large enough that nothing moves"
+            )
+        differences = saved.properties.differences(TensorProperties.of(node.meta["val"]))
+        if differences:
+            raise LoweringError(
+                f"check_reloads: bw:{node.name} hands the readers of saved {saved.name} "
+                f"another tensor: {'; '.join(differences)} (saved != reloaded). Rule: a "
+                "reload is the saved tensor in everything the backward can observe; one "
+                "that cannot be rebuilt stays on the device (passes/fx/saved.py). Fix: "
+                "report it; until then the region cannot move this storage"
+            )
+
+
 def check_lowering(
     fw: fx.GraphModule, bw: fx.GraphModule, fx_trace: FxTrace, *, num_fwd_outputs: int
 ) -> ScheduleReport:
-    """``check_schedule`` of the schedule the lowered graphs execute."""
+    """``check_schedule`` of the schedule the lowered graphs execute, once
+    :func:`check_reloads` found every reload to be the saved tensor."""
+    check_reloads(bw, fx_trace)
     return check_schedule(
         fx_trace.trace, derive_schedule(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)
     )

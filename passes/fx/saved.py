@@ -13,9 +13,16 @@ that moves is therefore the storage, not the tensor: a storage is **movable** wh
   for an input, the caller until it moves on) reach it;
 * its *base*, the tensor the creating op returned, covers it densely (offset 0, every
   byte once), so one copy of the base is a byte-for-byte copy of the storage;
-* every saved tensor on it has the base's dtype and, if its layout differs from the
-  base's, concrete sizes, strides and offset (the backward rebuilds it with
-  ``as_strided`` on the reloaded base).
+* every saved tensor on it can be rebuilt on the reloaded base as the *same tensor* in
+  everything the backward can observe (:class:`TensorProperties`: dtype, sizes,
+  strides, storage offset, conjugate and negative bits). The backward rebuilds it with
+  view ops only (:func:`rebuild_steps`): a dtype other than the base's reinterprets the
+  bytes (``view(dtype)`` of the flat storage), a layout other than the base's is an
+  ``as_strided``, and the bits are set again with ``_conj`` / ``_neg_view`` (a copy of
+  the base carries neither: AOTAutograd saves ``_conj(freqs)`` for a complex multiply's
+  backward, and a reload without the bit silently conjugates the gradient). A
+  reinterpretation or re-layout needs concrete sizes; what cannot be rebuilt keeps its
+  storage on the device with a reason, never reloads as another tensor.
 
 Aliasing is read from the op schemas' alias annotations (:mod:`.graph_trace` propagates a
 storage through every op whose result aliases an argument: ``view``, ``transpose``,
@@ -41,7 +48,54 @@ from ..ir.trace import StorageId
 from .cost_model import tensor_bytes
 from .sizes import planning_size
 
-__all__ = ["SavedActivation", "StorageBase", "classify_saved", "same_layout", "view_layout"]
+__all__ = [
+    "RebuildStep",
+    "SavedActivation",
+    "StorageBase",
+    "TensorProperties",
+    "classify_saved",
+    "rebuild_steps",
+    "same_layout",
+    "view_layout",
+]
+
+
+class TensorProperties(NamedTuple):
+    """What a backward can observe of a saved tensor besides its bytes (memory format
+    is in the strides, aliasing between saved values in the storage they share)."""
+
+    dtype: torch.dtype
+    size: tuple[Any, ...]
+    stride: tuple[Any, ...]
+    offset: Any
+    conj: bool
+    neg: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorProperties:
+        return cls(
+            tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+            tensor.is_conj(), tensor.is_neg(),
+        )
+
+    def differences(self, other: TensorProperties) -> list[str]:
+        """``"field: mine != other's"`` for every field that differs (symbolic sizes
+        compare without adding a guard: only what is known to be equal is)."""
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        def same(a: Any, b: Any) -> bool:
+            if isinstance(a, tuple) and isinstance(b, tuple):
+                return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+            if isinstance(a, (torch.SymInt, int)) and isinstance(b, (torch.SymInt, int)):
+                return a == b if isinstance(a, int) and isinstance(b, int) else bool(
+                    statically_known_true(a == b))
+            return a == b
+
+        return [
+            f"{field} {mine} != {theirs}"
+            for field, mine, theirs in zip(self._fields, self, other)
+            if not same(mine, theirs)
+        ]
 
 
 @dataclass(frozen=True)
@@ -62,6 +116,9 @@ class SavedActivation:
     offloadable: bool
     reason: str
     base: str | None = None
+    properties: TensorProperties | None = None
+    """What the backward observes of it (the forward node's fake value): a reload must
+    hand its readers a tensor with exactly these (:mod:`.lowering_check` checks it)."""
 
     def __repr__(self) -> str:
         where = "offloadable" if self.offloadable else f"kept: {self.reason}"
@@ -101,6 +158,12 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
         x == y if isinstance(x, int) and isinstance(y, int) else statically_known_true(x == y)
         for x, y in zip(flat_left, flat_right)
     )
+
+
+def _properties(value: Any) -> TensorProperties | None:
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided:
+        return TensorProperties.of(value)
+    return None
 
 
 def _concrete(layout: ViewLayout) -> bool:
@@ -160,15 +223,56 @@ def _storage_reason(
 
 
 def _view_reason(value: torch.Tensor, base_value: torch.Tensor) -> str:
-    """Why this saved view cannot be rebuilt on the reloaded base ("" when it can)."""
+    """Why this saved tensor cannot be rebuilt on the reloaded base ("" when it can)."""
+    layout = view_layout(value)
     if value.dtype != base_value.dtype:
-        return f"it views its storage as {value.dtype} (the base is {base_value.dtype})"
-    if not same_layout(value, base_value) and not _concrete(view_layout(value)):
+        if not (_concrete(layout) and isinstance(base_value.numel(), int)):
+            return (
+                f"a view as {value.dtype} of a {base_value.dtype} storage with symbolic sizes "
+                "(dynamic shapes): the backward could not reinterpret it; compile with "
+                "dynamic=False to move it"
+            )
+        if (base_value.numel() * base_value.element_size()) % value.element_size():
+            return (
+                f"it views its storage as {value.dtype}, whose {value.element_size()}-byte "
+                f"elements do not tile the storage's bytes"
+            )
+    elif not same_layout(value, base_value) and not _concrete(layout):
         return (
             "a view with symbolic sizes or strides (dynamic shapes): the backward could "
             "not rebuild it; compile with dynamic=False to move it"
         )
     return ""
+
+
+class RebuildStep(NamedTuple):
+    """One view op of a saved tensor's rebuild: ``target(previous, *args)``."""
+
+    target: torch._ops.OpOverload
+    args: tuple[Any, ...]
+
+
+def rebuild_steps(value: torch.Tensor, base_value: torch.Tensor) -> tuple[RebuildStep, ...]:
+    """The view ops that turn the reloaded base (a dense copy of ``base_value``, offset 0,
+    no conjugate or negative bit) into ``value`` with all its :class:`TensorProperties`;
+    empty when the base itself is what the readers need. Only for a saved tensor whose
+    ``_view_reason`` is "" (concrete sizes wherever a re-layout is needed)."""
+    aten = torch.ops.aten
+    steps: list[RebuildStep] = []
+    reinterpret = value.dtype != base_value.dtype
+    if reinterpret:  # the storage's bytes, flat, then as value's dtype
+        steps.append(RebuildStep(aten.as_strided.default, ([base_value.numel()], [1], 0)))
+        steps.append(RebuildStep(aten.view.dtype, (value.dtype,)))
+    if reinterpret or not same_layout(value, base_value):
+        layout = view_layout(value)
+        steps.append(RebuildStep(
+            aten.as_strided.default, (list(layout.size), list(layout.stride), layout.offset)
+        ))
+    if value.is_conj():
+        steps.append(RebuildStep(aten._conj.default, ()))
+    if value.is_neg():
+        steps.append(RebuildStep(aten._neg_view.default, ()))
+    return tuple(steps)
 
 
 def _storage_verdicts(
@@ -232,6 +336,7 @@ def classify_saved(
         SavedActivation(
             node.name, storage_of.get(node.name), tensor_bytes(node.meta["val"], f"fw:{node.name}"),
             not reasons[node.name], reasons[node.name], base_names.get(node.name),
+            _properties(node.meta["val"]),
         )
         for node in saved_nodes
     ]

@@ -20,8 +20,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import hyper_offload.runtime.ops  # noqa: F401  (real kernels of the transfer ops)
 from hyper_offload.passes import GreedyResidencyPlanner, check_schedule
+from hyper_offload.errors import LoweringError
 from hyper_offload.passes.fx.graph_trace import (
     REBUILT_VIEW_META,
+    RELOADED_AS_META,
     FxTrace,
     build_fx_trace,
     is_rebuilt_view,
@@ -47,8 +49,7 @@ def hand_graphs(
     fw = make_fx(fw_fn, tracing_mode=tracing_mode)(X, W)
     outputs = fw.graph.find_nodes(op="output")[0].args[0]
     saved_values = [node.meta["val"] for node in outputs[1:]]
-    examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) if all(
-        isinstance(s, int) for s in (*v.shape, *v.stride())) else torch.randn(8, 24) for v in saved_values]
+    examples = [_example(v) for v in saved_values]
     bw = make_fx(bw_fn, tracing_mode=tracing_mode)(*examples, torch.ones(()))
     # Rebuild the backward with its placeholders named first, so no node holds a name
     # the forward's saved outputs need.
@@ -59,6 +60,17 @@ def hand_graphs(
         val_map[node].meta = dict(node.meta)
     graph.output(graph.graph_copy(bw.graph, val_map))
     return fw, fx.GraphModule(bw, graph)
+
+
+def _example(value: torch.Tensor) -> torch.Tensor:
+    """A real tensor with ``value``'s properties (its conjugate and negative bits too:
+    the backward is traced for what it will be given)."""
+    if not all(isinstance(s, int) for s in (*value.shape, *value.stride())):
+        return torch.randn(8, 24)
+    example = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+    if value.is_neg():
+        example = torch._neg_view(example)
+    return example.conj() if value.is_conj() else example
 
 
 def trace_of(fw: fx.GraphModule, bw: fx.GraphModule, budget: int = 0) -> FxTrace:
@@ -189,16 +201,98 @@ def _kept(fw_fn: Callable, bw_fn: Callable, **kwargs: str) -> list:
     return [s for s in fx_trace.saved]
 
 
-def test_a_view_in_another_dtype_keeps_its_storage_and_says_why() -> None:
+def _complex(y: torch.Tensor) -> torch.Tensor:
+    """A complex activation of its own storage (a fresh op output, 8 x 12)."""
+    return torch.polar(y[:, :12], y[:, 12:])
+
+
+def _observe(v: torch.Tensor) -> torch.Tensor:
+    """A backward read that sees every property of ``v``: its bytes through its dtype,
+    layout and conjugate/negative bits (a conjugated reload changes the result)."""
+    if v.is_complex():
+        return torch.view_as_real((v * torch.complex(v.real.cos(), v.imag.sin())).resolve_conj()
+                                  .resolve_neg()).sum()
+    return v.float().sin().sum()
+
+
+PROPERTY_VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    # AOTAutograd saves aten._conj(freqs) for a complex multiply's backward (complex RoPE)
+    "conj": lambda y: _complex(y).conj(),
+    "neg_view": lambda y: torch._neg_view(_complex(y)),
+    "conj_of_strided_view": lambda y: _complex(y).t()[1:, ::2].conj(),
+    "conj_and_neg": lambda y: torch._neg_view(_complex(y).conj()),
+    "int32_view": lambda y: y.view(torch.int32),
+    "real_view_of_complex": lambda y: torch.view_as_real(_complex(y)),
+    "real_part_of_complex": lambda y: _complex(y).real,  # dtype, stride 2, offset 0
+    "imag_part_of_complex": lambda y: _complex(y).imag,  # ... and offset 1
+    "complex_view_of_real": lambda y: torch.view_as_complex(y.view(8, 12, 2)),
+    "bf16_pairs_as_fp32": lambda y: y.to(torch.bfloat16).view(torch.float32),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PROPERTY_VIEWS))
+def test_a_saved_tensor_comes_back_equal_in_every_property(kind: str) -> None:
+    """dtype (complex and reinterpreted), conjugate and negative bits, strides and
+    offsets: the backward's readers get the saved tensor itself, and the gradient is the
+    plain one bit for bit (a reload of the base alone conjugates complex gradients)."""
+
     def fw(x, w):
         y = x @ w
-        return (_tail(y.sum()), y.view(torch.int32))
+        saved = PROPERTY_VIEWS[kind](y)
+        return (_tail(y.sum()), saved)
 
     def bw(v, tangent):
-        return (v.float() * _tail(tangent),)
+        return (_observe(v) * _tail(tangent),)
 
-    (saved,) = _kept(fw, bw)
-    assert "views its storage as torch.int32" in saved.reason
+    fx_trace = _assert_moved_and_exact(fw, bw, storages=1)
+    (saved,) = [s for s in fx_trace.saved if s.storage is not None]
+    plain_fw, plain_bw = hand_graphs(fw, bw)
+    (_, _, (plain,)) = run(plain_fw, plain_bw)
+    assert saved.properties == (
+        plain.dtype, tuple(plain.shape), plain.stride(), plain.storage_offset(),
+        plain.is_conj(), plain.is_neg(),
+    )
+
+
+def test_a_reload_that_drops_the_conjugate_bit_is_a_lowering_error() -> None:
+    """check_lowering judges the lowered graphs independently of the lowering: a rebuild
+    without its ``_conj`` (the bug complex RoPE met) is refused at compile time."""
+
+    def fw(x, w):
+        y = x @ w
+        saved = _complex(y).conj()
+        return (_tail(y.sum()), saved)
+
+    def bw(v, tangent):
+        return (_observe(v) * _tail(tangent),)
+
+    fw_graph, bw_graph = hand_graphs(fw, bw)
+    fx_trace = trace_of(fw_graph, bw_graph)
+    lower_schedule(fw_graph, bw_graph, fx_trace, GreedyResidencyPlanner().plan(fx_trace.trace))
+    (conj,) = [n for n in bw_graph.graph.find_nodes(
+        op="call_function", target=torch.ops.aten._conj.default) if is_rebuilt_view(n)]
+    conj.replace_all_uses_with(conj.args[0])  # plant the bug: the bit is not set again
+    for key in (REBUILT_VIEW_META, RELOADED_AS_META):
+        conj.args[0].meta[key] = conj.meta[key]
+    bw_graph.graph.erase_node(conj)
+    with pytest.raises(LoweringError, match=r"saved _conj.*conj True != False"):
+        check_lowering(fw_graph, bw_graph, fx_trace, num_fwd_outputs=1)
+
+
+def test_a_view_whose_elements_do_not_tile_its_storage_is_kept_and_says_why() -> None:
+    """Two of three float32 read as one float64: a flat reinterpretation of the 12-byte
+    storage does not exist, so the storage stays (never reloads as another tensor)."""
+
+    def fw(x, w):
+        y = (x @ w)[0, :3].clone()
+        return (_tail(y.sum()), y[:2].view(torch.float64))
+
+    def bw(v, tangent):
+        return (v.float().sin() * _tail(tangent),)
+
+    (saved,) = [s for s in _kept(fw, bw) if s.storage is not None]
+    assert "views its storage as torch.float64" in saved.reason
+    assert "do not tile" in saved.reason
 
 
 def test_a_base_that_does_not_cover_its_storage_densely_is_kept() -> None:
