@@ -120,6 +120,11 @@ class _Region:
         """Graph inputs that are sizes with no upper bound: ``{input index: (symbol,
         the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
         self.size_warned = False
+        self.tracing_context = torch._guards.TracingContext.try_get()
+        """Dynamo's context of the region's compile (its fake mode and shape environment):
+        a re-lowering compiles inside it again, so a region Dynamo compiled with symbolic
+        sizes (automatic dynamic) stays symbolic instead of being specialized to the
+        example inputs' sizes."""
 
     def set_planned(self, planned: PlannedRegion) -> None:
         """Adopt a (new) plan: the floor profile and trace are derived from it again."""
@@ -521,7 +526,8 @@ class HyperOffloadBackend:
             # partition.
             from torch._functorch import config as functorch_config
 
-            with functorch_config.patch(enable_autograd_cache=False):
+            with (functorch_config.patch(enable_autograd_cache=False),
+                  torch._guards.tracing(region.tracing_context)):
                 searched = self._compile(region, gm, example_inputs, None, graphs_only=True)
                 report = region.planned.report.recompute if region.planned else None
                 changed = _recomputes(region)

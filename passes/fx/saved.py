@@ -62,7 +62,11 @@ __all__ = [
 
 class TensorProperties(NamedTuple):
     """What a backward can observe of a saved tensor besides its bytes (memory format
-    is in the strides, aliasing between saved values in the storage they share)."""
+    is in the strides, aliasing between saved values in the storage they share).
+
+    Sizes, strides and offset are ints, or for a symbolic one its sympy expression: a
+    plan is pickled into Inductor's cache with its region, and a ``SymInt`` holds its
+    whole shape environment."""
 
     dtype: torch.dtype
     size: tuple[Any, ...]
@@ -74,28 +78,25 @@ class TensorProperties(NamedTuple):
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorProperties:
         return cls(
-            tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-            tensor.is_conj(), tensor.is_neg(),
+            tensor.dtype, _expressions(tensor.shape), _expressions(tensor.stride()),
+            _expression(tensor.storage_offset()), tensor.is_conj(), tensor.is_neg(),
         )
 
     def differences(self, other: TensorProperties) -> list[str]:
-        """``"field: mine != other's"`` for every field that differs (symbolic sizes
-        compare without adding a guard: only what is known to be equal is)."""
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        def same(a: Any, b: Any) -> bool:
-            if isinstance(a, tuple) and isinstance(b, tuple):
-                return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-            if isinstance(a, (torch.SymInt, int)) and isinstance(b, (torch.SymInt, int)):
-                return a == b if isinstance(a, int) and isinstance(b, int) else bool(
-                    statically_known_true(a == b))
-            return a == b
-
+        """``"field mine != other's"`` for every field that differs."""
         return [
             f"{field} {mine} != {theirs}"
             for field, mine, theirs in zip(self._fields, self, other)
-            if not same(mine, theirs)
+            if mine != theirs
         ]
+
+
+def _expression(value: int | torch.SymInt) -> Any:
+    return value.node.expr if isinstance(value, torch.SymInt) else int(value)
+
+
+def _expressions(values: Sequence[int | torch.SymInt]) -> tuple[Any, ...]:
+    return tuple(_expression(value) for value in values)
 
 
 @dataclass(frozen=True)

@@ -196,3 +196,33 @@ def test_hf_moe_routing_with_new_tokens_every_step(name):
         model, [batch(i) for i in range(6)],
         lambda compiled, ids, labels: compiled(input_ids=ids, labels=labels).loss)
     assert len(backend.reports) == 1 and not backend.reports[0].sizes
+
+
+def test_a_region_recompiled_with_automatic_dynamic_sizes_stays_symbolic_when_relowered():
+    """Plain ``torch.compile`` defaults: the second length recompiles the GPT with
+    symbolic sizes (automatic dynamic), which the third length runs. A budget under the
+    floor makes the step re-lower that region with the recompute search; it must be
+    lowered with the region's symbolic sizes again, not specialized to its example
+    inputs (HF GPT-2 then failed with ``shape '[2, 32, 192]' is invalid for input of
+    size 18432`` on the next step)."""
+    batches = []
+    for step, length in enumerate((48, 32, 40)):
+        generator = torch.Generator().manual_seed(step)
+        batches.append(tuple(torch.randint(0, 64, (2, length), generator=generator)
+                             for _ in range(2)))
+    torch._dynamo.reset()
+    plain_model = _gpt()
+    compiled = torch.compile(plain_model, backend="aot_eager")
+    plain = _train(plain_model, compiled, batches)
+    torch._dynamo.reset()
+    model = _gpt()
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=0.05)
+    compiled = torch.compile(model, backend=backend)
+    steps = _train(model, compiled, batches)
+    for number, (got, want) in enumerate(zip(steps, plain), 1):
+        assert torch.equal(got["loss"], want["loss"]), f"step {number}"
+        assert all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"])), number
+    (symbolic,) = [r for r in backend.regions if r.unbounded_sizes]
+    assert symbolic.relowered and symbolic.planned.report.recompute.recomputed  # it ran
+    placeholders = symbolic.graphs[0].graph.find_nodes(op="placeholder")
+    assert any(isinstance(p.meta["val"], torch.SymInt) for p in placeholders)
