@@ -93,8 +93,12 @@ class _Region:
         self.runtime = runtime
         """The backend's runtime (every region of a backend shares it and its pool)."""
         self.planned: PlannedRegion | None = None
-        self.dynamo_graph = (gm, example_inputs)
-        """What Dynamo handed over: the step scope may lower the region again from it."""
+        self.dynamo_graph = (gm, _fake_example_inputs(gm, example_inputs))
+        """What Dynamo handed over, its example inputs as Dynamo's fake values: the step
+        scope may lower the region again from it. Never the real inputs: a region's input
+        is often an activation (the logits a loss region takes), whose autograd graph
+        holds the whole step's saved tensors and host copies, for as long as the region
+        lives."""
         self.collectives = any(is_collective(node) for node in gm.graph.nodes)
         """Whether the region runs collectives: its Dynamo graph, or once lowered its
         AOTAutograd graphs (tensor parallel's DTensor ops become collectives there)."""
@@ -186,6 +190,20 @@ class _Region:
                     self.index, symbol, planned, symbol, args[index],
                 )
                 return
+
+
+def _fake_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    """``example_inputs`` with each tensor replaced by the fake value Dynamo traced it as
+    (its placeholder's ``example_value``, of the region's fake mode, symbolic sizes
+    included); a real tensor is kept only where Dynamo recorded none."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    fakes = [node.meta.get("example_value") for node in placeholders]
+    if len(fakes) != len(example_inputs):
+        return list(example_inputs)
+    return [
+        fake if isinstance(value, torch.Tensor) and isinstance(fake, torch.Tensor) else value
+        for value, fake in zip(example_inputs, fakes)
+    ]
 
 
 def activation_inputs(example_inputs: Sequence[Any]) -> frozenset[str]:

@@ -8,6 +8,7 @@ next forward returned them)."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -96,3 +97,40 @@ def test_host_copies_of_a_region_that_never_runs_again_come_back() -> None:
         F.mse_loss(compiled(torch.randn(32, 64)), torch.zeros(32, 64)).backward()
         pinned = [r.runtime.pool.stats().pinned_bytes_in_use for r in backend.regions]
         assert pinned == [0, 0]
+
+
+class _TwoRegions(torch.nn.Module):
+    """A graph break between the body and the loss: the loss region's input is an
+    activation (the body's output), as HF models hand their logits to the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        torch._dynamo.graph_break()
+        return h.tanh().pow(2).mean()
+
+
+def test_a_failed_step_that_compiled_a_region_holds_no_host_copy_nor_activation() -> None:
+    """The region compiled in a failing step must not keep that step's activations: it
+    kept Dynamo's real example inputs, and the loss region's input (an activation)
+    held the step's whole autograd graph, so its host copies never came back (and the
+    activation's device bytes stayed allocated) for as long as the region lived."""
+    torch._dynamo.reset()
+    model = _TwoRegions()
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=0)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    compiled(torch.randn(32, 64)).backward()
+    body_outputs = []
+    model.body.register_forward_hook(lambda m, i, out: body_outputs.append(weakref.ref(out)))
+    with pytest.raises(RuntimeError, match="between the forward and the backward"):
+        loss = compiled(torch.randn(16, 64))  # recompiles both regions
+        raise RuntimeError("the user's loop fails between the forward and the backward")
+    del loss
+    gc.collect()  # a recompiling step's graph sits in a reference cycle (plain compile too)
+    assert len(backend.regions) == 4 and all(r.planned.report.offloaded for r in backend.regions)
+    assert body_outputs and body_outputs[-1]() is None, "an activation of the step is alive"
+    assert backend.runtime.pool.stats().buffers_in_use == 0
+    assert backend.runtime.host_copies == 0
