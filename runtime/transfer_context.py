@@ -44,7 +44,10 @@ D2H's ``wait_transfer``, the last point before the graph frees the source, check
 source again (a write after the copy was issued), and an H2D's ``wait_transfer`` checks
 the reloaded bytes once the compute stream waited for them, before any op reads them. A
 mismatch raises :class:`TransferIntegrityError` naming the block's ``where`` (door,
-region) and the copy (``slot_names``).
+region) and the copy (``slot_names``). The reload's metadata is checked too: the dtype,
+sizes and conjugate/negative bits of what left, in the layout of its host copy (which the
+graph's rebuild of each saved view assumes; the views themselves are checked when the
+graphs are lowered, ``passes.fx.lowering_check.check_reloads``).
 """
 
 from __future__ import annotations
@@ -62,12 +65,13 @@ from typing import Any
 import torch
 
 from hyper_offload.errors import TransferFailedError, TransferMisuseError
+from hyper_offload.passes.ir.properties import TensorProperties
 
 from .device import Transfer, TransferEngine, resolve_device
 from .memory_meter import label_host
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
-from .verify import checksum, dense_bytes, require_checksum
+from .verify import checksum, dense_bytes, require_checksum, require_properties
 
 __all__ = [
     "HostCopyState",
@@ -174,6 +178,9 @@ class _HostCopy:
     """``verify``: the checksum of the bytes the D2H copies (None when unverified)."""
     origin: str = ""
     """Where the D2H was issued (door, region, copy), for ``verify``'s errors."""
+    sent_properties: TensorProperties | None = None
+    """``verify``: what left (its dtype, sizes and bits) in the host copy's layout: what
+    a reload must be."""
 
 
 @dataclass(eq=False)
@@ -200,6 +207,8 @@ class _Pending:
     expect: torch.Tensor | None = None
     """``verify``: the checksum the destination must have once waited (None: unchecked)."""
     origin: str = ""
+    expect_properties: TensorProperties | None = None
+    """``verify``, an H2D: the properties its destination must have."""
 
 
 class TransferRuntime:
@@ -292,6 +301,8 @@ class TransferRuntime:
         host = self._host_tensor(buffer, nbytes, src.dtype, shape, stride)
         # Enqueued right before the copy: the copy stream reads exactly these bytes.
         sent = checksum(dense_bytes(src, shape, stride)) if self.verify else None
+        sent_properties = TensorProperties.of(src)._replace(
+            stride=tuple(host.stride()), offset=0) if self.verify else None
         try:
             transfer = engine.d2h(src, host)
         except Exception as exc:
@@ -312,6 +323,7 @@ class TransferRuntime:
             self._hosts[key] = _HostCopy(
                 HostCopyState.FILLING, transfer,
                 weakref.ref(storage, self._on_host_death(key, buffer)), sent, origin,
+                sent_properties,
             )
             self._pending[key] = self._new_pending(
                 "copy_d2h", transfer, src, host, key, keep=(src, host), expect=sent,
@@ -373,7 +385,7 @@ class TransferRuntime:
             # The D2H that filled the host copy, waited or not: a wait orders only the
             # stream it ran on, so name the D2H explicitly (the engine skips it once done).
             after = [record.d2h]
-            expect, origin = record.sent, record.origin
+            expect, origin, properties = record.sent, record.origin, record.sent_properties
         engine = self.engine(device)
         device_tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
         try:
@@ -389,7 +401,7 @@ class TransferRuntime:
         with self._lock:
             self._pending[_key(device_tensor)] = self._new_pending(
                 "copy_h2d", transfer, host, device_tensor, host_key, expect=expect,
-                origin=origin,
+                origin=origin, expect_properties=properties,
             )
             self._unobserved.append(transfer)
             self.bytes_h2d += device_tensor.numel() * device_tensor.element_size()
@@ -442,10 +454,12 @@ class TransferRuntime:
                 pending.origin,
             )
         else:
+            where = f"{pending.origin}, reloaded by copy_h2d" if pending.origin else "copy_h2d"
+            if pending.expect_properties is not None:
+                require_properties(data, pending.expect_properties, subject, where)
             require_checksum(
                 found, pending.expect, "reload", subject,
-                "the reloaded bytes differ from those the D2H read",
-                f"{pending.origin}, reloaded by copy_h2d" if pending.origin else "copy_h2d",
+                "the reloaded bytes differ from those the D2H read", where,
             )
         self.checks += 1
 
@@ -518,6 +532,7 @@ class TransferRuntime:
         self, op: str, transfer: Transfer, source: torch.Tensor, destination: torch.Tensor,
         host_key: int, *, keep: tuple[torch.Tensor, ...] = (),
         expect: torch.Tensor | None = None, origin: str = "",
+        expect_properties: TensorProperties | None = None,
     ) -> _Pending:
         dead, table, key = self._dead, self._pending, _key(destination)
         scope = _CURRENT.get()
@@ -526,7 +541,7 @@ class TransferRuntime:
             weakref.ref(source.untyped_storage()),
             weakref.ref(destination.untyped_storage(), lambda ref: dead.append((table, key, ref))),
             host_key, scope if scope is not None and scope.runtime is self else None, keep,
-            expect, origin,
+            expect, origin, expect_properties,
         )
 
     def _host_tensor(

@@ -35,10 +35,11 @@ from __future__ import annotations
 import torch
 
 from hyper_offload.errors import TransferIntegrityError
+from hyper_offload.passes.ir.properties import TensorProperties
 
 __all__ = [
     "BLOCK_WORDS", "VerifySteps", "checksum", "dense_bytes", "integrity_error",
-    "require_checksum", "same_checksum", "verify_steps",
+    "require_checksum", "require_properties", "same_checksum", "verify_steps",
 ]
 
 BLOCK_WORDS = 1 << 12
@@ -99,16 +100,38 @@ def require_checksum(
         raise integrity_error(check, subject, what, where)
 
 
-def integrity_error(check: str, subject: str, what: str, where: str = "") -> TransferIntegrityError:
-    """The error of a failed ``check`` ("reload", "write after copy") on ``subject`` (the
-    storage, its size and device): ``what`` differs, found ``where`` (door, region, op)."""
+def require_properties(
+    data: torch.Tensor, sent: TensorProperties, subject: str, where: str = ""
+) -> None:
+    """Raise :func:`integrity_error` unless the reload ``data`` has the properties
+    ``sent`` of what left (no host synchronization: metadata only)."""
+    differences = sent.differences(TensorProperties.of(data))
+    if differences:
+        raise integrity_error(
+            "reload metadata", subject,
+            f"the reload is another tensor than what left ({'; '.join(differences)}; "
+            "left != reloaded)", where,
+            cause="A host copy handed to another reload, or a copy into another layout",
+        )
+
+
+_RACE = (
+    "A copy-stream race (a skipped wait, a release before its D2H completed, a host buffer "
+    "reused while its H2D was in flight, or a write after the copy was issued)"
+)
+
+
+def integrity_error(
+    check: str, subject: str, what: str, where: str = "", *, cause: str = _RACE
+) -> TransferIntegrityError:
+    """The error of a failed ``check`` ("reload", "write after copy", "reload metadata")
+    on ``subject`` (the storage, its size and device): ``what`` differs, found ``where``
+    (door, region, op), most likely because of ``cause``."""
     place = f"{where}: " if where else ""
     return TransferIntegrityError(
-        f"verify ({check}): {place}{subject}: {what}. A copy-stream race (a skipped wait, a "
-        "release before its D2H completed, a host buffer reused while its H2D was in "
-        "flight, or a write after the copy was issued): the values this step computes "
-        "from it are wrong. Fix: do not trust this step; report it with this message "
-        "(the run without offload is exact)",
+        f"verify ({check}): {place}{subject}: {what}. {cause}: the values this step "
+        "computes from it are wrong. Fix: do not trust this step; report it with this "
+        "message (the run without offload is exact)",
         check=check, where=where,
     )
 

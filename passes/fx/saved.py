@@ -44,6 +44,7 @@ import torch
 from torch import fx
 
 from ..ir.ops import dense_layout
+from ..ir.properties import TensorProperties
 from ..ir.trace import StorageId
 from .cost_model import tensor_bytes
 from .sizes import planning_size
@@ -58,45 +59,6 @@ __all__ = [
     "same_layout",
     "view_layout",
 ]
-
-
-class TensorProperties(NamedTuple):
-    """What a backward can observe of a saved tensor besides its bytes (memory format
-    is in the strides, aliasing between saved values in the storage they share).
-
-    Sizes, strides and offset are ints, or for a symbolic one its sympy expression: a
-    plan is pickled into Inductor's cache with its region, and a ``SymInt`` holds its
-    whole shape environment."""
-
-    dtype: torch.dtype
-    size: tuple[Any, ...]
-    stride: tuple[Any, ...]
-    offset: Any
-    conj: bool
-    neg: bool
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorProperties:
-        return cls(
-            tensor.dtype, _expressions(tensor.shape), _expressions(tensor.stride()),
-            _expression(tensor.storage_offset()), tensor.is_conj(), tensor.is_neg(),
-        )
-
-    def differences(self, other: TensorProperties) -> list[str]:
-        """``"field mine != other's"`` for every field that differs."""
-        return [
-            f"{field} {mine} != {theirs}"
-            for field, mine, theirs in zip(self._fields, self, other)
-            if mine != theirs
-        ]
-
-
-def _expression(value: int | torch.SymInt) -> Any:
-    return value.node.expr if isinstance(value, torch.SymInt) else int(value)
-
-
-def _expressions(values: Sequence[int | torch.SymInt]) -> tuple[Any, ...]:
-    return tuple(_expression(value) for value in values)
 
 
 @dataclass(frozen=True)

@@ -205,3 +205,28 @@ def test_a_copy_into_another_layout_is_checked_in_the_host_layout():
     assert host.stride() != src.stride()
     read = wait_transfer(copy_h2d(host, "cpu"), host)
     assert torch.equal(read, src) and runtime.checks == 2
+
+
+def _host_copy(runtime: TransferRuntime, src: torch.Tensor) -> torch.Tensor:
+    with runtime:
+        host = copy_d2h(src)
+        wait_transfer(host, src)
+    return host
+
+
+@pytest.mark.parametrize("change", ["size", "dtype"])
+def test_a_reload_that_is_another_tensor_than_what_left_is_caught(change: str):
+    """``verify`` checks the reload's metadata against what the D2H read (dtype, sizes,
+    conjugate and negative bits, in the host copy's layout): a host copy whose metadata
+    changed between the copies reloads as another tensor with the very same bytes,
+    which the checksum alone cannot see."""
+    runtime = TransferRuntime(pool=PinnedMemoryPool(1 << 20, pin=False),
+                              engines=[ScriptedCudaEngine()], verify=True)
+    src = torch.arange(256, dtype=torch.float32)
+    host = _host_copy(runtime, src)
+    # the same host bytes, seen as another tensor
+    host = host.view(16, 16) if change == "size" else host.view(torch.int32)
+    with pytest.raises(TransferIntegrityError, match=rf"reload metadata.*{change}"):
+        wait_transfer(copy_h2d(host, "cpu"), host)
+    unchanged = _host_copy(runtime, src)
+    assert torch.equal(wait_transfer(copy_h2d(unchanged, "cpu"), unchanged), src)
