@@ -4,6 +4,12 @@ RMSNorm, rotary position embeddings, grouped-query attention through
 ``scaled_dot_product_attention``, a SwiGLU MLP, untied input/output embeddings; the
 forward returns the mean next-token cross-entropy. Nothing is downloaded.
 
+Rotary embeddings come in two formulations of the same rotation: ``rope="real"`` rotates
+(x1, x2) halves with cos/sin tables; ``rope="complex"`` is the one torchtitan's Llama 3 and
+DeepSeek-V3 use, written here from its public formula: ``freqs_cis = polar(1, t * f)``
+indexed by position, and ``view_as_real(view_as_complex(x) * freqs_cis)``. Its backward
+saves ``conj(freqs_cis)``, a view with the conjugate bit set (the case issue 41 found).
+
     from llama_model import Llama, llama_7b, llama_tiny
     model = llama_7b()              # 6.7 B parameters on the meta device: no memory spent
     report = hyper_offload.estimate(model, (tokens, targets), budget=16384)
@@ -20,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LLAMA_7B", "Llama", "LlamaConfig", "llama_7b", "llama_7b_2_layers", "llama_tiny"]
+__all__ = [
+    "LLAMA_7B", "Llama", "LlamaConfig", "llama_7b", "llama_7b_2_layers", "llama_tiny",
+    "llama_tiny_complex_rope",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +46,8 @@ class LlamaConfig:
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    rope: str = "real"
+    """``"real"`` (cos/sin halves) or ``"complex"`` (torchtitan's ``freqs_cis``)."""
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
@@ -45,6 +56,8 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig: heads={self.heads} is not divisible by kv_heads={self.kv_heads}"
             )
+        if self.rope not in ("real", "complex"):
+            raise ValueError(f"LlamaConfig: rope must be 'real' or 'complex', got {self.rope!r}")
 
     @property
     def head_dim(self) -> int:
@@ -62,17 +75,28 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_tables(config: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq_len, head_dim // 2), computed on the fly (no buffer, so
-    a meta model needs no materialised table)."""
+def rotary_tables(config: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The rotation of each position: cos and sin of shape (seq_len, head_dim // 2), or
+    for ``rope="complex"`` one complex ``freqs_cis`` of that shape, indexed by position as
+    torchtitan does. Computed on the fly (no buffer, so a meta model needs no table)."""
     half = config.head_dim // 2
     inv_freq = config.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    positions = torch.arange(config.max_seq_len, device=device)[:seq_len]
+    angles = torch.outer(positions.float(), inv_freq)
+    if config.rope == "complex":
+        freqs_cis = torch.polar(torch.ones_like(angles), angles)
+        return (freqs_cis[positions],)
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x1, x2) of the last dimension; x: (batch, heads, seq, head_dim)."""
+def apply_rotary(x: torch.Tensor, *table: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of the last dimension; x: (batch, heads, seq, head_dim). With cos and
+    sin: the (x1, x2) halves; with one complex ``freqs_cis``: adjacent pairs as complex
+    numbers (torchtitan's ``apply_rotary_emb``)."""
+    if len(table) == 1:
+        x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(x_complex * table[0]).flatten(-2).type_as(x)
+    cos, sin = table
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.type_as(x)
@@ -88,14 +112,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, kv_dim, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *table: torch.Tensor) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
         # Heads as -1: under tensor parallel the projections return this rank's heads.
         q = self.wq(x).view(b, t, -1, c.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, c.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, c.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, *table), apply_rotary(k, *table)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads
         )
@@ -123,8 +147,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, *table: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), *table)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -143,10 +167,10 @@ class Llama(nn.Module):
         t = tokens.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(f"Llama: sequence length {t} > max_seq_len {self.config.max_seq_len}")
-        cos, sin = rotary_tables(self.config, t, tokens.device)
+        table = rotary_tables(self.config, t, tokens.device)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, *table)
         logits = self.output(self.norm(x)).float()
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -170,8 +194,14 @@ def llama_7b_2_layers(dtype: torch.dtype = torch.bfloat16) -> Llama:
     return _on_meta(replace(LLAMA_7B, layers=2), dtype)
 
 
-def llama_tiny(dtype: torch.dtype = torch.float32) -> Llama:
+def llama_tiny(dtype: torch.dtype = torch.float32, rope: str = "real") -> Llama:
     """A real (CPU) model small enough to train in a test: d=32, 2 layers, GQA."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64, max_seq_len=64)
+    config = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64,
+                         max_seq_len=64, rope=rope)
     return Llama(config).to(dtype)
+
+
+def llama_tiny_complex_rope(dtype: torch.dtype = torch.float32) -> Llama:
+    """``llama_tiny`` with torchtitan's complex rotary embedding."""
+    return llama_tiny(dtype, rope="complex")

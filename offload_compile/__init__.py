@@ -9,6 +9,8 @@ One subpackage per front door; the root holds only the names a first user needs:
   pipeline-parallel training;
 * :mod:`hyper_offload.cli` — the ``hyper-offload`` command;
 * :mod:`hyper_offload.viz` — plan and pipeline plots (matplotlib, optional);
+* :mod:`hyper_offload.exactness` — :func:`check`: is the library bit-exact on *your*
+  model? (trains a few steps with and without it, names any saved tensor that differs);
 * :mod:`hyper_offload.errors` — every error and warning the library raises, exported
   here too (``except hyper_offload.HyperOffloadError`` catches them all).
 
@@ -29,13 +31,15 @@ __version__ = "0.1.0"
 # names are loaded on first access.
 _LAZY = {
     "backend": ".compiler.dynamo_backend",
+    "check": ".exactness.check",
     "estimate": ".compiler.fit_estimate",
     "OffloadSession": ".eager.session",
     "skip_offload": ".eager.skip",
 }
 
 __all__ = [
-    "OffloadConfig", "OffloadSession", "__version__", "backend", "estimate", "skip_offload",
+    "OffloadConfig", "OffloadSession", "__version__", "backend", "check", "estimate",
+    "skip_offload",
     *errors.__all__,
 ]
 

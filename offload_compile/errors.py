@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "CheckUsageError",
     "DataLostError",
     "DynamicShapeError",
     "HyperOffloadError",
@@ -208,6 +209,11 @@ class ReplayMismatchError(HyperOffloadError, RuntimeError):
 
 class OffloadSessionError(HyperOffloadError, RuntimeError):
     """Misuse of an ``OffloadSession``, or an unsafe access it refused to run."""
+
+
+class CheckUsageError(HyperOffloadError, ValueError):
+    """``hyper_offload.check`` was called with arguments it cannot run (an unknown door,
+    no step, an output with nothing to differentiate)."""
 
 
 class PlotDependencyError(HyperOffloadError, ImportError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import estimate, plan, pp_order
+from . import check, estimate, plan, pp_order
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.register(commands)
     pp_order.register(commands)
     estimate.register(commands)
+    check.register(commands)
     return parser
 
 

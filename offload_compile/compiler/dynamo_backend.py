@@ -60,7 +60,7 @@ from .collectives import is_collective
 from .fake_capture import compile_graphs_only
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import Scorer, search_region
-from .region_plan import PlannedRegion, lower_region
+from .region_plan import GraphPlan, PlannedRegion, lower_region
 from .region_report import LOGGER, RegionReport, log_region_report
 from .saved_bytes import node_saved_tensors
 from .step_model import Invocation, StepRecorder, StepTimeline
@@ -93,6 +93,9 @@ class _Region:
         self.runtime = runtime
         """The backend's runtime (every region of a backend shares it and its pool)."""
         self.planned: PlannedRegion | None = None
+        self.attempted: GraphPlan | None = None
+        """The plan last handed to the lowering, also when lowering it raised (which
+        storages it meant to move: ``hyper_offload.check`` bisects them)."""
         self.dynamo_graph = (gm, _fake_example_inputs(gm, example_inputs))
         """What Dynamo handed over, its example inputs as Dynamo's fake values: the step
         scope may lower the region again from it. Never the real inputs: a region's input
@@ -282,6 +285,7 @@ class _OffloadPartitioner(CustomPartitionerFn):
             score=region.scorer,
         )
         fw, bw = choice.fw, choice.bw
+        region.attempted = choice.plan
         region.set_planned(lower_region(
             fw, bw, choice.plan, num_fwd_outputs=num_fwd_outputs, options=options,
             region=region.index, recompute=choice.report,

@@ -30,7 +30,12 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
   checksum at each D2H, checked where the source is freed and where the reload is
   waited); ``"first_steps:N"`` checks the first N steps (needs ``budget_scope="step"``,
   which is where the backend sees steps). It changes no graph: the checks run inside
-  the transfer ops' kernels, and a change of ``verify`` recompiles nothing.
+  the transfer ops' kernels, and a change of ``verify`` recompiles nothing;
+* ``move_only``: the saved tensors that may move, as ``(region, saved name)`` pairs
+  (names as a region's report lists them); every other saved activation stays on the
+  device, and a storage moves only when every saved tensor on it may. For narrowing an
+  exactness question down to the tensors responsible (``hyper_offload.check`` bisects
+  with it); ``None`` (default): everything movable may move.
 
 Eager-only ``OffloadConfig`` fields (``rewarm_on_mismatch``) are refused: compiled
 regions re-plan on recompilation instead.
@@ -66,7 +71,8 @@ _EAGER_ONLY = ("rewarm_on_mismatch",)
 _CONFIG_KEYS = tuple(
     f.name for f in dataclasses.fields(OffloadConfig) if f.name not in _EAGER_ONLY
 )
-_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK, "mode", "budget_scope")
+_KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK, "mode", "budget_scope",
+         "move_only")
 _CUDAGRAPHS = "triton.cudagraphs"
 
 
@@ -82,6 +88,13 @@ class BackendOptions:
     transfer_bandwidth_gbps: float | None = None
     mode: str | None = None
     budget_scope: str = "step"
+    move_only: frozenset[tuple[int, str]] | None = None
+
+    def may_move(self, region: int) -> frozenset[str] | None:
+        """The saved tensors of ``region`` that may move (None: every movable one)."""
+        if self.move_only is None:
+            return None
+        return frozenset(name for index, name in self.move_only if index == region)
 
     @property
     def step_scoped(self) -> bool:
@@ -115,8 +128,9 @@ class BackendOptions:
         """What distinguishes two option sets in Inductor's caches (not ``verify``: it
         changes no graph, only what the transfer ops' kernels check)."""
         config = dataclasses.replace(self.config, verify=False)
+        move_only = None if self.move_only is None else sorted(self.move_only)
         return repr((config, self.inner_compiler, self.budget_fraction, self.recompute,
-                     self.transfer_bandwidth_gbps, self.mode, self.budget_scope))
+                     self.transfer_bandwidth_gbps, self.mode, self.budget_scope, move_only))
 
 
 def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
@@ -170,6 +184,7 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
             f"hyper_offload options: {_LINK!r} must be a finite number of GB/s > 0 (the "
             f"copy bandwidth each way to plan with), got {link!r}"
         )
+    move_only = _parse_move_only(options.pop("move_only", None))
     try:
         config = OffloadConfig(**options)
     except (TypeError, ValueError) as error:
@@ -186,8 +201,24 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
         budget_fraction=None if fraction is None else float(fraction),
         recompute=recompute,
         transfer_bandwidth_gbps=None if link is None else float(link),
-        mode=mode, budget_scope=scope,
+        mode=mode, budget_scope=scope, move_only=move_only,
     )
+
+
+def _parse_move_only(value: Any) -> frozenset[tuple[int, str]] | None:
+    """``move_only`` as a frozenset of ``(region, saved name)`` pairs (module docstring)."""
+    if value is None:
+        return None
+    pairs = list(value) if isinstance(value, (set, frozenset, list, tuple)) else None
+    if pairs is None or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int)
+        and not isinstance(p[0], bool) and isinstance(p[1], str) for p in pairs
+    ):
+        raise ValueError(
+            "hyper_offload options: 'move_only' must be a collection of (region index, saved "
+            f"tensor name) pairs, e.g. {{(0, 'addmm')}}, got {value!r}"
+        )
+    return frozenset(pairs)
 
 
 def _parse_mode(mode: Any, inner: str) -> str | None:

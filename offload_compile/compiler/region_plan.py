@@ -147,6 +147,7 @@ def plan_graphs(
         fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
         d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,
         activation_inputs=activation_inputs, outputs_move=floor,
+        may_move=options.may_move(region),
     )
     if floor:
         # Reloads are hoisted only into the floor's own valleys (under the most any op of

@@ -114,6 +114,8 @@ class FxTrace:
     """The forward placeholders traced as activations (``build_fx_trace``)."""
     outputs_move: bool = False
     """Whether saved model outputs may move (``build_fx_trace``)."""
+    may_move: frozenset[str] | None = None
+    """The saved tensors the caller lets move, None for all (``build_fx_trace``)."""
 
     @property
     def peak_without_offload(self) -> int:
@@ -307,12 +309,14 @@ def build_fx_trace(
     h2d_bandwidth_gbps: float = 16.0,
     activation_inputs: frozenset[str] = frozenset(),
     outputs_move: bool = False,
+    may_move: frozenset[str] | None = None,
 ) -> FxTrace:
     """The trace of one region (see the module docstring). Accepts lowered graphs too:
     transfer ops are not ops and alias their source, so a correct lowering yields the
     same trace as the graphs it came from. ``activation_inputs`` names forward
     placeholders that are activations; ``outputs_move``: a saved activation that is also
-    a model output may move (see below)."""
+    a model output may move (see below); ``may_move``: the saved tensors that may move
+    (None: all), a storage only when every saved tensor on it may."""
     outputs = fw_outputs(fw)
     device = device_of(outputs)
     builder = _Builder(throughput or throughput_for(device))
@@ -346,8 +350,9 @@ def build_fx_trace(
         fw.graph, saved_nodes, storage_of=saved_storage, sizes=builder.sizes,
         bases={sid: base for sid, base in builder.bases.items() if sid < num_fw_storages},
         model_outputs=set() if outputs_move else model_outputs,
-        pinned={sid: "a graph input the forward writes in place"
-                for sid in inputs.values() if sid in written},
+        pinned={**_held_back(saved_nodes, saved_storage, may_move),
+                **{sid: "a graph input the forward writes in place"
+                   for sid in inputs.values() if sid in written}},
     )
     offloadable = {s.storage for s in saved if s.offloadable}
     ops = _filled_ops(builder.ops, num_fw_ops, offloadable)
@@ -366,8 +371,22 @@ def build_fx_trace(
     node_storage = {name: sids[0] for name, sids in builder.storage.items() if sids and sids[0] is not None}
     return FxTrace(
         trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device,
-        frozenset(inputs), outputs_move,
+        frozenset(inputs), outputs_move, may_move,
     )
+
+
+def _held_back(
+    saved_nodes: Sequence[fx.Node], storage_of: Mapping[str, StorageId | None],
+    may_move: frozenset[str] | None,
+) -> dict[StorageId, str]:
+    """The storages of saved tensors outside ``may_move``, with why they stay."""
+    if may_move is None:
+        return {}
+    return {
+        sid: f"{node.name} is not among the saved tensors the caller lets move (move_only)"
+        for node in saved_nodes
+        if node.name not in may_move and (sid := storage_of.get(node.name)) is not None
+    }
 
 
 def _saved_nodes(

@@ -46,7 +46,7 @@ def derive_schedule(
     """The schedule the lowered graphs ``fw`` / ``bw`` execute, on ``fx_trace.trace``."""
     lowered = build_fx_trace(
         fw, bw, num_fwd_outputs=num_fwd_outputs, activation_inputs=fx_trace.activation_inputs,
-        outputs_move=fx_trace.outputs_move,
+        outputs_move=fx_trace.outputs_move, may_move=fx_trace.may_move,
     )
     planned = [(op.name, op.accesses) for op in fx_trace.trace.ops]
     rebuilt = [(op.name, op.accesses) for op in lowered.trace.ops]

@@ -17,6 +17,7 @@ from .import_graph import REPO, library_modules
 #: Each error's builtin base, as it was before the errors moved (issue 30): an
 #: ``except ValueError`` written against an older release keeps catching it.
 BUILTIN_OF_ERROR = {
+    "CheckUsageError": ValueError,
     "DataLostError": RuntimeError,
     "DynamicShapeError": ValueError,
     "LoweringError": ValueError,

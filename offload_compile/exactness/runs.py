@@ -1,0 +1,186 @@
+"""Training runs of a user's model, with and without the library, that :mod:`.check`
+compares.
+
+A *run* trains a fresh deep copy of the model for a few steps from one seed: zero the
+gradients, forward, a scalar loss, backward, record the loss and every parameter's
+gradient, then an SGD step (so later steps run on other weights, as training does). Every
+run of one check starts from the same weights, inputs and RNG state, so two runs differ
+only in what the door under test does.
+
+Doors (:class:`Door`): ``plain_compile`` (``torch.compile`` with the inner compiler alone),
+``offload_compile`` (``backend=hyper_offload`` at budget 0, optionally moving only some
+saved tensors), ``plain_eager`` and ``offload_eager`` (an ``OffloadSession`` at budget 0
+around each step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from hyper_offload.config import OffloadConfig
+from hyper_offload.errors import CheckUsageError
+
+from .report import Mismatch
+
+__all__ = ["Door", "Problem", "RunResult", "StepValues", "first_mismatch", "train"]
+
+
+class StepValues(NamedTuple):
+    """What one step computed: its loss and each parameter's gradient, by name."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What every run of one check trains: the pristine ``model`` (never trained
+    itself), its ``inputs``, the ``loss`` of an output, and how many ``steps``."""
+
+    model: nn.Module
+    inputs: tuple[Any, ...]
+    loss: Callable[[Any], torch.Tensor]
+    steps: int
+    seed: int = 0
+
+
+@dataclass
+class RunResult:
+    """The steps of one run, and the door's state after it (reports, stats)."""
+
+    steps: list[StepValues]
+    state: Any = None
+
+
+@dataclass
+class Door:
+    """How one run executes a step: ``wrap(model)`` gives the callable that runs the
+    model (a compiled one, or the model), ``step()`` a context around each step's
+    forward and backward, ``state`` what the run leaves to inspect."""
+
+    name: str
+    wrap: Callable[[nn.Module], Callable[..., Any]]
+    step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    state: Any = None
+    resets_dynamo: bool = field(default=False)
+
+
+def train(problem: Problem, door: Door) -> RunResult:
+    """Train a fresh copy of ``problem.model`` through ``door`` (module docstring)."""
+    if door.resets_dynamo:
+        # Two copies of one module class share compiled code; each run compiles anew.
+        torch._dynamo.reset()
+    model = copy.deepcopy(problem.model)
+    run = door.wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    steps = []
+    with _seeded(problem.seed):
+        for _ in range(problem.steps):
+            optimizer.zero_grad(set_to_none=True)
+            with door.step():
+                loss = problem.loss(run(*problem.inputs))
+                loss.backward()
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
+                     if p.grad is not None}
+            steps.append(StepValues(loss.detach().clone(), grads))
+            optimizer.step()
+    return RunResult(steps, door.state)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Every run draws the same random numbers (dropout), and the caller's RNG state is
+    what it was."""
+    with torch.random.fork_rng(devices=_accelerators()):
+        torch.manual_seed(seed)
+        yield
+
+
+def _accelerators() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def first_mismatch(want: Sequence[StepValues], got: Sequence[StepValues]) -> Mismatch | None:
+    """The first value of ``got`` that is not ``torch.equal`` to ``want``'s (step order,
+    then the loss, then parameters in the model's order), or None."""
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        pairs = [("loss", a.loss, b.loss)]
+        pairs += [(f"gradient of {name}", grad, b.grads.get(name)) for name, grad in a.grads.items()]
+        missing = sorted(set(b.grads) - set(a.grads))
+        pairs += [(f"gradient of {name}", None, b.grads[name]) for name in missing]
+        for what, x, y in pairs:
+            if x is None or y is None or not torch.equal(x, y):
+                return Mismatch(step, what, _max_abs_diff(x, y))
+    return None
+
+
+def _max_abs_diff(x: torch.Tensor | None, y: torch.Tensor | None) -> float:
+    if x is None or y is None or x.shape != y.shape or x.dtype != y.dtype:
+        return float("inf")
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    diff = (x.double() - y.double()).abs()
+    return float("inf") if diff.isnan().any() else float(diff.max()) if diff.numel() else 0.0
+
+
+def weighted_sum_loss(output: Any) -> torch.Tensor:
+    """A scalar loss that sees every element of every floating (or complex) tensor of
+    ``output`` through fixed pseudo-random weights, so a gradient error anywhere shows
+    (a plain sum sends the same gradient to every element, which hides permutations)."""
+    leaves = [leaf for leaf in tree_flatten(output)[0]
+              if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+              and leaf.requires_grad]
+    if not leaves:
+        raise CheckUsageError(
+            "hyper_offload.check: the model's output holds no tensor that requires grad, so "
+            "there is nothing to differentiate. Fix: pass loss_fn=... that turns the output "
+            "into a scalar loss"
+        )
+    generator = torch.Generator().manual_seed(1234)
+    total = torch.zeros((), device=leaves[0].device)
+    for leaf in leaves:
+        values = torch.view_as_real(leaf) if leaf.is_complex() else leaf
+        weights = torch.rand(values.shape, generator=generator, dtype=torch.float64)
+        total = total + (values.double() * weights.to(values.device)).sum().to(total.dtype)
+    return total
+
+
+def plain_compile(inner_compiler: str) -> Door:
+    return Door(f"torch.compile(backend={inner_compiler!r})",
+                lambda model: torch.compile(model, backend=inner_compiler), resets_dynamo=True)
+
+
+def offload_compile(inner_compiler: str, options: dict[str, Any],
+                    move_only: frozenset[tuple[int, str]] | None = None) -> Door:
+    """``backend=hyper_offload`` with everything movable moved (budget 0, the caller's
+    other ``options`` kept), or only ``move_only``."""
+    from hyper_offload.compiler.dynamo_backend import backend as offload_backend
+
+    settings = {**options, "inner_compiler": inner_compiler, "max_resident_activation_mb": 0}
+    if move_only is not None:
+        settings["move_only"] = move_only
+    backend = offload_backend(**settings)
+    return Door("hyper_offload compile door",
+                lambda model: torch.compile(model, backend=backend),
+                state=backend, resets_dynamo=True)
+
+
+def plain_eager() -> Door:
+    return Door("eager", lambda model: model)
+
+
+def offload_eager(config: dict[str, Any]) -> Door:
+    """An ``OffloadSession`` at budget 0 (the caller's other ``OffloadConfig`` fields
+    kept) around each step."""
+    from hyper_offload.eager.session import OffloadSession
+
+    session = OffloadSession(OffloadConfig(**{**config, "max_resident_activation_mb": 0}))
+    return Door("hyper_offload eager door", lambda model: model, lambda: session, session)
