@@ -296,6 +296,24 @@ MUTATIONS = (
              "        pending.transfer.wait()\n", "",
              (RT + "test_verify_transfer_ops.py::test_verified_copies_without_a_race_pass_and_keep_every_bit",),
              "a wait_transfer that orders nothing: the reload is read before its copy landed"),
+    Mutation("reload-drops-conjugate-bit", "passes/fx/saved.py",
+             "        steps.append(RebuildStep(aten._conj.default, ()))\n", "        pass\n",
+             ("tests/passes/fx/test_saved.py", "tests/exactness/test_check.py::"
+              "test_the_library_is_exact_on_complex_rope_and_fft_mixing_models"),
+             "a saved conj view reloads without its conjugate bit (complex RoPE, issue 41)"),
+    Mutation("reload-drops-negative-bit", "passes/fx/saved.py",
+             "        steps.append(RebuildStep(aten._neg_view.default, ()))\n", "        pass\n",
+             ("tests/passes/fx/test_saved.py",),
+             "a saved _neg_view reloads without its negative bit"),
+    Mutation("reload-ignores-dtype-views", "passes/fx/saved.py",
+             "    reinterpret = value.dtype != base_value.dtype\n", "    reinterpret = False\n",
+             ("tests/passes/fx/test_saved.py",),
+             "a saved view in another dtype reloads as the base's dtype"),
+    Mutation("verify-ignores-reload-metadata", "runtime/verify.py",
+             "    differences = sent.differences(TensorProperties.of(data))\n",
+             "    differences = []\n",
+             (RT + "test_verify_transfer_ops.py",),
+             "verify does not compare a reload's dtype and sizes with what left"),
 )
 
 
