@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "LLAMA_7B", "Llama", "LlamaConfig", "llama_7b", "llama_7b_2_layers", "llama_tiny",
-    "llama_tiny_complex_rope",
+    "LLAMA3_8B", "LLAMA_7B", "Llama", "LlamaConfig", "llama3_8b", "llama3_8b_chunked_loss",
+    "llama_7b", "llama_7b_2_layers", "llama_tiny", "llama_tiny_complex_rope",
 ]
 
 
@@ -48,6 +49,12 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope: str = "real"
     """``"real"`` (cos/sin halves) or ``"complex"`` (torchtitan's ``freqs_cis``)."""
+    loss_chunks: int = 1
+    """Compute the LM head and the cross-entropy in this many sequence chunks, each
+    checkpointed: the logits of one chunk are alive at a time, in the forward and in the
+    backward (which recomputes them). At long context the logits over the vocabulary are
+    the step's largest tensor (128K tokens x 128K vocabulary in fp32: 64 GiB, whose
+    backward needs as much again): the loss, not the layers, sets the activation floor."""
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
@@ -58,6 +65,8 @@ class LlamaConfig:
             )
         if self.rope not in ("real", "complex"):
             raise ValueError(f"LlamaConfig: rope must be 'real' or 'complex', got {self.rope!r}")
+        if self.loss_chunks < 1:
+            raise ValueError(f"LlamaConfig: loss_chunks must be >= 1, got {self.loss_chunks}")
 
     @property
     def head_dim(self) -> int:
@@ -171,12 +180,28 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, *table)
-        logits = self.output(self.norm(x)).float()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        hidden = self.norm(x)
+        if self.config.loss_chunks == 1:
+            logits = self.output(hidden).float()
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        chunks = zip(hidden.chunk(self.config.loss_chunks, dim=1),
+                     targets.chunk(self.config.loss_chunks, dim=1))
+        total = sum(checkpoint(self._loss_sum, h, y, use_reentrant=False) for h, y in chunks)
+        return total / targets.numel()
+
+    def _loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed next-token cross-entropy of ``hidden``'s positions (the LM head inside)."""
+        logits = self.output(hidden).float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
 
 
 LLAMA_7B = LlamaConfig()
 """Llama-2-7B's shape: 32 layers, d=4096, 32 heads, SwiGLU hidden 11008, vocab 32000."""
+
+LLAMA3_8B = LlamaConfig(vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, hidden=14336,
+                        max_seq_len=131072, rope_theta=500000.0)
+"""Llama-3-8B's shape: 32 layers, d=4096, 32 heads, 8 KV heads, SwiGLU hidden 14336,
+vocab 128256, up to 128K tokens."""
 
 
 def _on_meta(config: LlamaConfig, dtype: torch.dtype) -> Llama:
@@ -192,6 +217,18 @@ def llama_7b(dtype: torch.dtype = torch.bfloat16) -> Llama:
 def llama_7b_2_layers(dtype: torch.dtype = torch.bfloat16) -> Llama:
     """7B width, 2 layers, on the meta device: a huge but quick estimate (tests)."""
     return _on_meta(replace(LLAMA_7B, layers=2), dtype)
+
+
+def llama3_8b(layers: int = 32, loss_chunks: int = 1,
+              dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """Llama-3-8B's shape on the meta device; ``loss_chunks`` > 1 chunks the LM head and
+    the loss (``LlamaConfig.loss_chunks``), which is what lowers the long-context floor."""
+    return _on_meta(replace(LLAMA3_8B, layers=layers, loss_chunks=loss_chunks), dtype)
+
+
+def llama3_8b_chunked_loss(dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """``llama3_8b`` with its loss in 16 checkpointed chunks (for the CLI)."""
+    return llama3_8b(loss_chunks=16, dtype=dtype)
 
 
 def llama_tiny(dtype: torch.dtype = torch.float32, rope: str = "real") -> Llama:
