@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "ConfigurationError",
+    "ConfigurationTypeError",
     "DataLostError",
     "DynamicShapeError",
     "HyperOffloadError",
@@ -33,9 +35,11 @@ __all__ = [
     "OffloadRuntimeError",
     "OffloadSessionError",
     "OptimalPlannerError",
+    "OptionalDependencyError",
     "OrderError",
     "PageableFallbackWarning",
     "PipelineCommError",
+    "PipelineStateError",
     "PlanningError",
     "PlotDependencyError",
     "PoolMisuseError",
@@ -48,6 +52,7 @@ __all__ = [
     "SwapOutsideGroupWarning",
     "SwapStateError",
     "TimelineError",
+    "TorchCompatibilityError",
     "TraceFormatError",
     "TransferFailedError",
     "TransferIntegrityError",
@@ -62,6 +67,31 @@ class HyperOffloadError(Exception):
 
 class HyperOffloadWarning(Warning):
     """Base class of every warning hyper-offload issues."""
+
+
+# ---------------------------------------------------------------- configuration and arguments
+
+
+class ConfigurationError(HyperOffloadError, ValueError):
+    """A knob has a value hyper-offload does not accept: an ``OffloadConfig`` field, a key
+    or value of the compile ``options=``, an ``estimate`` or CLI argument, or an argument
+    of a public function (a pipeline schedule name, a planner objective, ...). The message
+    names the knob, what it accepts and the fix. Also a ``ValueError``, as these were."""
+
+
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """A knob has a value of the wrong type (``OffloadConfig(planner=3)``, a non-bool
+    flag, ...). Also a ``TypeError``, as these were, and a :class:`ConfigurationError`."""
+
+
+class OptionalDependencyError(HyperOffloadError, ImportError):
+    """A feature needs a package the library itself does not depend on (scipy for the
+    exact planner, matplotlib for plots); the message says what to install."""
+
+
+class TorchCompatibilityError(HyperOffloadError, RuntimeError):
+    """This torch build lacks or changed something hyper-offload relies on; the message
+    names it and where the library must be adapted."""
 
 
 # ---------------------------------------------------------------- planning (passes)
@@ -184,7 +214,13 @@ class TransferMisuseError(OffloadRuntimeError):
     changed."""
 
 
-class SwapStateError(OffloadRuntimeError):
+class PipelineStateError(OffloadRuntimeError):
+    """The pipeline executor met a step its state forbids (an FSDP unshard twice, compute
+    while sharded, a compute before its input was received, a loss that was never
+    computed); the message names the step and the rule its order broke."""
+
+
+class SwapStateError(PipelineStateError):
     """A pipeline swap step ran out of order, or a swapped-out activation was read before
     its wait-load step. Raised before any kernel touches the missing bytes."""
 
@@ -210,7 +246,7 @@ class OffloadSessionError(HyperOffloadError, RuntimeError):
     """Misuse of an ``OffloadSession``, or an unsafe access it refused to run."""
 
 
-class PlotDependencyError(HyperOffloadError, ImportError):
+class PlotDependencyError(OptionalDependencyError):
     """A plot was asked for but matplotlib (the ``plot`` extra) is not installed."""
 
 

@@ -44,6 +44,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # The compiled graphs call the transfer ops: importing .ops registers their real kernels
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
+from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
@@ -619,7 +620,7 @@ def backend(config: OffloadConfig | None = None, **options: Any) -> HyperOffload
     """
     if config is not None:
         if not isinstance(config, OffloadConfig):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"hyper_offload.backend: config must be an OffloadConfig, got "
                 f"{type(config).__name__}; pass options as keywords instead"
             )
@@ -644,7 +645,7 @@ def hyper_offload_backend(
     options = dict(options or {})
     if mode is not None:
         if options.get("mode", mode) != mode:
-            raise ValueError(
+            raise ConfigurationError(
                 f"hyper_offload: torch.compile(mode={mode!r}) and options['mode']="
                 f"{options['mode']!r} disagree; pass the mode once"
             )

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes import required_bytes
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
@@ -275,7 +276,7 @@ def _bandwidth(value: TransferBandwidth | float | None) -> TransferBandwidth:
     if isinstance(value, TransferBandwidth):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload.estimate: bandwidth must be a TransferBandwidth or a finite "
             f"number of GB/s > 0, got {value!r}"
         )
@@ -312,7 +313,7 @@ def estimate(
     """
     if budget is not None:
         if "max_resident_activation_mb" in options:
-            raise ValueError(
+            raise ConfigurationError(
                 "hyper_offload.estimate: budget and max_resident_activation_mb are the same "
                 "option; pass only one of them"
             )

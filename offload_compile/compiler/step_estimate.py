@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
@@ -67,7 +68,7 @@ def estimate_step(
     """Run one step of ``model(*example_inputs)`` on fake tensors on ``device`` through
     the backend in fake-steps mode, and return its step plan (module docstring).
 
-    Raises ``ValueError`` when the step has no backward (nothing requires grad, or no
+    Raises ``ConfigurationError`` when the step has no backward (nothing requires grad, or no
     compiled region's output reaches one)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -83,7 +84,7 @@ def estimate_step(
             break
     report = backend.step_report
     if report is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload.estimate: {type(model).__name__}'s step has no backward through "
             "a compiled region (no parameter or input requires grad), so there are no "
             "saved activations to plan. Fix: estimate a training step (parameters with "
