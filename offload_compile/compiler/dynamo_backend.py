@@ -334,6 +334,7 @@ class HyperOffloadBackend:
         self._budget_pin: int | None = None
         """The step budget in bytes once a re-lowering was asked for (.step_recompute)."""
         self._relower_step: StepTimeline | None = None
+        self._meta_warned = False
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -551,6 +552,8 @@ class HyperOffloadBackend:
         return changed
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if _on_meta(example_inputs):
+            return self._compile_on_meta(gm, example_inputs)
         region = _Region(next(self._counter), gm, example_inputs, self.runtime)
         self.regions.append(region)
         plan_key = None
@@ -574,6 +577,32 @@ class HyperOffloadBackend:
                 log_region_report(region.planned.report)
         return _RegionForward(compiled, region, self)
 
+    def _compile_on_meta(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        """A graph on the meta device, compiled as plain ``torch.compile`` with the inner
+        compiler: a meta tensor has no bytes, so there is nothing to move (and no host
+        copy a backward could reach). No region, report or step: ``estimate`` gives what
+        a real step would keep and move."""
+        if not self._meta_warned:
+            self._meta_warned = True
+            LOGGER.warning(
+                "hyper_offload: a region computes on the meta device, whose tensors hold no "
+                "bytes: nothing to move, so it is compiled as plain torch.compile with %s (no "
+                "region report). For what a real step would keep and move, use "
+                "hyper_offload.estimate(model, example_inputs, budget=...); to train, "
+                "materialize the model first (model.to_empty(device=...))",
+                self.options.inner_compiler,
+            )
+        if self.options.inner_compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs,
+                              config_patches=self.options.inductor_patches() or None)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
     def _compile(
         self, region: _Region, gm: fx.GraphModule, example_inputs: Sequence[Any],
         plan_key: str | None, *, graphs_only: bool = False,
@@ -589,6 +618,13 @@ class HyperOffloadBackend:
                 self.options.inductor_patches(),
             )
         return _compile_inductor(gm, example_inputs, partitioner, self.options)
+
+
+def _on_meta(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph computes on the meta device (estimate's fake tensors are on the
+    device they model, never meta)."""
+    return any(isinstance(value, torch.Tensor) and value.device.type == "meta"
+               for value in example_inputs)
 
 
 def _recomputes(region: _Region) -> bool:
