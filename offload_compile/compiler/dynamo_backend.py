@@ -49,7 +49,7 @@ from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
-from hyper_offload.passes.fx.sizes import unbounded_sizes
+from hyper_offload.passes.fx.sizes import planning_size, unbounded_sizes
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.memory_meter import is_host_labelled
@@ -96,6 +96,11 @@ class _Region:
         self.planned: PlannedRegion | None = None
         self.dynamo_graph = (gm, example_inputs)
         """What Dynamo handed over: the step scope may lower the region again from it."""
+        self.tracing_context = torch._guards.TracingContext.try_get()
+        """Dynamo's context of the compile (its fake mode and ``ShapeEnv``, each input's
+        symbolic sizes): a re-lowering runs in it, so it sees the region's sizes as the
+        first lowering did (a data-dependent size stays an unbacked symbol, planned at its
+        bound), not as sizes of the example inputs Dynamo handed over."""
         self.collectives = any(is_collective(node) for node in gm.graph.nodes)
         """Whether the region runs collectives: its Dynamo graph, or once lowered its
         AOTAutograd graphs (tensor parallel's DTensor ops become collectives there)."""
@@ -421,7 +426,9 @@ class HyperOffloadBackend:
             if (id(storage) in leaves or is_host_labelled(tensor) or tensor.device.type == "meta"
                     or self.runtime.is_kept(tensor)):
                 continue
-            storages[id(storage)] = storage.nbytes()
+            # A data-dependent size (estimate's fake steps: nonzero's rows) counts at
+            # its bound, as the region's plan counts it.
+            storages[id(storage)] = planning_size(storage.nbytes(), "a saved tensor")
         return sum(storages.values())
 
     def _on_step(self, timeline: StepTimeline) -> None:
@@ -523,7 +530,8 @@ class HyperOffloadBackend:
             # partition.
             from torch._functorch import config as functorch_config
 
-            with functorch_config.patch(enable_autograd_cache=False):
+            with (functorch_config.patch(enable_autograd_cache=False),
+                  torch._guards.tracing(region.tracing_context)):
                 searched = self._compile(region, gm, example_inputs, None, graphs_only=True)
                 report = region.planned.report.recompute if region.planned else None
                 changed = _recomputes(region)

@@ -160,10 +160,9 @@ def capture_graphs(
     stock partition). The model is not modified. Raises ``ConfigurationError`` when nothing in
     the step requires grad (no backward)."""
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     captured: dict[str, Any] = {}
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = estimate_fake_mode()
     wrapper = _FlatOutputs(model, lambda t: _fake(mode, t, device))
     inputs = fake_inputs(mode, example_inputs, device)
     # Parameters and buffers come first among the joint graph's primals. Under Dynamo
@@ -229,6 +228,21 @@ def _inductor_context(mode: Any) -> Any:
 
     with V.set_fake_mode(mode), functorch_config.patch(unlift_effect_tokens=True):
         yield
+
+
+def estimate_fake_mode() -> Any:
+    """The fake mode an estimate traces in. Its ``ShapeEnv`` lets a data-dependent output
+    size (``nonzero``, the rows an MoE expert gets) be an unbacked symbol, as Dynamo's does
+    under ``capture_dynamic_output_shape_ops``, so it is planned at the bound torch derives
+    (:mod:`hyper_offload.passes.fx.sizes`); inputs, parameters and every other size stay
+    static (``_fake`` makes them with ``static_shapes=True``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # No scalar outputs: eager code reading a value (``.item()``) still raises torch's
+    # DataDependentOutputException naming the op, rather than branching on a symbol.
+    shape_env = ShapeEnv(allow_dynamic_output_shape_ops=True, allow_scalar_outputs=False)
+    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env)
 
 
 def fake_module(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:

@@ -39,6 +39,7 @@ from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes import required_bytes
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
+from hyper_offload.passes.fx.sizes import symbolic_sizes
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
@@ -343,7 +344,8 @@ def estimate(
     )
     fx_trace, schedule, check, _ = choice.plan
     report = build_region_report(
-        fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report
+        fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report,
+        sizes=symbolic_sizes(choice.fw, choice.bw),  # each symbol and the size planned at
     )
     return EstimateReport(
         **common,
