@@ -46,6 +46,7 @@ __all__ = [
     "PrefetchError",
     "ReleaseDelayError",
     "ReplayMismatchError",
+    "ReportScopeError",
     "ResidencyMisuseError",
     "ScheduleError",
     "StepFormatError",
@@ -244,6 +245,13 @@ class ReplayMismatchError(HyperOffloadError, RuntimeError):
 
 class OffloadSessionError(HyperOffloadError, RuntimeError):
     """Misuse of an ``OffloadSession``, or an unsafe access it refused to run."""
+
+
+class ReportScopeError(HyperOffloadError, AttributeError):
+    """A report was asked for a figure its scope does not have: ``EstimateReport.region``
+    (the single-region plan of ``budget_scope="region"``) of a step-scoped estimate. Also
+    an ``AttributeError``, so ``getattr(report, "region", None)`` is None as it was; the
+    message names what to read instead."""
 
 
 class PlotDependencyError(OptionalDependencyError):

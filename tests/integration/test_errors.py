@@ -36,6 +36,7 @@ BUILTIN_OF_ERROR = {
     "PrefetchError": ValueError,
     "ReleaseDelayError": ValueError,
     "ReplayMismatchError": RuntimeError,
+    "ReportScopeError": AttributeError,
     "ResidencyMisuseError": RuntimeError,
     "ScheduleError": ValueError,
     "StepFormatError": ValueError,
