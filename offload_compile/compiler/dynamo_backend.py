@@ -183,7 +183,7 @@ class _Region:
                     "the plan assumes the size at the compile) but runs with %s=%d; results "
                     "stay exact, resident bytes grow with the size and may exceed the "
                     "budget. Fix: declare the largest size, torch._dynamo.mark_dynamic(tensor, "
-                    "dim, max=N) (a larger size then recompiles and is planned again)",
+                    "dim, min=2, max=N) (a larger size then recompiles and is planned again)",
                     self.index, symbol, planned, symbol, args[index],
                 )
                 return

@@ -202,7 +202,8 @@ def test_region_is_the_region_scopes_report_and_a_clear_error_under_the_step_sco
                                     budget_scope="region")
     assert region.region is region.region_report and region.region.bytes_d2h == region.bytes_d2h
     step = hyper_offload.estimate(model, inputs, budget=0.05, inner_compiler="aot_eager")
-    with pytest.raises(hyper_offload.ReportScopeError, match=r"report\.step.*budget_scope='region'"):
+    scope_error = r"report\.step.*budget_scope='region'"
+    with pytest.raises(hyper_offload.ReportScopeError, match=scope_error):
         step.region.bytes_d2h  # noqa: B018  (what code written against the old report does)
     assert isinstance(hyper_offload.ReportScopeError("x"), AttributeError)
     assert getattr(step, "region", None) is None and step.region_report is None
