@@ -198,10 +198,16 @@ def test_hf_moe_routing_with_new_tokens_every_step(name):
     assert len(backend.reports) == 1 and not backend.reports[0].sizes
 
 
+def _small_moe() -> nn.Module:
+    """One layer of two experts: the same routing, a quarter of the graph."""
+    torch.manual_seed(0)
+    return _RoutedMoE(experts=2, layers=1)
+
+
 def _estimate_moe(scope: str, capture: bool) -> Any:
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
-        return hyper_offload.estimate(_moe(), (x,), budget=0.25, inner_compiler="aot_eager",
+        return hyper_offload.estimate(_small_moe(), (x,), budget=0.1, inner_compiler="aot_eager",
                                       budget_scope=scope, recompute="off")
 
 
@@ -214,12 +220,12 @@ def test_estimate_plans_the_routed_moe_as_the_backend_does_at_torchs_bound():
     the step plan of the fake step is the backend's, each expert's rows at 64."""
     estimate = _estimate_moe("step", capture=True)
     routed = _routed(estimate.regions)
-    assert len(routed) >= 8 and all(s.bound is SizeBound.RANGE and s.planned == 64
+    assert len(routed) >= 2 and all(s.bound is SizeBound.RANGE and s.planned == 64
                                     for s in routed)
     torch._dynamo.reset()
-    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=0.25,
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=0.1,
                                     recompute="off")
-    compiled = torch.compile(_moe(), backend=backend)
+    compiled = torch.compile(_small_moe(), backend=backend)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         compiled(torch.randn(64, 32, generator=torch.Generator().manual_seed(0))).backward()
     (real,) = backend.reports
@@ -230,7 +236,7 @@ def test_estimate_plans_the_routed_moe_as_the_backend_does_at_torchs_bound():
     assert [(i.keep, i.kept_bytes, i.moved_bytes) for i in estimate.step.invocations] == [
         (i.keep, i.kept_bytes, i.moved_bytes) for i in step.invocations]
     assert estimate.step.floor_peak_bytes == step.floor_peak_bytes
-    assert estimate.step.moved_bytes > 0  # 0.25 MiB is under the 0.75 MiB peak
+    assert estimate.step.moved_bytes > 0 and step.peak_without_offload_bytes > 0.1 * (1 << 20)
 
 
 def test_estimate_of_the_routed_moe_in_eager_code_names_the_flag_or_plans_one_region():
@@ -241,23 +247,25 @@ def test_estimate_of_the_routed_moe_in_eager_code_names_the_flag_or_plans_one_re
                        match="compiled no region.*capture_dynamic_output_shape_ops"):
         _estimate_moe("step", capture=False)
     region = _estimate_moe("region", capture=False).region
-    assert all(s.planned == 64 for s in _routed([region])) and len(_routed([region])) >= 8
+    assert all(s.planned == 64 for s in _routed([region])) and len(_routed([region])) >= 2
 
 
 def test_the_steps_recompute_search_runs_on_the_routed_moe(caplog):
     """Issue 45, case 4: the step scope's re-lowering of a region with data-dependent sizes
     failed (DynamicOutputShapeException: it traced outside Dynamo's shape environment)."""
+    # Two steps: the first asks for the search, the second runs what it chose.
     batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(i)),)
-               for i in range(3)]
+               for i in range(2)]
+
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         torch._dynamo.reset()
-        plain_model = _moe()
+        plain_model = _small_moe()
         plain = _train(plain_model, torch.compile(plain_model, backend=_Counting()), batches)
         torch._dynamo.reset()
-        model = _moe()
+        model = _small_moe()
         # A link this slow stalls every copy: the step asks for the recompute search.
         backend = hyper_offload.backend(inner_compiler="aot_eager", transfer_bandwidth_gbps=1e-3,
-                                        max_resident_activation_mb=0.25)
+                                        max_resident_activation_mb=0.1)
         with caplog.at_level("INFO", logger="hyper_offload"):
             steps = _train(model, torch.compile(model, backend=backend), batches)
     messages = [r.getMessage() for r in caplog.records]
