@@ -4,6 +4,8 @@ One subpackage per front door; the root holds only the names a first user needs:
 
 * :mod:`hyper_offload.compiler` — ``torch.compile(backend="hyper_offload")``, its options,
   region planning and report, and :func:`estimate` (will a step fit?) on fake tensors;
+  :func:`register_backend` names a configured backend for trainers that take a backend
+  name, :func:`step_report` reads its step plan back by that name;
 * :mod:`hyper_offload.eager` — :class:`OffloadSession` for code ``torch.compile`` cannot take;
 * :mod:`hyper_offload.pipeline` — ``swap_wrapper`` and ``PipelineSwapSchedule`` for
   pipeline-parallel training;
@@ -34,13 +36,14 @@ _LAZY = {
     "check": ".exactness.check",
     "estimate": ".compiler.fit_estimate",
     "OffloadSession": ".eager.session",
+    "register_backend": ".compiler.named_backends",
     "skip_offload": ".eager.skip",
+    "step_report": ".compiler.named_backends",
 }
 
 __all__ = [
     "OffloadConfig", "OffloadSession", "__version__", "backend", "check", "estimate",
-    "skip_offload",
-    *errors.__all__,
+    "register_backend", "skip_offload", "step_report", *errors.__all__,
 ]
 
 

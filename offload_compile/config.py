@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
 from hyper_offload.passes.plan.protocol import ResidencyPlanner
 
 MIB = 1 << 20
@@ -50,16 +51,16 @@ class OffloadConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 0 <= value < math.inf
             ):
-                raise ValueError(
+                raise ConfigurationError(
                     f"OffloadConfig.{name}: expected a finite number of MiB >= 0, got {value!r}"
                 )
         if not isinstance(self.rewarm_on_mismatch, bool):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"OffloadConfig.rewarm_on_mismatch: expected True or False, got "
                 f"{self.rewarm_on_mismatch!r}"
             )
         if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"OffloadConfig.planner: {self.planner!r} has no plan(trace) method; pass an "
                 "object implementing hyper_offload.passes.ResidencyPlanner"
             )

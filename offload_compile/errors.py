@@ -25,6 +25,8 @@ from typing import Any
 
 __all__ = [
     "CheckUsageError",
+    "ConfigurationError",
+    "ConfigurationTypeError",
     "DataLostError",
     "DynamicShapeError",
     "HyperOffloadError",
@@ -34,21 +36,25 @@ __all__ = [
     "OffloadRuntimeError",
     "OffloadSessionError",
     "OptimalPlannerError",
+    "OptionalDependencyError",
     "OrderError",
     "PageableFallbackWarning",
     "PipelineCommError",
+    "PipelineStateError",
     "PlanningError",
     "PlotDependencyError",
     "PoolMisuseError",
     "PrefetchError",
     "ReleaseDelayError",
     "ReplayMismatchError",
+    "ReportScopeError",
     "ResidencyMisuseError",
     "ScheduleError",
     "StepFormatError",
     "SwapOutsideGroupWarning",
     "SwapStateError",
     "TimelineError",
+    "TorchCompatibilityError",
     "TraceFormatError",
     "TransferFailedError",
     "TransferIntegrityError",
@@ -63,6 +69,31 @@ class HyperOffloadError(Exception):
 
 class HyperOffloadWarning(Warning):
     """Base class of every warning hyper-offload issues."""
+
+
+# ---------------------------------------------------------------- configuration and arguments
+
+
+class ConfigurationError(HyperOffloadError, ValueError):
+    """A knob has a value hyper-offload does not accept: an ``OffloadConfig`` field, a key
+    or value of the compile ``options=``, an ``estimate`` or CLI argument, or an argument
+    of a public function (a pipeline schedule name, a planner objective, ...). The message
+    names the knob, what it accepts and the fix. Also a ``ValueError``, as these were."""
+
+
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """A knob has a value of the wrong type (``OffloadConfig(planner=3)``, a non-bool
+    flag, ...). Also a ``TypeError``, as these were, and a :class:`ConfigurationError`."""
+
+
+class OptionalDependencyError(HyperOffloadError, ImportError):
+    """A feature needs a package the library itself does not depend on (scipy for the
+    exact planner, matplotlib for plots); the message says what to install."""
+
+
+class TorchCompatibilityError(HyperOffloadError, RuntimeError):
+    """This torch build lacks or changed something hyper-offload relies on; the message
+    names it and where the library must be adapted."""
 
 
 # ---------------------------------------------------------------- planning (passes)
@@ -185,7 +216,13 @@ class TransferMisuseError(OffloadRuntimeError):
     changed."""
 
 
-class SwapStateError(OffloadRuntimeError):
+class PipelineStateError(OffloadRuntimeError):
+    """The pipeline executor met a step its state forbids (an FSDP unshard twice, compute
+    while sharded, a compute before its input was received, a loss that was never
+    computed); the message names the step and the rule its order broke."""
+
+
+class SwapStateError(PipelineStateError):
     """A pipeline swap step ran out of order, or a swapped-out activation was read before
     its wait-load step. Raised before any kernel touches the missing bytes."""
 
@@ -216,7 +253,14 @@ class CheckUsageError(HyperOffloadError, ValueError):
     no step, an output with nothing to differentiate)."""
 
 
-class PlotDependencyError(HyperOffloadError, ImportError):
+class ReportScopeError(HyperOffloadError, AttributeError):
+    """A report was asked for a figure its scope does not have: ``EstimateReport.region``
+    (the single-region plan of ``budget_scope="region"``) of a step-scoped estimate. Also
+    an ``AttributeError``, so ``getattr(report, "region", None)`` is None as it was; the
+    message names what to read instead."""
+
+
+class PlotDependencyError(OptionalDependencyError):
     """A plot was asked for but matplotlib (the ``plot`` extra) is not installed."""
 
 

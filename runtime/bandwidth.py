@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hyper_offload.errors import OffloadRuntimeError
+from hyper_offload.errors import ConfigurationError, OffloadRuntimeError
 from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 
 from .device import DeviceLike, device_module, is_accelerator, resolve_device
@@ -63,7 +63,7 @@ def profile_transfer_bandwidth(
     """
     for name, value in (("probe_bytes", probe_bytes), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"profile_transfer_bandwidth: {name} must be an int > 0, got {value!r}"
             )
     if not torch.accelerator.is_available():

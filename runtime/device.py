@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from hyper_offload.errors import ConfigurationError, TransferMisuseError
+
 from .host_sync import HostSyncCounter, SyncReason
 
 __all__ = [
@@ -95,7 +97,7 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
         return torch.device(accelerator.type, torch.accelerator.current_device_index())
     if isinstance(device, int):
         if accelerator is None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"resolve_device({device}): an integer device index needs an accelerator, "
                 "but torch.accelerator.is_available() is False; pass 'cpu' instead"
             )
@@ -281,7 +283,7 @@ class TransferEngine:
 
     def __init__(self, device: DeviceLike = None, *, copy_streams: int = 1) -> None:
         if copy_streams not in (1, 2):
-            raise ValueError(
+            raise ConfigurationError(
                 f"TransferEngine(copy_streams={copy_streams!r}): expected 1 (one copy stream "
                 "for both directions) or 2 (one per direction, for concurrent D2H and H2D)"
             )
@@ -293,7 +295,7 @@ class TransferEngine:
         self._module: ModuleType | None = None
         if is_accelerator(self.device):
             if not torch.accelerator.is_available():
-                raise RuntimeError(
+                raise TransferMisuseError(
                     f"TransferEngine({self.device}): no accelerator is available in this "
                     "process (torch.accelerator.is_available() is False); create the "
                     "engine with device='cpu' for synchronous host copies"
@@ -346,7 +348,7 @@ class TransferEngine:
         """
         _check_pair("d2h", src, dst_host)
         if dst_host.device.type != "cpu":
-            raise ValueError(
+            raise ConfigurationError(
                 f"TransferEngine.d2h: destination must be a host (cpu) tensor, got one on "
                 f"{dst_host.device}; use a buffer from PinnedMemoryPool.acquire()"
             )
@@ -371,7 +373,7 @@ class TransferEngine:
         """
         _check_pair("h2d", src_host, dst)
         if src_host.device.type != "cpu":
-            raise ValueError(
+            raise ConfigurationError(
                 f"TransferEngine.h2d: source must be a host (cpu) tensor, got one on "
                 f"{src_host.device}; pass the host buffer the D2H filled"
             )
@@ -480,7 +482,7 @@ class TransferEngine:
 
 def _check_pair(where: str, src: torch.Tensor, dst: torch.Tensor) -> None:
     if src.shape != dst.shape or src.dtype != dst.dtype:
-        raise ValueError(
+        raise ConfigurationError(
             f"TransferEngine.{where}: source {tuple(src.shape)}/{src.dtype} and destination "
             f"{tuple(dst.shape)}/{dst.dtype} differ; transfers copy bytes verbatim and never "
             "cast or broadcast. View both as flat uint8 of the same length"

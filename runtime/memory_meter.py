@@ -57,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from hyper_offload.errors import ConfigurationTypeError, OffloadRuntimeError
 from hyper_offload.passes.ir.ops import HOST_LABEL
 
 from .device import DeviceLike, resolve_device
@@ -99,7 +100,7 @@ def _as_storage(obj: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorag
         return obj
     if isinstance(obj, torch.Tensor):
         return obj.untyped_storage()
-    raise TypeError(
+    raise ConfigurationTypeError(
         f"expected a torch.Tensor or torch.UntypedStorage, got {type(obj).__name__}; "
         "pass the tensor whose storage should be labelled or registered"
     )
@@ -277,7 +278,7 @@ class DeviceMemoryMeter(TorchDispatchMode):
 
     def __enter__(self) -> DeviceMemoryMeter:
         if self._used:
-            raise RuntimeError(
+            raise OffloadRuntimeError(
                 "DeviceMemoryMeter: a meter measures exactly one step and was already "
                 "entered; create a new DeviceMemoryMeter for the next measurement"
             )

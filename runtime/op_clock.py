@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from hyper_offload.errors import ConfigurationError
+
 from .device import device_module, is_accelerator
 
 __all__ = ["OpClock"]
@@ -46,7 +48,7 @@ class OpClock:
 
     def stop(self, token: int) -> None:
         if not 0 <= token < len(self._starts) or token in self._stops:
-            raise ValueError(
+            raise ConfigurationError(
                 f"OpClock.stop({token}): not a started, unstopped token (started "
                 f"{len(self._starts)}, stopped {len(self._stops)}); pair each start with one stop"
             )

@@ -63,7 +63,7 @@ from typing import Protocol
 
 import torch
 
-from hyper_offload.errors import PageableFallbackWarning, PoolMisuseError
+from hyper_offload.errors import ConfigurationError, PageableFallbackWarning, PoolMisuseError
 
 from .device import pin_memory_available
 from .memory_meter import label_host
@@ -205,14 +205,14 @@ class PinnedMemoryPool:
 
     def __init__(self, max_host_bytes: int, *, pin: bool | None = None) -> None:
         if not _is_count(max_host_bytes):
-            raise ValueError(
+            raise ConfigurationError(
                 f"PinnedMemoryPool: max_host_bytes must be an int >= 0, got {max_host_bytes!r}; "
                 "use OffloadConfig.max_host_bytes"
             )
         if pin is None:
             pin = pin_memory_available()
         elif pin and not pin_memory_available():
-            raise ValueError(
+            raise ConfigurationError(
                 "PinnedMemoryPool(pin=True): page-locked memory needs an accelerator and "
                 "torch.accelerator.is_available() is False here; pass pin=None or pin=False"
             )
@@ -243,7 +243,7 @@ class PinnedMemoryPool:
         """A 1-D uint8 host buffer of at least ``nbytes`` bytes, owned by the caller until
         :meth:`release`. Contents are unspecified."""
         if not _is_count(nbytes):
-            raise ValueError(
+            raise ConfigurationError(
                 f"PinnedMemoryPool.acquire: nbytes must be an int >= 0, got {nbytes!r}"
             )
         capacity = bucket_bytes(nbytes)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from hyper_offload.errors import TransferIntegrityError
+from hyper_offload.errors import ConfigurationError, ConfigurationTypeError, TransferIntegrityError
 from hyper_offload.passes.ir.properties import TensorProperties
 
 __all__ = [
@@ -50,7 +50,7 @@ def checksum(data: torch.Tensor) -> torch.Tensor:
     """Two int64 words (``total``, ``weighted``) over every byte of ``data``, a flat
     uint8 tensor, on ``data``'s device (no host synchronization)."""
     if data.dtype != torch.uint8 or data.dim() != 1:
-        raise TypeError(f"checksum: expected a flat uint8 tensor, got {data.dtype} {data.shape}")
+        raise ConfigurationTypeError(f"checksum: expected a flat uint8 tensor, got {data.dtype} {data.shape}")
     whole = data.numel() // 8 * 8
     words = data[:whole].view(torch.int64) if data.storage_offset() % 8 == 0 else \
         data[:whole].clone().view(torch.int64)
@@ -138,7 +138,7 @@ def integrity_error(
 
 def verify_steps(verify: bool | str) -> int | None:
     """How many steps ``verify`` checks: 0 (off), N (``"first_steps:N"``) or None (every
-    step). Raises ``ValueError`` naming the accepted forms for anything else."""
+    step). Raises ``ConfigurationError`` naming the accepted forms for anything else."""
     if verify is False:
         return 0
     if verify is True:
@@ -147,7 +147,7 @@ def verify_steps(verify: bool | str) -> int | None:
         count = verify.removeprefix("first_steps:")
         if count.isdigit() and int(count) > 0:
             return int(count)
-    raise ValueError(
+    raise ConfigurationError(
         f"verify: expected True, False or 'first_steps:N' with N >= 1, got {verify!r}"
     )
 

@@ -180,8 +180,47 @@ def _throughput(args: argparse.Namespace) -> Any:
     return DeviceThroughput(flops_per_s=given[0] * 1e12, bytes_per_s=given[1] * 1e9)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """The numeric and device flags, checked here so that an error names the flag the
+    user typed (``--budget-mb``), not the option it becomes (``max_resident_activation_mb``)."""
+    import math
+
+    if args.budget_mb is not None and not 0 <= args.budget_mb < math.inf:
+        raise _BadInput(f"--budget-mb must be a finite number of MiB >= 0, got {args.budget_mb:g}")
+    if args.budget_fraction is not None and not 0 < args.budget_fraction <= 1:
+        raise _BadInput("--budget-fraction must be a number in (0, 1] (a fraction of the "
+                        f"activation peak without offload), got {args.budget_fraction:g}")
+    if not 0 < args.bandwidth_gbps < math.inf:
+        raise _BadInput("--bandwidth-gbps must be a finite number of GB/s > 0 (each way), got "
+                        f"{args.bandwidth_gbps:g}")
+    if args.device is not None:
+        _check_device(args.device)
+
+
+def _check_device(text: str) -> None:
+    """``--device``: a torch device this machine can trace on (not meta: its kernels are not
+    a training step's; not an accelerator this build lacks: fake tensors there abort)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise _BadInput(f"--device {text!r} is not a torch device (e.g. cpu, cuda)") from None
+    if device.type == "meta":
+        raise _BadInput("--device meta: cannot trace on the meta device (its kernels are not "
+                        "the ones a training step runs); a meta model is traced as --device "
+                        "cuda or --device cpu")
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if device.type != "cpu" and (accelerator is None or accelerator.type != device.type):
+        raise _BadInput(f"--device {text}: this machine has no {device.type} device; use "
+                        "--device cpu (and --compute-tflops/--memory-gbps to price ops as an "
+                        "accelerator)")
+
+
 def _estimate(args: argparse.Namespace) -> Any:
     from hyper_offload.compiler.fit_estimate import estimate
+
+    _check_flags(args)
 
     options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute,
                                "budget_scope": args.budget_scope}
@@ -199,7 +238,7 @@ def _estimate(args: argparse.Namespace) -> Any:
     try:
         return estimate(model, inputs, device=args.device, bandwidth=args.bandwidth_gbps,
                         throughput=throughput, **options)
-    except ValueError as error:  # our own validation: bad budget, device, no backward
+    except ValueError as error:  # our own validation (ConfigurationError): no backward, ...
         raise _BadInput(str(error)) from None
     except Exception as error:
         from hyper_offload.passes import ScheduleError

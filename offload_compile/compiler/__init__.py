@@ -4,6 +4,8 @@
 * :mod:`.options` — the ``options={...}`` the backend accepts;
 * :mod:`.backend_registry` — one backend per option set for ``backend="hyper_offload"``
   (:func:`shared_backend` finds it);
+* :mod:`.named_backends` — :func:`register_backend`: those options under a name of
+  torch's backend registry, and :func:`step_report` by that name;
 * :mod:`.region_plan` / :mod:`.region_report` — plan one compiled region's graphs and
   report it (:class:`RegionReport`);
 * :mod:`.step_model` / :mod:`.step_plan` / :mod:`.step_timeline` / :mod:`.step_report` —
@@ -24,6 +26,9 @@ _LAZY = {
     "HyperOffloadBackend": ".dynamo_backend",
     "backend": ".dynamo_backend",
     "shared_backend": ".dynamo_backend",
+    "NamedBackend": ".named_backends",
+    "register_backend": ".named_backends",
+    "step_report": ".named_backends",
     "StepReport": ".step_report",
     "RegionReport": ".region_report",
     "EstimateReport": ".fit_estimate",

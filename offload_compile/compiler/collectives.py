@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch._functorch import config as functorch_config
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes.fx.collectives import is_collective_op
 
 __all__ = [
@@ -70,11 +71,11 @@ def unsizable_inputs(graph: fx.Graph) -> dict[str, str]:
 def sizing_opaque_inputs(graph: fx.Graph) -> Iterator[None]:
     """Let the min-cut partitioner size ``graph``'s communication objects as 0 bytes.
 
-    Raises ``ValueError`` naming the input when another opaque object is present
+    Raises ``ConfigurationError`` naming the input when another opaque object is present
     (callers check :func:`unsizable_inputs` first)."""
     unknown = unsizable_inputs(graph)
     if unknown:
-        raise ValueError(
+        raise ConfigurationError(
             f"sizing_opaque_inputs: opaque input(s) {unknown} may hold tensors; only a "
             "DeviceMesh or ProcessGroup is known to hold no activation memory"
         )

@@ -44,11 +44,12 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # The compiled graphs call the transfer ops: importing .ops registers their real kernels
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
+from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
-from hyper_offload.passes.fx.sizes import unbounded_sizes
+from hyper_offload.passes.fx.sizes import planning_size, unbounded_sizes
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.memory_meter import is_host_labelled
@@ -102,6 +103,12 @@ class _Region:
         is often an activation (the logits a loss region takes), whose autograd graph
         holds the whole step's saved tensors and host copies, for as long as the region
         lives."""
+        self.tracing_context = torch._guards.TracingContext.try_get()
+        """Dynamo's context of the compile (its fake mode and ``ShapeEnv``, each input's
+        symbolic sizes): a re-lowering runs in it, so it sees the region's sizes as the
+        first lowering did (a region recompiled under automatic dynamic stays symbolic, a
+        data-dependent size stays an unbacked symbol planned at its bound), not as the
+        sizes of the example inputs Dynamo handed over."""
         self.collectives = any(is_collective(node) for node in gm.graph.nodes)
         """Whether the region runs collectives: its Dynamo graph, or once lowered its
         AOTAutograd graphs (tensor parallel's DTensor ops become collectives there)."""
@@ -127,11 +134,6 @@ class _Region:
         """Graph inputs that are sizes with no upper bound: ``{input index: (symbol,
         the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
         self.size_warned = False
-        self.tracing_context = torch._guards.TracingContext.try_get()
-        """Dynamo's context of the region's compile (its fake mode and shape environment):
-        a re-lowering compiles inside it again, so a region Dynamo compiled with symbolic
-        sizes (automatic dynamic) stays symbolic instead of being specialized to the
-        example inputs' sizes."""
 
     def set_planned(self, planned: PlannedRegion) -> None:
         """Adopt a (new) plan: the floor profile and trace are derived from it again."""
@@ -189,7 +191,7 @@ class _Region:
                     "the plan assumes the size at the compile) but runs with %s=%d; results "
                     "stay exact, resident bytes grow with the size and may exceed the "
                     "budget. Fix: declare the largest size, torch._dynamo.mark_dynamic(tensor, "
-                    "dim, max=N) (a larger size then recompiles and is planned again)",
+                    "dim, min=2, max=N) (a larger size then recompiles and is planned again)",
                     self.index, symbol, planned, symbol, args[index],
                 )
                 return
@@ -360,6 +362,7 @@ class HyperOffloadBackend:
         self._budget_pin: int | None = None
         """The step budget in bytes once a re-lowering was asked for (.step_recompute)."""
         self._relower_step: StepTimeline | None = None
+        self._meta_warned = False
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -446,7 +449,9 @@ class HyperOffloadBackend:
             if (id(storage) in leaves or is_host_labelled(tensor) or tensor.device.type == "meta"
                     or self.runtime.is_kept(tensor)):
                 continue
-            storages[id(storage)] = storage.nbytes()
+            # A data-dependent size (estimate's fake steps: nonzero's rows) counts at
+            # its bound, as the region's plan counts it.
+            storages[id(storage)] = planning_size(storage.nbytes(), "a saved tensor")
         return sum(storages.values())
 
     def _on_step(self, timeline: StepTimeline) -> None:
@@ -578,6 +583,8 @@ class HyperOffloadBackend:
         return changed
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        if _on_meta(example_inputs):
+            return self._compile_on_meta(gm, example_inputs)
         region = _Region(next(self._counter), gm, example_inputs, self.runtime)
         self.regions.append(region)
         plan_key = None
@@ -601,6 +608,32 @@ class HyperOffloadBackend:
                 log_region_report(region.planned.report)
         return _RegionForward(compiled, region, self)
 
+    def _compile_on_meta(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        """A graph on the meta device, compiled as plain ``torch.compile`` with the inner
+        compiler: a meta tensor has no bytes, so there is nothing to move (and no host
+        copy a backward could reach). No region, report or step: ``estimate`` gives what
+        a real step would keep and move."""
+        if not self._meta_warned:
+            self._meta_warned = True
+            LOGGER.warning(
+                "hyper_offload: a region computes on the meta device, whose tensors hold no "
+                "bytes: nothing to move, so it is compiled as plain torch.compile with %s (no "
+                "region report). For what a real step would keep and move, use "
+                "hyper_offload.estimate(model, example_inputs, budget=...); to train, "
+                "materialize the model first (model.to_empty(device=...))",
+                self.options.inner_compiler,
+            )
+        if self.options.inner_compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs,
+                              config_patches=self.options.inductor_patches() or None)
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+
     def _compile(
         self, region: _Region, gm: fx.GraphModule, example_inputs: Sequence[Any],
         plan_key: str | None, *, graphs_only: bool = False,
@@ -616,6 +649,13 @@ class HyperOffloadBackend:
                 self.options.inductor_patches(),
             )
         return _compile_inductor(gm, example_inputs, partitioner, self.options)
+
+
+def _on_meta(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph computes on the meta device (estimate's fake tensors are on the
+    device they model, never meta)."""
+    return any(isinstance(value, torch.Tensor) and value.device.type == "meta"
+               for value in example_inputs)
 
 
 def _recomputes(region: _Region) -> bool:
@@ -647,7 +687,7 @@ def backend(config: OffloadConfig | None = None, **options: Any) -> HyperOffload
     """
     if config is not None:
         if not isinstance(config, OffloadConfig):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"hyper_offload.backend: config must be an OffloadConfig, got "
                 f"{type(config).__name__}; pass options as keywords instead"
             )
@@ -672,7 +712,7 @@ def hyper_offload_backend(
     options = dict(options or {})
     if mode is not None:
         if options.get("mode", mode) != mode:
-            raise ValueError(
+            raise ConfigurationError(
                 f"hyper_offload: torch.compile(mode={mode!r}) and options['mode']="
                 f"{options['mode']!r} disagree; pass the mode once"
             )

@@ -31,6 +31,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hyper_offload.errors import ConfigurationError
+
 __all__ = [
     "CapturedGraphs", "PartitionHook", "capture_graphs", "compile_graphs_only", "fake_inputs",
     "fake_module",
@@ -99,7 +101,7 @@ def resolve_trace_device(model: nn.Module, device: torch.device | str | None) ->
     """The device the step is traced on: ``device``, else the parameters' device, and
     for a model on the meta device the current accelerator (CPU when there is none).
 
-    Raises ``ValueError`` for the meta device (kernels there are not the ones a real
+    Raises ``ConfigurationError`` for the meta device (kernels there are not the ones a real
     step runs) and for an accelerator this torch build cannot use (a fake CUDA tensor
     on a CPU-only build aborts the process inside torch).
     """
@@ -111,7 +113,7 @@ def resolve_trace_device(model: nn.Module, device: torch.device | str | None) ->
             device = accelerator if accelerator is not None else torch.device("cpu")
     device = torch.device(device)
     if device.type == "meta":
-        raise ValueError(
+        raise ConfigurationError(
             "hyper_offload.estimate: cannot trace on the meta device (its kernels are not "
             "the ones a training step runs). Fix: pass device='cuda' (or 'cpu') to trace the "
             "meta model as that device"
@@ -119,7 +121,7 @@ def resolve_trace_device(model: nn.Module, device: torch.device | str | None) ->
     if device.type != "cpu":
         accelerator = torch.accelerator.current_accelerator(check_available=True)
         if accelerator is None or accelerator.type != device.type:
-            raise ValueError(
+            raise ConfigurationError(
                 f"hyper_offload.estimate: cannot trace on {device}: this torch build or "
                 f"machine has no {device.type} device, and fake {device.type} tensors need "
                 "one. Fix: trace on device='cpu' (the step's shapes and saved tensors are "
@@ -155,13 +157,12 @@ def capture_graphs(
 ) -> CapturedGraphs:
     """Trace forward + backward of ``model(*example_inputs)`` on fake tensors on
     ``device`` and partition it (see the module docstring; ``partition`` replaces the
-    stock partition). The model is not modified. Raises ``ValueError`` when nothing in
+    stock partition). The model is not modified. Raises ``ConfigurationError`` when nothing in
     the step requires grad (no backward)."""
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     captured: dict[str, Any] = {}
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = estimate_fake_mode()
     wrapper = _FlatOutputs(model, lambda t: _fake(mode, t, device))
     inputs = fake_inputs(mode, example_inputs, device)
     # Parameters and buffers come first among the joint graph's primals. Under Dynamo
@@ -181,7 +182,7 @@ def capture_graphs(
             keep_inference_input_mutations=True,
         )
     if "fw" not in captured:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload.estimate: {type(model).__name__}'s step has no backward (no "
             "parameter or input requires grad), so there are no saved activations to plan. "
             "Fix: estimate a training step (parameters with requires_grad=True)"
@@ -227,6 +228,21 @@ def _inductor_context(mode: Any) -> Any:
 
     with V.set_fake_mode(mode), functorch_config.patch(unlift_effect_tokens=True):
         yield
+
+
+def estimate_fake_mode() -> Any:
+    """The fake mode an estimate traces in. Its ``ShapeEnv`` lets a data-dependent output
+    size (``nonzero``, the rows an MoE expert gets) be an unbacked symbol, as Dynamo's does
+    under ``capture_dynamic_output_shape_ops``, so it is planned at the bound torch derives
+    (:mod:`hyper_offload.passes.fx.sizes`); inputs, parameters and every other size stay
+    static (``_fake`` makes them with ``static_shapes=True``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # No scalar outputs: eager code reading a value (``.item()``) still raises torch's
+    # DataDependentOutputException naming the op, rather than branching on a symbol.
+    shape_env = ShapeEnv(allow_dynamic_output_shape_ops=True, allow_scalar_outputs=False)
+    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env)
 
 
 def fake_module(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:

@@ -35,9 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_offload.errors import ConfigurationError, ReportScopeError
 from hyper_offload.passes import required_bytes
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
+from hyper_offload.passes.fx.sizes import symbolic_sizes
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
@@ -56,9 +58,11 @@ MIB = 1 << 20
 class EstimateReport:
     """What a step needs and what the plan does to it (bytes, seconds).
 
-    Exactly one of ``step`` (``budget_scope="step"``) and ``region`` (``"region"``) is
-    set, and the figures below are its: the backend's :class:`StepReport` or
-    :class:`RegionReport` for the same model, so estimate and backend never disagree.
+    Exactly one of ``step`` (``budget_scope="step"``) and ``region_report``
+    (``"region"``) is set, and the figures below are its: the backend's
+    :class:`StepReport` or :class:`RegionReport` for the same model, so estimate and
+    backend never disagree. The properties (``fits``, ``peak_with_plan``, ``bytes_d2h``,
+    ...) mean the same in both scopes: code that reads them works in either.
     Invariants: ``peak_with_plan <= peak_without_offload``; ``fits`` (the plan meets
     ``budget_bytes`` at every op) iff ``budget_bytes >= min_feasible_budget_bytes``
     (under the step scope that is the floor's peak: everything movable moved).
@@ -67,7 +71,8 @@ class EstimateReport:
     model: str
     device: str
     inner_compiler: str
-    region: RegionReport | None
+    region_report: RegionReport | None
+    """Region scope: the plan of the model as one region (None under the step scope)."""
     min_feasible_budget_bytes: int
     d2h_bandwidth_gbps: float
     h2d_bandwidth_gbps: float
@@ -83,6 +88,25 @@ class EstimateReport:
     """Step scope: the step plan the backend makes after the first step."""
     regions: tuple[RegionReport, ...] = ()
     """Step scope: the region reports of every region the step compiled (at the floor)."""
+
+    @property
+    def region(self) -> RegionReport:
+        """The region scope's :class:`RegionReport`, as before the step scope became the
+        default. A step-scoped estimate has no single-region plan (its regions' reports
+        are their floors, not the plan under the budget), so this raises
+        :class:`~hyper_offload.ReportScopeError` (an ``AttributeError``) naming what to
+        read instead, rather than handing out other figures under the old name."""
+        if self.region_report is None:
+            raise ReportScopeError(
+                "EstimateReport.region: this estimate is step-scoped (budget_scope='step', "
+                "the default), which plans the whole step, not one region under the whole "
+                "budget. Read the figures every scope has (report.fits, peak_with_plan, "
+                "peak_without_offload, bytes_d2h, bytes_h2d, exposed_transfer_s, "
+                "min_feasible_budget_bytes), the step plan (report.step) and each "
+                "region's floor report (report.regions); or pass budget_scope='region' for "
+                "the single-region report"
+            )
+        return self.region_report
 
     @property
     def budget_scope(self) -> str:
@@ -123,11 +147,12 @@ class EstimateReport:
 
     @property
     def _region(self) -> RegionReport:
-        assert self.region is not None, "an EstimateReport holds a step or a region"
-        return self.region
+        assert self.region_report is not None, "an EstimateReport holds a step or a region"
+        return self.region_report
 
     def to_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k not in ("region", "step", "regions")}
+        data = {k: v for k, v in asdict(self).items()
+                if k not in ("region_report", "step", "regions")}
         data.update(
             budget_scope=self.budget_scope,
             budget_bytes=self.budget_bytes,
@@ -275,7 +300,7 @@ def _bandwidth(value: TransferBandwidth | float | None) -> TransferBandwidth:
     if isinstance(value, TransferBandwidth):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload.estimate: bandwidth must be a TransferBandwidth or a finite "
             f"number of GB/s > 0, got {value!r}"
         )
@@ -312,7 +337,7 @@ def estimate(
     """
     if budget is not None:
         if "max_resident_activation_mb" in options:
-            raise ValueError(
+            raise ConfigurationError(
                 "hyper_offload.estimate: budget and max_resident_activation_mb are the same "
                 "option; pass only one of them"
             )
@@ -334,7 +359,7 @@ def estimate(
             throughput=throughput,
         )
         return EstimateReport(
-            **common, region=None, min_feasible_budget_bytes=found.step.floor_peak_bytes,
+            **common, region_report=None, min_feasible_budget_bytes=found.step.floor_peak_bytes,
             trace_seconds=found.seconds, step=found.step, regions=found.regions,
         )
     choice, plan_seconds, trace_seconds = _capture_and_search(
@@ -342,11 +367,12 @@ def estimate(
     )
     fx_trace, schedule, check, _ = choice.plan
     report = build_region_report(
-        fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report
+        fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report,
+        sizes=symbolic_sizes(choice.fw, choice.bw),  # each symbol and the size planned at
     )
     return EstimateReport(
         **common,
-        region=report,
+        region_report=report,
         min_feasible_budget_bytes=max(required_bytes(fx_trace.trace), default=0),
         trace_seconds=trace_seconds,
         stall_lower_bound_s=stall_lower_bound(

@@ -41,7 +41,8 @@ Eager-only ``OffloadConfig`` fields (``rewarm_on_mismatch``) are refused: compil
 regions re-plan on recompilation instead.
 
 Anything else, a wrong type, NaN, a negative or infinite number, or both budgets at
-once raises ``ValueError`` naming the key and what it accepts.
+once raises :class:`~hyper_offload.ConfigurationError` (a ``ValueError``) naming the key
+and what it accepts.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.config import OffloadConfig
 
 __all__ = [
@@ -138,49 +140,49 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
     options = dict(options or {})
     for key in options:
         if key in _EAGER_ONLY:
-            raise ValueError(
+            raise ConfigurationError(
                 f"hyper_offload options: {key!r} is an eager-session option (OffloadSession); "
                 "a compiled region re-plans when Dynamo recompiles it. Fix: remove it from "
                 "the compile options"
             )
         if key not in _KEYS:
-            raise ValueError(
+            raise ConfigurationError(
                 f"hyper_offload options: unknown key {key!r}; accepted keys are "
                 f"{', '.join(_KEYS)}"
             )
     if _FRACTION in options and "max_resident_activation_mb" in options:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: {_FRACTION!r} and 'max_resident_activation_mb' are two "
             "ways to give one budget; pass only one of them"
         )
     inner = options.pop("inner_compiler", "inductor")
     if inner not in INNER_COMPILERS:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: 'inner_compiler' must be one of "
             f"{', '.join(map(repr, INNER_COMPILERS))}, got {inner!r}"
         )
     mode = _parse_mode(options.pop("mode", None), inner)
     recompute = options.pop("recompute", "auto")
     if recompute not in RECOMPUTE_MODES:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: 'recompute' must be one of "
             f"{', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}"
         )
     scope = options.pop("budget_scope", "step")
     if scope not in BUDGET_SCOPES:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: 'budget_scope' must be one of "
             f"{', '.join(map(repr, BUDGET_SCOPES))}, got {scope!r}"
         )
     fraction = options.pop(_FRACTION, None)
     if fraction is not None and not (_is_number(fraction) and 0 < fraction <= 1):
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: {_FRACTION!r} must be a number in (0, 1] (a fraction "
             f"of the region's activation peak without offload), got {fraction!r}"
         )
     link = options.pop(_LINK, None)
     if link is not None and not (_is_number(link) and 0 < link < math.inf):
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: {_LINK!r} must be a finite number of GB/s > 0 (the "
             f"copy bandwidth each way to plan with), got {link!r}"
         )
@@ -189,9 +191,11 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
         config = OffloadConfig(**options)
     except (TypeError, ValueError) as error:
         key = next((k for k in options if k in str(error)), ", ".join(options))
-        raise ValueError(f"hyper_offload options: {key!r}: {error}") from None
+        # A ConfigurationTypeError stays one (also a TypeError and a ValueError).
+        kind = type(error) if isinstance(error, ConfigurationError) else ConfigurationError
+        raise kind(f"hyper_offload options: {key!r}: {error}") from None
     if isinstance(config.verify, str) and scope != "step":
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: verify={config.verify!r} counts steps, and with "
             "budget_scope='region' the backend sees regions, not steps. Fix: use "
             "verify=True, or budget_scope='step' (the default)"
@@ -214,7 +218,7 @@ def _parse_move_only(value: Any) -> frozenset[tuple[int, str]] | None:
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int)
         and not isinstance(p[0], bool) and isinstance(p[1], str) for p in pairs
     ):
-        raise ValueError(
+        raise ConfigurationError(
             "hyper_offload options: 'move_only' must be a collection of (region index, saved "
             f"tensor name) pairs, e.g. {{(0, 'addmm')}}, got {value!r}"
         )
@@ -229,12 +233,12 @@ def _parse_mode(mode: Any, inner: str) -> str | None:
 
     modes = [m for m in list_mode_options() if m != "default"]
     if mode not in modes:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: 'mode' must be one of {', '.join(map(repr, modes))} "
             f"(Inductor's modes), got {mode!r}"
         )
     if inner != "inductor":
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload options: mode={mode!r} is an Inductor mode, and "
             f"inner_compiler={inner!r} has none. Fix: drop mode, or use "
             "inner_compiler='inductor'"

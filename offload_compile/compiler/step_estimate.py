@@ -35,11 +35,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hyper_offload.errors import ConfigurationError, DynamicShapeError, HyperOffloadError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .dynamo_backend import HyperOffloadBackend
-from .fake_capture import fake_inputs, fake_module
+from .fake_capture import estimate_fake_mode, fake_inputs, fake_module
 from .options import BackendOptions
 from .region_report import RegionReport
 from .step_report import StepReport
@@ -67,23 +68,31 @@ def estimate_step(
     """Run one step of ``model(*example_inputs)`` on fake tensors on ``device`` through
     the backend in fake-steps mode, and return its step plan (module docstring).
 
-    Raises ``ValueError`` when the step has no backward (nothing requires grad, or no
+    Raises ``ConfigurationError`` when the step has no backward (nothing requires grad, or no
     compiled region's output reaches one)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     started = time.perf_counter()
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = estimate_fake_mode()
     fake = fake_module(model, mode, device)
     inputs = fake_inputs(mode, example_inputs, device)
     backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True)
-    compiled = compile_as_given(fake, backend)
+    compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend))
     for _ in range(_MAX_STEPS):
         _fake_step(compiled, inputs, mode)
         if not any(r.relower_requested for r in backend.regions):
             break
     report = backend.step_report
+    if report is None and not backend.regions:
+        raise ConfigurationError(
+            f"hyper_offload.estimate: torch.compile compiled no region of "
+            f"{type(model).__name__}'s step (Dynamo ran all of it eagerly: TORCH_LOGS="
+            "graph_breaks says why; a data-dependent op such as nonzero inside a loop skips "
+            "the whole frame), so the compile backend would move nothing either. Fix: "
+            "torch._dynamo.config.capture_dynamic_output_shape_ops = True (data-dependent "
+            "sizes are then planned at the bound torch derives), or estimate the model as "
+            "one region with budget_scope='region'"
+        )
     if report is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload.estimate: {type(model).__name__}'s step has no backward through "
             "a compiled region (no parameter or input requires grad), so there are no "
             "saved activations to plan. Fix: estimate a training step (parameters with "
@@ -99,15 +108,47 @@ its next forward, and that step is planned at its end), as a real run's second s
 
 
 def _fake_step(compiled: Any, inputs: Sequence[Any], mode: Any) -> None:
-    """One forward and the backward of every output that requires grad (ones)."""
-    with mode, torch.enable_grad():
-        outputs = compiled(*inputs)
-        leaves = [
-            t for t in tree_flatten(outputs)[0]
-            if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if leaves:
-            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    """One forward and the backward of every output that requires grad (ones). An error
+    the backend raised on purpose comes out as itself, not wrapped in Dynamo's
+    ``BackendCompilerFailed``: the caller of ``estimate`` compiled nothing."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        with mode, torch.enable_grad():
+            outputs = compiled(*inputs)
+            leaves = [
+                t for t in tree_flatten(outputs)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if leaves:
+                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    except BackendCompilerFailed as error:
+        if isinstance(error.inner_exception, HyperOffloadError):
+            raise error.inner_exception from None
+        raise
+
+
+def _refusing_data_dependent_inputs(backend: HyperOffloadBackend) -> Any:
+    """``backend``, refusing a region whose inputs have sizes that eager code before it
+    computed from tensor values (``nonzero``, ``.item()`` between regions): a real step
+    hands the region a concrete size, a fake step a symbol with no bound to plan at."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    def compile_region(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        symbols = set().union(*(free_unbacked_symbols(v) for v in example_inputs))
+        if symbols:
+            raise DynamicShapeError(
+                f"hyper_offload.estimate: region {len(backend.regions)} gets size(s) "
+                f"{', '.join(sorted(map(str, symbols)))} that eager code before it computed "
+                "from tensor values (e.g. nonzero between compiled regions); a fake step "
+                "has no values, so there is no size to plan at. Fix: torch._dynamo.config."
+                "capture_dynamic_output_shape_ops = True (the op then runs inside a region "
+                "and its size is planned at the bound torch derives), or estimate the model "
+                "as one region with budget_scope='region'"
+            )
+        return backend(gm, example_inputs)
+
+    return compile_region
 
 
 def compile_as_given(model: nn.Module, backend: Any) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from hyper_offload.config import OffloadConfig
-from hyper_offload.errors import ReplayMismatchError
+from hyper_offload.errors import ConfigurationError, ConfigurationTypeError, ReplayMismatchError
 from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import ActivationTrace
@@ -74,13 +74,13 @@ class OffloadSession:
     ) -> None:
         self.config = config if config is not None else OffloadConfig()
         if not isinstance(self.config, OffloadConfig):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"OffloadSession: expected an OffloadConfig, got {type(self.config).__name__}; "
                 "pass OffloadConfig(max_resident_activation_mb=...)"
             )
         self.device = _normalise(resolve_device(device if engine is None else engine.device))
         if engine is not None and _normalise(engine.device) != self.device:
-            raise ValueError(
+            raise ConfigurationError(
                 f"OffloadSession: engine moves bytes of {engine.device}, but the session manages "
                 f"{self.device}; pass an engine for the session's device"
             )

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.runtime.physical_buffer import PhysicalBuffer, TensorLayout
 
 __all__ = ["ShadowTensor"]
@@ -72,7 +73,7 @@ class ShadowTensor(torch.Tensor):
         """A ShadowTensor for ``tensor`` (whose storage ``buffer`` manages), connected to
         ``tensor``'s autograd graph."""
         if tensor.untyped_storage()._cdata != buffer.storage._cdata:
-            raise ValueError(
+            raise ConfigurationError(
                 f"ShadowTensor.wrap: the tensor's storage is not the one {buffer!r} manages; "
                 "bind the tensor's storage first (ResidencyManager.bind) and pass its buffer"
             )

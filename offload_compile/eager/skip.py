@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from hyper_offload.errors import ConfigurationTypeError
+
 from .opaque import call_opaque
 
 __all__ = ["skip_offload"]
@@ -30,7 +32,7 @@ def skip_offload(fn: F) -> F:
     eager ``OffloadSession``: ``block = skip_offload(torch.compile(block))``.
     """
     if not callable(fn):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"skip_offload: expected a function or method to decorate, got "
             f"{type(fn).__name__}; use it as @hyper_offload.skip_offload"
         )

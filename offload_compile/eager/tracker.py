@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes.ir.trace import StorageId
 
 __all__ = ["ActivationTracker", "TrackedStorage"]
@@ -111,7 +112,7 @@ class ActivationTracker:
         """Start tracking ``storage`` (created by op ``producer``); returns its new id."""
         key = storage._cdata
         if key in self._by_key:
-            raise ValueError(
+            raise ConfigurationError(
                 f"ActivationTracker.adopt: storage already tracked as "
                 f"{self._by_key[key].sid}; look it up with sid_of() first"
             )
@@ -123,7 +124,7 @@ class ActivationTracker:
         """Track ``storage`` under a given id (continuing a step another executor began);
         later fresh ids start above it."""
         if sid in self._entries:
-            raise ValueError(f"ActivationTracker.adopt_as: storage id {sid} is already in use")
+            raise ConfigurationError(f"ActivationTracker.adopt_as: storage id {sid} is already in use")
         entry = TrackedStorage(sid, nbytes, producer, weakref.ref(storage, self._freed(storage._cdata, sid)))
         self._entries[sid] = entry
         self._by_key[storage._cdata] = entry
@@ -133,7 +134,7 @@ class ActivationTracker:
     def add_dead(self, sid: StorageId, nbytes: int, producer: int) -> None:
         """Record a storage of the step that no longer lives (its size stays in the trace)."""
         if sid in self._entries:
-            raise ValueError(f"ActivationTracker.add_dead: storage id {sid} is already in use")
+            raise ConfigurationError(f"ActivationTracker.add_dead: storage id {sid} is already in use")
         entry = TrackedStorage(sid, nbytes, producer, _dead_ref)  # type: ignore[arg-type]
         entry.alive = False
         self._entries[sid] = entry

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hyper_offload.errors import SwapOutsideGroupWarning
+from hyper_offload.errors import ConfigurationTypeError, SwapOutsideGroupWarning
 from hyper_offload.runtime.pipeline.hooks import (
     current_group,
     in_pipeline_forward,
@@ -59,7 +59,7 @@ def swap_wrapper(
     """
     _check_flag("swap_wrapper", "group_swap", group_swap)
     if policy_fn is not None and not callable(policy_fn):
-        raise TypeError(f"swap_wrapper: policy_fn must be callable (tensor -> bool) or None, got {policy_fn!r}")
+        raise ConfigurationTypeError(f"swap_wrapper: policy_fn must be callable (tensor -> bool) or None, got {policy_fn!r}")
     if isinstance(module_or_callable, torch.nn.Module):
         module = module_or_callable
         if not isinstance(module, SwapWrapped):
@@ -69,7 +69,7 @@ def swap_wrapper(
         module._swap_group_swap = group_swap  # type: ignore[attr-defined]
         return module  # type: ignore[return-value]
     if not callable(module_or_callable):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"swap_wrapper: expected an nn.Module or a callable, got {type(module_or_callable).__name__}"
         )
     fn = module_or_callable
@@ -107,7 +107,7 @@ def swap_tensor_wrapper(tensor_or_nested: T, tag: str | None = None, group_swap:
     the input unchanged. Outside a pipeline FWD leaf: warns once per call site."""
     _check_flag("swap_tensor_wrapper", "group_swap", group_swap)
     if tag is not None and not isinstance(tag, str):
-        raise TypeError(f"swap_tensor_wrapper: tag must be a str or None, got {tag!r}")
+        raise ConfigurationTypeError(f"swap_tensor_wrapper: tag must be a str or None, got {tag!r}")
     group = current_group()
     if group is None:
         if not in_pipeline_forward():
@@ -126,4 +126,4 @@ def swap_tensor_wrapper(tensor_or_nested: T, tag: str | None = None, group_swap:
 
 def _check_flag(where: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be a bool, got {value!r}")
+        raise ConfigurationTypeError(f"{where}: {name} must be a bool, got {value!r}")

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
 
+from hyper_offload.errors import ConfigurationError, TraceFormatError
+
 from ..ir.schedule import ActionKind, ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 
@@ -174,11 +176,11 @@ def predict_timeline(
     device bytes (the compile path); the default models the residency manager.
     ``copy_streams``: 1 (D2H and H2D share one serial stream, as the runtime does) or 2
     (one serial stream per direction).
-    Raises ``ValueError`` naming the op when the schedule does not fit the trace or a
+    Raises ``TraceFormatError`` naming the op when the schedule does not fit the trace or a
     WAIT_H2D has no COPY_H2D before it (run ``check_schedule`` for the full diagnosis).
     """
     if schedule.num_ops != trace.num_ops:
-        raise ValueError(
+        raise TraceFormatError(
             f"predict_timeline: the schedule has {schedule.num_ops} op slots but the trace has "
             f"{trace.num_ops} ops; plan this trace, or load the schedule made for it"
         )
@@ -210,7 +212,7 @@ def op_start_times(trace: ActivationTrace, default_op_duration_s: float | None =
 def _default_duration(trace: ActivationTrace, given: float | None) -> float:
     if given is not None:
         if not given >= 0:
-            raise ValueError(f"predict_timeline: default_op_duration_s must be >= 0, got {given!r}")
+            raise ConfigurationError(f"predict_timeline: default_op_duration_s must be >= 0, got {given!r}")
         return given
     known = [op.duration_s for op in trace.ops if op.duration_s is not None]
     return sum(known) / len(known) if known else DEFAULT_OP_DURATION_S
@@ -233,7 +235,7 @@ class TimelineSimulator:
         copy_streams: int = 1,
     ) -> None:
         if copy_streams not in (1, 2):
-            raise ValueError(
+            raise ConfigurationError(
                 f"predict_timeline: copy_streams must be 1 (one shared copy stream) or 2 (one "
                 f"per direction), got {copy_streams!r}"
             )
@@ -311,7 +313,7 @@ class TimelineSimulator:
     def _wait(self, storage: StorageId, index: int, slot: str) -> None:
         h2d = self.last_h2d.get(storage)
         if h2d is None:
-            raise ValueError(
+            raise TraceFormatError(
                 f"predict_timeline: {slot}[{index}] WAIT_H2D {storage} has no COPY_H2D of "
                 f"storage {storage} before it; check the schedule with check_schedule"
             )

@@ -5,7 +5,7 @@ The compile path plans *one* schedule for every size a region's guards accept, s
 symbol is evaluated at the largest value it may take:
 
 1. the upper bound of the symbol's value range in Dynamo's ``ShapeEnv`` when that is
-   finite: what the user declared (``torch._dynamo.mark_dynamic(t, dim, max=N)``,
+   finite: what the user declared (``torch._dynamo.mark_dynamic(t, dim, min=2, max=N)``,
    ``torch._check(u0 <= N)``) or what torch derived (``nonzero`` of ``n`` elements has at
    most ``n`` rows). Dynamo guards that range, so a larger size recompiles and is
    planned again: the bound holds for every call of this compiled code;

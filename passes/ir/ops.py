@@ -85,6 +85,8 @@ from typing import Any, NoReturn
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
+from hyper_offload.errors import ConfigurationError, TransferMisuseError
+
 __all__ = [
     "ALL_OPS",
     "COPY_D2H",
@@ -204,7 +206,7 @@ def host_layout(
         return dense_layout(tensor)
     shape = tuple(tensor.shape)
     if sorted(dim_order) != list(range(len(shape))):
-        raise ValueError(
+        raise ConfigurationError(
             f"hyper_offload::copy_d2h: dim_order {list(dim_order)} is not a permutation of "
             f"the {len(shape)} dims of a {shape} tensor. Fix: pass dim_order_of(<fake value>)"
         )
@@ -226,7 +228,7 @@ def _placeholder(op: torch._ops.OpOverload) -> Callable[..., NoReturn]:
     name = op.name()
 
     def kernel(*args: Any) -> NoReturn:
-        raise RuntimeError(
+        raise TransferMisuseError(
             f"{name} ran without its real kernel: only the op declarations "
             "(hyper_offload.passes.ir.ops) are loaded, which can trace the op but "
             "not run it. Rule: a graph holding hyper_offload ops runs after "

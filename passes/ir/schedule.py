@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
 
+from hyper_offload.errors import TraceFormatError
+
 from .trace import StorageId, TraceFormatError
 
 SCHEDULE_FORMAT = "hyper-offload.schedule"
@@ -92,7 +94,7 @@ class ResidencySchedule:
         object.__setattr__(self, "pre", tuple(tuple(a) for a in self.pre))
         object.__setattr__(self, "post", tuple(tuple(a) for a in self.post))
         if len(self.pre) != len(self.post):
-            raise ValueError(
+            raise TraceFormatError(
                 f"ResidencySchedule: pre has {len(self.pre)} slots but post has "
                 f"{len(self.post)}; both need one slot per op"
             )
@@ -116,7 +118,7 @@ class ResidencySchedule:
         for name, slots in (("pre", pre), ("post", post)):
             for index in slots:
                 if not 0 <= index < num_ops:
-                    raise ValueError(
+                    raise TraceFormatError(
                         f"ResidencySchedule.{name}[{index}]: op index out of range [0, {num_ops})"
                     )
         return cls(

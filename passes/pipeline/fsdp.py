@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hyper_offload.errors import ConfigurationError
+
 from .meta_step import MetaStep, StepKind
 
 #: How many compute slots ahead the FSDP pass unshards.
@@ -30,10 +32,10 @@ UNSHARD_LOOKAHEAD = 1
 def inject_fsdp_steps(order: Sequence[MetaStep], *, lookahead: int = UNSHARD_LOOKAHEAD) -> list[MetaStep]:
     """Return ``order`` with FSDP steps added (policy in the module docstring)."""
     if lookahead < 0:
-        raise ValueError(f"lookahead must be >= 0 compute slots, got {lookahead}")
+        raise ConfigurationError(f"lookahead must be >= 0 compute slots, got {lookahead}")
     for step in order:
         if step.is_fsdp or step.is_swap:
-            raise ValueError(
+            raise ConfigurationError(
                 f"inject_fsdp_steps: order already holds {step!r}; the FSDP pass runs once, "
                 "before the transport and swap passes"
             )

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
+from hyper_offload.errors import ConfigurationError
+
 from .meta_step import MetaStep, StepKind
 
 #: Schedule names accepted by :func:`compute_orders` and ``build_rank_orders``.
@@ -53,7 +55,7 @@ class PipelineLayout(NamedTuple):
 
     def rank_of(self, stage: int) -> int:
         if not 0 <= stage < self.num_stages:
-            raise ValueError(f"stage {stage} outside 0..{self.num_stages - 1}")
+            raise ConfigurationError(f"stage {stage} outside 0..{self.num_stages - 1}")
         if self.style is Placement.LOOP:
             return stage % self.num_ranks
         lap, offset = divmod(stage, self.num_ranks)
@@ -64,18 +66,18 @@ class PipelineLayout(NamedTuple):
 
 
 def layout_for(schedule: str, *, num_ranks: int, stages_per_rank: int) -> PipelineLayout:
-    """The stage placement ``schedule`` uses; raises ValueError for shapes it cannot run."""
+    """The stage placement ``schedule`` uses; raises ConfigurationError for shapes it cannot run."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        raise ConfigurationError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
     if num_ranks < 1 or stages_per_rank < 1:
-        raise ValueError(f"num_ranks ({num_ranks}) and stages_per_rank ({stages_per_rank}) must be >= 1")
+        raise ConfigurationError(f"num_ranks ({num_ranks}) and stages_per_rank ({stages_per_rank}) must be >= 1")
     if schedule in _SINGLE_STAGE_SCHEDULES and stages_per_rank != 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"schedule {schedule!r} runs one stage per rank, got stages_per_rank={stages_per_rank}; "
             "use interleaved-1f1b for several virtual stages"
         )
     if schedule in _V_SCHEDULES and stages_per_rank != 2:
-        raise ValueError(
+        raise ConfigurationError(
             f"schedule {schedule!r} is V-shaped and needs stages_per_rank=2, got {stages_per_rank}"
         )
     style = Placement.V if schedule in _V_SCHEDULES else Placement.LOOP
@@ -114,7 +116,7 @@ def compute_orders(
     V-shaped schedules come from torch's own order generators (see ``torch_actions``)."""
     layout_for(schedule, num_ranks=num_ranks, stages_per_rank=stages_per_rank)
     if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+        raise ConfigurationError(f"num_microbatches must be >= 1, got {num_microbatches}")
     if schedule == "gpipe":
         return {r: gpipe_compute_order(r, num_microbatches) for r in range(num_ranks)}
     if schedule == "1f1b":
@@ -181,7 +183,7 @@ def add_p2p(order: Sequence[MetaStep], layout: PipelineLayout, rank: int) -> lis
     out: list[MetaStep] = []
     for step in order:
         if not step.is_compute_slot:
-            raise ValueError(
+            raise ConfigurationError(
                 f"rank {rank}: add_p2p expects a compute-only order, found {step!r}; "
                 "run it before the FSDP, transport and swap passes"
             )
@@ -197,7 +199,7 @@ def add_p2p(order: Sequence[MetaStep], layout: PipelineLayout, rank: int) -> lis
 def _check_on_rank(step: MetaStep, layout: PipelineLayout, rank: int) -> None:
     assert step.stage is not None
     if layout.rank_of(step.stage) != rank:
-        raise ValueError(
+        raise ConfigurationError(
             f"rank {rank}: step {step!r} belongs to stage {step.stage}, which lives on rank "
             f"{layout.rank_of(step.stage)} in a {layout.style.value} layout"
         )

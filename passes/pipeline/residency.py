@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+from hyper_offload.errors import ConfigurationError
+
 from .meta_step import COMPUTE_KINDS, RECV_KINDS, SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
 from .send_release import SendReleases
 
@@ -109,7 +111,7 @@ class StageFootprint:
         table = dict(self.working)
         for kind, value in table.items():
             if kind not in COMPUTE_KINDS:
-                raise ValueError(f"StageFootprint.working: {kind!r} is not a compute kind (F, B, I, W)")
+                raise ConfigurationError(f"StageFootprint.working: {kind!r} is not a compute kind (F, B, I, W)")
             check_bytes(f"StageFootprint.working[{kind!r}]", value)
         object.__setattr__(self, "working", MappingProxyType(table))
 
@@ -297,9 +299,9 @@ def predicted_peak(
 
 
 def check_bytes(name: str, value: object) -> None:
-    """Raise ValueError, naming ``name``, unless ``value`` is a byte count (an int >= 0)."""
+    """Raise ConfigurationError, naming ``name``, unless ``value`` is a byte count (an int >= 0)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected a byte count (int >= 0), got {value!r}")
+        raise ConfigurationError(f"{name}: expected a byte count (int >= 0), got {value!r}")
 
 
 __all__ = [

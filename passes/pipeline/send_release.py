@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
+from hyper_offload.errors import TimelineError
+
 from .execution import P2PKey, matching_p2p, p2p_key
 from .meta_step import RECV_KINDS, SEND_KINDS, MetaStep
 
@@ -102,7 +104,7 @@ def _play(orders: Mapping[int, Sequence[MetaStep]]) -> _Clocks:
     stuck = {rank: pc[rank] for rank in clocks.ranks if pc[rank] < len(orders[rank])}
     if stuck:
         where = ", ".join(f"rank {r} at step {p} ({orders[r][p]!r})" for r, p in stuck.items())
-        raise ValueError(
+        raise TimelineError(
             f"send_releases: the orders deadlock ({where}); run check_execution on them to see "
             "which receive is never matched"
         )
@@ -113,14 +115,14 @@ def send_releases(orders: Mapping[int, Sequence[MetaStep]]) -> dict[int, SendRel
     """Every rank's release points (module docstring): rank → receive leaf → proven sends.
 
     ``orders`` must be every rank's order of one pipeline (each rank's P2P steps as the
-    executor runs them); raises ValueError if they deadlock or a send is never received.
+    executor runs them); raises TimelineError if they deadlock or a send is never received.
     """
     clocks = _play(orders)
     releases: dict[int, dict[P2PKey, list[P2PKey]]] = {rank: {} for rank in clocks.ranks}
     for send, (rank, sent) in sorted(clocks.sent_at.items(), key=lambda item: item[1]):
         receive = matching_p2p(send)
         if receive not in clocks.received_at:
-            raise ValueError(
+            raise TimelineError(
                 f"send_releases: rank {rank} posts {MetaStep(*send)!r} but no rank receives it "
                 f"(no order holds {MetaStep(*receive)!r})"
             )

@@ -61,6 +61,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
+from hyper_offload.errors import ConfigurationError
+
 from .meta_step import SWAP_SEQUENCES, MetaStep, StepKind, SwapPhase
 
 #: Default threshold: a chunk is swapped only if its window spans at least this many slots.
@@ -135,7 +137,7 @@ def _windows(
                 continue
             if leaf.kind in opens:
                 if leaf.kind is StepKind.FWD and key in opened:
-                    raise ValueError(f"step {pos} ({step!r}): second FWD for stage {key[0]} micro {key[1]}")
+                    raise ConfigurationError(f"step {pos} ({step!r}): second FWD for stage {key[0]} micro {key[1]}")
                 opened.setdefault(key, (slot, pos))
             elif leaf.kind in closes and key not in closed:
                 if phase is SwapPhase.ACTIVATIONS or key in opened:
@@ -174,7 +176,7 @@ def swap_anchors(
     keyed: list[tuple[int, int, int, SwapAnchor]] = []
     for chunk in chunks:
         if chunk.gap < 2:
-            raise ValueError(f"chunk {chunk.key}: gap {chunk.gap} leaves no slot for SWAP_WAIT_OFFLOAD")
+            raise ConfigurationError(f"chunk {chunk.key}: gap {chunk.gap} leaves no slot for SWAP_WAIT_OFFLOAD")
         wait_offload = slot_positions[chunk.forward_index + 2]
         positions = (
             chunk.forward_step + 1,
@@ -194,7 +196,7 @@ def apply_swap_anchors(order: Sequence[MetaStep], anchors: Sequence[SwapAnchor])
     by_position: dict[int, list[MetaStep]] = {}
     for anchor in anchors:
         if not 0 <= anchor.position <= len(order):
-            raise ValueError(f"anchor {anchor}: position outside 0..{len(order)}")
+            raise ConfigurationError(f"anchor {anchor}: position outside 0..{len(order)}")
         by_position.setdefault(anchor.position, []).append(anchor.step)
     out: list[MetaStep] = []
     for pos in range(len(order) + 1):
@@ -222,24 +224,24 @@ def inject_swap_steps(
 
     ``only`` / ``weight_only`` restrict injection to a subset of the eligible
     ``(stage, micro)`` windows (a cost model's choice); naming a chunk that is unknown or
-    ineligible raises ValueError. Removing the swap steps from the result gives back
+    ineligible raises ConfigurationError. Removing the swap steps from the result gives back
     ``order`` exactly.
     """
     for pos, step in enumerate(order):
         if step.is_swap:
-            raise ValueError(
+            raise ConfigurationError(
                 f"step {pos} ({step!r}): order already holds swap steps; "
                 "inject_swap_steps runs once, as the last pass"
             )
     if unsharded_load not in UNSHARDED_LOAD_PLACEMENTS:
-        raise ValueError(
+        raise ConfigurationError(
             f"unsharded_load must be one of {', '.join(UNSHARDED_LOAD_PLACEMENTS)}, got {unsharded_load!r}"
         )
     chosen = _choose(find_swap_chunks(order, min_gap=min_gap), only, min_gap, "only")
     if weight_swap:
         chosen += _choose(find_weight_windows(order, min_gap=min_gap), weight_only, min_gap, "weight_only")
     elif weight_only:
-        raise ValueError("weight_only names dW windows to swap, but weight_swap=False swaps none")
+        raise ConfigurationError("weight_only names dW windows to swap, but weight_swap=False swaps none")
     return apply_swap_anchors(order, swap_anchors(order, chosen, unsharded_load=unsharded_load))
 
 
@@ -295,12 +297,12 @@ def _choose(
     for key in sorted(wanted):
         chunk = by_key.get(key)  # type: ignore[arg-type]
         if chunk is None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{name}: chunk (stage {key[0]}, micro {key[1]}) has no {_PAIR_NAMES[name]} pair on this "
                 f"rank; known chunks: {sorted(by_key)}"
             )
         if not chunk.eligible:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{name}: chunk (stage {key[0]}, micro {key[1]}) has gap {chunk.gap} < min_gap {min_gap}; "
                 "only eligible chunks can be swapped"
             )
@@ -309,7 +311,7 @@ def _choose(
 
 def _check_min_gap(min_gap: int) -> None:
     if min_gap < 2:
-        raise ValueError(
+        raise ConfigurationError(
             f"min_gap must be >= 2, got {min_gap}: at gap 1 the backward follows its forward "
             "directly and no slot is left to hold SWAP_WAIT_OFFLOAD"
         )

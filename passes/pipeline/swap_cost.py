@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 
+from hyper_offload.errors import ConfigurationError
+
 from .meta_step import SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
 from .residency import ChunkSizes, StageFootprint, check_bytes, step_curve
 from .send_release import SendReleases, send_releases
@@ -116,12 +118,12 @@ class SwapCostModel:
         for name in ("d2h_bytes_per_s", "h2d_bytes_per_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"SwapCostModel.{name}: expected bytes per second > 0, got {value!r}")
+                raise ConfigurationError(f"SwapCostModel.{name}: expected bytes per second > 0, got {value!r}")
         merged = {**DEFAULT_STEP_SECONDS, **dict(self.step_seconds)}
         for table_name, table in (("step_seconds", merged), ("stage_step_seconds", self.stage_step_seconds)):
             for key, value in table.items():
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                    raise ValueError(
+                    raise ConfigurationError(
                         f"SwapCostModel.{table_name}[{key!r}]: expected seconds >= 0, got {value!r}"
                     )
         object.__setattr__(self, "step_seconds", MappingProxyType(merged))
@@ -238,7 +240,7 @@ class ChunkLife:
     def swap_positions(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> tuple[int, int, int, int]:
         """Positions of the phase's LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
         if not self.has_swap_steps(phase):
-            raise ValueError(
+            raise ConfigurationError(
                 f"stage {self.stage} micro-batch {self.micro} is treated as swapped ({phase.value}) but "
                 "the order lacks some of its four swap steps; inject them first (inject_swap_steps)"
             )
@@ -302,7 +304,7 @@ def resident_curve(
             continue
         unknown = sorted(set(chosen) - set(lives))
         if unknown:
-            raise ValueError(
+            raise ConfigurationError(
                 f"resident_curve: {name} chunks {unknown} have no FWD in the order; known: {sorted(lives)}"
             )
         for key in chosen:

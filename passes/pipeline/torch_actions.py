@@ -18,6 +18,8 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from hyper_offload.errors import ConfigurationError, TorchCompatibilityError
+
 from .meta_step import COMPOSITE_KINDS, MetaStep, StepKind, validate_step
 
 # torch's action kinds by *member name*: the names are stable across releases, the values are
@@ -61,7 +63,7 @@ def from_torch_action(action: _Action) -> MetaStep:
     """One torch action as a MetaStep (composites keep their sub-steps, stage ``-1`` → None)."""
     name = action.computation_type.name
     if name not in _KIND_OF_TORCH_NAME:
-        raise ValueError(
+        raise ConfigurationError(
             f"torch action {action}: computation type {name} has no MetaStep kind; "
             f"known: {', '.join(_KIND_OF_TORCH_NAME)} (add it to _KIND_OF_TORCH_NAME in torch_actions.py)"
         )
@@ -83,7 +85,7 @@ def from_torch_actions(actions: Iterable[_Action | None]) -> list[MetaStep]:
 def to_torch_action(step: MetaStep) -> _Action:
     """One MetaStep as a torch action; raises for kinds torch has no action for."""
     if step.kind not in _TORCH_TYPE_OF_KIND:
-        raise ValueError(
+        raise ConfigurationError(
             f"step {step!r}: torch.distributed.pipelining has no action for {step.kind.name}; "
             "convert the order before the transport and swap passes (or flatten BATCH_SEND_RECV)"
         )
@@ -121,18 +123,18 @@ def torch_pipeline_order(
 ) -> dict[int, list[_Action | None]]:
     """torch's compute-only ``pipeline_order`` for ``schedule``, built without processes.
 
-    Raises ``ValueError`` (with torch's reason) for combinations torch rejects.
+    Raises ``ConfigurationError`` (with torch's reason) for combinations torch rejects.
     Note: torch 2.13's ``Schedule1F1B`` order is malformed for lowering (the last rank lacks
     ``F0``); use :func:`~hyper_offload.passes.pipeline.orders.compute_orders` for 1F1B.
     """
     if schedule not in TORCH_SCHEDULE_CLASSES:
-        raise ValueError(
+        raise ConfigurationError(
             f"schedule {schedule!r}: torch has no order generator we use for it; "
             f"known: {', '.join(TORCH_SCHEDULE_CLASSES)}"
         )
     cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASSES[schedule], None)
     if cls is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"schedule {schedule!r} needs torch.distributed.pipelining."
             f"{TORCH_SCHEDULE_CLASSES[schedule]}, which torch {torch.__version__} does not have"
         )
@@ -145,13 +147,13 @@ def torch_pipeline_order(
             stages = [_OrderOnlyStage(i, num_stages, num_ranks, 0) for i in range(stages_per_rank)]
             order = cls(stages, num_microbatches).pipeline_order
     except (ValueError, AssertionError, RuntimeError, ZeroDivisionError) as exc:
-        raise ValueError(
+        raise ConfigurationError(
             f"torch {cls.__name__} rejects ranks={num_ranks}, stages_per_rank={stages_per_rank}, "
             f"microbatches={num_microbatches}: {exc}"
         ) from exc
     except AttributeError as exc:
         # This torch version reads more of its stages than _OrderOnlyStage provides.
-        raise RuntimeError(
+        raise TorchCompatibilityError(
             f"torch {cls.__name__} ({torch.__version__}) needs a stage attribute the order-only "
             f"placeholder lacks ({exc}); add it to _OrderOnlyStage in torch_actions.py"
         ) from exc

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hyper_offload.errors import ConfigurationError
+
 from .meta_step import P2P_KINDS, MetaStep, StepKind
 
 TRANSPORTS = ("plain", "batch", "boundary")
@@ -23,10 +25,10 @@ TRANSPORTS = ("plain", "batch", "boundary")
 def rewrite_transport(order: Sequence[MetaStep], transport: str = "plain") -> list[MetaStep]:
     """Return ``order`` with its P2P leaves issued the way ``transport`` says."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
+        raise ConfigurationError(f"unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
     for step in order:
         if step.kind is StepKind.BATCH_SEND_RECV or step.is_swap:
-            raise ValueError(
+            raise ConfigurationError(
                 f"rewrite_transport: order already holds {step!r}; the transport pass runs once, "
                 "after the FSDP pass and before the swap pass"
             )

@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hyper_offload.errors import ConfigurationError
+
 from ..analysis.candidates import OffloadCandidate, design_rank_key
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import ActivationTrace
@@ -83,7 +85,7 @@ class GreedyResidencyPlanner:
 
     def __init__(self, refine: bool = True, objective: str = "time") -> None:
         if objective not in OBJECTIVES:
-            raise ValueError(
+            raise ConfigurationError(
                 f"GreedyResidencyPlanner(objective={objective!r}): expected one of "
                 f"{', '.join(map(repr, OBJECTIVES))} ('time': least predicted stall, "
                 "'bytes': fewest bytes moved)"

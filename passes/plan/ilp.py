@@ -26,7 +26,7 @@ from functools import reduce
 from itertools import accumulate
 from typing import Any
 
-from hyper_offload.errors import OptimalPlannerError
+from hyper_offload.errors import OptimalPlannerError, OptionalDependencyError
 
 from ..analysis.candidates import OffloadCandidate
 from ..ir.schedule import ResidencySchedule
@@ -40,7 +40,7 @@ def _import_scipy() -> tuple[Any, Any, Any]:
         from scipy.optimize import LinearConstraint, milp
         from scipy.sparse import coo_matrix
     except ImportError as error:  # raised here so the library itself never needs scipy
-        raise ImportError(
+        raise OptionalDependencyError(
             "OptimalResidencyPlanner needs scipy (HiGHS MILP); install it with "
             "`pip install 'scipy>=1.11'` or `pip install hyper-offload[test]`"
         ) from error

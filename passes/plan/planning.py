@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from hyper_offload.errors import PlanningError
+from hyper_offload.errors import ConfigurationError, PlanningError
 
 from ..analysis.predicted_timeline import predict_timeline
 from ..analysis.validator import ScheduleError, ScheduleReport, check_schedule
@@ -131,7 +131,7 @@ def plan_residency(
     when a stage's schedule breaks a rule; exceptions of ``planner.plan`` propagate.
     """
     if earliest_prefetch_op < 0:
-        raise ValueError(
+        raise ConfigurationError(
             f"{where}: plan_residency(earliest_prefetch_op={earliest_prefetch_op}): must be >= 0 "
             "(0: reloads may start anywhere on the step's timeline)"
         )
@@ -169,7 +169,7 @@ def _proposals(planner: ResidencyPlanner, trace: ActivationTrace) -> list[Reside
         return [planner.plan(trace)]
     proposals = list(propose(trace))
     if not proposals:
-        raise ValueError(
+        raise ConfigurationError(
             f"{planner!r}.proposals(trace) returned no schedule; return at least plan(trace)"
         )
     return proposals

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hyper_offload.errors import ConfigurationError
+
 # Padding leaves (beyond the real ops) hold this value. They are never inside a query
 # range, but they take part in the parents' max; being this low they never win it.
 _PAD = -(1 << 62)
@@ -62,7 +64,7 @@ class RangeAddMaxTree:
 
     def _check(self, lo: int, hi: int) -> None:
         if not 0 <= lo < hi <= self._size:
-            raise IndexError(
+            raise ConfigurationError(
                 f"RangeAddMaxTree: range [{lo}, {hi}) is empty or outside [0, {self._size}); "
                 "pass 0 <= lo < hi <= len(tree)"
             )
@@ -70,7 +72,7 @@ class RangeAddMaxTree:
     def max_all(self) -> int:
         """Max over every value; O(1)."""
         if not self._size:
-            raise IndexError("RangeAddMaxTree: max_all() of an empty tree")
+            raise ConfigurationError("RangeAddMaxTree: max_all() of an empty tree")
         return self._max[1]
 
     def argmax_all(self) -> int:
@@ -80,7 +82,7 @@ class RangeAddMaxTree:
         answer a range query without walking the tree (refinement's redundancy test).
         """
         if not self._size:
-            raise IndexError("RangeAddMaxTree: argmax_all() of an empty tree")
+            raise ConfigurationError("RangeAddMaxTree: argmax_all() of an empty tree")
         tree, pending = self._max, self._pending
         node = 1
         while node < self._leaf0:

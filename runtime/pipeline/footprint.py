@@ -42,6 +42,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes.pipeline.execution import P2PKey
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.residency import (
@@ -133,7 +134,7 @@ class FootprintRecorder:
         known.update({key: _median_of(values) for key, values in inferred.items()})
         stages = sorted({stage for stage, _ in known})
         if not stages:
-            raise ValueError(
+            raise ConfigurationError(
                 "FootprintRecorder: no compute leaf was recorded; set it as the schedule's observer "
                 "and run one step with its meter active"
             )

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-from hyper_offload.errors import PipelineCommError
+from hyper_offload.errors import ConfigurationError, PipelineCommError
 from hyper_offload.passes.pipeline.execution import P2PKey, p2p_key
 from hyper_offload.passes.pipeline.meta_step import RECV_KINDS, MetaStep, StepKind
 from hyper_offload.passes.pipeline.send_release import SendReleases
@@ -172,7 +172,7 @@ class P2PTracker:
         elif leaf.kind is StepKind.RECV_B:
             ops = stage.get_bwd_recv_ops(micro)  # type: ignore[attr-defined]
         else:
-            raise ValueError(f"{leaf!r} is not a P2P leaf")
+            raise ConfigurationError(f"{leaf!r} is not a P2P leaf")
         tag = p2p_tag(leaf, self._num_stages)
         return [dist.P2POp(op.op, op.tensor, group=op.group, tag=tag, group_peer=op.group_peer) for op in ops]
 
@@ -230,5 +230,5 @@ def p2p_tag(leaf: MetaStep, num_stages: int) -> int:
     elif leaf.kind is StepKind.RECV_B:
         sender, backward = leaf.stage + 1, 1
     else:
-        raise ValueError(f"{leaf!r} is not a P2P leaf")
+        raise ConfigurationError(f"{leaf!r} is not a P2P leaf")
     return 1 + 2 * (leaf.micro * num_stages + sender) + backward

@@ -36,7 +36,7 @@ from itertools import count
 
 import torch
 
-from hyper_offload.errors import TransferIntegrityError
+from hyper_offload.errors import ConfigurationError, TransferIntegrityError
 from hyper_offload.passes.pipeline.meta_step import (
     BACKWARD_KINDS,
     SWAP_INDEX_OF,
@@ -86,7 +86,7 @@ class PipelineSwapSession:
         self._last_backward = _last_backward_leaves(self.order)
         missing = sorted(self.eligible - set(self._last_backward))
         if missing:
-            raise ValueError(
+            raise ConfigurationError(
                 f"PipelineSwapSession: chunks {missing} have swap steps but no backward leaf in "
                 "this order; swap needs a backward consumer (forward-only orders cannot swap)"
             )
@@ -168,7 +168,7 @@ class PipelineSwapSession:
         self._require_active("forward_scope")
         key = leaf.chunk
         if leaf.kind is not StepKind.FWD or key is None:
-            raise ValueError(f"forward_scope: {leaf!r} is not a FWD leaf")
+            raise ConfigurationError(f"forward_scope: {leaf!r} is not a FWD leaf")
         if key not in self.eligible:
             with group_scope(None):
                 yield None
@@ -205,7 +205,7 @@ class PipelineSwapSession:
                 f"generation {self.generation}; its FWD must run before its swap steps"
             )
         if step.kind not in SWAP_PHASE_OF:
-            raise ValueError(f"run_swap_step: {step!r} is not a swap step")
+            raise ConfigurationError(f"run_swap_step: {step!r} is not a swap step")
         action = _ACTIONS[SWAP_INDEX_OF[step.kind]]
         try:
             getattr(group, action)(SWAP_PHASE_OF[step.kind])

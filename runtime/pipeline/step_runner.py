@@ -41,6 +41,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from hyper_offload.errors import ConfigurationError, PipelineStateError
 from hyper_offload.passes.pipeline.meta_step import OVERLAP_KINDS, MetaStep, StepKind
 from hyper_offload.passes.pipeline.send_release import SendReleases
 
@@ -152,7 +153,7 @@ class StepRun:
                 observer.after_step(position, step)
         self.p2p.wait_sends()
         if self.unshard_handles:
-            raise RuntimeError(
+            raise PipelineStateError(
                 f"rank {context.rank}: UNSHARD of stages {sorted(self.unshard_handles)} was "
                 "never consumed by a compute step; the FSDP pass placed an unused unshard"
             )
@@ -191,7 +192,7 @@ class StepRun:
         elif kind in _BWD_LEAVES:
             self.backward_leaf(step)
         else:  # pragma: no cover - StepKind is closed
-            raise ValueError(f"{step!r}: unknown step kind {kind.name}")
+            raise ConfigurationError(f"{step!r}: unknown step kind {kind.name}")
 
     # ------------------------------------------------------------------ compute leaves
 
@@ -300,7 +301,7 @@ class StepRun:
         if not isinstance(stage.submod, FSDPModule):
             return
         if index in self.unsharded or index in self.unshard_handles:
-            raise RuntimeError(f"UNSHARD of stage {index} twice without a RESHARD in between")
+            raise PipelineStateError(f"UNSHARD of stage {index} twice without a RESHARD in between")
         self.unshard_handles[index] = [
             module.unshard(async_op=True) for module in stage.submod.modules() if isinstance(module, FSDPModule)
         ]
@@ -312,7 +313,7 @@ class StepRun:
         if index in self.unshard_handles:
             self._ensure_unsharded(stage)
         if index not in self.unsharded:
-            raise RuntimeError(f"RESHARD of stage {index}, which is not unsharded")
+            raise PipelineStateError(f"RESHARD of stage {index}, which is not unsharded")
         for module in stage.submod.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -334,7 +335,7 @@ class StepRun:
                     handle.wait()
             self.unsharded.add(index)
         if index not in self.unsharded:
-            raise RuntimeError(
+            raise PipelineStateError(
                 f"stage {index} computes while sharded: its order has no FSDP_UNSHARD before this step"
             )
 
@@ -353,7 +354,7 @@ class StepRun:
         if stage.is_last and valid_index:
             return losses[micro]
         if losses and not valid_index:
-            raise RuntimeError(
+            raise PipelineStateError(
                 f"Loss for microbatch {micro} is not available. Available losses for microbatches: {losses}"
             )
         return None
@@ -363,7 +364,7 @@ class StepRun:
     def _require_received(self, leaf: MetaStep, recv: StepKind) -> None:
         key = (recv, leaf.stage, leaf.micro)
         if key not in self.p2p.received:
-            raise RuntimeError(
+            raise PipelineStateError(
                 f"{leaf!r} runs before its {MetaStep(recv, leaf.stage, leaf.micro)!r}; the order must "
                 "receive a chunk's input before computing it (check_execution finds this statically)"
             )

@@ -158,10 +158,13 @@ def test_human_summary_and_exit_code_0(factories, capsys) -> None:
         ("{f}:small", ["--input-dtype", "int99"], "not a torch dtype"),
         ("{f}:small", ["--input-dtype", "float32", "--input-dtype", "int64"], "one per input"),
         ("{f}:small", ["--input-shape", "4,17"], "tracing"),
-        ("{f}:small", ["--budget-mb", "-3"], "max_resident_activation_mb"),
-        ("{f}:small", ["--budget-fraction", "2"], "(0, 1]"),
-        ("{f}:small", ["--bandwidth-gbps", "0"], "bandwidth"),
-        ("{f}:small", ["--device", "meta"], "meta device"),
+        # Issue 45: a bad number names the flag the user typed, not the option behind it.
+        ("{f}:small", ["--budget-mb", "-3"], "--budget-mb must be a finite number of MiB >= 0"),
+        ("{f}:small", ["--budget-mb", "nan"], "--budget-mb must be"),
+        ("{f}:small", ["--budget-fraction", "2"], "--budget-fraction must be a number in (0, 1]"),
+        ("{f}:small", ["--bandwidth-gbps", "0"], "--bandwidth-gbps must be"),
+        ("{f}:small", ["--device", "meta"], "--device meta: cannot trace on the meta device"),
+        ("{f}:small", ["--device", "nodevice"], "--device 'nodevice' is not a torch device"),
         ("{f}:small", ["--compute-tflops", "100"], "together"),
         ("{f}:small", ["--compute-tflops", "0", "--memory-gbps", "10"], "finite number > 0"),
     ],
@@ -176,6 +179,7 @@ def test_bad_input_is_one_line_and_exit_code_2(factories, capsys, target, extra,
     err = capsys.readouterr().err
     assert err.startswith("hyper-offload estimate: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+    assert "max_resident_activation" not in err and "device=" not in err  # Python names
 
 
 def test_recompute_flag_reaches_the_search(factories, capsys) -> None:

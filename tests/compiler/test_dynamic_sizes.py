@@ -226,3 +226,82 @@ def test_a_region_recompiled_with_automatic_dynamic_sizes_stays_symbolic_when_re
     assert symbolic.relowered and symbolic.planned.report.recompute.recomputed  # it ran
     placeholders = symbolic.graphs[0].graph.find_nodes(op="placeholder")
     assert any(isinstance(p.meta["val"], torch.SymInt) for p in placeholders)
+
+
+def _small_moe() -> nn.Module:
+    """One layer of two experts: the same routing, a quarter of the graph."""
+    torch.manual_seed(0)
+    return _RoutedMoE(experts=2, layers=1)
+
+
+def _estimate_moe(scope: str, capture: bool) -> Any:
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
+        return hyper_offload.estimate(_small_moe(), (x,), budget=0.1, inner_compiler="aot_eager",
+                                      budget_scope=scope, recompute="off")
+
+
+def _routed(reports: Any) -> list[Any]:
+    return [s for report in reports for s in report.sizes if s.hint is None]
+
+
+def test_estimate_plans_the_routed_moe_as_the_backend_does_at_torchs_bound():
+    """Issue 45, case 4: ``estimate`` raised torch's bare DynamicOutputShapeException; now
+    the step plan of the fake step is the backend's, each expert's rows at 64."""
+    estimate = _estimate_moe("step", capture=True)
+    routed = _routed(estimate.regions)
+    assert len(routed) >= 2 and all(s.bound is SizeBound.RANGE and s.planned == 64
+                                    for s in routed)
+    torch._dynamo.reset()
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=0.1,
+                                    recompute="off")
+    compiled = torch.compile(_small_moe(), backend=backend)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled(torch.randn(64, 32, generator=torch.Generator().manual_seed(0))).backward()
+    (real,) = backend.reports
+    assert [str(s) for s in real.sizes] == [str(s) for s in estimate.regions[0].sizes]
+    # The same step plan (what each invocation keeps and moves); the bytes no plan moves
+    # count at the bound in the estimate, at this step's row counts in the real run.
+    step = backend.step_report
+    assert [(i.keep, i.kept_bytes, i.moved_bytes) for i in estimate.step.invocations] == [
+        (i.keep, i.kept_bytes, i.moved_bytes) for i in step.invocations]
+    assert estimate.step.floor_peak_bytes == step.floor_peak_bytes
+    assert estimate.step.moved_bytes > 0 and step.peak_without_offload_bytes > 0.1 * (1 << 20)
+
+
+def test_estimate_of_the_routed_moe_in_eager_code_names_the_flag_or_plans_one_region():
+    """Without capture_dynamic_output_shape_ops Dynamo runs the routing loop eagerly (no
+    region at all): the step scope says so and names the fixes; the region scope (no
+    Dynamo) plans the model as one region, the rows at torch's bound."""
+    with pytest.raises(hyper_offload.ConfigurationError,
+                       match="compiled no region.*capture_dynamic_output_shape_ops"):
+        _estimate_moe("step", capture=False)
+    region = _estimate_moe("region", capture=False).region
+    assert all(s.planned == 64 for s in _routed([region])) and len(_routed([region])) >= 2
+
+
+def test_the_steps_recompute_search_runs_on_the_routed_moe(caplog):
+    """Issue 45, case 4: the step scope's re-lowering of a region with data-dependent sizes
+    failed (DynamicOutputShapeException: it traced outside Dynamo's shape environment)."""
+    # Two steps: the first asks for the search, the second runs what it chose.
+    batches = [(torch.randn(64, 32, generator=torch.Generator().manual_seed(i)),)
+               for i in range(2)]
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch._dynamo.reset()
+        plain_model = _small_moe()
+        plain = _train(plain_model, torch.compile(plain_model, backend=_Counting()), batches)
+        torch._dynamo.reset()
+        model = _small_moe()
+        # A link this slow stalls every copy: the step asks for the recompute search.
+        backend = hyper_offload.backend(inner_compiler="aot_eager", transfer_bandwidth_gbps=1e-3,
+                                        max_resident_activation_mb=0.1)
+        with caplog.at_level("INFO", logger="hyper_offload"):
+            steps = _train(model, torch.compile(model, backend=backend), batches)
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "search failed" in m], messages
+    assert any("searched on the step: recompute=auto" in m for m in messages)
+    assert all(region.relowered for region in backend.regions)
+    for number, (got, want) in enumerate(zip(steps, plain), 1):
+        assert torch.equal(got["loss"], want["loss"]), f"step {number}"
+        assert all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"])), number

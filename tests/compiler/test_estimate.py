@@ -190,3 +190,24 @@ def test_required_bytes_is_what_the_report_calls_smallest_feasible(tiny) -> None
     report = hyper_offload.estimate(model, inputs, budget=0, inner_compiler="aot_eager",
                                     budget_scope="region")
     assert report.min_feasible_budget_bytes == max(required_bytes(trace))
+
+
+def test_region_is_the_region_scopes_report_and_a_clear_error_under_the_step_scope(tiny) -> None:
+    """Issue 45, case 7: ``report.region`` was None under the (new default) step scope, so
+    code written against the region report broke with "'NoneType' object has no attribute".
+    Now: the RegionReport where there is one; under the step scope a ReportScopeError
+    (an AttributeError) that names what to read, and the scope-free figures agree."""
+    model, inputs = tiny
+    region = hyper_offload.estimate(model, inputs, budget=0.05, inner_compiler="aot_eager",
+                                    budget_scope="region")
+    assert region.region is region.region_report and region.region.bytes_d2h == region.bytes_d2h
+    step = hyper_offload.estimate(model, inputs, budget=0.05, inner_compiler="aot_eager")
+    scope_error = r"report\.step.*budget_scope='region'"
+    with pytest.raises(hyper_offload.ReportScopeError, match=scope_error):
+        step.region.bytes_d2h  # noqa: B018  (what code written against the old report does)
+    assert isinstance(hyper_offload.ReportScopeError("x"), AttributeError)
+    assert getattr(step, "region", None) is None and step.region_report is None
+    for name in ("fits", "peak_with_plan", "peak_without_offload", "bytes_d2h",
+                 "min_feasible_budget_bytes"):
+        assert getattr(step, name) is not None and getattr(region, name) is not None
+    assert "region_report" not in json.loads(step.to_json())

@@ -93,10 +93,12 @@ def test_ops_under_a_fake_mode_run_on_it_and_are_not_traced():
 
 
 def test_settle_communication_waits_for_the_release_and_no_longer_than_its_bound():
-    released_at = time.perf_counter() + 0.01
-    started = time.perf_counter()
-    settle_communication(lambda: time.perf_counter() < released_at)
-    assert 0.01 <= time.perf_counter() - started < 0.05
+    # Counted, not timed (issue 45: no wall-clock limits in tests): it asks until the
+    # buffer is released and not once more; held for good, it gives up after its bound.
+    answers = iter([True, True, True, False])
+    asked = []
+    settle_communication(lambda: asked.append(1) or next(answers), timeout_s=60)
+    assert len(asked) == 4
     started = time.perf_counter()
     settle_communication(lambda: True, timeout_s=0.02)  # held for good: gives up
-    assert 0.02 <= time.perf_counter() - started < 0.2
+    assert time.perf_counter() - started >= 0.02

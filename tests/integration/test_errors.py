@@ -4,6 +4,7 @@ from the root, derives from one base, keeps its builtin, and is in README's tabl
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import re
 
@@ -18,25 +19,31 @@ from .import_graph import REPO, library_modules
 #: ``except ValueError`` written against an older release keeps catching it.
 BUILTIN_OF_ERROR = {
     "CheckUsageError": ValueError,
+    "ConfigurationError": ValueError,
+    "ConfigurationTypeError": TypeError,
     "DataLostError": RuntimeError,
     "DynamicShapeError": ValueError,
     "LoweringError": ValueError,
     "OffloadRuntimeError": RuntimeError,
     "OffloadSessionError": RuntimeError,
     "OptimalPlannerError": RuntimeError,
+    "OptionalDependencyError": ImportError,
     "OrderError": ValueError,
     "PipelineCommError": RuntimeError,
+    "PipelineStateError": RuntimeError,
     "PlanningError": ValueError,
     "PlotDependencyError": ImportError,
     "PoolMisuseError": RuntimeError,
     "PrefetchError": ValueError,
     "ReleaseDelayError": ValueError,
     "ReplayMismatchError": RuntimeError,
+    "ReportScopeError": AttributeError,
     "ResidencyMisuseError": RuntimeError,
     "ScheduleError": ValueError,
     "StepFormatError": ValueError,
     "SwapStateError": RuntimeError,
     "TimelineError": ValueError,
+    "TorchCompatibilityError": RuntimeError,
     "TraceFormatError": ValueError,
     "TransferFailedError": RuntimeError,
     "TransferIntegrityError": RuntimeError,
@@ -130,3 +137,93 @@ def test_readme_says_when_each_is_raised_and_what_to_do() -> None:
     in_table = {name.strip("`") for row in rows for name in row.split(", ")}
     public = set(errors.__all__) - BASES - {"OffloadRuntimeError"}
     assert in_table == public
+
+
+#: Builtin exceptions a module may raise because a Python protocol requires that class:
+#: (exception, the function raising it). An abstract method's ``NotImplementedError``,
+#: a module ``__getattr__``'s ``AttributeError``, ``python -m``'s exit status.
+PROTOCOL_RAISES = {
+    ("NotImplementedError", "*"),
+    ("AttributeError", "__getattr__"),
+    ("SystemExit", "<module>"),
+}
+_BUILTIN_ERRORS = {
+    name for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
+}
+
+
+def _builtin_raises(tree: ast.Module) -> list[tuple[str, str, int]]:
+    """``(exception, enclosing function, line)`` of every ``raise Builtin(...)``."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.Raise) and child.exc is not None:
+                exc = child.exc.func if isinstance(child.exc, ast.Call) else child.exc
+                if isinstance(exc, ast.Name) and exc.id in _BUILTIN_ERRORS:
+                    found.append((exc.id, function, child.lineno))
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_library_raises_no_bare_builtin_on_purpose() -> None:
+    """Issue 45: ``except hyper_offload.HyperOffloadError`` must catch every error raised
+    on purpose; a ``raise ValueError(...)`` in the library would slip past it."""
+    bare = []
+    for module, path in library_modules().items():
+        for name, function, line in _builtin_raises(ast.parse(path.read_text())):
+            if (name, function) not in PROTOCOL_RAISES and (name, "*") not in PROTOCOL_RAISES:
+                bare.append(f"{path.relative_to(REPO)}:{line} raise {name} in {function}")
+    assert bare == [], (
+        "raise a hyper_offload.errors class instead (ConfigurationError for a bad value, "
+        f"ConfigurationTypeError for a bad type, ...): {bare}"
+    )
+
+
+def test_the_scan_finds_a_bare_raise() -> None:
+    """The scan above is not vacuous: it sees a raise nested in a method and a branch."""
+    source = "class A:\n    def f(self, x):\n        if x:\n            raise ValueError(x)\n"
+    assert _builtin_raises(ast.parse(source)) == [("ValueError", "f", 4)]
+
+
+def _bad_calls() -> dict[str, tuple[type[Exception], object]]:
+    """Calls with a bad knob -> (the builtin the caller used to catch, the call)."""
+    from hyper_offload.passes import GreedyResidencyPlanner
+    from hyper_offload.passes.pipeline.orders import compute_orders
+    from hyper_offload.runtime import PinnedMemoryPool
+
+    return {
+        "negative budget": (ValueError, lambda: hyper_offload.OffloadConfig(
+            max_resident_activation_mb=-1)),
+        "NaN host cap": (ValueError, lambda: hyper_offload.OffloadConfig(
+            max_offload_activation_mb=float("nan"))),
+        "planner without plan()": (TypeError, lambda: hyper_offload.OffloadConfig(planner=3)),
+        "bad verify": (ValueError, lambda: hyper_offload.OffloadConfig(verify="always")),
+        "unknown options key": (ValueError, lambda: hyper_offload.backend(budget_mb=512)),
+        "fraction out of range": (ValueError, lambda: hyper_offload.backend(
+            max_resident_activation_fraction=2)),
+        "options value of the wrong type": (TypeError, lambda: hyper_offload.backend(
+            planner="greedy")),
+        "session given a dict": (TypeError, lambda: hyper_offload.OffloadSession({})),
+        "skip_offload of a number": (TypeError, lambda: hyper_offload.skip_offload(3)),
+        "planner objective": (ValueError, lambda: GreedyResidencyPlanner(objective="speed")),
+        "negative host pool": (ValueError, lambda: PinnedMemoryPool(max_host_bytes=-1)),
+        "unknown pipeline schedule": (ValueError, lambda: compute_orders(
+            "zigzag", num_ranks=2, stages_per_rank=1, num_microbatches=4)),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad_calls()))
+def test_a_bad_knob_raises_a_configuration_error_that_keeps_its_builtin(case: str) -> None:
+    """Issue 45: ``except hyper_offload.HyperOffloadError`` missed bad configuration."""
+    builtin, call = _bad_calls()[case]
+    with pytest.raises(hyper_offload.ConfigurationError) as error:
+        call()  # type: ignore[operator]
+    assert isinstance(error.value, builtin) and isinstance(error.value, ValueError)
+    assert isinstance(error.value, hyper_offload.HyperOffloadError)

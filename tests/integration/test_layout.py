@@ -134,7 +134,7 @@ def test_the_root_holds_only_the_first_names_and_the_errors() -> None:
     errors = hyper_offload.errors.__all__
     assert sorted(hyper_offload.__all__) == sorted(
         ["OffloadConfig", "OffloadSession", "__version__", "backend", "check", "estimate",
-         "skip_offload", *errors])
+         "register_backend", "skip_offload", "step_report", *errors])
     for name in hyper_offload.__all__:
         assert getattr(hyper_offload, name) is not None
 

@@ -39,10 +39,17 @@ def test_probe_rejects_bad_arguments(kwargs) -> None:
         profile_transfer_bandwidth("cpu", **kwargs)
 
 
+# The CPU timer reads perf_counter: each interval it measures lies within the interval
+# the test brackets around it with the same clock, and contains the sleep inside it.
+# No bound on how fast the machine is (issue 45: no wall-clock limits in tests).
+
+
 def test_cpu_timer_measures_wall_time_as_context_manager() -> None:
+    before = time.perf_counter()
     with DeviceTimer("cpu") as timer:
         time.sleep(0.02)
-    assert 0.02 <= timer.elapsed_s < 1.0
+    after = time.perf_counter()
+    assert 0.02 <= timer.elapsed_s <= after - before
     assert "ms" in repr(timer)
 
 
@@ -52,9 +59,11 @@ def test_cpu_timer_start_stop_and_restart() -> None:
     time.sleep(0.03)
     first = timer.stop()
     assert first >= 0.03 and timer.elapsed_s == first
+    restarted = time.perf_counter()
     timer.start()
     second = timer.stop()
-    assert second < first  # restarted: measures only the new interval
+    # restarted: measures only the new interval, not the one before the restart
+    assert 0 <= second <= time.perf_counter() - restarted
 
 
 def test_timer_misuse_raises_naming_the_fix() -> None:

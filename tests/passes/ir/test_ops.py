@@ -38,7 +38,7 @@ def test_importing_every_pass_loads_nothing_of_the_runtime() -> None:
     assert found["runtime"] == []
 
 
-def test_the_declarations_import_nothing_of_the_library() -> None:
+def test_the_declarations_import_nothing_of_the_library_but_its_errors() -> None:
     # The module's own file (found without importing it), wherever the package is laid out.
     origin = find_spec("hyper_offload.passes.ir.ops").origin  # type: ignore[union-attr]
     assert origin is not None
@@ -50,7 +50,9 @@ def test_the_declarations_import_nothing_of_the_library() -> None:
             assert node.level == 0, f"relative import in the op declarations: {ast.dump(node)}"
             imported.append(node.module or "")
     assert imported  # the walk saw the imports (torch at least)
-    tops = {name.split(".")[0] for name in imported}
+    # hyper_offload.errors is the bottom layer every module may import (stdlib only): the
+    # declarations raise its classes, so ``except HyperOffloadError`` catches them too.
+    tops = {name.split(".")[0] for name in imported if name != "hyper_offload.errors"}
     assert tops <= {"torch", "__future__"} | set(sys.stdlib_module_names), tops
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -204,15 +203,14 @@ def test_the_pipeline_imports_no_torch() -> None:
     assert done.stdout.strip() == "False"
 
 
-def test_a_10k_op_step_is_planned_in_under_5_seconds() -> None:
-    # Issue 16's figure: the whole pipeline (both proposals of the time objective, each
-    # placed, held and predicted) on a ~10k-op compile-door trace with op times.
-    trace = benchmark_module("synthetic").timed_transformer_trace(1100)
+def test_a_compile_door_step_with_op_times_is_planned_validly() -> None:
+    # The whole pipeline (both proposals of the time objective, each placed, held and
+    # predicted) on a ~1k-op compile-door trace with op times. Issue 16's speed figure
+    # (~10k ops in under 5 s) is measured by `python benchmarks/planner.py
+    # --pipeline-only`, not asserted here: wall time on a loaded machine is no test.
+    trace = benchmark_module("synthetic").timed_transformer_trace(110)
     num_fw = backward_start(trace)
-    assert trace.num_ops >= 9_900 and 0 < num_fw < trace.num_ops
-    started = time.perf_counter()
+    assert trace.num_ops >= 990 and 0 < num_fw < trace.num_ops
     planned = plan_residency(trace, GreedyResidencyPlanner(), earliest_prefetch_op=num_fw,
                              release_waits_for_d2h=True, latest_release_op=num_fw - 1)
-    seconds = time.perf_counter() - started
     assert planned.check.ok and planned.check.bytes_d2h > 0
-    assert seconds <= 5.0, seconds

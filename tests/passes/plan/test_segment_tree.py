@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
 
 
@@ -60,9 +61,9 @@ def test_power_of_two_and_odd_sizes_cover_every_range() -> None:
 @pytest.mark.parametrize("lo, hi", [(2, 2), (3, 1), (-1, 2), (0, 6)])
 def test_empty_or_out_of_range_is_rejected_with_the_range(lo: int, hi: int) -> None:
     tree = RangeAddMaxTree([1, 2, 3, 4, 5])
-    with pytest.raises(IndexError, match=rf"\[{lo}, {hi}\)"):
+    with pytest.raises(ConfigurationError, match=rf"\[{lo}, {hi}\)"):
         tree.max(lo, hi)
-    with pytest.raises(IndexError, match="0 <= lo < hi"):
+    with pytest.raises(ConfigurationError, match="0 <= lo < hi"):
         tree.add(lo, hi, 1)
 
 
