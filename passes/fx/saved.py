@@ -182,6 +182,15 @@ def _storage_reason(
             f"{tuple(value.stride())}) does not cover the storage densely, so no single "
             "copy restores it byte for byte"
         )
+    if value.is_conj() or value.is_neg():
+        # An op's fresh output never carries a bit; a graph input may (a region handed
+        # b.conj() after a graph break). A copy resolves the bit into the values, and no
+        # view op of the reload restores the storage's own bytes.
+        return (
+            f"the base of its storage ({base.name}) is a "
+            f"{'conjugate' if value.is_conj() else 'negative'} view: a copy would resolve "
+            "the bit into its values, and no view of the reload restores the storage"
+        )
     return ""
 
 
