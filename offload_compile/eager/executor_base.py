@@ -118,7 +118,7 @@ class BaseExecutor:
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             if self.opaque_depth:
-                self.guard(func, flat_tensors(args, kwargs))
+                self.guard_region_op(func, flat_tensors(args, kwargs))
                 return func(*args, **kwargs)
             self.on_op_begin(func, args, kwargs)
             return self.on_op_end(func(*args, **kwargs))
@@ -131,6 +131,10 @@ class BaseExecutor:
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def guard_region_op(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        """An op inside an opaque region (not traced): only the residency guard."""
+        self.guard(func, tensors)
 
     def on_op_end(self, result: Any) -> Any:
         raise NotImplementedError

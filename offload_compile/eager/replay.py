@@ -124,7 +124,7 @@ class ReplayExecutor(BaseExecutor):
         """Let a warmup executor record the rest of the step (re-warm on mismatch)."""
         assert self.rewarm is not None and self._call is not None
         successor = self.rewarm()
-        successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+        successor.continue_from(self.plan, self.index, self.bound)
         successor.stats.demand_loads = self.stats.demand_loads
         self.successor = successor
         self.closed = True
@@ -293,7 +293,7 @@ class ReplayExecutor(BaseExecutor):
         self.closed = True
         if self.index != self._num_ops and self.rewarm is not None and not self.opaque_depth:
             successor = self.rewarm()  # the step ran fewer ops: re-plan what it did run
-            successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+            successor.continue_from(self.plan, self.index, self.bound)
             self.successor = successor
             return successor.finish()
         if self.index != self._num_ops:

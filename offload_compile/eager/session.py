@@ -31,6 +31,7 @@ the plan (trace, schedule, report, op callables).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from contextvars import Token
 from types import TracebackType
 from typing import Any
@@ -137,6 +138,13 @@ class OffloadSession:
     def report(self) -> ScheduleReport | None:
         """``check_schedule(trace, schedule)`` of the plan."""
         return None if self._plan is None else self._plan.report
+
+    @property
+    def pins(self) -> Mapping[int, tuple[int, ...]]:
+        """Op index -> the storages a ``Work``-returning op (``dist.send``, an
+        ``async_op`` collective, ...) touched there: they stay on the device, unmoved, to
+        the end of every step (their communication ends at a ``Work.wait()`` no op shows)."""
+        return {} if self._plan is None else self._plan.pins
 
     @property
     def op_guide(self) -> OpGuide | None:

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_map_only
 
 from hyper_offload.config import MIB
 from hyper_offload.passes.analysis.validator import ScheduleReport
-from hyper_offload.passes.fx.collectives import PendingCollectives, wait_accesses
+from hyper_offload.passes.fx.collectives import PendingCollectives, returns_work, wait_accesses
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import (
     AccessKind,
@@ -80,6 +80,7 @@ class WarmupResult:
         report: ScheduleReport,
         funcs: list[Any],
         comm_buffers: frozenset[StorageId] = frozenset(),
+        pins: Mapping[int, tuple[StorageId, ...]] | None = None,
     ) -> None:
         self.trace = trace
         self.schedule = schedule
@@ -87,6 +88,9 @@ class WarmupResult:
         self.funcs = funcs
         self.comm_buffers = comm_buffers
         """Storages a functional collective read or wrote (tensor parallel)."""
+        self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
+        """Op index -> the storages a ``Work``-returning op pinned there (from that op to
+        the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
 
 
 class WarmupExecutor(BaseExecutor):
@@ -109,29 +113,30 @@ class WarmupExecutor(BaseExecutor):
         self.ops: list[TraceOp] = []
         self.funcs: list[Any] = []
         self._resident_sids: dict[StorageId, None] = {}  # insertion-ordered set
-        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+        self._writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}  # None: a Work op
         self._current: (
             tuple[Any, str, dict[StorageId, AccessKind], tuple[StorageId, ...], Any, int] | None
         ) = None  # func, name, accesses, the storages its arguments read, keys, clock token
         self.clock = OpClock(device)  # op durations: wall clock on CPU, events on a GPU
         self._timed: dict[int, int] = {}  # op index -> clock token
         self.collectives = PendingCollectives()
+        self.pinned: dict[StorageId, None] = {}
+        """Storages a ``Work``-returning op touched (insertion-ordered set): read by
+        every later op, retained, so no eviction or plan moves or frees them."""
+        self.pins: dict[int, tuple[StorageId, ...]] = {}
+        self._region_work: set[int] = set()  # storage keys a Work op used in the open region
+        self._region_ops: dict[Any, bool] = {}  # op inside a region -> whether it returns a Work
 
     # ------------------------------------------------------------------ op hooks
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = func if isinstance(func, str) else str(func)
-        writes = self._writes.get(func)
-        if writes is None:  # the first call of this op in the step
+        if func in self._writes:
+            writes = self._writes[func]
+        else:  # the first call of this op in the step
             _refuse_invisible_communication(func, self.index)
-            writes = self._writes[func] = written_arguments(func)
-        written_pos = {p for p, _ in writes}
-        written_names = {n for _, n in writes}
-        tensors: list[tuple[torch.Tensor, bool]] = []
-        for position, value in enumerate(args):
-            tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
-        for key, value in kwargs.items():
-            tensors.extend((t, key in written_names) for t in tensor_leaves(value))
+            writes = self._writes[func] = None if returns_work(func) else written_arguments(func)
+        tensors = _argument_tensors(args, kwargs, writes)
         keys: Any = self.guard(name, (t for t, _ in tensors))
         if isinstance(func, str):
             keys = self.live_inputs((t for t, _ in tensors), self.device)
@@ -143,7 +148,11 @@ class WarmupExecutor(BaseExecutor):
             if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
         reads = tuple(sid for sid, kind in accesses.items() if kind is AccessKind.READ)
+        if writes is None and accesses:
+            self._pin(tuple(accesses))
         for sid in self.collectives.in_flight:  # read by the communication meanwhile
+            accesses.setdefault(sid, AccessKind.READ)
+        for sid in self.pinned:  # a Work-returning op may still use it
             accesses.setdefault(sid, AccessKind.READ)
         incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
         self._evict(set(accesses), incoming)
@@ -173,6 +182,8 @@ class WarmupExecutor(BaseExecutor):
                 accesses.setdefault(sid, AccessKind.READ)
             outputs.append(sid)
         self._note_collective(func, accesses, reads, outputs)
+        if self._region_work:  # a virtual op whose body ran Work-returning ops
+            self._pin_region_work(accesses)
         self.ops.append(
             TraceOp(
                 name=name,
@@ -195,6 +206,33 @@ class WarmupExecutor(BaseExecutor):
         (:mod:`hyper_offload.passes.fx.collectives`)."""
         self.collectives.issued(func, reads, outputs)
         wait_accesses(self.collectives, func, reads, accesses, AccessKind.READ, AccessKind.WRITE)
+
+    def _pin(self, sids: tuple[StorageId, ...]) -> None:
+        """A ``Work``-returning op at this index touches ``sids``: their communication
+        ends at a ``Work.wait()`` no op shows, so they stay put to the end of the step."""
+        self.pins[self.index] = sids
+        self.pinned.update(dict.fromkeys(sids))
+
+    def guard_region_op(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        """An op inside an opaque region: guarded, not traced; a ``Work``-returning one
+        pins the region's tracked storages it touched when the region's op ends."""
+        keys = self.guard(func, tensors)
+        work = self._region_ops.get(func)
+        if work is None:
+            work = self._region_ops[func] = returns_work(func)
+        if work:
+            self._region_work.update(keys)
+
+    def _pin_region_work(self, accesses: dict[StorageId, AccessKind]) -> None:
+        touched, self._region_work = self._region_work, set()
+        sids = []
+        for sid in accesses:
+            storage = self.tracker.storage(sid)
+            if storage is not None and storage._cdata in touched:
+                sids.append(sid)
+                accesses[sid] = AccessKind.WRITE  # the communication may fill it
+        if sids:
+            self._pin(tuple(sids))
 
     def storage_ids(self, tensors: Any) -> tuple[StorageId, ...]:
         sids: dict[StorageId, None] = {}
@@ -264,18 +302,23 @@ class WarmupExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ re-warm
 
-    def continue_from(self, trace: ActivationTrace, funcs: list[Any], num_ops: int, bound: dict[int, StorageId]) -> None:
+    def continue_from(self, plan: WarmupResult, num_ops: int, bound: dict[int, StorageId]) -> None:
         """Take over a replayed step after its first ``num_ops`` ops (which matched
-        ``trace``): keep those ops, and adopt every storage the replay bound, in the
-        state the schedule left it (``bound``: the replay's ``_cdata`` -> id map).
+        ``plan.trace``): keep those ops and their pins, and adopt every storage the replay
+        bound, in the state the schedule left it (``bound``: the replay's ``_cdata`` ->
+        id map).
 
         Resident storages become tracked activations; offloaded ones stay bound (an op
         that needs one pages it back); storages the schedule released for good stay
         bound too, so that a read of one raises instead of touching 0 bytes."""
-        manager = self.manager
+        manager, trace = self.manager, plan.trace
         self.ops = list(trace.ops[:num_ops])
-        self.funcs = list(funcs[:num_ops])
+        self.funcs = list(plan.funcs[:num_ops])
         self.index = num_ops
+        for index, sids in plan.pins.items():
+            if index < num_ops:
+                self.pins[index] = sids
+                self.pinned.update(dict.fromkeys(sids))
         bound_sids = {sid: key for key, sid in bound.items()}
         seen = sorted({a.storage for op in self.ops for a in op.accesses})
         for sid in seen:
@@ -343,7 +386,10 @@ class WarmupExecutor(BaseExecutor):
                 "referenced after the step, but the previous plan released their bytes; do "
                 "not read those tensors, and call session.reset() before the next step"
             )
-        retained = frozenset(e.sid for e in self.tracker if e.alive)
+        # Pinned storages are retained too: never released by the plan (their
+        # communication may still use them); the library frees them through its own
+        # reference once done.
+        retained = frozenset(e.sid for e in self.tracker if e.alive).union(self.pinned)
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
         trace = ActivationTrace(
             ops=self._timed_ops(),
@@ -373,7 +419,8 @@ class WarmupExecutor(BaseExecutor):
             )
         self.tracker.clear()
         return WarmupResult(
-            trace, planned.schedule, planned.check, self.funcs, frozenset(self.collectives.buffers)
+            trace, planned.schedule, planned.check, self.funcs,
+            frozenset(self.collectives.buffers), dict(self.pins),
         )
 
 
@@ -388,7 +435,8 @@ def replan(
         planned = plan_residency(trace, planner, earliest_prefetch_op=0, where="eager re-plan")
     except PlanningError as error:
         raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
-    return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers)
+    return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
+                        plan.pins)
 
 
 def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:
@@ -438,6 +486,24 @@ def _refuse_invisible_communication(func: Any, index: int) -> None:
             "parallel are supported there), or use the session without fully_shard "
             "(tensor parallel alone is supported)"
         )
+
+
+def _argument_tensors(
+    args: tuple[Any, ...], kwargs: dict[str, Any], writes: tuple[tuple[int, str], ...] | None
+) -> list[tuple[torch.Tensor, bool]]:
+    """An op's tensor arguments, each with whether the op writes it: the arguments its
+    schema marks written (``writes``), or every one for a ``Work``-returning op
+    (``writes is None``: ``recv_`` fills tensors its schema does not mark)."""
+    if writes is None:
+        return [(t, True) for t in tensor_leaves((args, kwargs))]
+    written_pos = {p for p, _ in writes}
+    written_names = {n for _, n in writes}
+    tensors: list[tuple[torch.Tensor, bool]] = []
+    for position, value in enumerate(args):
+        tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
+    for key, value in kwargs.items():
+        tensors.extend((t, key in written_names) for t in tensor_leaves(value))
+    return tensors
 
 
 def _estimate_new_bytes(

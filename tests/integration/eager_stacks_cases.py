@@ -1,0 +1,145 @@
+"""Rank-side cases of ``test_eager_stacks.py``: the eager door inside real training stacks.
+
+Each case runs the same stack twice on every rank, from the same seed and batch: plain
+(the reference), then with every step inside one ``OffloadSession`` at ``FRACTION`` of the
+reference's most saved device bytes on this rank. Per step it returns the loss, every
+gradient (shard), the saved device bytes the step reached (autograd's saved tensors,
+measured with :func:`~hyper_offload.compiler.autograd_saved_device_bytes`), and the
+session's figures (phase, bytes moved, warmups). The test compares them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_offload import OffloadConfig, OffloadSession
+from hyper_offload.compiler import autograd_saved_device_bytes
+
+FRACTION = 0.5
+STEPS = 3
+MIB = float(1 << 20)
+HIDDEN, ROWS_PER_MICRO, MICRO = 32, 128, 4
+
+
+class Block(nn.Module):
+    """``h -> 4h -> GELU -> h``: few parameters, many activation bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(rows, HIDDEN, generator=gen), torch.randn(rows, HIDDEN, generator=gen)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().clone()
+            for p in model.parameters()]
+
+
+class SavedPeak:
+    """The most device bytes autograd holds for the backward, read at each ``sample``:
+    the graphs of every root still registered (``roots``) minus ``exclude``."""
+
+    def __init__(self, exclude: list[torch.Tensor]) -> None:
+        self.exclude = exclude
+        self.peak = 0
+
+    def sample(self, roots: list[torch.Tensor], exclude: list[torch.Tensor]) -> None:
+        saved = autograd_saved_device_bytes(*roots, exclude=[*self.exclude, *exclude])
+        self.peak = max(self.peak, saved)
+
+
+def session_steps(
+    step: Callable[[SavedPeak], dict[str, Any]], session: OffloadSession | None,
+    exclude: list[torch.Tensor], after_step: Callable[[], None], steps: int = STEPS,
+) -> list[dict[str, Any]]:
+    """``steps`` steps of ``step`` (inside ``session`` when given): per step its own
+    figures plus the saved peak and the session's."""
+    out = []
+    for _ in range(steps):
+        saved = SavedPeak(exclude)
+        with session if session is not None else contextlib.nullcontext():
+            figures = step(saved)
+        figures["saved"] = saved.peak
+        if session is not None:
+            stats = session.last_stats
+            figures.update(phase=stats.phase, moved=stats.bytes_d2h,
+                           peak=stats.peak_resident_bytes, rewarms=session.rewarms)
+        after_step()
+        out.append(figures)
+    return out
+
+
+def run_stack(build: Callable[[OffloadSession | None], list[dict[str, Any]]],
+              fraction: float = FRACTION) -> dict[str, Any]:
+    """The plain run, then the session's at ``fraction`` of its most saved bytes."""
+    plain = build(None)
+    budget = int(fraction * max(step["saved"] for step in plain))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB,
+                                           rewarm_on_mismatch=True))
+    return {"plain": plain, "budget": budget, "steps": build(session)}
+
+
+# ---------------------------------------------------------------------------- pipelining
+
+
+def _stage_outputs(stage: Any) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    for outputs, inputs in stage.fwd_cache.values():
+        yield from ((t, inputs) for t in outputs if isinstance(t, torch.Tensor))
+
+
+def pipeline(ctx: Any, arg: tuple[str, int]) -> dict[str, Any]:
+    """``torch.distributed.pipelining``: one ``PipelineStage`` of 2 blocks per rank,
+    ``arg = (schedule, steps)`` (``"gpipe"`` or ``"1f1b"``) over ``MICRO``
+    micro-batches, SGD between steps. The saved bytes are sampled after each
+    micro-batch's forward over every micro-batch still waiting for its backward."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    schedule_name, steps = arg
+    schedule_type = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
+    x, y = _batch(MICRO * ROWS_PER_MICRO)
+
+    def build(session: OffloadSession | None) -> list[dict[str, Any]]:
+        torch.manual_seed(ctx.rank)
+        model = nn.Sequential(Block(), Block())
+        stage = PipelineStage(model, ctx.rank, ctx.world_size, torch.device("cpu"))
+        schedule = schedule_type(stage, MICRO, loss_fn=nn.functional.mse_loss)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        current: list[SavedPeak] = []
+
+        def sample(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            cached = list(_stage_outputs(stage))
+            roots = [output, *(t for t, _ in cached)]
+            current[0].sample(roots, [*args, *(i for _, ins in cached for i in ins)])
+
+        model.register_forward_hook(sample)
+
+        def step(saved: SavedPeak) -> dict[str, Any]:
+            current[:] = [saved]
+            losses: list[torch.Tensor] = []
+            if ctx.rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=losses)
+            return {"loss": torch.stack(losses).detach().clone() if losses else None,
+                    "grads": _grads(model)}
+
+        def after_step() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return session_steps(step, session, list(model.parameters()), after_step, steps)
+
+    return run_stack(build)
