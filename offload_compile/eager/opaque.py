@@ -76,8 +76,10 @@ class _Region:
 
     def backward_begin(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         executor = self.executor
-        if executor.closed or executor.opaque_depth:
-            return  # backward outside the step (or nested): nothing to record
+        if executor.closed or executor.opaque_depth or executor.failed:
+            return  # backward outside the step (or nested, or unwinding): nothing to record
+        if executor.grad_node is not None:
+            executor.end_accumulation()
         reads = [g for g in grad_outputs if g is not None]
         with _disable_current_modes():
             for sid in self.input_sids:
@@ -159,11 +161,13 @@ def begin_region(
     """Start virtual op ``name`` over ``inputs``; returns the open region and the input
     aliases the region's body must use. Nested inside another region, nothing is
     recorded (only a compiled body still gets the dispatch modes switched off)."""
-    if executor.opaque_depth:
+    if executor.opaque_depth or executor.failed:
         modes_off = _disable_current_modes() if compiled else None
         if modes_off is not None:
             modes_off.__enter__()
         return OpenRegion(None, None, modes_off), tuple(inputs)
+    if executor.grad_node is not None:
+        executor.end_accumulation()
     executor.on_op_begin(name, tuple(inputs), {})
     region = _Region(executor, name, executor.storage_ids(inputs))
     executor.opaque_depth += 1

@@ -63,11 +63,12 @@ class ReplayExecutor(BaseExecutor):
         device: torch.device,
         plan: WarmupResult,
         *,
-        rewarm: Callable[[], WarmupExecutor] | None = None,
+        rewarm: Callable[[str], WarmupExecutor] | None = None,
         planner: ResidencyPlanner | None = None,
     ) -> None:
-        """``rewarm``: on a structural mismatch, build a warmup executor that takes the
-        step over (``OffloadConfig.rewarm_on_mismatch``); ``None`` raises instead.
+        """``rewarm(reason)``: on a structural mismatch, build a warmup executor that takes
+        the step over (the session settling, or ``OffloadConfig.rewarm_on_mismatch``);
+        ``None`` raises instead.
         ``planner``: remakes the plan after a step with larger sizes (:mod:`.size_drift`)."""
         super().__init__(manager, device)
         self.plan = plan
@@ -82,6 +83,7 @@ class ReplayExecutor(BaseExecutor):
         self._post = plan.schedule.post
         self._num_ops = len(self._funcs)
         self._sizes = plan.trace.storage_sizes
+        self._hand_back = plan.hand_back
         self.drift = SizeDrift(plan.trace)
         """Sizes that differ from the plan's this step, and the online eviction's doing."""
         self.planner = planner
@@ -96,6 +98,13 @@ class ReplayExecutor(BaseExecutor):
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         i = self.index
         if i >= self._num_ops or (func is not self._funcs[i] and func != self._funcs[i]):
+            if self.op_error is not None:
+                # An op raised and its error is propagating (or was caught): ops of the
+                # unwinding (a profiler's record_function exit) are no mismatch of the
+                # step. Stop replaying; the error in flight stays the one raised.
+                self.failed = True
+                self.guard(func, flat_tensors(args, kwargs))
+                return
             self._mismatched = func  # run it (guarded), then report its leaf count too
         else:
             pre = self._pre[i]
@@ -114,16 +123,18 @@ class ReplayExecutor(BaseExecutor):
         if self.rewarm is None:
             return self._end_op(result)
         try:
-            return self._end_op(result)
-        except ReplayMismatchError:
+            result = self._end_op(result)
+        except ReplayMismatchError as error:
             if self.opaque_depth or self.backward_regions or self._call is None:
                 raise  # inside an opaque region: no safe point to hand the step over
-            return self._hand_over(result)
+            return self._hand_over(result, str(error))
+        self._call = None  # holds the op's arguments: never past the op
+        return result
 
-    def _hand_over(self, result: Any) -> Any:
+    def _hand_over(self, result: Any, reason: str) -> Any:
         """Let a warmup executor record the rest of the step (re-warm on mismatch)."""
         assert self.rewarm is not None and self._call is not None
-        successor = self.rewarm()
+        successor = self.rewarm(reason)
         successor.continue_from(self.plan, self.index, self.bound)
         successor.stats.demand_loads = self.stats.demand_loads
         self.successor = successor
@@ -169,8 +180,22 @@ class ReplayExecutor(BaseExecutor):
         post = self._post[i]
         if post:
             self.apply_actions(post)
+        if i in self._hand_back:
+            self._return_gradients(self._hand_back[i])
         self.index = i + 1
         return result
+
+    def _return_gradients(self, sids: tuple[StorageId, ...]) -> None:
+        """After an ``AccumulateGrad`` op: the incoming gradients it read last are
+        autograd's again (``.grad`` keeps one, or it dies at once: not held to the step's
+        end by the manager; the plan counts it to the end, retained)."""
+        manager = self.manager
+        with _disable_current_modes():
+            for sid in sids:
+                if sid in manager and manager.is_resident(sid):
+                    key = manager.buffer(sid).storage._cdata
+                    manager.unbind(sid)
+                    self.bound.pop(key, None)
 
     # ------------------------------------------------------------------ early reloads
 
@@ -290,9 +315,12 @@ class ReplayExecutor(BaseExecutor):
         ]
 
     def finish(self) -> Any:
+        self.begin_finish("replayed")
         self.closed = True
         if self.index != self._num_ops and self.rewarm is not None and not self.opaque_depth:
-            successor = self.rewarm()  # the step ran fewer ops: re-plan what it did run
+            successor = self.rewarm(  # the step ran fewer ops: re-plan what it did run
+                f"replay: the step ended after {self.index} ops, the warmup recorded "
+                f"{self._num_ops}")
             successor.continue_from(self.plan, self.index, self.bound)
             self.successor = successor
             return successor.finish()

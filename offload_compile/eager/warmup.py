@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 
 from .dispatch_mode import owns_storage, tensor_leaves, written_arguments
 from .executor_base import (
+    ACCUMULATE_GRAD,
     BaseExecutor,
     OffloadBudgetWarning,
     OffloadSessionError,
@@ -91,6 +92,10 @@ class WarmupResult:
         self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
         """Op index -> the storages a ``Work``-returning op pinned there (from that op to
         the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
+        self.hand_back = hand_back(trace.ops, set().union(*pins.values()) if pins else set())
+        """``ACCUMULATE_GRAD`` op index -> the incoming gradients it read for the last
+        time (retained: never released by the plan): the replay hands them back to
+        autograd there (unbinds them: ``.grad`` keeps one, or it dies)."""
 
 
 class WarmupExecutor(BaseExecutor):
@@ -222,6 +227,18 @@ class WarmupExecutor(BaseExecutor):
             work = self._region_ops[func] = returns_work(func)
         if work:
             self._region_work.update(keys)
+
+    def accumulation_inputs(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        """An op of the open ``AccumulateGrad`` virtual op: its tracked arguments are the
+        virtual op's READs (the incoming gradient); what it creates is not tracked."""
+        self.guard_region_op(func, tensors)
+        assert self._current is not None
+        accesses = self._current[2]
+        for tensor in tensors:
+            if tensor.device == self.device and owns_storage(tensor):
+                sid = self.tracker.sid_of(tensor.untyped_storage())
+                if sid is not None:
+                    accesses.setdefault(sid, AccessKind.READ)
 
     def _pin_region_work(self, accesses: dict[StorageId, AccessKind]) -> None:
         touched, self._region_work = self._region_work, set()
@@ -363,6 +380,7 @@ class WarmupExecutor(BaseExecutor):
 
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
+        self.begin_finish("traced")
         self.closed = True
         manager = self.manager
         stranded = []
@@ -388,8 +406,12 @@ class WarmupExecutor(BaseExecutor):
             )
         # Pinned storages are retained too: never released by the plan (their
         # communication may still use them); the library frees them through its own
-        # reference once done.
-        retained = frozenset(e.sid for e in self.tracker if e.alive).union(self.pinned)
+        # reference once done. So is an incoming gradient last read by its
+        # accumulation, whether this step created the .grad (which keeps it) or
+        # accumulated into one (it dies): the same trace either way; the replay hands
+        # it back to autograd there, so an accumulating step frees it at once.
+        handed = (s for sids in hand_back(self.ops, self.pinned).values() for s in sids)
+        retained = frozenset(e.sid for e in self.tracker if e.alive).union(self.pinned, handed)
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
         trace = ActivationTrace(
             ops=self._timed_ops(),
@@ -437,6 +459,26 @@ def replan(
         raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
     return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
                         plan.pins)
+
+
+def hand_back(
+    ops: Sequence[TraceOp], pinned: Collection[StorageId]
+) -> dict[int, tuple[StorageId, ...]]:
+    """``ACCUMULATE_GRAD`` op index -> the storages it reads for the last time (the
+    incoming gradients; pinned ones stay the communication's). Creating a ``.grad``
+    keeps such a storage, accumulating into one frees it: the trace retains it either
+    way (counted to the end of the step, never released by the plan)."""
+    last: dict[StorageId, int] = {}
+    for index, op in enumerate(ops):
+        for access in op.accesses:
+            last[access.storage] = index
+    handed: dict[int, tuple[StorageId, ...]] = {}
+    for index, op in enumerate(ops):
+        if op.name == ACCUMULATE_GRAD:
+            sids = tuple(s for s in op.storages if last[s] == index and s not in pinned)
+            if sids:
+                handed[index] = sids
+    return handed
 
 
 def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:
