@@ -8,6 +8,7 @@ to the plain run's at every step on every rank. One JSON line per run and schedu
 a summary line::
 
     .venv/bin/python benchmarks/eager_pipelining_repeat.py              # 10 runs
+    .venv/bin/python benchmarks/eager_pipelining_repeat.py --rewarm-on-mismatch
     .venv/bin/python benchmarks/eager_pipelining_repeat.py --runs 3 --steps 5
 """
 
@@ -45,19 +46,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=cases.STEPS)
+    parser.add_argument("--rewarm-on-mismatch", action="store_true",
+                        help="OffloadConfig(rewarm_on_mismatch=True) (default: settle by itself)")
     args = parser.parse_args(argv)
+    config = {"rewarm_on_mismatch": True} if args.rewarm_on_mismatch else {}
     exact = 0
     for run in range(args.runs):
         cluster = Cluster(2)
         try:
             for schedule in SCHEDULES:
                 started = time.perf_counter()
-                results = cluster.run(cases.pipeline, (schedule, args.steps))
+                results = cluster.run(cases.pipeline, (schedule, args.steps, config))
                 bad = mismatches(results)
                 exact += not bad
                 print(json.dumps({
                     "bench": "eager_pipelining_repeat", "run": run, "schedule": schedule,
-                    "steps": args.steps, "exact": not bad, "mismatches": bad,
+                    "steps": args.steps, "config": config, "exact": not bad, "mismatches": bad,
+                    "warmups": [case["steps"][-1]["warmups"] for case in results],
                     "budget": [case["budget"] for case in results],
                     "saved": [[s["saved"] for s in case["steps"]] for case in results],
                     "plain_saved": [case["plain"][-1]["saved"] for case in results],

@@ -189,13 +189,13 @@ class BaseExecutor:
                 self.end_accumulation()
             self.grad_node = node
             self.on_op_begin(ACCUMULATE_GRAD, (), {})
-        self.accumulation_inputs(func, flat_tensors(args, kwargs))
+        self.accumulation_inputs(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def accumulation_inputs(self, func: Any, tensors: list[torch.Tensor]) -> None:
+    def accumulation_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An op inside the open :data:`ACCUMULATE_GRAD` virtual op: guarded; what it
         creates is gradient memory, never tracked."""
-        self.guard_region_op(func, tensors)
+        self.guard_region_op(func, flat_tensors(args, kwargs))
 
     def end_accumulation(self) -> None:
         """Close the open :data:`ACCUMULATE_GRAD` virtual op (the next op of another

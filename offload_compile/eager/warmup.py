@@ -228,17 +228,21 @@ class WarmupExecutor(BaseExecutor):
         if work:
             self._region_work.update(keys)
 
-    def accumulation_inputs(self, func: Any, tensors: list[torch.Tensor]) -> None:
+    def accumulation_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An op of the open ``AccumulateGrad`` virtual op: its tracked arguments are the
-        virtual op's READs (the incoming gradient); what it creates is not tracked."""
-        self.guard_region_op(func, tensors)
+        virtual op's accesses (the incoming gradient READ; a ``.grad`` created earlier in
+        the step WRITTEN by ``add_``); what it creates is not tracked."""
+        if func not in self._writes:
+            self._writes[func] = None if returns_work(func) else written_arguments(func)
+        tensors = _argument_tensors(args, kwargs, self._writes[func])
+        self.guard_region_op(func, [t for t, _ in tensors])
         assert self._current is not None
         accesses = self._current[2]
-        for tensor in tensors:
+        for tensor, written in tensors:
             if tensor.device == self.device and owns_storage(tensor):
                 sid = self.tracker.sid_of(tensor.untyped_storage())
-                if sid is not None:
-                    accesses.setdefault(sid, AccessKind.READ)
+                if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
+                    accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
 
     def _pin_region_work(self, accesses: dict[StorageId, AccessKind]) -> None:
         touched, self._region_work = self._region_work, set()

@@ -220,3 +220,32 @@ def test_gradient_accumulation_per_micro_step_replays_exactly_within_the_budget(
     names = [op.name for op in session.trace.ops]
     params = len(list(model.parameters()))
     assert names.count(ACCUMULATE_GRAD) == params
+
+
+def test_accumulating_into_a_grad_created_in_the_same_step_is_a_write() -> None:
+    """Two backward passes in one step (pipelining's micro-batches): the second ``add_``s
+    into the ``.grad`` the first created in the step. A READ there would let the plan
+    reload a stale host copy of it (measured: wrong gradients under 1F1B)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    xs = [torch.randn(32, 64) for _ in range(2)]
+
+    def step() -> torch.Tensor:
+        for x in xs:
+            h = torch.tanh(x @ w)
+            (h * h).sum().backward()
+            for _ in range(6):  # a gap between the two accumulations
+                x = torch.sin(x) * 2
+        return w.grad.clone()
+
+    plain = step()
+    w.grad = None
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    for _ in range(3):
+        with session:
+            got = step()
+        assert torch.equal(got, plain)
+        w.grad = None
+    created, accumulated = [op for op in session.trace.ops if op.name == ACCUMULATE_GRAD]
+    (grad,) = created.storages
+    assert dict(accumulated.accesses)[grad].value == "W"

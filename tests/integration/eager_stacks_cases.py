@@ -76,19 +76,20 @@ def session_steps(
         if session is not None:
             stats = session.last_stats
             figures.update(phase=stats.phase, moved=stats.bytes_d2h,
-                           peak=stats.peak_resident_bytes, rewarms=session.rewarms)
+                           peak=stats.peak_resident_bytes, warmups=stats.warmups,
+                           settled=stats.settled)
         after_step()
         out.append(figures)
     return out
 
 
 def run_stack(build: Callable[[OffloadSession | None], list[dict[str, Any]]],
-              fraction: float = FRACTION) -> dict[str, Any]:
-    """The plain run, then the session's at ``fraction`` of its most saved bytes."""
+              fraction: float = FRACTION, **config: Any) -> dict[str, Any]:
+    """The plain run, then the session's at ``fraction`` of its most saved bytes (more
+    ``OffloadConfig`` fields in ``config``)."""
     plain = build(None)
     budget = int(fraction * max(step["saved"] for step in plain))
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB,
-                                           rewarm_on_mismatch=True))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, **config))
     return {"plain": plain, "budget": budget, "steps": build(session)}
 
 
@@ -100,14 +101,15 @@ def _stage_outputs(stage: Any) -> Iterator[tuple[torch.Tensor, list[torch.Tensor
         yield from ((t, inputs) for t in outputs if isinstance(t, torch.Tensor))
 
 
-def pipeline(ctx: Any, arg: tuple[str, int]) -> dict[str, Any]:
+def pipeline(ctx: Any, arg: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
     """``torch.distributed.pipelining``: one ``PipelineStage`` of 2 blocks per rank,
-    ``arg = (schedule, steps)`` (``"gpipe"`` or ``"1f1b"``) over ``MICRO``
-    micro-batches, SGD between steps. The saved bytes are sampled after each
-    micro-batch's forward over every micro-batch still waiting for its backward."""
+    ``arg = (schedule, steps, config)`` (``"gpipe"`` or ``"1f1b"``, more
+    ``OffloadConfig`` fields) over ``MICRO`` micro-batches, SGD between steps. The saved
+    bytes are sampled after each micro-batch's forward over every micro-batch still
+    waiting for its backward."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    schedule_name, steps = arg
+    schedule_name, steps, config = arg
     schedule_type = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
     x, y = _batch(MICRO * ROWS_PER_MICRO)
 
@@ -142,4 +144,4 @@ def pipeline(ctx: Any, arg: tuple[str, int]) -> dict[str, Any]:
 
         return session_steps(step, session, list(model.parameters()), after_step, steps)
 
-    return run_stack(build)
+    return run_stack(build, **config)
