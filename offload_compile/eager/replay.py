@@ -32,6 +32,7 @@ so that its leaf count can be reported; no schedule action runs for it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -84,6 +85,10 @@ class ReplayExecutor(BaseExecutor):
         self._num_ops = len(self._funcs)
         self._sizes = plan.trace.storage_sizes
         self._hand_back = plan.hand_back
+        self._foreign = plan.foreign
+        self._foreign_refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        """``_cdata`` -> FSDP's buffers this step created (weakly: an address may be
+        reused once one dies)."""
         self.drift = SizeDrift(plan.trace)
         """Sizes that differ from the plan's this step, and the online eviction's doing."""
         self.planner = planner
@@ -161,11 +166,15 @@ class ReplayExecutor(BaseExecutor):
             key = storage._cdata
             sid = bound.get(key)
             if sid is None:
-                if self.is_input_alias(storage, keys):
-                    continue  # alias of a storage that existed before the step
+                if self.is_input_alias(storage, keys) or self._is_foreign(storage):
+                    continue  # alias of a storage that existed before the step, or FSDP's
                 if found >= len(expected) or expected[found] in self.manager:
                     self._raise_mismatch(self._funcs[i], self._count_leaves(result))
                 sid = expected[found]
+                if sid in self._foreign:  # FSDP's buffer: left in place, never bound
+                    self._foreign_refs[key] = weakref.ref(storage)
+                    found += 1
+                    continue
                 if storage.nbytes() != self._sizes[sid]:  # same op, other sizes
                     self.drift.note(sid, storage.nbytes())
                 self.manager.bind(sid, tensor)
@@ -196,6 +205,12 @@ class ReplayExecutor(BaseExecutor):
                     key = manager.buffer(sid).storage._cdata
                     manager.unbind(sid)
                     self.bound.pop(key, None)
+
+    def _is_foreign(self, storage: torch.UntypedStorage) -> bool:
+        if not self._foreign_refs:
+            return False
+        ref = self._foreign_refs.get(storage._cdata)
+        return ref is not None and ref() is storage
 
     # ------------------------------------------------------------------ early reloads
 

@@ -158,6 +158,12 @@ class OffloadSession:
         return {} if self._plan is None else self._plan.pins
 
     @property
+    def foreign(self) -> frozenset[int]:
+        """Storages ``fsdp::`` ops made or filled (FSDP's all-gather and reduce-scatter
+        buffers): parameters' memory, 0 bytes in the trace, never moved or bound."""
+        return frozenset() if self._plan is None else self._plan.foreign
+
+    @property
     def op_guide(self) -> OpGuide | None:
         return None if self._plan is None else OpGuide.from_trace(self._plan.trace)
 

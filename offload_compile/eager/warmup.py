@@ -82,6 +82,7 @@ class WarmupResult:
         funcs: list[Any],
         comm_buffers: frozenset[StorageId] = frozenset(),
         pins: Mapping[int, tuple[StorageId, ...]] | None = None,
+        foreign: frozenset[StorageId] = frozenset(),
     ) -> None:
         self.trace = trace
         self.schedule = schedule
@@ -92,6 +93,8 @@ class WarmupResult:
         self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
         """Op index -> the storages a ``Work``-returning op pinned there (from that op to
         the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
+        self.foreign = foreign
+        """FSDP's buffers (``fsdp::`` ops): 0 bytes in the trace, never bound."""
         self.hand_back = hand_back(trace.ops, set().union(*pins.values()) if pins else set())
         """``ACCUMULATE_GRAD`` op index -> the incoming gradients it read for the last
         time (retained: never released by the plan): the replay hands them back to
@@ -129,8 +132,13 @@ class WarmupExecutor(BaseExecutor):
         """Storages a ``Work``-returning op touched (insertion-ordered set): read by
         every later op, retained, so no eviction or plan moves or frees them."""
         self.pins: dict[int, tuple[StorageId, ...]] = {}
+        self._parameter_op = False  # whether the op in progress is an fsdp:: op
         self._region_work: set[int] = set()  # storage keys a Work op used in the open region
         self._region_ops: dict[Any, bool] = {}  # op inside a region -> whether it returns a Work
+        self.foreign: dict[StorageId, None] = {}
+        """Storages an ``fsdp::`` op created or touched: FSDP's all-gather and
+        reduce-scatter buffers, parameters' memory (:data:`PARAMETER_MEMORY`). Recorded at
+        0 bytes and retained, never counted, evicted or bound: left in place."""
 
     # ------------------------------------------------------------------ op hooks
 
@@ -139,7 +147,6 @@ class WarmupExecutor(BaseExecutor):
         if func in self._writes:
             writes = self._writes[func]
         else:  # the first call of this op in the step
-            _refuse_invisible_communication(func, self.index)
             writes = self._writes[func] = None if returns_work(func) else written_arguments(func)
         tensors = _argument_tensors(args, kwargs, writes)
         keys: Any = self.guard(name, (t for t, _ in tensors))
@@ -153,14 +160,18 @@ class WarmupExecutor(BaseExecutor):
             if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
         reads = tuple(sid for sid, kind in accesses.items() if kind is AccessKind.READ)
+        parameter_op = getattr(func, "namespace", None) in PARAMETER_MEMORY
+        if parameter_op:
+            self._make_foreign(tuple(accesses))
         if writes is None and accesses:
-            self._pin(tuple(accesses))
+            self._pin(tuple(s for s in accesses if s not in self.foreign))
         for sid in self.collectives.in_flight:  # read by the communication meanwhile
             accesses.setdefault(sid, AccessKind.READ)
         for sid in self.pinned:  # a Work-returning op may still use it
             accesses.setdefault(sid, AccessKind.READ)
         incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
         self._evict(set(accesses), incoming)
+        self._parameter_op = parameter_op
         self._current = (func, name, accesses, reads, keys, self.clock.start())
 
     def on_op_end(self, result: Any) -> Any:
@@ -179,9 +190,15 @@ class WarmupExecutor(BaseExecutor):
                 if self.is_input_alias(storage, keys):
                     continue  # a view of (or in-place result on) a pre-existing storage
                 sid = self.tracker.adopt(storage, self.index)
-                self._resident += storage.nbytes()
-                self._resident_sids[sid] = None
+                if self._parameter_op:
+                    self.foreign[sid] = None  # FSDP's buffer: recorded, never counted
+                else:
+                    self._resident += storage.nbytes()
+                    self._resident_sids[sid] = None
                 accesses[sid] = AccessKind.WRITE
+            elif sid in self.foreign:  # a view of FSDP's memory: no output of the step
+                accesses.setdefault(sid, AccessKind.READ)
+                continue
             else:
                 self._note_growth(sid, storage.nbytes())
                 accesses.setdefault(sid, AccessKind.READ)
@@ -211,6 +228,18 @@ class WarmupExecutor(BaseExecutor):
         (:mod:`hyper_offload.passes.fx.collectives`)."""
         self.collectives.issued(func, reads, outputs)
         wait_accesses(self.collectives, func, reads, accesses, AccessKind.READ, AccessKind.WRITE)
+
+    def _make_foreign(self, sids: tuple[StorageId, ...]) -> None:
+        """An ``fsdp::`` op touches ``sids``: FSDP's buffers from now on (their
+        communication and their life are FSDP's), no longer counted or evictable."""
+        for sid in sids:
+            if sid in self.foreign:
+                continue
+            self.foreign[sid] = None
+            self.pinned.pop(sid, None)
+            if sid in self._resident_sids:
+                del self._resident_sids[sid]
+                self._resident -= self.tracker.entry(sid).nbytes
 
     def _pin(self, sids: tuple[StorageId, ...]) -> None:
         """A ``Work``-returning op at this index touches ``sids``: their communication
@@ -336,6 +365,8 @@ class WarmupExecutor(BaseExecutor):
         self.ops = list(trace.ops[:num_ops])
         self.funcs = list(plan.funcs[:num_ops])
         self.index = num_ops
+        self.foreign.update(dict.fromkeys(
+            s for op in self.ops for s in op.storages if s in plan.foreign))
         for index, sids in plan.pins.items():
             if index < num_ops:
                 self.pins[index] = sids
@@ -382,6 +413,35 @@ class WarmupExecutor(BaseExecutor):
             for index, op in enumerate(self.ops)
         )
 
+    def _build_trace(self) -> ActivationTrace:
+        """The step's trace. ``retained``: what is alive now, and what the plan must never
+        release: pinned storages (their communication may still use them; the library
+        frees them through its own reference once done), incoming gradients last read
+        by their accumulation (whether this step created the ``.grad``, which keeps one,
+        or accumulated into one, where it dies: the same trace either way; the replay
+        hands them back to autograd there) and FSDP's buffers (at 0 bytes: parameters'
+        memory, never bound by the replay); those are outputs of their creating op only."""
+        handed = (s for sids in hand_back(self.ops, self.pinned).values() for s in sids)
+        retained = frozenset(e.sid for e in self.tracker if e.alive).union(
+            self.pinned, handed, self.foreign)
+        sizes = self.tracker.sizes()
+        ops = self._timed_ops()
+        if self.foreign:
+            sizes.update(dict.fromkeys(self.foreign, 0))
+            ops = _first_outputs_only(ops, self.foreign)
+        bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
+        return ActivationTrace(
+            ops=ops,
+            storage_sizes=sizes,
+            budget_bytes=self.budget_bytes,
+            retained=retained,
+            **(
+                {}
+                if bandwidth is None
+                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps, "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
+            ),
+        )
+
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
         self.begin_finish("traced")
@@ -408,26 +468,7 @@ class WarmupExecutor(BaseExecutor):
                 "referenced after the step, but the previous plan released their bytes; do "
                 "not read those tensors, and call session.reset() before the next step"
             )
-        # Pinned storages are retained too: never released by the plan (their
-        # communication may still use them); the library frees them through its own
-        # reference once done. So is an incoming gradient last read by its
-        # accumulation, whether this step created the .grad (which keeps it) or
-        # accumulated into one (it dies): the same trace either way; the replay hands
-        # it back to autograd there, so an accumulating step frees it at once.
-        handed = (s for sids in hand_back(self.ops, self.pinned).values() for s in sids)
-        retained = frozenset(e.sid for e in self.tracker if e.alive).union(self.pinned, handed)
-        bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
-        trace = ActivationTrace(
-            ops=self._timed_ops(),
-            storage_sizes=self.tracker.sizes(),
-            budget_bytes=self.budget_bytes,
-            retained=retained,
-            **(
-                {}
-                if bandwidth is None
-                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps, "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
-            ),
-        )
+        trace = self._build_trace()
         # What outlives the step is on the device now (paged back just above): that
         # moment is part of the step's peak, as it is of the trace's model.
         self.stats.end_resident_bytes = trace.retained_bytes
@@ -446,7 +487,7 @@ class WarmupExecutor(BaseExecutor):
         self.tracker.clear()
         return WarmupResult(
             trace, planned.schedule, planned.check, self.funcs,
-            frozenset(self.collectives.buffers), dict(self.pins),
+            frozenset(self.collectives.buffers), dict(self.pins), frozenset(self.foreign),
         )
 
 
@@ -462,7 +503,27 @@ def replan(
     except PlanningError as error:
         raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
     return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
-                        plan.pins)
+                        plan.pins, plan.foreign)
+
+
+def _first_outputs_only(
+    ops: Sequence[TraceOp], foreign: Collection[StorageId]
+) -> tuple[TraceOp, ...]:
+    """``ops`` with each foreign storage an output of its creating op only: the replay
+    skips a foreign storage's views as it skips views of parameters."""
+    seen: set[StorageId] = set()
+    out = []
+    for op in ops:
+        outputs = []
+        for sid in op.outputs:
+            if sid in foreign:
+                if sid in seen:
+                    continue
+                seen.add(sid)
+            outputs.append(sid)
+        out.append(op if len(outputs) == len(op.outputs)
+                   else dataclasses.replace(op, outputs=tuple(outputs)))
+    return tuple(out)
 
 
 def hand_back(
@@ -509,29 +570,9 @@ def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_
     )
 
 
-_INVISIBLE_COMMUNICATION = frozenset({"fsdp"})
-"""Namespaces of ops that prepare buffers for communication the dispatcher never sees."""
-
-
-def _refuse_invisible_communication(func: Any, index: int) -> None:
-    """Fail the warmup at FSDP2's first op: the session would plan buffers blindly.
-
-    FSDP2 (``fully_shard``) packs its all-gathers and reduce-scatters into buffers made
-    by ``fsdp::`` ops and hands them to the process group directly, outside the
-    dispatcher, with ``async_op=True``: no op of the step shows when the communication
-    reads or writes them, so a plan could copy, free or evict a buffer the library still
-    uses (measured: a segfault in ``all_gather_single``). Tensor parallel's functional
-    collectives are ops with a ``wait_tensor`` and are planned like any other."""
-    if getattr(func, "namespace", None) in _INVISIBLE_COMMUNICATION:
-        raise OffloadSessionError(
-            f"OffloadSession warmup, op {index} ({func}): FSDP2 (fully_shard) hands its "
-            "communication buffers to the process group outside the dispatcher, so the "
-            "session cannot see when the all-gathers and reduce-scatters use them and "
-            "cannot plan them safely. Fix: compile the model with "
-            "torch.compile(model, backend='hyper_offload') (FSDP2 and FSDP2 x tensor "
-            "parallel are supported there), or use the session without fully_shard "
-            "(tensor parallel alone is supported)"
-        )
+PARAMETER_MEMORY = frozenset({"fsdp"})
+"""Namespaces of ops that make or fill parameters' memory (FSDP2's all-gather and
+reduce-scatter buffers): what they create or touch is left untracked, in place."""
 
 
 def _argument_tensors(

@@ -90,7 +90,12 @@ def run_stack(build: Callable[[OffloadSession | None], list[dict[str, Any]]],
     plain = build(None)
     budget = int(fraction * max(step["saved"] for step in plain))
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, **config))
-    return {"plain": plain, "budget": budget, "steps": build(session)}
+    steps = build(session)
+    foreign = session.foreign
+    assert all(session.trace.storage_sizes[sid] == 0 for sid in foreign)
+    assert not any(a.storage in foreign for _, _, a in session.schedule.actions())
+    return {"plain": plain, "budget": budget, "steps": steps, "foreign": len(foreign),
+            "pins": len(session.pins)}
 
 
 # ---------------------------------------------------------------------------- pipelining
@@ -145,3 +150,53 @@ def pipeline(ctx: Any, arg: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         return session_steps(step, session, list(model.parameters()), after_step, steps)
 
     return run_stack(build, **config)
+
+
+# ---------------------------------------------------------------------------- data parallel
+
+
+def _model_steps(ctx: Any, wrap: Callable[[nn.Module], nn.Module], steps: int,
+                 session: OffloadSession | None, blocks: int = 3) -> list[dict[str, Any]]:
+    """A stack of blocks wrapped by ``wrap`` (DDP, FSDP2, ...), each rank its own batch,
+    SGD between steps; saved bytes read after the forward."""
+    torch.manual_seed(0)
+    model = wrap(nn.Sequential(*[Block() for _ in range(blocks)]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(10 + ctx.rank)
+    x, y = torch.randn(4 * ROWS_PER_MICRO, HIDDEN, generator=gen), torch.randn(
+        4 * ROWS_PER_MICRO, HIDDEN, generator=gen)
+
+    def step(saved: SavedPeak) -> dict[str, Any]:
+        loss = nn.functional.mse_loss(model(x), y)
+        saved.sample([loss], [x])
+        loss.backward()
+        return {"loss": loss.detach().clone(), "grads": _grads(model)}
+
+    def after_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return session_steps(step, session, list(model.parameters()), after_step, steps)
+
+
+def ddp(ctx: Any, arg: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+    """``DistributedDataParallel`` (gloo): its first steps run other ops (the bucket
+    rebuild on the second iteration)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    steps, config = arg
+    return run_stack(lambda session: _model_steps(
+        ctx, lambda m: DistributedDataParallel(m, bucket_cap_mb=0.01), steps, session), **config)
+
+
+def fsdp2(ctx: Any, arg: tuple[int, dict[str, Any]]) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` on each block and the root), 2 ranks sharding everything."""
+    from torch.distributed.fsdp import fully_shard
+
+    def wrap(model: nn.Module) -> nn.Module:
+        for block in model:
+            fully_shard(block)
+        return fully_shard(model)
+
+    steps, config = arg
+    return run_stack(lambda session: _model_steps(ctx, wrap, steps, session), **config)

@@ -64,3 +64,19 @@ def test_torch_pipelining_through_the_session_is_exact_at_every_step(cluster, sc
     until the end of the step (without the pin: gradients wrong from step 2). The
     schedule sets its stage up in its first step: the session re-warms once by itself."""
     assert_exact_within_budget(cluster.run(cases.pipeline, (schedule, cases.STEPS, {})), f"pipelining {schedule}")
+
+
+def test_ddp_through_the_session_settles_and_is_exact(cluster):
+    """DDP rebuilds its buckets on its second iteration only: two re-warms, then it
+    replays; its buckets exist before the steps that replay, so nothing pins them."""
+    results = cluster.run(cases.ddp, (5, {}))
+    assert_exact_within_budget(results, "DDP")
+    assert all(case["steps"][-1]["warmups"] == 3 for case in results)
+
+
+def test_fsdp2_through_the_session_leaves_its_buffers_in_place(cluster):
+    """FSDP2's all-gather and reduce-scatter buffers are made or filled by ``fsdp::`` ops:
+    recorded at 0 bytes, never bound or moved; the activations are planned."""
+    results = cluster.run(cases.fsdp2, (5, {}))
+    assert_exact_within_budget(results, "FSDP2")
+    assert all(case["foreign"] > 0 for case in results)
