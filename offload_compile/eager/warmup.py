@@ -51,6 +51,7 @@ from hyper_offload.passes.plan.planning import PlanningError, plan_residency
 from hyper_offload.passes.plan.protocol import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.op_clock import OpClock
+from hyper_offload.runtime.pipeline.hooks import swap_step_running
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 
 from .dispatch_mode import owns_storage, tensor_leaves, written_arguments
@@ -144,6 +145,8 @@ class WarmupExecutor(BaseExecutor):
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = func if isinstance(func, str) else str(func)
+        if swap_step_running():
+            _refuse_swap_step(name, self.index)
         if func in self._writes:
             writes = self._writes[func]
         else:  # the first call of this op in the step
@@ -567,6 +570,19 @@ def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_
         message += " Split the op's inputs (e.g. a smaller micro-batch), or"
     return message + (
         f" raise max_resident_activation_mb to at least {check.peak_resident_bytes / MIB:.4g}"
+    )
+
+
+def _refuse_swap_step(name: str, index: int) -> None:
+    """Fail at the first op of a swapping ``PipelineSwapSchedule.step()``: its swap groups
+    resize the chunks' saved storages themselves, the session would move the same ones."""
+    raise OffloadSessionError(
+        f"OffloadSession warmup, op {index} ({name}): runs inside PipelineSwapSchedule(swap=True)."
+        "step(), whose swap groups offload each chunk's saved activations themselves; the "
+        "session would plan and move the same storages. Fix: build the schedule with "
+        "swap=False inside the session (the session then plans every activation of the "
+        "rank, the chunks across micro-batches included, under its one budget), or run the "
+        "swap schedule outside `with session:`"
     )
 
 

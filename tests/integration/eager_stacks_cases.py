@@ -106,23 +106,41 @@ def _stage_outputs(stage: Any) -> Iterator[tuple[torch.Tensor, list[torch.Tensor
         yield from ((t, inputs) for t in outputs if isinstance(t, torch.Tensor))
 
 
+def _schedule(name: str, stage: Any) -> Any:
+    """torch's ``"gpipe"`` / ``"1f1b"``, or hyper-offload's executor ``"swap-executor"``
+    (``PipelineSwapSchedule``, GPipe order, ``swap=False``: the session plans the
+    chunks) and ``"swap-executor-swapping"`` (``swap=True``: the session refuses)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    if name.startswith("swap-executor"):
+        from hyper_offload.pipeline import PipelineSwapSchedule
+
+        return PipelineSwapSchedule([stage], MICRO, schedule="gpipe", loss_fn=nn.functional.mse_loss,
+                                    swap=name.endswith("swapping"), timeout=30)
+    schedule_type = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    return schedule_type(stage, MICRO, loss_fn=nn.functional.mse_loss)
+
+
 def pipeline(ctx: Any, arg: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
-    """``torch.distributed.pipelining``: one ``PipelineStage`` of 2 blocks per rank,
-    ``arg = (schedule, steps, config)`` (``"gpipe"`` or ``"1f1b"``, more
-    ``OffloadConfig`` fields) over ``MICRO`` micro-batches, SGD between steps. The saved
-    bytes are sampled after each micro-batch's forward over every micro-batch still
-    waiting for its backward."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """A pipeline of one stage of 2 blocks per rank, ``arg = (schedule, steps, config)``
+    (:func:`_schedule`; more ``OffloadConfig`` fields) over ``MICRO`` micro-batches, SGD
+    between steps. The saved bytes are sampled after each micro-batch's forward over
+    every micro-batch still waiting for its backward."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from hyper_offload.pipeline import swap_wrapper
 
     schedule_name, steps, config = arg
-    schedule_type = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
     x, y = _batch(MICRO * ROWS_PER_MICRO)
 
     def build(session: OffloadSession | None) -> list[dict[str, Any]]:
         torch.manual_seed(ctx.rank)
         model = nn.Sequential(Block(), Block())
+        inner = model
+        if schedule_name.startswith("swap-executor"):  # as README's pipeline section does
+            model = nn.Sequential(*(swap_wrapper(block) for block in model))
         stage = PipelineStage(model, ctx.rank, ctx.world_size, torch.device("cpu"))
-        schedule = schedule_type(stage, MICRO, loss_fn=nn.functional.mse_loss)
+        schedule = _schedule(schedule_name, stage)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         current: list[SavedPeak] = []
 
@@ -131,7 +149,7 @@ def pipeline(ctx: Any, arg: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
             roots = [output, *(t for t, _ in cached)]
             current[0].sample(roots, [*args, *(i for _, ins in cached for i in ins)])
 
-        model.register_forward_hook(sample)
+        inner[-1].register_forward_hook(sample)
 
         def step(saved: SavedPeak) -> dict[str, Any]:
             current[:] = [saved]
@@ -150,6 +168,19 @@ def pipeline(ctx: Any, arg: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         return session_steps(step, session, list(model.parameters()), after_step, steps)
 
     return run_stack(build, **config)
+
+
+def swap_refused(ctx: Any, _: Any) -> str | None:
+    """``PipelineSwapSchedule(swap=True)`` inside a session: the plain run, then the
+    session's, refused at the step's first op (before any communication) on every rank.
+    Returns the refusal."""
+    from hyper_offload.errors import OffloadSessionError
+
+    try:
+        pipeline(ctx, ("swap-executor-swapping", 1, {}))
+    except OffloadSessionError as error:
+        return str(error)
+    return None
 
 
 # ---------------------------------------------------------------------------- data parallel

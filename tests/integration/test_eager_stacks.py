@@ -80,3 +80,15 @@ def test_fsdp2_through_the_session_leaves_its_buffers_in_place(cluster):
     results = cluster.run(cases.fsdp2, (5, {}))
     assert_exact_within_budget(results, "FSDP2")
     assert all(case["foreign"] > 0 for case in results)
+
+
+def test_the_swap_executor_inside_a_session_is_planned_by_it_or_refused_at_warmup(cluster):
+    """``PipelineSwapSchedule(swap=True)`` swaps the chunks itself: the session refuses at
+    the step's first op on every rank (no pool error, no rank left hanging: the same
+    processes run the next case). With ``swap=False`` the session plans every activation
+    of the rank, the chunks across micro-batches included, under its one budget."""
+    for message in cluster.run(cases.swap_refused):
+        assert message is not None and "PipelineSwapSchedule(swap=True)" in message
+        assert "swap=False inside the session" in message and "op 0 " in message
+    results = cluster.run(cases.pipeline, ("swap-executor", cases.STEPS, {}))
+    assert_exact_within_budget(results, "PipelineSwapSchedule(swap=False)")
