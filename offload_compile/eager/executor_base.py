@@ -102,6 +102,10 @@ class StepStats:
     ops its warmup recorded (two consecutive steps agreed)."""
     rewarm_reason: str | None = None
     """Why this step re-warmed (the mismatch), if it did."""
+    region_bytes: int = 0
+    """The most device bytes opaque regions (compiled modules, ``skip_offload``) held at
+    once for their backward: saved by their own ops, counted in the resident bytes and
+    planned around, never moved (:mod:`.region_saved`)."""
     pool: PoolStats | None = None
     """Host pool snapshot at the end of the step."""
 
@@ -210,6 +214,13 @@ class BaseExecutor:
     def guard_region_op(self, func: Any, tensors: list[torch.Tensor]) -> None:
         """An op inside an opaque region (not traced): only the residency guard."""
         self.guard(func, tensors)
+
+    def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
+        """An opaque region's forward returned ``outputs`` (its virtual op still open):
+        the warmup counts what the region keeps for its backward (:mod:`.region_saved`)."""
+
+    def region_backward_end(self, region: Any) -> None:
+        """An opaque region's backward virtual op ended."""
 
     def on_op_end(self, result: Any) -> Any:
         raise NotImplementedError

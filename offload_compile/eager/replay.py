@@ -80,8 +80,12 @@ class ReplayExecutor(BaseExecutor):
         self.guide = OpGuide.from_trace(plan.trace)
         self._entries = self.guide.entries
         self._funcs = plan.funcs
-        self._pre = plan.schedule.pre
-        self._post = plan.schedule.post
+        self._pre = plan.replay_pre
+        self._post = plan.replay_post
+        self._virtual = plan.virtual_delta
+        """Op -> (bytes an opaque region's forward op holds from there, bytes released
+        after the op): counted like the warmup counted them (.region_saved)."""
+        self._held = 0
         self._num_ops = len(self._funcs)
         self._sizes = plan.trace.storage_sizes
         self._hand_back = plan.hand_back
@@ -185,7 +189,12 @@ class ReplayExecutor(BaseExecutor):
             found += 1
         if found != len(expected):
             self._raise_mismatch(self._funcs[i], found)
+        virtual = self._virtual.get(i) if self._virtual else None
+        if virtual is not None:
+            self._count_region_bytes(virtual[0], 0)
         self.sample()
+        if virtual is not None:
+            self._count_region_bytes(0, -virtual[1])
         post = self._post[i]
         if post:
             self.apply_actions(post)
@@ -193,6 +202,13 @@ class ReplayExecutor(BaseExecutor):
             self._return_gradients(self._hand_back[i])
         self.index = i + 1
         return result
+
+    def _count_region_bytes(self, made: int, freed: int) -> None:
+        """Count the bytes an opaque region holds (``made``), or no longer (``freed``
+        negative: after the op is sampled, as the plan's release)."""
+        self._resident += made + freed
+        self._held += made + freed
+        self.stats.region_bytes = max(self.stats.region_bytes, self._held)
 
     def _return_gradients(self, sids: tuple[StorageId, ...]) -> None:
         """After an ``AccumulateGrad`` op: the incoming gradients it read last are

@@ -164,6 +164,13 @@ class OffloadSession:
         return frozenset() if self._plan is None else self._plan.foreign
 
     @property
+    def region_holds(self) -> Mapping[int, int]:
+        """Virtual storage id -> bytes an opaque region's own ops saved for its backward
+        (a compiled module, a ``skip_offload`` function): counted from its forward op to
+        its backward op, never moved."""
+        return {} if self._plan is None else self._plan.virtual
+
+    @property
     def op_guide(self) -> OpGuide | None:
         return None if self._plan is None else OpGuide.from_trace(self._plan.trace)
 

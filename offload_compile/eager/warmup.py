@@ -62,6 +62,7 @@ from .executor_base import (
     OffloadSessionError,
     settle_communication,
 )
+from .region_saved import region_saved_bytes
 from .tracker import ActivationTracker
 
 __all__ = ["WarmupExecutor", "WarmupResult", "replan"]
@@ -84,6 +85,7 @@ class WarmupResult:
         comm_buffers: frozenset[StorageId] = frozenset(),
         pins: Mapping[int, tuple[StorageId, ...]] | None = None,
         foreign: frozenset[StorageId] = frozenset(),
+        virtual: Mapping[StorageId, int] | None = None,
     ) -> None:
         self.trace = trace
         self.schedule = schedule
@@ -96,6 +98,11 @@ class WarmupResult:
         the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
         self.foreign = foreign
         """FSDP's buffers (``fsdp::`` ops): 0 bytes in the trace, never bound."""
+        self.virtual: Mapping[StorageId, int] = virtual or {}
+        """What opaque regions keep for their backward (:mod:`.region_saved`): id ->
+        bytes. No storage: the replay counts them and runs no action on them."""
+        self.replay_pre, self.replay_post, self.virtual_delta = _virtual_replay(
+            trace, schedule, self.virtual)
         self.hand_back = hand_back(trace.ops, set().union(*pins.values()) if pins else set())
         """``ACCUMULATE_GRAD`` op index -> the incoming gradients it read for the last
         time (retained: never released by the plan): the replay hands them back to
@@ -134,6 +141,11 @@ class WarmupExecutor(BaseExecutor):
         every later op, retained, so no eviction or plan moves or frees them."""
         self.pins: dict[int, tuple[StorageId, ...]] = {}
         self._parameter_op = False  # whether the op in progress is an fsdp:: op
+        self.held: dict[StorageId, int] = {}
+        """Virtual storages of what open opaque regions keep for their backward (id ->
+        bytes, :mod:`.region_saved`): read by every op until their backward op ends."""
+        self.virtual: dict[StorageId, int] = {}
+        """Every such virtual storage of the step."""
         self._region_work: set[int] = set()  # storage keys a Work op used in the open region
         self._region_ops: dict[Any, bool] = {}  # op inside a region -> whether it returns a Work
         self.foreign: dict[StorageId, None] = {}
@@ -171,6 +183,8 @@ class WarmupExecutor(BaseExecutor):
         for sid in self.collectives.in_flight:  # read by the communication meanwhile
             accesses.setdefault(sid, AccessKind.READ)
         for sid in self.pinned:  # a Work-returning op may still use it
+            accesses.setdefault(sid, AccessKind.READ)
+        for sid in self.held:  # an opaque region's own saved bytes: no gap to move them
             accesses.setdefault(sid, AccessKind.READ)
         incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
         self._evict(set(accesses), incoming)
@@ -231,6 +245,24 @@ class WarmupExecutor(BaseExecutor):
         (:mod:`hyper_offload.passes.fx.collectives`)."""
         self.collectives.issued(func, reads, outputs)
         wait_accesses(self.collectives, func, reads, accesses, AccessKind.READ, AccessKind.WRITE)
+
+    def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
+        nbytes = region_saved_bytes(outputs, start, self.device, region.input_keys, self._tracked)
+        if nbytes == 0 or self._current is None:
+            return
+        sid = self.tracker.add_virtual(nbytes, self.index)
+        self._current[2][sid] = AccessKind.WRITE  # created by the region's forward op
+        self.held[sid] = self.virtual[sid] = nbytes
+        self._resident += nbytes
+        region.held = (sid, nbytes)
+        self.stats.region_bytes = max(self.stats.region_bytes, sum(self.held.values()))
+
+    def region_backward_end(self, region: Any) -> None:
+        if region.held is not None and region.held[0] in self.held:
+            self._resident -= self.held.pop(region.held[0])
+
+    def _tracked(self, tensor: torch.Tensor) -> bool:
+        return owns_storage(tensor) and self.tracker.sid_of(tensor.untyped_storage()) is not None
 
     def _make_foreign(self, sids: tuple[StorageId, ...]) -> None:
         """An ``fsdp::`` op touches ``sids``: FSDP's buffers from now on (their
@@ -370,6 +402,13 @@ class WarmupExecutor(BaseExecutor):
         self.index = num_ops
         self.foreign.update(dict.fromkeys(
             s for op in self.ops for s in op.storages if s in plan.foreign))
+        for sid, nbytes in plan.virtual.items():  # held past the prefix: to the end now
+            uses = [i for i, _ in trace.accesses_of(sid)]
+            if uses[0] < num_ops:
+                self.virtual[sid] = nbytes
+                if uses[-1] >= num_ops:
+                    self.held[sid] = nbytes
+                    self._resident += nbytes
         for index, sids in plan.pins.items():
             if index < num_ops:
                 self.pins[index] = sids
@@ -491,6 +530,7 @@ class WarmupExecutor(BaseExecutor):
         return WarmupResult(
             trace, planned.schedule, planned.check, self.funcs,
             frozenset(self.collectives.buffers), dict(self.pins), frozenset(self.foreign),
+            dict(self.virtual),
         )
 
 
@@ -506,7 +546,27 @@ def replan(
     except PlanningError as error:
         raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
     return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
-                        plan.pins, plan.foreign)
+                        plan.pins, plan.foreign, plan.virtual)
+
+
+def _virtual_replay(
+    trace: ActivationTrace, schedule: ResidencySchedule, virtual: Mapping[StorageId, int]
+) -> tuple[Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]], dict[int, tuple[int, int]]]:
+    """The schedule the replay runs (``pre``, ``post`` without actions on virtual
+    storages) and, per op, the virtual bytes it creates and releases (for the count)."""
+    if not virtual:
+        return schedule.pre, schedule.post, {}
+    delta: dict[int, list[int]] = {}
+    for sid, nbytes in virtual.items():
+        delta.setdefault(trace.accesses_of(sid)[0][0], [0, 0])[0] += nbytes
+    post = []
+    for index, actions in enumerate(schedule.post):
+        for action in actions:
+            if action.storage in virtual:
+                delta.setdefault(index, [0, 0])[1] += virtual[action.storage]
+        post.append(tuple(a for a in actions if a.storage not in virtual))
+    pre = [tuple(a for a in actions if a.storage not in virtual) for actions in schedule.pre]
+    return pre, post, {op: (made, freed) for op, (made, freed) in delta.items()}
 
 
 def _first_outputs_only(

@@ -69,9 +69,17 @@ def test_torch_pipelining_through_the_session_is_exact_at_every_step(cluster, sc
 def test_ddp_through_the_session_settles_and_is_exact(cluster):
     """DDP rebuilds its buckets on its second iteration only: two re-warms, then it
     replays; its buckets exist before the steps that replay, so nothing pins them."""
-    results = cluster.run(cases.ddp, (5, {}))
+    results = cluster.run(cases.ddp, (5, {}, False))
     assert_exact_within_budget(results, "DDP")
     assert all(case["steps"][-1]["warmups"] == 3 for case in results)
+
+
+def test_a_compiled_block_inside_ddp_and_the_session_is_counted(cluster):
+    """The middle block is ``torch.compile``d: it runs its compiled code as one opaque op;
+    what it saves is held, counted and planned around (never a silent feasible)."""
+    results = cluster.run(cases.ddp, (5, {}, True))
+    assert_exact_within_budget(results, "DDP with a compiled block")
+    assert all(step["region_bytes"] > 0 for case in results for step in case["steps"])
 
 
 def test_fsdp2_through_the_session_leaves_its_buffers_in_place(cluster):
