@@ -50,7 +50,7 @@ from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_le
 from .executor_base import BaseExecutor, OffloadSessionError, settle_communication
 from .op_guide import OpGuide
 from .size_drift import SizeDrift, grown_sizes
-from .warmup import WarmupExecutor, WarmupResult, replan
+from .warmup import WarmupExecutor, WarmupResult, estimate_new_bytes, replan
 
 __all__ = ["ReplayExecutor"]
 
@@ -120,7 +120,7 @@ class ReplayExecutor(BaseExecutor):
             if pre:
                 self.apply_actions(pre)
             if self.drift.grown:
-                self._make_room(i)
+                self._make_room(i, func, args, kwargs)
         if self.rewarm is not None:
             self._call = (func, args, kwargs)
         inputs = flat_tensors(args, kwargs)
@@ -310,10 +310,13 @@ class ReplayExecutor(BaseExecutor):
             "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
         )
 
-    def _make_room(self, i: int) -> None:
-        """A larger-than-planned step: evict online until op ``i``'s planned outputs fit
-        the budget (:mod:`.size_drift`)."""
+    def _make_room(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A larger-than-planned step: evict online until op ``i``'s outputs fit the
+        budget (:mod:`.size_drift`), sized from the arguments it is about to run on (a
+        meta run), not from the plan, whose sizes this step outgrows."""
         incoming = sum(self._sizes[sid] for sid in self._entries[i].leaf_storages)
+        if incoming and not isinstance(func, str):
+            incoming = max(incoming, estimate_new_bytes(func, args, kwargs, self.device))
         bound = max(self.plan.trace.budget_bytes, self.plan.report.resident_bytes[i])
         excess = self._resident + incoming - bound
         if excess <= 0:

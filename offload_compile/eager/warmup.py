@@ -65,7 +65,7 @@ from .executor_base import (
 from .region_saved import region_saved_bytes
 from .tracker import ActivationTracker
 
-__all__ = ["WarmupExecutor", "WarmupResult", "replan"]
+__all__ = ["WarmupExecutor", "WarmupResult", "estimate_new_bytes", "replan"]
 
 
 class WarmupResult:
@@ -186,7 +186,7 @@ class WarmupExecutor(BaseExecutor):
             accesses.setdefault(sid, AccessKind.READ)
         for sid in self.held:  # an opaque region's own saved bytes: no gap to move them
             accesses.setdefault(sid, AccessKind.READ)
-        incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
+        incoming = 0 if isinstance(func, str) else estimate_new_bytes(func, args, kwargs, self.device)
         self._evict(set(accesses), incoming)
         self._parameter_op = parameter_op
         self._current = (func, name, accesses, reads, keys, self.clock.start())
@@ -669,7 +669,7 @@ def _argument_tensors(
     return tensors
 
 
-def _estimate_new_bytes(
+def estimate_new_bytes(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> int:
     """Bytes of the storages ``func`` will allocate, from a run on meta tensors; 0 when the
