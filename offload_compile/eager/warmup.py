@@ -186,7 +186,8 @@ class WarmupExecutor(BaseExecutor):
             accesses.setdefault(sid, AccessKind.READ)
         for sid in self.held:  # an opaque region's own saved bytes: no gap to move them
             accesses.setdefault(sid, AccessKind.READ)
-        incoming = 0 if isinstance(func, str) else estimate_new_bytes(func, args, kwargs, self.device)
+        incoming = (0 if isinstance(func, str)
+                    else estimate_new_bytes(func, args, kwargs, self.device))
         self._evict(set(accesses), incoming)
         self._parameter_op = parameter_op
         self._current = (func, name, accesses, reads, keys, self.clock.start())
@@ -480,7 +481,8 @@ class WarmupExecutor(BaseExecutor):
             **(
                 {}
                 if bandwidth is None
-                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps, "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
+                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps,
+                      "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
             ),
         )
 

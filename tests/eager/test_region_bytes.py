@@ -41,7 +41,8 @@ def compiled_pair() -> tuple[nn.Module, nn.Module]:
     model = nn.Sequential(*[Block() for _ in range(4)])
     ref = copy.deepcopy(model)
     for m in (model, ref):
-        m[1], m[2] = torch.compile(m[1], backend="aot_eager"), torch.compile(m[2], backend="aot_eager")
+        for index in (1, 2):
+            m[index] = torch.compile(m[index], backend="aot_eager")
     return model, ref
 
 

@@ -115,7 +115,8 @@ def _schedule(name: str, stage: Any) -> Any:
     if name.startswith("swap-executor"):
         from hyper_offload.pipeline import PipelineSwapSchedule
 
-        return PipelineSwapSchedule([stage], MICRO, schedule="gpipe", loss_fn=nn.functional.mse_loss,
+        return PipelineSwapSchedule([stage], MICRO, schedule="gpipe",
+                                    loss_fn=nn.functional.mse_loss,
                                     swap=name.endswith("swapping"), timeout=30)
     schedule_type = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
     return schedule_type(stage, MICRO, loss_fn=nn.functional.mse_loss)

@@ -63,7 +63,8 @@ def test_torch_pipelining_through_the_session_is_exact_at_every_step(cluster, sc
     communication ends at a ``Work.wait()`` no op shows; the session pins what they touch
     until the end of the step (without the pin: gradients wrong from step 2). The
     schedule sets its stage up in its first step: the session re-warms once by itself."""
-    assert_exact_within_budget(cluster.run(cases.pipeline, (schedule, cases.STEPS, {})), f"pipelining {schedule}")
+    results = cluster.run(cases.pipeline, (schedule, cases.STEPS, {}))
+    assert_exact_within_budget(results, f"pipelining {schedule}")
 
 
 def test_ddp_through_the_session_settles_and_is_exact(cluster):
