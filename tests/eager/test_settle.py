@@ -249,3 +249,28 @@ def test_accumulating_into_a_grad_created_in_the_same_step_is_a_write() -> None:
     created, accumulated = [op for op in session.trace.ops if op.name == ACCUMULATE_GRAD]
     (grad,) = created.storages
     assert dict(accumulated.accesses)[grad].value == "W"
+
+
+@pytest.mark.parametrize("value", [0, True, 1.5, -2])
+def test_max_warmups_is_a_whole_number_of_steps_from_one(value):
+    with pytest.raises(ValueError, match="max_warmups"):
+        OffloadConfig(max_warmups=value)
+
+
+def test_reset_starts_settling_again() -> None:
+    model, x = Alternating(), torch.randn(8, 16)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=BUDGET_MB))
+    for _ in range(2):
+        model.calls = 1
+        with session:
+            model(x).backward()
+    assert session.settled
+    session.reset()
+    assert (session.settled, session.warmups) == (False, 0)
+    model.calls = 1
+    with session:
+        model(x).backward()
+    model.calls = 0  # another branch: re-warms by itself again
+    with session:
+        model(x).backward()
+    assert session.warmups == 2 and not session.settled
