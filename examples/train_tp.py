@@ -13,11 +13,12 @@ and whether the loss and every gradient shard are ``torch.equal`` to the plain r
     python examples/train_tp.py --spawn                  # 2 ranks, TP, compile door (gloo)
     python examples/train_tp.py --spawn --door eager     # the eager session
     python examples/train_tp.py --spawn --dp 2           # 4 ranks: FSDP2 x TP (compile door)
+    python examples/train_tp.py --spawn --dp 2 --door eager   # FSDP2 x TP, the session
     python examples/train_tp.py --spawn --inner-compiler inductor
     torchrun --nproc-per-node 2 examples/train_tp.py     # under torchrun (NCCL on GPUs)
 
-The eager session refuses FSDP2 at warmup with an error naming the fix (FSDP2's
-collectives bypass the dispatcher; see docs/architecture.md).
+The eager session leaves FSDP2's all-gather and reduce-scatter buffers in place (they
+are parameters' memory) and plans the activations (see docs/architecture.md).
 """
 
 from __future__ import annotations

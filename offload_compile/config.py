@@ -33,6 +33,13 @@ class OffloadConfig:
     trace (another branch or shape), re-trace and re-plan transparently instead of
     raising ``ReplayMismatchError``. Off by default so a changing step is reported."""
 
+    max_warmups: int = 3
+    """Eager ``OffloadSession`` only: real loops run other ops on their first step or two
+    (DDP's bucket rebuild, optimizer state, pipeline stage setup, lazy modules), so until
+    two consecutive steps run the same ops the session re-warms by itself, up to this many
+    warmup steps in all; then it is strict (``ReplayMismatchError``, unless
+    ``rewarm_on_mismatch``). ``1``: strict from the first replay."""
+
     verify: bool | str = False
     """Check every transfer (``hyper_offload.runtime.verify``): a checksum of the bytes each
     D2H reads, compared where the device bytes are freed and after each reload's wait;
@@ -58,6 +65,13 @@ class OffloadConfig:
             raise ConfigurationTypeError(
                 f"OffloadConfig.rewarm_on_mismatch: expected True or False, got "
                 f"{self.rewarm_on_mismatch!r}"
+            )
+        if isinstance(self.max_warmups, bool) or not isinstance(self.max_warmups, int) or (
+            self.max_warmups < 1
+        ):
+            raise ConfigurationError(
+                f"OffloadConfig.max_warmups: expected a whole number of warmup steps >= 1, got "
+                f"{self.max_warmups!r}"
             )
         if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
             raise ConfigurationTypeError(

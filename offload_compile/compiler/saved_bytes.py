@@ -28,7 +28,8 @@ import torch
 from hyper_offload.runtime.memory_meter import is_host_labelled
 
 __all__ = [
-    "autograd_saved_device_bytes", "node_saved_tensors", "saved_device_bytes", "saved_tensors_of",
+    "any_node_saved_tensors", "autograd_saved_device_bytes", "inner_tensors", "node_saved_tensors",
+    "saved_device_bytes", "saved_tensors_of",
 ]
 
 
@@ -80,17 +81,18 @@ def saved_device_bytes(
     return sum(storages.values())
 
 
-def _inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors holding ``tensor``'s bytes: itself, or a wrapper subclass's inner
     tensors (``__tensor_flatten__``), recursively."""
     if not hasattr(tensor, "__tensor_flatten__") or type(tensor) is torch.Tensor:
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
     inner = (getattr(tensor, name) for name in names)
-    return [t for value in inner if isinstance(value, torch.Tensor) for t in _inner_tensors(value)]
+    return [t for value in inner if isinstance(value, torch.Tensor) for t in inner_tensors(value)]
 
 
-def _any_node_saved(node: Any) -> list[torch.Tensor]:
+def any_node_saved_tensors(node: Any) -> list[torch.Tensor]:
+    """What one autograd node, compiled or eager, holds for its backward."""
     if "CompiledFunction" in type(node).__name__:
         return node_saved_tensors(node)
     values: list[Any] = []
@@ -115,11 +117,11 @@ def autograd_saved_device_bytes(
     and host copies as in :func:`saved_device_bytes`."""
     # ``_cdata`` (the storage's address) is stable while a tensor holds it, as each
     # saved tensor does until this returns.
-    skip = {t.untyped_storage()._cdata for e in exclude for t in _inner_tensors(e)}
+    skip = {t.untyped_storage()._cdata for e in exclude for t in inner_tensors(e)}
     storages = {}
     for node in _nodes(outputs):
-        for saved in _any_node_saved(node):
-            for tensor in _inner_tensors(saved):
+        for saved in any_node_saved_tensors(node):
+            for tensor in inner_tensors(saved):
                 storage = tensor.untyped_storage()
                 if storage._cdata in skip or is_host_labelled(tensor):
                     continue

@@ -28,7 +28,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hyper_offload.errors import OffloadBudgetWarning, OffloadSessionError, TransferIntegrityError
+from hyper_offload.errors import (
+    HyperOffloadError,
+    OffloadBudgetWarning,
+    OffloadSessionError,
+    TransferIntegrityError,
+)
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import PinnedMemoryPool, PoolStats, ResidencyManager
@@ -37,9 +42,15 @@ from hyper_offload.runtime.physical_buffer import BufferState
 from .dispatch_mode import device_test, flat_tensors, owns_storage
 
 __all__ = [
-    "BaseExecutor", "OffloadBudgetWarning", "OffloadSessionError", "StepStats",
-    "settle_communication",
+    "ACCUMULATE_GRAD", "BaseExecutor", "OffloadBudgetWarning", "OffloadSessionError",
+    "StepStats", "settle_communication",
 ]
+
+ACCUMULATE_GRAD = "accumulate_grad"
+"""The virtual op of one ``AccumulateGrad`` node's ops (:meth:`BaseExecutor.dispatch`)."""
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+_current_node = torch._C._current_autograd_node
 
 COMM_SETTLE_S = 0.05
 """How long the end of a step waits, at most, for the communication library to drop its
@@ -84,6 +95,17 @@ class StepStats:
     evictions: int = 0
     """Online evictions (warmup only)."""
     step_seconds: float = 0.0
+    warmups: int = 0
+    """Warmup steps the session has run so far (this one included)."""
+    settled: bool = False
+    """Whether the session had settled by the end of this step: a replayed step ran the
+    ops its warmup recorded (two consecutive steps agreed)."""
+    rewarm_reason: str | None = None
+    """Why this step re-warmed (the mismatch), if it did."""
+    region_bytes: int = 0
+    """The most device bytes opaque regions (compiled modules, ``skip_offload``) held at
+    once for their backward: saved by their own ops, counted in the resident bytes and
+    planned around, never moved (:mod:`.region_saved`)."""
     pool: PoolStats | None = None
     """Host pool snapshot at the end of the step."""
 
@@ -112,25 +134,93 @@ class BaseExecutor:
         """Set once the step finished or aborted; late autograd callbacks then no-op."""
         self.backward_regions: list[Any] = []
         """Opaque regions whose backward virtual op is in progress (innermost last)."""
+        self.grad_node: Any = None
+        """The ``AccumulateGrad`` node whose virtual op is open, if any."""
+        self.failed = False
+        """Set when the executor raised: later ops run untraced (see :meth:`dispatch`)."""
+        self.op_error: tuple[int, BaseException] | None = None
+        """The last op of the step whose kernel raised: (op index, error)."""
 
     # ------------------------------------------------------------------ template
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.failed:  # unwinding after the step's own error: run it, read no 0 bytes
+            self.guard(func, flat_tensors(args, kwargs))
+            return func(*args, **kwargs)
         try:
             if self.opaque_depth:
-                self.guard(func, flat_tensors(args, kwargs))
+                self.guard_region_op(func, flat_tensors(args, kwargs))
                 return func(*args, **kwargs)
+            node = _current_node()
+            if node is not None and type(node) is _ACCUMULATE_GRAD:
+                return self._accumulation_op(node, func, args, kwargs)
+            if self.grad_node is not None:
+                self.end_accumulation()
             self.on_op_begin(func, args, kwargs)
-            return self.on_op_end(func(*args, **kwargs))
+            if self.failed:  # the op does not match and an earlier op raised (see there)
+                return func(*args, **kwargs)
+            try:
+                result = func(*args, **kwargs)
+            except BaseException as error:
+                self.op_error = (self.index, error)
+                raise
+            return self.on_op_end(result)
         except TransferIntegrityError as error:
+            self.failed, self.op_error = True, (self.index, error)
             if error.where:
                 raise
             raise TransferIntegrityError(
                 f"eager door, op {self.index} ({func}): {error}", check=error.check,
                 where=f"eager op {self.index}") from error
+        except HyperOffloadError as error:
+            # The step's own error propagates; ops run while unwinding (a profiler's
+            # record_function exit, a context manager's cleanup) must not raise another
+            # one in its place: from here on they run untraced (guarded).
+            self.failed, self.op_error = True, (self.index, error)
+            raise
+
+    # ------------------------------------------------------------------ grad accumulation
+
+    def _accumulation_op(
+        self, node: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """An op the autograd engine runs inside an ``AccumulateGrad`` node (creating or
+        accumulating a ``.grad``, and the tensor's hooks). One node's ops are one virtual
+        op, :data:`ACCUMULATE_GRAD`: whether ``.grad`` is created (``detach`` or a clone)
+        or accumulated (``add_``) is no activation difference, so no mismatch either."""
+        if node is not self.grad_node:
+            if self.grad_node is not None:
+                self.end_accumulation()
+            self.grad_node = node
+            self.on_op_begin(ACCUMULATE_GRAD, (), {})
+        self.accumulation_inputs(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def accumulation_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An op inside the open :data:`ACCUMULATE_GRAD` virtual op: guarded; what it
+        creates is gradient memory, never tracked."""
+        self.guard_region_op(func, flat_tensors(args, kwargs))
+
+    def end_accumulation(self) -> None:
+        """Close the open :data:`ACCUMULATE_GRAD` virtual op (the next op of another
+        node, an opaque region or the end of the step does)."""
+        self.grad_node = None
+        if not self.failed:
+            self.on_op_end(())
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def guard_region_op(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        """An op inside an opaque region (not traced): only the residency guard."""
+        self.guard(func, tensors)
+
+    def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
+        """An opaque region's forward returned ``outputs`` (its virtual op still open):
+        the warmup counts what the region keeps for its backward (:mod:`.region_saved`)."""
+
+    def region_backward_end(self, region: Any) -> None:
+        """An opaque region's backward virtual op ended."""
 
     def on_op_end(self, result: Any) -> Any:
         raise NotImplementedError
@@ -147,10 +237,27 @@ class BaseExecutor:
         """The storage object of a tracked id while the step still has it."""
         raise NotImplementedError
 
+    def begin_finish(self, what: str) -> None:
+        """First thing of ``finish``: close an open accumulation op; refuse a step that
+        went on after the executor stopped tracing it (``what`` it could not do)."""
+        if self.failed:
+            cause = "the session raised an error"
+            if self.op_error is not None:
+                index, error = self.op_error
+                cause = f"op {index} raised {type(error).__name__}: {error}"
+            raise OffloadSessionError(
+                f"{self.phase}: {cause} inside this step and the step went on; the ops after "
+                f"it were not {what}, so this step cannot be used. Let errors propagate out of "
+                "`with session:` (catch them outside the block)"
+            )
+        if self.grad_node is not None:
+            self.end_accumulation()
+
     def abort(self) -> None:
         """Exception path: no transfer in flight, every host buffer back in the pool, no
         tensor left over missing bytes that can still be paged back."""
         self.closed = True
+        self.grad_node = None
         try:
             self.manager.sync_all_transfers()
         finally:

@@ -67,17 +67,23 @@ def opaque_name(fn: Callable[..., Any]) -> str:
 class _Region:
     """One call of an opaque region: its executor, name and tracked input storages."""
 
-    __slots__ = ("executor", "name", "input_sids")
+    __slots__ = ("executor", "name", "input_sids", "input_keys", "held")
 
     def __init__(self, executor: BaseExecutor, name: str, input_sids: tuple[StorageId, ...]) -> None:
         self.executor = executor
         self.name = name
         self.input_sids = input_sids
+        self.input_keys: frozenset[int] = frozenset()
+        """``_cdata`` of the forward's input storages (alive while it runs)."""
+        self.held: tuple[StorageId, int] | None = None
+        """The id and bytes the warmup counts for what the region keeps (.region_saved)."""
 
     def backward_begin(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         executor = self.executor
-        if executor.closed or executor.opaque_depth:
-            return  # backward outside the step (or nested): nothing to record
+        if executor.closed or executor.opaque_depth or executor.failed:
+            return  # backward outside the step (or nested, or unwinding): nothing to record
+        if executor.grad_node is not None:
+            executor.end_accumulation()
         reads = [g for g in grad_outputs if g is not None]
         with _disable_current_modes():
             for sid in self.input_sids:
@@ -95,6 +101,7 @@ class _Region:
         executor.backward_regions.pop()
         executor.opaque_depth -= 1
         executor.on_op_end(tuple(g for g in grad_inputs if g is not None))
+        executor.region_backward_end(self)
 
 
 def _aliases(ctx: Any, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -159,13 +166,17 @@ def begin_region(
     """Start virtual op ``name`` over ``inputs``; returns the open region and the input
     aliases the region's body must use. Nested inside another region, nothing is
     recorded (only a compiled body still gets the dispatch modes switched off)."""
-    if executor.opaque_depth:
+    if executor.opaque_depth or executor.failed:
         modes_off = _disable_current_modes() if compiled else None
         if modes_off is not None:
             modes_off.__enter__()
         return OpenRegion(None, None, modes_off), tuple(inputs)
+    if executor.grad_node is not None:
+        executor.end_accumulation()
     executor.on_op_begin(name, tuple(inputs), {})
     region = _Region(executor, name, executor.storage_ids(inputs))
+    region.input_keys = frozenset(
+        t.untyped_storage()._cdata for t in inputs if t.layout is torch.strided)
     executor.opaque_depth += 1
     try:
         with _disable_current_modes():
@@ -194,6 +205,9 @@ def end_region(open_region: OpenRegion, result: Any, *, failed: bool = False) ->
         if failed:
             return result
         out_flat, out_spec, out_where = _split(result)
+        start = open_region.marker.grad_fn if open_region.marker is not None else None
+        if start is not None:
+            executor.region_forward_end(region, [out_flat[i] for i in out_where], start)
         if out_where and torch.is_grad_enabled():
             outs = OpaqueRegionEnd.apply(region, open_region.marker, *(out_flat[i] for i in out_where))
             for index, alias in zip(out_where, outs):

@@ -32,6 +32,7 @@ so that its leaf count can be reported; no schedule action runs for it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,7 +50,7 @@ from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_le
 from .executor_base import BaseExecutor, OffloadSessionError, settle_communication
 from .op_guide import OpGuide
 from .size_drift import SizeDrift, grown_sizes
-from .warmup import WarmupExecutor, WarmupResult, replan
+from .warmup import WarmupExecutor, WarmupResult, estimate_new_bytes, replan
 
 __all__ = ["ReplayExecutor"]
 
@@ -63,11 +64,12 @@ class ReplayExecutor(BaseExecutor):
         device: torch.device,
         plan: WarmupResult,
         *,
-        rewarm: Callable[[], WarmupExecutor] | None = None,
+        rewarm: Callable[[str], WarmupExecutor] | None = None,
         planner: ResidencyPlanner | None = None,
     ) -> None:
-        """``rewarm``: on a structural mismatch, build a warmup executor that takes the
-        step over (``OffloadConfig.rewarm_on_mismatch``); ``None`` raises instead.
+        """``rewarm(reason)``: on a structural mismatch, build a warmup executor that takes
+        the step over (the session settling, or ``OffloadConfig.rewarm_on_mismatch``);
+        ``None`` raises instead.
         ``planner``: remakes the plan after a step with larger sizes (:mod:`.size_drift`)."""
         super().__init__(manager, device)
         self.plan = plan
@@ -78,10 +80,19 @@ class ReplayExecutor(BaseExecutor):
         self.guide = OpGuide.from_trace(plan.trace)
         self._entries = self.guide.entries
         self._funcs = plan.funcs
-        self._pre = plan.schedule.pre
-        self._post = plan.schedule.post
+        self._pre = plan.replay_pre
+        self._post = plan.replay_post
+        self._virtual = plan.virtual_delta
+        """Op -> (bytes an opaque region's forward op holds from there, bytes released
+        after the op): counted like the warmup counted them (.region_saved)."""
+        self._held = 0
         self._num_ops = len(self._funcs)
         self._sizes = plan.trace.storage_sizes
+        self._hand_back = plan.hand_back
+        self._foreign = plan.foreign
+        self._foreign_refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        """``_cdata`` -> FSDP's buffers this step created (weakly: an address may be
+        reused once one dies)."""
         self.drift = SizeDrift(plan.trace)
         """Sizes that differ from the plan's this step, and the online eviction's doing."""
         self.planner = planner
@@ -96,13 +107,20 @@ class ReplayExecutor(BaseExecutor):
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         i = self.index
         if i >= self._num_ops or (func is not self._funcs[i] and func != self._funcs[i]):
+            if self.op_error is not None:
+                # An op raised and its error is propagating (or was caught): ops of the
+                # unwinding (a profiler's record_function exit) are no mismatch of the
+                # step. Stop replaying; the error in flight stays the one raised.
+                self.failed = True
+                self.guard(func, flat_tensors(args, kwargs))
+                return
             self._mismatched = func  # run it (guarded), then report its leaf count too
         else:
             pre = self._pre[i]
             if pre:
                 self.apply_actions(pre)
             if self.drift.grown:
-                self._make_room(i)
+                self._make_room(i, func, args, kwargs)
         if self.rewarm is not None:
             self._call = (func, args, kwargs)
         inputs = flat_tensors(args, kwargs)
@@ -114,17 +132,19 @@ class ReplayExecutor(BaseExecutor):
         if self.rewarm is None:
             return self._end_op(result)
         try:
-            return self._end_op(result)
-        except ReplayMismatchError:
+            result = self._end_op(result)
+        except ReplayMismatchError as error:
             if self.opaque_depth or self.backward_regions or self._call is None:
                 raise  # inside an opaque region: no safe point to hand the step over
-            return self._hand_over(result)
+            return self._hand_over(result, str(error))
+        self._call = None  # holds the op's arguments: never past the op
+        return result
 
-    def _hand_over(self, result: Any) -> Any:
+    def _hand_over(self, result: Any, reason: str) -> Any:
         """Let a warmup executor record the rest of the step (re-warm on mismatch)."""
         assert self.rewarm is not None and self._call is not None
-        successor = self.rewarm()
-        successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+        successor = self.rewarm(reason)
+        successor.continue_from(self.plan, self.index, self.bound)
         successor.stats.demand_loads = self.stats.demand_loads
         self.successor = successor
         self.closed = True
@@ -150,11 +170,15 @@ class ReplayExecutor(BaseExecutor):
             key = storage._cdata
             sid = bound.get(key)
             if sid is None:
-                if self.is_input_alias(storage, keys):
-                    continue  # alias of a storage that existed before the step
+                if self.is_input_alias(storage, keys) or self._is_foreign(storage):
+                    continue  # alias of a storage that existed before the step, or FSDP's
                 if found >= len(expected) or expected[found] in self.manager:
                     self._raise_mismatch(self._funcs[i], self._count_leaves(result))
                 sid = expected[found]
+                if sid in self._foreign:  # FSDP's buffer: left in place, never bound
+                    self._foreign_refs[key] = weakref.ref(storage)
+                    found += 1
+                    continue
                 if storage.nbytes() != self._sizes[sid]:  # same op, other sizes
                     self.drift.note(sid, storage.nbytes())
                 self.manager.bind(sid, tensor)
@@ -165,12 +189,44 @@ class ReplayExecutor(BaseExecutor):
             found += 1
         if found != len(expected):
             self._raise_mismatch(self._funcs[i], found)
+        virtual = self._virtual.get(i) if self._virtual else None
+        if virtual is not None:
+            self._count_region_bytes(virtual[0], 0)
         self.sample()
+        if virtual is not None:
+            self._count_region_bytes(0, -virtual[1])
         post = self._post[i]
         if post:
             self.apply_actions(post)
+        if i in self._hand_back:
+            self._return_gradients(self._hand_back[i])
         self.index = i + 1
         return result
+
+    def _count_region_bytes(self, made: int, freed: int) -> None:
+        """Count the bytes an opaque region holds (``made``), or no longer (``freed``
+        negative: after the op is sampled, as the plan's release)."""
+        self._resident += made + freed
+        self._held += made + freed
+        self.stats.region_bytes = max(self.stats.region_bytes, self._held)
+
+    def _return_gradients(self, sids: tuple[StorageId, ...]) -> None:
+        """After an ``AccumulateGrad`` op: the incoming gradients it read last are
+        autograd's again (``.grad`` keeps one, or it dies at once: not held to the step's
+        end by the manager; the plan counts it to the end, retained)."""
+        manager = self.manager
+        with _disable_current_modes():
+            for sid in sids:
+                if sid in manager and manager.is_resident(sid):
+                    key = manager.buffer(sid).storage._cdata
+                    manager.unbind(sid)
+                    self.bound.pop(key, None)
+
+    def _is_foreign(self, storage: torch.UntypedStorage) -> bool:
+        if not self._foreign_refs:
+            return False
+        ref = self._foreign_refs.get(storage._cdata)
+        return ref is not None and ref() is storage
 
     # ------------------------------------------------------------------ early reloads
 
@@ -254,10 +310,13 @@ class ReplayExecutor(BaseExecutor):
             "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
         )
 
-    def _make_room(self, i: int) -> None:
-        """A larger-than-planned step: evict online until op ``i``'s planned outputs fit
-        the budget (:mod:`.size_drift`)."""
+    def _make_room(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A larger-than-planned step: evict online until op ``i``'s outputs fit the
+        budget (:mod:`.size_drift`), sized from the arguments it is about to run on (a
+        meta run), not from the plan, whose sizes this step outgrows."""
         incoming = sum(self._sizes[sid] for sid in self._entries[i].leaf_storages)
+        if incoming and not isinstance(func, str):
+            incoming = max(incoming, estimate_new_bytes(func, args, kwargs, self.device))
         bound = max(self.plan.trace.budget_bytes, self.plan.report.resident_bytes[i])
         excess = self._resident + incoming - bound
         if excess <= 0:
@@ -290,10 +349,13 @@ class ReplayExecutor(BaseExecutor):
         ]
 
     def finish(self) -> Any:
+        self.begin_finish("replayed")
         self.closed = True
         if self.index != self._num_ops and self.rewarm is not None and not self.opaque_depth:
-            successor = self.rewarm()  # the step ran fewer ops: re-plan what it did run
-            successor.continue_from(self.plan.trace, self._funcs, self.index, self.bound)
+            successor = self.rewarm(  # the step ran fewer ops: re-plan what it did run
+                f"replay: the step ended after {self.index} ops, the warmup recorded "
+                f"{self._num_ops}")
+            successor.continue_from(self.plan, self.index, self.bound)
             self.successor = successor
             return successor.finish()
         if self.index != self._num_ops:

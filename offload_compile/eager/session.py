@@ -30,7 +30,9 @@ the plan (trace, schedule, report, op callables).
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping
 from contextvars import Token
 from types import TracebackType
 from typing import Any
@@ -54,6 +56,8 @@ from .replay import ReplayExecutor
 from .warmup import WarmupExecutor, WarmupResult
 
 __all__ = ["OffloadSession"]
+
+LOGGER = logging.getLogger("hyper_offload")
 
 
 class OffloadSession:
@@ -98,7 +102,15 @@ class OffloadSession:
         self.steps = 0
         """Completed steps (warmup and replay) since construction or ``reset()``."""
         self.rewarms = 0
-        """Automatic re-warms after a structural mismatch (``rewarm_on_mismatch``)."""
+        """Automatic re-warms after a structural mismatch (settling, or
+        ``rewarm_on_mismatch``)."""
+        self.warmups = 0
+        """Warmup steps since construction or ``reset()`` (the first step and each
+        re-warm)."""
+        self.settled = False
+        """Whether a replayed step ran the ops its warmup recorded (two consecutive steps
+        agreed): from then on a mismatch raises, unless ``rewarm_on_mismatch``."""
+        self._rewarm_reason: str | None = None
         self.replans = 0
         """Plans remade after a replayed step ran the same ops with larger sizes (no
         re-trace: :mod:`.size_drift`)."""
@@ -139,6 +151,26 @@ class OffloadSession:
         return None if self._plan is None else self._plan.report
 
     @property
+    def pins(self) -> Mapping[int, tuple[int, ...]]:
+        """Op index -> the storages a ``Work``-returning op (``dist.send``, an
+        ``async_op`` collective, ...) touched there: they stay on the device, unmoved, to
+        the end of every step (their communication ends at a ``Work.wait()`` no op shows)."""
+        return {} if self._plan is None else self._plan.pins
+
+    @property
+    def foreign(self) -> frozenset[int]:
+        """Storages ``fsdp::`` ops made or filled (FSDP's all-gather and reduce-scatter
+        buffers): parameters' memory, 0 bytes in the trace, never moved or bound."""
+        return frozenset() if self._plan is None else self._plan.foreign
+
+    @property
+    def region_holds(self) -> Mapping[int, int]:
+        """Virtual storage id -> bytes an opaque region's own ops saved for its backward
+        (a compiled module, a ``skip_offload`` function): counted from its forward op to
+        its backward op, never moved."""
+        return {} if self._plan is None else self._plan.virtual
+
+    @property
     def op_guide(self) -> OpGuide | None:
         return None if self._plan is None else OpGuide.from_trace(self._plan.trace)
 
@@ -156,6 +188,8 @@ class OffloadSession:
             )
         self._plan = None
         self.steps = 0
+        self.warmups = 0
+        self.settled = False
 
     def __repr__(self) -> str:
         return (
@@ -199,6 +233,12 @@ class OffloadSession:
         finally:
             self._leave()
         if exc_type is not None:
+            if isinstance(exc, ReplayMismatchError) and not self.settled:
+                exc.add_note(
+                    f"hyper_offload: the session ran {self.warmups} warmup step(s) and no two "
+                    f"consecutive steps ran the same ops (OffloadConfig.max_warmups="
+                    f"{self.config.max_warmups}); it stays strict from here"
+                )
             self._abort(executor, exc)
             return None  # propagate unchanged
         try:
@@ -210,6 +250,11 @@ class OffloadSession:
             self._plan = result
             if isinstance(executor, ReplayExecutor) and executor.successor is None:
                 self.replans += 1  # same ops, larger sizes: planned again (.size_drift)
+        if isinstance(executor, ReplayExecutor) and executor.successor is None and not self.settled:
+            self.settled = True
+            LOGGER.info("OffloadSession: settled after %d warmup step(s): step %d ran the ops "
+                        "the last warmup recorded; replaying its plan from here",
+                        self.warmups, self.steps)
         if isinstance(executor, ReplayExecutor) and executor.successor is not None:
             executor = executor.successor  # re-warmed: report the warmup's figures
         self._close_stats(executor)
@@ -220,13 +265,16 @@ class OffloadSession:
     # ------------------------------------------------------------------ internals
 
     def _new_executor(self) -> BaseExecutor:
+        self._rewarm_reason = None
         if self._plan is None:
             return self._new_warmup()
-        rewarm = self._take_over if self.config.rewarm_on_mismatch else None
+        settling = not self.settled and self.warmups < self.config.max_warmups
+        rewarm = self._take_over if self.config.rewarm_on_mismatch or settling else None
         return ReplayExecutor(self.manager, self.device, self._plan, rewarm=rewarm,
                               planner=self.config.resolved_planner())
 
     def _new_warmup(self) -> WarmupExecutor:
+        self.warmups += 1
         return WarmupExecutor(
             self.manager,
             self.device,
@@ -234,8 +282,13 @@ class OffloadSession:
             planner=self.config.resolved_planner(),
         )
 
-    def _take_over(self) -> WarmupExecutor:
-        """``rewarm_on_mismatch``: a warmup executor takes the mismatched step over."""
+    def _take_over(self, reason: str) -> WarmupExecutor:
+        """A warmup executor takes the mismatched step over (settling, or
+        ``rewarm_on_mismatch``); ``reason`` is the mismatch."""
+        self._rewarm_reason = reason
+        LOGGER.info("OffloadSession: step %d ran other ops than the plan's warmup (%s); "
+                    "re-warming (warmup %d, settling: at most %d)", self.steps, reason,
+                    self.warmups + 1, self.config.max_warmups)
         warm = self._new_warmup()
         if self._mode is not None:
             self._mode.executor = warm
@@ -273,6 +326,8 @@ class OffloadSession:
     def _close_stats(self, executor: BaseExecutor) -> None:
         stats = executor.close_stats(self.pool)
         stats.step_seconds = time.perf_counter() - self._started
+        stats.warmups, stats.settled = self.warmups, self.settled
+        stats.rewarm_reason = self._rewarm_reason
         self.last_stats = stats
 
 

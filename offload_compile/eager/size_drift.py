@@ -12,8 +12,9 @@ no longer holds is its byte count. The rule (issue 33):
   such storage on, before each op the replay makes room the way the warmup does
   (online eviction: copy to the host and free the storage whose next use is furthest
   away, never one the op or an in-flight collective reads; a later read pages it back)
-  until the op's planned outputs fit under the budget, or under the plan's own bytes at
-  that op where the plan itself is over the budget (an op whose operands do not fit).
+  until the op's outputs (sized from its real arguments) fit under the budget, or
+  under the plan's own bytes at that op where the plan itself is over the budget (an op
+  whose operands do not fit).
   Evictions are counted in ``StepStats.evictions``. Planned actions the eviction made
   moot (a copy of a storage already on the host, a release of one already released)
   are skipped.

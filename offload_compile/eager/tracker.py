@@ -140,6 +140,13 @@ class ActivationTracker:
         self._entries[sid] = entry
         self._next_sid = max(self._next_sid, sid + 1)
 
+    def add_virtual(self, nbytes: int, producer: int) -> StorageId:
+        """A new id for bytes no storage of the step holds for the session (an opaque
+        region's own saved activations): sized, never alive; returns the id."""
+        sid = self._next_sid
+        self.add_dead(sid, nbytes, producer)
+        return sid
+
     def grow(self, sid: StorageId, nbytes: int) -> None:
         """Record that ``sid`` grew (an op resized it); sizes are the maximum seen."""
         entry = self._entries[sid]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_map_only
 
 from hyper_offload.config import MIB
 from hyper_offload.passes.analysis.validator import ScheduleReport
-from hyper_offload.passes.fx.collectives import PendingCollectives, wait_accesses
+from hyper_offload.passes.fx.collectives import PendingCollectives, returns_work, wait_accesses
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import (
     AccessKind,
@@ -51,18 +51,21 @@ from hyper_offload.passes.plan.planning import PlanningError, plan_residency
 from hyper_offload.passes.plan.protocol import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.op_clock import OpClock
+from hyper_offload.runtime.pipeline.hooks import swap_step_running
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 
 from .dispatch_mode import owns_storage, tensor_leaves, written_arguments
 from .executor_base import (
+    ACCUMULATE_GRAD,
     BaseExecutor,
     OffloadBudgetWarning,
     OffloadSessionError,
     settle_communication,
 )
+from .region_saved import region_saved_bytes
 from .tracker import ActivationTracker
 
-__all__ = ["WarmupExecutor", "WarmupResult", "replan"]
+__all__ = ["WarmupExecutor", "WarmupResult", "estimate_new_bytes", "replan"]
 
 
 class WarmupResult:
@@ -80,6 +83,9 @@ class WarmupResult:
         report: ScheduleReport,
         funcs: list[Any],
         comm_buffers: frozenset[StorageId] = frozenset(),
+        pins: Mapping[int, tuple[StorageId, ...]] | None = None,
+        foreign: frozenset[StorageId] = frozenset(),
+        virtual: Mapping[StorageId, int] | None = None,
     ) -> None:
         self.trace = trace
         self.schedule = schedule
@@ -87,6 +93,20 @@ class WarmupResult:
         self.funcs = funcs
         self.comm_buffers = comm_buffers
         """Storages a functional collective read or wrote (tensor parallel)."""
+        self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
+        """Op index -> the storages a ``Work``-returning op pinned there (from that op to
+        the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
+        self.foreign = foreign
+        """FSDP's buffers (``fsdp::`` ops): 0 bytes in the trace, never bound."""
+        self.virtual: Mapping[StorageId, int] = virtual or {}
+        """What opaque regions keep for their backward (:mod:`.region_saved`): id ->
+        bytes. No storage: the replay counts them and runs no action on them."""
+        self.replay_pre, self.replay_post, self.virtual_delta = _virtual_replay(
+            trace, schedule, self.virtual)
+        self.hand_back = hand_back(trace.ops, set().union(*pins.values()) if pins else set())
+        """``ACCUMULATE_GRAD`` op index -> the incoming gradients it read for the last
+        time (retained: never released by the plan): the replay hands them back to
+        autograd there (unbinds them: ``.grad`` keeps one, or it dies)."""
 
 
 class WarmupExecutor(BaseExecutor):
@@ -109,29 +129,41 @@ class WarmupExecutor(BaseExecutor):
         self.ops: list[TraceOp] = []
         self.funcs: list[Any] = []
         self._resident_sids: dict[StorageId, None] = {}  # insertion-ordered set
-        self._writes: dict[Any, tuple[tuple[int, str], ...]] = {}
+        self._writes: dict[Any, tuple[tuple[int, str], ...] | None] = {}  # None: a Work op
         self._current: (
             tuple[Any, str, dict[StorageId, AccessKind], tuple[StorageId, ...], Any, int] | None
         ) = None  # func, name, accesses, the storages its arguments read, keys, clock token
         self.clock = OpClock(device)  # op durations: wall clock on CPU, events on a GPU
         self._timed: dict[int, int] = {}  # op index -> clock token
         self.collectives = PendingCollectives()
+        self.pinned: dict[StorageId, None] = {}
+        """Storages a ``Work``-returning op touched (insertion-ordered set): read by
+        every later op, retained, so no eviction or plan moves or frees them."""
+        self.pins: dict[int, tuple[StorageId, ...]] = {}
+        self._parameter_op = False  # whether the op in progress is an fsdp:: op
+        self.held: dict[StorageId, int] = {}
+        """Virtual storages of what open opaque regions keep for their backward (id ->
+        bytes, :mod:`.region_saved`): read by every op until their backward op ends."""
+        self.virtual: dict[StorageId, int] = {}
+        """Every such virtual storage of the step."""
+        self._region_work: set[int] = set()  # storage keys a Work op used in the open region
+        self._region_ops: dict[Any, bool] = {}  # op inside a region -> whether it returns a Work
+        self.foreign: dict[StorageId, None] = {}
+        """Storages an ``fsdp::`` op created or touched: FSDP's all-gather and
+        reduce-scatter buffers, parameters' memory (:data:`PARAMETER_MEMORY`). Recorded at
+        0 bytes and retained, never counted, evicted or bound: left in place."""
 
     # ------------------------------------------------------------------ op hooks
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = func if isinstance(func, str) else str(func)
-        writes = self._writes.get(func)
-        if writes is None:  # the first call of this op in the step
-            _refuse_invisible_communication(func, self.index)
-            writes = self._writes[func] = written_arguments(func)
-        written_pos = {p for p, _ in writes}
-        written_names = {n for _, n in writes}
-        tensors: list[tuple[torch.Tensor, bool]] = []
-        for position, value in enumerate(args):
-            tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
-        for key, value in kwargs.items():
-            tensors.extend((t, key in written_names) for t in tensor_leaves(value))
+        if swap_step_running():
+            _refuse_swap_step(name, self.index)
+        if func in self._writes:
+            writes = self._writes[func]
+        else:  # the first call of this op in the step
+            writes = self._writes[func] = None if returns_work(func) else written_arguments(func)
+        tensors = _argument_tensors(args, kwargs, writes)
         keys: Any = self.guard(name, (t for t, _ in tensors))
         if isinstance(func, str):
             keys = self.live_inputs((t for t, _ in tensors), self.device)
@@ -143,10 +175,21 @@ class WarmupExecutor(BaseExecutor):
             if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
                 accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
         reads = tuple(sid for sid, kind in accesses.items() if kind is AccessKind.READ)
+        parameter_op = getattr(func, "namespace", None) in PARAMETER_MEMORY
+        if parameter_op:
+            self._make_foreign(tuple(accesses))
+        if writes is None and accesses:
+            self._pin(tuple(s for s in accesses if s not in self.foreign))
         for sid in self.collectives.in_flight:  # read by the communication meanwhile
             accesses.setdefault(sid, AccessKind.READ)
-        incoming = 0 if isinstance(func, str) else _estimate_new_bytes(func, args, kwargs, self.device)
+        for sid in self.pinned:  # a Work-returning op may still use it
+            accesses.setdefault(sid, AccessKind.READ)
+        for sid in self.held:  # an opaque region's own saved bytes: no gap to move them
+            accesses.setdefault(sid, AccessKind.READ)
+        incoming = (0 if isinstance(func, str)
+                    else estimate_new_bytes(func, args, kwargs, self.device))
         self._evict(set(accesses), incoming)
+        self._parameter_op = parameter_op
         self._current = (func, name, accesses, reads, keys, self.clock.start())
 
     def on_op_end(self, result: Any) -> Any:
@@ -165,14 +208,22 @@ class WarmupExecutor(BaseExecutor):
                 if self.is_input_alias(storage, keys):
                     continue  # a view of (or in-place result on) a pre-existing storage
                 sid = self.tracker.adopt(storage, self.index)
-                self._resident += storage.nbytes()
-                self._resident_sids[sid] = None
+                if self._parameter_op:
+                    self.foreign[sid] = None  # FSDP's buffer: recorded, never counted
+                else:
+                    self._resident += storage.nbytes()
+                    self._resident_sids[sid] = None
                 accesses[sid] = AccessKind.WRITE
+            elif sid in self.foreign:  # a view of FSDP's memory: no output of the step
+                accesses.setdefault(sid, AccessKind.READ)
+                continue
             else:
                 self._note_growth(sid, storage.nbytes())
                 accesses.setdefault(sid, AccessKind.READ)
             outputs.append(sid)
         self._note_collective(func, accesses, reads, outputs)
+        if self._region_work:  # a virtual op whose body ran Work-returning ops
+            self._pin_region_work(accesses)
         self.ops.append(
             TraceOp(
                 name=name,
@@ -195,6 +246,79 @@ class WarmupExecutor(BaseExecutor):
         (:mod:`hyper_offload.passes.fx.collectives`)."""
         self.collectives.issued(func, reads, outputs)
         wait_accesses(self.collectives, func, reads, accesses, AccessKind.READ, AccessKind.WRITE)
+
+    def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
+        nbytes = region_saved_bytes(outputs, start, self.device, region.input_keys, self._tracked)
+        if nbytes == 0 or self._current is None:
+            return
+        sid = self.tracker.add_virtual(nbytes, self.index)
+        self._current[2][sid] = AccessKind.WRITE  # created by the region's forward op
+        self.held[sid] = self.virtual[sid] = nbytes
+        self._resident += nbytes
+        region.held = (sid, nbytes)
+        self.stats.region_bytes = max(self.stats.region_bytes, sum(self.held.values()))
+
+    def region_backward_end(self, region: Any) -> None:
+        if region.held is not None and region.held[0] in self.held:
+            self._resident -= self.held.pop(region.held[0])
+
+    def _tracked(self, tensor: torch.Tensor) -> bool:
+        return owns_storage(tensor) and self.tracker.sid_of(tensor.untyped_storage()) is not None
+
+    def _make_foreign(self, sids: tuple[StorageId, ...]) -> None:
+        """An ``fsdp::`` op touches ``sids``: FSDP's buffers from now on (their
+        communication and their life are FSDP's), no longer counted or evictable."""
+        for sid in sids:
+            if sid in self.foreign:
+                continue
+            self.foreign[sid] = None
+            self.pinned.pop(sid, None)
+            if sid in self._resident_sids:
+                del self._resident_sids[sid]
+                self._resident -= self.tracker.entry(sid).nbytes
+
+    def _pin(self, sids: tuple[StorageId, ...]) -> None:
+        """A ``Work``-returning op at this index touches ``sids``: their communication
+        ends at a ``Work.wait()`` no op shows, so they stay put to the end of the step."""
+        self.pins[self.index] = sids
+        self.pinned.update(dict.fromkeys(sids))
+
+    def guard_region_op(self, func: Any, tensors: list[torch.Tensor]) -> None:
+        """An op inside an opaque region: guarded, not traced; a ``Work``-returning one
+        pins the region's tracked storages it touched when the region's op ends."""
+        keys = self.guard(func, tensors)
+        work = self._region_ops.get(func)
+        if work is None:
+            work = self._region_ops[func] = returns_work(func)
+        if work:
+            self._region_work.update(keys)
+
+    def accumulation_inputs(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An op of the open ``AccumulateGrad`` virtual op: its tracked arguments are the
+        virtual op's accesses (the incoming gradient READ; a ``.grad`` created earlier in
+        the step WRITTEN by ``add_``); what it creates is not tracked."""
+        if func not in self._writes:
+            self._writes[func] = None if returns_work(func) else written_arguments(func)
+        tensors = _argument_tensors(args, kwargs, self._writes[func])
+        self.guard_region_op(func, [t for t, _ in tensors])
+        assert self._current is not None
+        accesses = self._current[2]
+        for tensor, written in tensors:
+            if tensor.device == self.device and owns_storage(tensor):
+                sid = self.tracker.sid_of(tensor.untyped_storage())
+                if sid is not None and accesses.get(sid) is not AccessKind.WRITE:
+                    accesses[sid] = AccessKind.WRITE if written else AccessKind.READ
+
+    def _pin_region_work(self, accesses: dict[StorageId, AccessKind]) -> None:
+        touched, self._region_work = self._region_work, set()
+        sids = []
+        for sid in accesses:
+            storage = self.tracker.storage(sid)
+            if storage is not None and storage._cdata in touched:
+                sids.append(sid)
+                accesses[sid] = AccessKind.WRITE  # the communication may fill it
+        if sids:
+            self._pin(tuple(sids))
 
     def storage_ids(self, tensors: Any) -> tuple[StorageId, ...]:
         sids: dict[StorageId, None] = {}
@@ -264,18 +388,32 @@ class WarmupExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ re-warm
 
-    def continue_from(self, trace: ActivationTrace, funcs: list[Any], num_ops: int, bound: dict[int, StorageId]) -> None:
+    def continue_from(self, plan: WarmupResult, num_ops: int, bound: dict[int, StorageId]) -> None:
         """Take over a replayed step after its first ``num_ops`` ops (which matched
-        ``trace``): keep those ops, and adopt every storage the replay bound, in the
-        state the schedule left it (``bound``: the replay's ``_cdata`` -> id map).
+        ``plan.trace``): keep those ops and their pins, and adopt every storage the replay
+        bound, in the state the schedule left it (``bound``: the replay's ``_cdata`` ->
+        id map).
 
         Resident storages become tracked activations; offloaded ones stay bound (an op
         that needs one pages it back); storages the schedule released for good stay
         bound too, so that a read of one raises instead of touching 0 bytes."""
-        manager = self.manager
+        manager, trace = self.manager, plan.trace
         self.ops = list(trace.ops[:num_ops])
-        self.funcs = list(funcs[:num_ops])
+        self.funcs = list(plan.funcs[:num_ops])
         self.index = num_ops
+        self.foreign.update(dict.fromkeys(
+            s for op in self.ops for s in op.storages if s in plan.foreign))
+        for sid, nbytes in plan.virtual.items():  # held past the prefix: to the end now
+            uses = [i for i, _ in trace.accesses_of(sid)]
+            if uses[0] < num_ops:
+                self.virtual[sid] = nbytes
+                if uses[-1] >= num_ops:
+                    self.held[sid] = nbytes
+                    self._resident += nbytes
+        for index, sids in plan.pins.items():
+            if index < num_ops:
+                self.pins[index] = sids
+                self.pinned.update(dict.fromkeys(sids))
         bound_sids = {sid: key for key, sid in bound.items()}
         seen = sorted({a.storage for op in self.ops for a in op.accesses})
         for sid in seen:
@@ -318,8 +456,39 @@ class WarmupExecutor(BaseExecutor):
             for index, op in enumerate(self.ops)
         )
 
+    def _build_trace(self) -> ActivationTrace:
+        """The step's trace. ``retained``: what is alive now, and what the plan must never
+        release: pinned storages (their communication may still use them; the library
+        frees them through its own reference once done), incoming gradients last read
+        by their accumulation (whether this step created the ``.grad``, which keeps one,
+        or accumulated into one, where it dies: the same trace either way; the replay
+        hands them back to autograd there) and FSDP's buffers (at 0 bytes: parameters'
+        memory, never bound by the replay); those are outputs of their creating op only."""
+        handed = (s for sids in hand_back(self.ops, self.pinned).values() for s in sids)
+        retained = frozenset(e.sid for e in self.tracker if e.alive).union(
+            self.pinned, handed, self.foreign)
+        sizes = self.tracker.sizes()
+        ops = self._timed_ops()
+        if self.foreign:
+            sizes.update(dict.fromkeys(self.foreign, 0))
+            ops = _first_outputs_only(ops, self.foreign)
+        bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
+        return ActivationTrace(
+            ops=ops,
+            storage_sizes=sizes,
+            budget_bytes=self.budget_bytes,
+            retained=retained,
+            **(
+                {}
+                if bandwidth is None
+                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps,
+                      "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
+            ),
+        )
+
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
+        self.begin_finish("traced")
         self.closed = True
         manager = self.manager
         stranded = []
@@ -343,19 +512,7 @@ class WarmupExecutor(BaseExecutor):
                 "referenced after the step, but the previous plan released their bytes; do "
                 "not read those tensors, and call session.reset() before the next step"
             )
-        retained = frozenset(e.sid for e in self.tracker if e.alive)
-        bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
-        trace = ActivationTrace(
-            ops=self._timed_ops(),
-            storage_sizes=self.tracker.sizes(),
-            budget_bytes=self.budget_bytes,
-            retained=retained,
-            **(
-                {}
-                if bandwidth is None
-                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps, "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
-            ),
-        )
+        trace = self._build_trace()
         # What outlives the step is on the device now (paged back just above): that
         # moment is part of the step's peak, as it is of the trace's model.
         self.stats.end_resident_bytes = trace.retained_bytes
@@ -373,7 +530,9 @@ class WarmupExecutor(BaseExecutor):
             )
         self.tracker.clear()
         return WarmupResult(
-            trace, planned.schedule, planned.check, self.funcs, frozenset(self.collectives.buffers)
+            trace, planned.schedule, planned.check, self.funcs,
+            frozenset(self.collectives.buffers), dict(self.pins), frozenset(self.foreign),
+            dict(self.virtual),
         )
 
 
@@ -388,7 +547,68 @@ def replan(
         planned = plan_residency(trace, planner, earliest_prefetch_op=0, where="eager re-plan")
     except PlanningError as error:
         raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
-    return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers)
+    return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
+                        plan.pins, plan.foreign, plan.virtual)
+
+
+def _virtual_replay(
+    trace: ActivationTrace, schedule: ResidencySchedule, virtual: Mapping[StorageId, int]
+) -> tuple[Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]], dict[int, tuple[int, int]]]:
+    """The schedule the replay runs (``pre``, ``post`` without actions on virtual
+    storages) and, per op, the virtual bytes it creates and releases (for the count)."""
+    if not virtual:
+        return schedule.pre, schedule.post, {}
+    delta: dict[int, list[int]] = {}
+    for sid, nbytes in virtual.items():
+        delta.setdefault(trace.accesses_of(sid)[0][0], [0, 0])[0] += nbytes
+    post = []
+    for index, actions in enumerate(schedule.post):
+        for action in actions:
+            if action.storage in virtual:
+                delta.setdefault(index, [0, 0])[1] += virtual[action.storage]
+        post.append(tuple(a for a in actions if a.storage not in virtual))
+    pre = [tuple(a for a in actions if a.storage not in virtual) for actions in schedule.pre]
+    return pre, post, {op: (made, freed) for op, (made, freed) in delta.items()}
+
+
+def _first_outputs_only(
+    ops: Sequence[TraceOp], foreign: Collection[StorageId]
+) -> tuple[TraceOp, ...]:
+    """``ops`` with each foreign storage an output of its creating op only: the replay
+    skips a foreign storage's views as it skips views of parameters."""
+    seen: set[StorageId] = set()
+    out = []
+    for op in ops:
+        outputs = []
+        for sid in op.outputs:
+            if sid in foreign:
+                if sid in seen:
+                    continue
+                seen.add(sid)
+            outputs.append(sid)
+        out.append(op if len(outputs) == len(op.outputs)
+                   else dataclasses.replace(op, outputs=tuple(outputs)))
+    return tuple(out)
+
+
+def hand_back(
+    ops: Sequence[TraceOp], pinned: Collection[StorageId]
+) -> dict[int, tuple[StorageId, ...]]:
+    """``ACCUMULATE_GRAD`` op index -> the storages it reads for the last time (the
+    incoming gradients; pinned ones stay the communication's). Creating a ``.grad``
+    keeps such a storage, accumulating into one frees it: the trace retains it either
+    way (counted to the end of the step, never released by the plan)."""
+    last: dict[StorageId, int] = {}
+    for index, op in enumerate(ops):
+        for access in op.accesses:
+            last[access.storage] = index
+    handed: dict[int, tuple[StorageId, ...]] = {}
+    for index, op in enumerate(ops):
+        if op.name == ACCUMULATE_GRAD:
+            sids = tuple(s for s in op.storages if last[s] == index and s not in pinned)
+            if sids:
+                handed[index] = sids
+    return handed
 
 
 def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:
@@ -415,32 +635,43 @@ def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_
     )
 
 
-_INVISIBLE_COMMUNICATION = frozenset({"fsdp"})
-"""Namespaces of ops that prepare buffers for communication the dispatcher never sees."""
+def _refuse_swap_step(name: str, index: int) -> None:
+    """Fail at the first op of a swapping ``PipelineSwapSchedule.step()``: its swap groups
+    resize the chunks' saved storages themselves, the session would move the same ones."""
+    raise OffloadSessionError(
+        f"OffloadSession warmup, op {index} ({name}): runs inside PipelineSwapSchedule(swap=True)."
+        "step(), whose swap groups offload each chunk's saved activations themselves; the "
+        "session would plan and move the same storages. Fix: build the schedule with "
+        "swap=False inside the session (the session then plans every activation of the "
+        "rank, the chunks across micro-batches included, under its one budget), or run the "
+        "swap schedule outside `with session:`"
+    )
 
 
-def _refuse_invisible_communication(func: Any, index: int) -> None:
-    """Fail the warmup at FSDP2's first op: the session would plan buffers blindly.
-
-    FSDP2 (``fully_shard``) packs its all-gathers and reduce-scatters into buffers made
-    by ``fsdp::`` ops and hands them to the process group directly, outside the
-    dispatcher, with ``async_op=True``: no op of the step shows when the communication
-    reads or writes them, so a plan could copy, free or evict a buffer the library still
-    uses (measured: a segfault in ``all_gather_single``). Tensor parallel's functional
-    collectives are ops with a ``wait_tensor`` and are planned like any other."""
-    if getattr(func, "namespace", None) in _INVISIBLE_COMMUNICATION:
-        raise OffloadSessionError(
-            f"OffloadSession warmup, op {index} ({func}): FSDP2 (fully_shard) hands its "
-            "communication buffers to the process group outside the dispatcher, so the "
-            "session cannot see when the all-gathers and reduce-scatters use them and "
-            "cannot plan them safely. Fix: compile the model with "
-            "torch.compile(model, backend='hyper_offload') (FSDP2 and FSDP2 x tensor "
-            "parallel are supported there), or use the session without fully_shard "
-            "(tensor parallel alone is supported)"
-        )
+PARAMETER_MEMORY = frozenset({"fsdp"})
+"""Namespaces of ops that make or fill parameters' memory (FSDP2's all-gather and
+reduce-scatter buffers): what they create or touch is left untracked, in place."""
 
 
-def _estimate_new_bytes(
+def _argument_tensors(
+    args: tuple[Any, ...], kwargs: dict[str, Any], writes: tuple[tuple[int, str], ...] | None
+) -> list[tuple[torch.Tensor, bool]]:
+    """An op's tensor arguments, each with whether the op writes it: the arguments its
+    schema marks written (``writes``), or every one for a ``Work``-returning op
+    (``writes is None``: ``recv_`` fills tensors its schema does not mark)."""
+    if writes is None:
+        return [(t, True) for t in tensor_leaves((args, kwargs))]
+    written_pos = {p for p, _ in writes}
+    written_names = {n for _, n in writes}
+    tensors: list[tuple[torch.Tensor, bool]] = []
+    for position, value in enumerate(args):
+        tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
+    for key, value in kwargs.items():
+        tensors.extend((t, key in written_names) for t in tensor_leaves(value))
+    return tensors
+
+
+def estimate_new_bytes(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> int:
     """Bytes of the storages ``func`` will allocate, from a run on meta tensors; 0 when the

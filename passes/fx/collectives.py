@@ -12,8 +12,13 @@ at the wait, the collective's tensor inputs as READ and its output as WRITTEN
 (:func:`wait_accesses`): no plan moves or frees the inputs, or copies the output,
 before it. Both
 doors use the rule: the FX trace (:mod:`.graph_trace`) and the eager warmup trace.
-Non-functional ``c10d`` ops (FSDP2's hooks) are waited on through a ``Work`` object, not
-an op: no trace can see that wait, and their buffers are the caller's, not activations.
+Non-functional ``c10d`` ops (``send``, ``recv_``, ``allreduce_``, ``_allgather_base_``,
+...: torch.distributed's eager API, pipelining's P2P, FSDP2's hooks) return a ``Work``
+whose ``wait()`` is no op: no trace sees when their communication ends
+(:func:`returns_work`). The rule for them is stricter: every storage such an op reads or
+writes is *pinned* from that op to the end of the step, never released, moved or reused
+(a trace records it as accessed by every later op and retained; the communication
+library frees it when it is done, through its own reference).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 __all__ = [
     "COLLECTIVE_NAMESPACES", "PendingCollectives", "is_collective_op", "is_wait_op",
-    "wait_accesses",
+    "returns_work", "wait_accesses",
 ]
 
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor"})
@@ -41,6 +46,17 @@ def is_collective_op(target: Any) -> bool:
 def is_wait_op(target: Any) -> bool:
     """Whether ``target`` waits for an issued collective (``wait_tensor``)."""
     return is_collective_op(target) and _op_name(target) in _WAIT_NAMES
+
+
+def returns_work(target: Any) -> bool:
+    """Whether ``target``'s schema returns a c10d ``Work``: its communication outlives the
+    call and ends at a ``Work.wait()`` that is no op (see the module docstring). Such an
+    op may write every tensor it is given (``recv_``, ``broadcast_`` and ``allreduce_``
+    declare no alias annotation for the tensors they fill)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(
+        str(ret.type).endswith("c10d.Work") for ret in schema.returns
+    )
 
 
 def _op_name(target: Any) -> str:

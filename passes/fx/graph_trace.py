@@ -23,7 +23,10 @@ Storages (the trace's unit) come from fake-tensor metadata:
 * a saved activation (a forward output the backward takes as a placeholder of the same
   name) is one storage across both graphs;
 * a functional collective's ``wait_tensor`` reads its tensor inputs and writes its
-  output (:mod:`.collectives`: the communication runs until then);
+  output (:mod:`.collectives`: the communication runs until then); a ``Work``-returning
+  c10d op (which Dynamo graph-breaks on, but a hand-made graph may hold) writes every
+  tensor it is given, its results are those tensors (no new storage), and a saved
+  activation among them never moves (its communication ends at a wait no graph shows);
 * model outputs (the first ``num_fwd_outputs`` forward outputs) and the backward's
   outputs (gradients) are ``retained``; gradients count 0 bytes: they are the
   optimizer's memory, sized by the parameters like the parameters themselves, not
@@ -62,7 +65,7 @@ from ..ir.trace import (
     StorageId,
     TraceOp,
 )
-from .collectives import PendingCollectives, wait_accesses
+from .collectives import PendingCollectives, returns_work, wait_accesses
 from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput_for
 from .saved import SavedActivation, StorageBase, classify_saved
 
@@ -183,6 +186,7 @@ class _Builder:
         self.names: list[str] = []
         self.durations: list[float] = []
         self.pending = PendingCollectives()  # an async collective's inputs live to its wait
+        self.work_pinned: dict[StorageId, str] = {}  # storage -> why it never moves
 
     def new_storage(self, nbytes: int, base: StorageBase) -> StorageId:
         sid = len(self.sizes)
@@ -212,6 +216,9 @@ class _Builder:
                 self.add_op(prefix, node, qualified)
 
     def add_op(self, prefix: str, node: fx.Node, qualified: str) -> None:
+        if returns_work(node.target):
+            self.add_work_op(prefix, node, qualified)
+            return
         accesses: dict[StorageId, AccessKind] = {}
         schema = getattr(node.target, "_schema", None)
         alias_arg: dict[Any, list[StorageId | None]] = {}
@@ -252,6 +259,30 @@ class _Builder:
         wait_accesses(
             self.pending, node.target, reads, accesses, AccessKind.READ, AccessKind.WRITE
         )
+        self.ops.append(accesses)
+        self.names.append(qualified)
+        self.durations.append(node_seconds(node, self.throughput))
+
+
+    def add_work_op(self, prefix: str, node: fx.Node, qualified: str) -> None:
+        """A ``Work``-returning op: WRITEs every tensor it is given and pins it (the
+        communication ends at a ``Work.wait()``, no op); its results alias them."""
+        accesses: dict[StorageId, AccessKind] = {}
+        by_key: dict[int, StorageId] = {}  # fake storage -> storage id
+        for leaf in _node_leaves(list(node.args) + list(node.kwargs.values())):
+            value, sids = leaf.meta.get("val"), self.of(prefix, leaf)
+            for sid in sids:
+                if sid is not None:
+                    accesses[sid] = AccessKind.WRITE
+                    self.work_pinned[sid] = f"used by {node.target}, which returns a c10d Work"
+            if isinstance(value, torch.Tensor) and sids and sids[0] is not None:
+                by_key[value.untyped_storage()._cdata] = sids[0]
+        out: list[StorageId | None] = []
+        for value in _value_leaves(node.meta.get("val")):  # (Tensor or Tensor[], Work)
+            first = value[0] if isinstance(value, (list, tuple)) and value else value
+            aliased = isinstance(first, torch.Tensor)
+            out.append(by_key.get(first.untyped_storage()._cdata) if aliased else None)
+        self.storage[qualified] = out or [None]
         self.ops.append(accesses)
         self.names.append(qualified)
         self.durations.append(node_seconds(node, self.throughput))
@@ -352,7 +383,7 @@ def build_fx_trace(
         model_outputs=set() if outputs_move else model_outputs,
         pinned={**_held_back(saved_nodes, saved_storage, may_move),
                 **{sid: "a graph input the forward writes in place"
-                   for sid in inputs.values() if sid in written}},
+                   for sid in inputs.values() if sid in written}, **builder.work_pinned},
     )
     offloadable = {s.storage for s in saved if s.offloadable}
     ops = _filled_ops(builder.ops, num_fw_ops, offloadable)

@@ -36,6 +36,8 @@ __all__ = [
     "group_scope",
     "in_pipeline_forward",
     "saved_tensor_hooks",
+    "swap_step_running",
+    "swap_step_scope",
 ]
 
 
@@ -48,6 +50,26 @@ class _NoWindow:
 
 NO_WINDOW: Final = _NoWindow()
 _CURRENT: ContextVar[SwapGroup | _NoWindow | None] = ContextVar("hyper_offload_swap_group", default=None)
+
+
+_SWAP_STEP: ContextVar[bool] = ContextVar("hyper_offload_swap_step", default=False)
+
+
+def swap_step_running() -> bool:
+    """True inside a ``PipelineSwapSchedule.step()`` that swaps (``swap=True``): its
+    swap groups resize the chunks' storages themselves (the eager door refuses to plan
+    the same storages)."""
+    return _SWAP_STEP.get()
+
+
+@contextmanager
+def swap_step_scope(swapping: bool) -> Iterator[None]:
+    """Mark the ``step()`` running in this context as swapping (or not)."""
+    token = _SWAP_STEP.set(swapping)
+    try:
+        yield
+    finally:
+        _SWAP_STEP.reset(token)
 
 
 def current_group() -> SwapGroup | None:

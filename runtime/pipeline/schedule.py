@@ -51,7 +51,7 @@ from hyper_offload.passes.pipeline.send_release import SendReleases, send_releas
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
 from ..pinned_pool import PinnedMemoryPool
-from .hooks import group_scope
+from .hooks import group_scope, swap_step_scope
 from .p2p import SentTensor
 from .session import PipelineSwapSession
 from .step_runner import StepContext, StepObserver, StepRun
@@ -237,6 +237,12 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
                     )
 
     # ------------------------------------------------------------------ execution
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's ``step()``, marked as swapping for whoever watches the ops (from the
+        input split on: an ``OffloadSession`` refuses before any communication)."""
+        with swap_step_scope(self.swap):
+            return super().step(*args, **kwargs)
 
     def _initialize_stages(self, args: tuple[Any, ...], kwargs: Any, target: Any = None, loss_kwargs: Any = None) -> None:
         # Stage initialisation runs real forwards (shape inference) outside any step: mark

@@ -102,3 +102,84 @@ def test_settle_communication_waits_for_the_release_and_no_longer_than_its_bound
     started = time.perf_counter()
     settle_communication(lambda: True, timeout_s=0.02)  # held for good: gives up
     assert time.perf_counter() - started >= 0.02
+
+
+# ---------------------------------------------------------------------------- Work ops
+# torch.distributed's eager API (and pipelining's P2P) runs c10d ops that return a Work:
+# the communication ends at Work.wait(), which is no op. Everything such an op touches is
+# pinned to the end of the step (issue 41, item 5).
+
+
+def _work_step(x: torch.Tensor, w: torch.Tensor, kept: list[torch.Tensor]) -> torch.Tensor:
+    h = torch.relu(x @ w)
+    # Dropped at once: only the Work (gloo) holds it. Its last traced use is the op.
+    dropped = dist.all_reduce(h.detach() * 2, async_op=True)
+    buffer = torch.tanh(h.detach())
+    kept.append(buffer)  # kept by the caller, but read by no later op
+    work = dist.all_reduce(buffer, async_op=True)
+    loss = (torch.sigmoid(h @ w) * h).pow(2).mean()
+    loss.backward()
+    work.wait()
+    dropped.wait()
+    return loss
+
+
+def _storages_after(session: OffloadSession, op: int) -> set[int]:
+    return {a.storage for i, _, a in session.schedule.actions() if i >= op}
+
+
+def test_a_work_returning_op_pins_what_it_touches_until_the_end_of_the_step(one_rank):
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(32, 32, requires_grad=True)
+    plain_kept: list[torch.Tensor] = []
+    plain = _work_step(x, w, plain_kept).detach(), w.grad.clone()
+    w.grad = None
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    for _ in range(3):
+        kept: list[torch.Tensor] = []
+        with session:
+            loss = _work_step(x, w, kept)
+        assert torch.equal(loss, plain[0]) and torch.equal(w.grad, plain[1])
+        assert torch.equal(kept[0], plain_kept[0])
+        w.grad = None
+    assert session.last_stats.phase == "replay" and session.last_stats.bytes_d2h > 0
+    trace = session.trace
+    reduces = [i for i, op in enumerate(trace.ops) if "c10d.allreduce_" in op.name]
+    assert len(reduces) == 2
+    assert sorted(session.pins) == reduces
+    for index in reduces:
+        (sid,) = session.pins[index]  # the reduced tensor (the earlier pin is read too)
+        kinds = {a.storage: a.kind for a in trace.ops[index].accesses}
+        assert kinds[sid] is AccessKind.WRITE  # the communication may fill it
+        assert all(sid in op.storages for op in trace.ops[index:])  # no gap to move it in
+        assert sid in trace.retained  # never released by the plan
+        assert sid not in _storages_after(session, index)
+
+
+def test_a_work_op_inside_an_opaque_region_pins_the_region_storages_it_touched(one_rank):
+    from hyper_offload import skip_offload
+
+    works = []
+
+    @skip_offload
+    def reduce_later(t: torch.Tensor) -> torch.Tensor:
+        works.append(dist.all_reduce(t, async_op=True))
+        return t * 1
+
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(32, 32, requires_grad=True)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    for _ in range(2):
+        with session:
+            h = torch.relu(x @ w).detach()
+            reduce_later(h)
+            loss = (torch.tanh(x @ w) * 3).sum()
+            loss.backward()
+            works.pop().wait()
+        w.grad = None
+    (index,) = session.pins
+    assert session.trace.ops[index].name.startswith("opaque:")
+    (sid,) = session.pins[index]
+    assert sid in session.trace.ops[index].storages and sid in session.trace.retained
+    assert all(sid in op.storages for op in session.trace.ops[index:])
+    assert sid not in _storages_after(session, index)

@@ -14,7 +14,7 @@ from hyper_offload.eager.dispatch_mode import (
     tensor_leaves,
     written_arguments,
 )
-from hyper_offload.eager.executor_base import BaseExecutor
+from hyper_offload.eager.executor_base import ACCUMULATE_GRAD, BaseExecutor
 from hyper_offload.eager.opaque import run_opaque_region
 from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine
 from hyper_offload.eager.shadow_tensor import ShadowTensor
@@ -46,7 +46,25 @@ def test_mode_forwards_every_op_to_the_executor() -> None:
     names = [name for kind, name in executor.events if kind == "begin"]
     assert names[:2] == ["aten.mul.Tensor", "aten.sum.default"]
     assert any("ones_like" in n or "expand" in n for n in names[2:])  # backward ops too
+    # x.grad's creation is one virtual op, open until another op (or the step's end)
+    assert names[-1] == ACCUMULATE_GRAD and executor.grad_node is not None
+    executor.end_accumulation()
     assert executor.index == len(names) and torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_a_grad_created_or_accumulated_is_one_virtual_op_reading_the_incoming_gradient() -> None:
+    x = torch.randn(3, requires_grad=True)
+    x.register_hook(lambda g: g * 1)  # a tensor hook runs inside the same node
+    for accumulating in (False, True):
+        executor = Recording()
+        with ActivationDispatchMode(executor):
+            (x * 2).sum().backward()
+            torch.ones(1) + 1  # closes the accumulation op
+        names = [name for kind, name in executor.events if kind == "begin"]
+        assert names[-3:] == [ACCUMULATE_GRAD, "aten.ones.default", "aten.add.Tensor"]
+        # the hook's mul and the detach or add_ of the accumulation are inside it
+        assert names.count(ACCUMULATE_GRAD) == 1 and names.count("aten.mul.Tensor") == 2
+    assert torch.equal(x.grad, torch.full((3,), 4.0))
 
 
 def test_opaque_depth_bypasses_the_hooks() -> None:

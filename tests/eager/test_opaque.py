@@ -76,10 +76,14 @@ def test_region_is_one_virtual_op_forward_and_backward() -> None:
     assert not any("tanh" in n or "sigmoid" in n for n in names), "region internals were traced"
     # The forward region reads its inputs and creates its output; the backward region
     # reads the output gradient and the region's tracked input.
+    # It also holds what its own ops saved (tanh's and sigmoid's outputs: one virtual
+    # storage, .region_saved) from its forward to its backward.
     first = session.trace.ops[names.index(fwd)]
-    assert len(first.outputs) == 1 and len(first.accesses) == 2
+    (held,) = [sid for sid in first.storages if sid in session.region_holds]
+    assert len(first.outputs) == 1 and len(first.accesses) == 3
     back = session.trace.ops[names.index(bwd)]
     assert len(back.outputs) == 2  # gradients for x and w
+    assert held in back.storages and session.region_holds[held] > 0
 
 
 def test_outside_a_session_it_is_a_plain_call() -> None:

@@ -204,3 +204,35 @@ def test_planned_actions_the_eviction_made_moot_are_skipped():
     assert drift.applicable(manager, action(ActionKind.COPY_D2H, 0))  # not evicted
     manager.resident.add(1)  # paged back by a read: the planned copy refreshes it
     assert drift.applicable(manager, action(ActionKind.COPY_D2H))
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.7])
+def test_lengths_growing_after_the_warmup_stay_within_the_budget_to_the_byte(fraction):
+    """Issue 45 item 5: warmed at 32, then 48 and 64, at a budget each length alone fits.
+    The online eviction used to size an op's outputs from the plan (made for 32), not
+    from the larger ones it was about to produce: 1.2% to 3.5% over the budget. Now
+    the measured resident bytes (the session's and a dispatch-level meter's) stay
+    within it at every step, with no slack."""
+    from hyper_offload.passes import resident_bytes_without_offload
+    from hyper_offload.runtime import DeviceMemoryMeter
+
+    probe = OffloadSession(OffloadConfig())
+    with probe:
+        _gpt()(*_tokens(0, 64, 64)).backward()
+    budget = int(fraction * max(resident_bytes_without_offload(probe.trace)))
+    lengths = (32, 48, 64, 64)
+    batches = [_tokens(i, n, 64) for i, n in enumerate(lengths)]
+    plain = _train(_gpt(), lambda m, x, y: m(x, y), batches, None)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / (1 << 20)))
+    model = _gpt()
+    for number, (batch, want) in enumerate(zip(batches, plain)):
+        meter = DeviceMemoryMeter("cpu")
+        with meter, session:
+            loss = model(*batch)
+            loss.backward()
+        assert torch.equal(loss.detach(), want["loss"]), number
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want["grads"]))
+        model.zero_grad(set_to_none=True)
+        assert session.last_stats.peak_resident_bytes <= budget, (number, budget)
+        assert meter.peak_bytes <= budget, (number, meter.peak_bytes, budget)
+    assert session.replans >= 1 and session.rewarms == 0

@@ -9,8 +9,8 @@ from the autograd graph. Asserted per rank:
 * loss and every gradient shard ``torch.equal`` to the run without offload, every step;
 * saved device bytes after each forward <= the budget + 256 KiB, and something moved;
 * the ranks' plans are the same where their traces are (all ranks run the same shapes);
-* the eager session under FSDP2 refuses at warmup with an error that names the op and
-  the fix (FSDP2's communication is invisible to a dispatch mode: docs/architecture.md).
+* the eager session under FSDP2 x TP leaves FSDP's all-gather and reduce-scatter
+  buffers in place (recorded at 0 bytes, never moved) and plans the activations.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ pytestmark = [pytest.mark.slow,  # 2 + 4 gloo processes compiling DTensor graphs
 pytest.importorskip("transformers")
 
 MESHES = {"tp": 2, "fsdp_tp": 4}
-PLANNED = [  # every case but the eager session under FSDP2, which it refuses (last test)
+PLANNED = [
     (mesh, f"{model}-{door}")
     for mesh in MESHES for model in worker_module.MODELS for door in worker_module.DOORS
-    if not (mesh == "fsdp_tp" and door == "eager")
 ] + [("tp", "llama-inductor")]  # the compile door with Inductor as the inner compiler
 
 
@@ -78,6 +77,7 @@ def test_ranks_plan_the_same_schedule_where_their_traces_agree(results, mesh, na
         assert all(p["kept"] == plans[0]["kept"] for p in plans)  # the step plan too
     else:
         compared = [(plans[0], p) for p in plans[1:]]
+        assert all(p["settled"] and p["warmups"] <= 3 for p in plans)  # the last step replayed
     agreeing = [(a, b) for a, b in compared if (a["trace"], a["sizes"]) == (b["trace"], b["sizes"])]
     assert agreeing  # same shapes on every rank: the traces agree
     for a, b in agreeing:
@@ -85,11 +85,11 @@ def test_ranks_plan_the_same_schedule_where_their_traces_agree(results, mesh, na
 
 
 @pytest.mark.parametrize("model", worker_module.MODELS)
-def test_the_eager_session_refuses_fsdp2_at_warmup_naming_the_op_and_the_fix(results, model):
+def test_the_eager_session_leaves_fsdp2_buffers_in_place(results, model):
+    """FSDP's all-gather and reduce-scatter buffers are parameters' memory: the session
+    records them at 0 bytes (``fsdp::`` ops made or filled them) and never moves them."""
     for case in _runs(results, "fsdp_tp", f"{model}-eager"):
-        message = case["refused"]
-        assert "fsdp.all_gather_copy_in" in message and "warmup" in message
-        assert "backend='hyper_offload'" in message
+        assert case["plan"]["foreign"] > 0
 
 
 def test_the_recompute_search_runs_on_tensor_parallel_graphs_and_never_recomputes_a_collective(

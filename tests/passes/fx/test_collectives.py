@@ -3,6 +3,8 @@ the pending-collectives record both doors share keeps the storages in flight."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -86,3 +88,35 @@ def test_a_wait_ends_only_the_collective_it_waits_on():
     wait_accesses(pending, torch.ops.aten.mul.Tensor, [7], accesses,
                   AccessKind.READ, AccessKind.WRITE)  # not a wait: nothing changes
     assert accesses == {7: AccessKind.READ} and pending.in_flight == {2, 8}
+
+
+def test_a_saved_activation_a_work_returning_op_touched_never_moves(one_rank):
+    """Dynamo graph-breaks on ``dist.all_reduce(..., async_op=True)``; a hand-made graph
+    may still hold the ``c10d`` op. Its communication ends at ``Work.wait()``, which no
+    graph shows, so the tensor it was given stays on the device (issue 41, item 5)."""
+    import torch.distributed as dist
+
+    from .test_saved import _tail, hand_graphs
+
+    def forward(asynchronous: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
+        def fw(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            y = x @ w
+            if asynchronous:
+                dist.all_reduce(y, async_op=True)
+            return (_tail(y.sum()), y)
+        return fw
+
+    def backward(saved: torch.Tensor, tangent: torch.Tensor) -> tuple[torch.Tensor]:
+        return (saved.sin() * tangent,)
+
+    for asynchronous in (False, True):
+        fw, bw = hand_graphs(forward(asynchronous), backward)
+        fx_trace = build_fx_trace(fw, bw, num_fwd_outputs=1)
+        (saved,) = fx_trace.saved
+        assert saved.offloadable is not asynchronous, saved
+        if asynchronous:
+            assert "returns a c10d Work" in saved.reason
+            names = list(fx_trace.op_nodes)
+            reduce = next(i for i, n in enumerate(names) if "allreduce" in n)
+            kinds = {a.storage: a.kind for a in fx_trace.trace.ops[reduce].accesses}
+            assert kinds == {saved.storage: AccessKind.WRITE}  # it may fill the tensor
