@@ -64,12 +64,16 @@ class ActivationDispatchMode(TorchDispatchMode):
 def owns_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a strided tensor over a storage of its own bytes.
 
-    False for sparse layouts and for wrapper subclasses (DTensor, the functional
+    False for sparse layouts, for wrapper subclasses (DTensor, the functional
     collectives' ``AsyncCollectiveTensor``, ``ShadowTensor``): a wrapper's
     ``untyped_storage()`` is a placeholder with no data, and its inner tensors reach the
-    mode as plain tensors through the subclass's own dispatch, where they are tracked.
+    mode as plain tensors through the subclass's own dispatch, where they are tracked;
+    and for an efficient zero tensor (``sgn``'s derivative of a real input, many a
+    formula's zero gradient): its storage claims bytes but has no data, and copying it
+    to the host read address 0 (a segmentation fault, found by the op database sweep).
     """
-    return tensor.layout is torch.strided and type(tensor).__torch_dispatch__ is _PLAIN_DISPATCH
+    return (tensor.layout is torch.strided and type(tensor).__torch_dispatch__ is _PLAIN_DISPATCH
+            and not tensor._is_zerotensor())
 
 
 def tensor_leaves(value: Any) -> Iterator[torch.Tensor]:

@@ -10,6 +10,7 @@ from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.eager.dispatch_mode import (
     ActivationDispatchMode,
     flat_tensors,
+    owns_storage,
     result_tensors,
     tensor_leaves,
     written_arguments,
@@ -107,3 +108,31 @@ def test_shadow_tensor_inside_a_session() -> None:
     assert type(y) is torch.Tensor and torch.equal(y, x * 3)
     assert any("mul" in op.name for op in session.trace.ops)
     manager.reset()
+
+
+_ZERO_GRADIENT_STEP = """
+import torch
+from hyper_offload import OffloadConfig, OffloadSession
+x, p = torch.randn(4), torch.ones(4, requires_grad=True)
+session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+for _ in range(2):  # warmup (online eviction of everything), then replay
+    p.grad = None
+    with session:
+        torch.sgn(x * p).sum().backward()
+assert torch.equal(p.grad, torch.zeros(4)), p.grad
+print("exact")
+"""
+
+
+def test_an_efficient_zero_tensor_is_never_tracked_nor_copied() -> None:
+    """``sgn``'s derivative of a real input is ``_efficientzerotensor``: a storage that
+    claims 16 bytes and holds no data. The warmup evicted it at budget 0 and the copy
+    read address 0: a segmentation fault (found by the op database sweep), hence a
+    child process here."""
+    import subprocess
+    import sys
+
+    assert owns_storage(torch.ones(2)) and not owns_storage(torch._efficientzerotensor(2))
+    done = subprocess.run([sys.executable, "-c", _ZERO_GRADIENT_STEP], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "exact" in done.stdout, (done.returncode, done.stderr[-2000:])
