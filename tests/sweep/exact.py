@@ -76,7 +76,7 @@ def capture(module: OpModule, loss: torch.Tensor) -> StepResult:
     """The step's loss and gradients, cloned (the next step overwrites them)."""
     grads = tuple(
         (f"grad[{name}]", None if p.grad is None else p.grad.detach().clone())
-        for name, p in zip(module.scale_names, module.scales)
+        for name, p in module.graded()
     )
     return StepResult(loss.detach().clone(), grads)
 

@@ -20,9 +20,12 @@ sample a module:
 * the op runs on the activations (the OpInfo's function, or its in-place variant on a
   fresh activation), the sample's ``output_process_fn_grad`` is applied, and every
   floating or complex output with a gradient enters the loss as
-  ``sum(real_view(o).float() * w)`` with a fixed random ``w`` per output (complex
-  outputs through ``view_as_real`` of the resolved tensor), so the gradients differ
-  from element to element;
+  ``sum((real_view(o) * q).float() * w)``: ``real_view`` is ``o`` itself for a real
+  output and ``view_as_real`` of the resolved tensor for a complex one (a float view of
+  complex bytes), ``q`` a scalar parameter of ones (so autograd saves the output view,
+  with its strides, offset and dtype, for ``q``'s gradient: the loss's own multiply
+  exercises every view an op returns) and ``w`` a fixed random tensor per output, so
+  the gradients differ from element to element;
 * tensors that do not require grad (indices, targets, running statistics) are passed
   as they are; :class:`CaseInputs` restores their bytes before every step, so an op
   that writes into one (batch norm's running statistics) sees the same inputs each time.
@@ -199,8 +202,7 @@ class OpModule(nn.Module):
         self.scales = nn.ParameterList(
             nn.Parameter(torch.ones_like(t.detach())) for t in tensors if t.requires_grad
         )
-        self.scale_names = tuple(n for n, g in zip(names, self._grad) if g)
-        """Which sample tensor each parameter scales (e.g. ``input``, ``args[1]``)."""
+        self._scale_names = tuple(n for n, g in zip(names, self._grad) if g)
         self._fn = case.op.op if case.variant == "function" else case.op.inplace_variant
         if self._fn is None:
             raise ValueError(f"{case.name}: the OpInfo has no in-place variant")
@@ -209,10 +211,18 @@ class OpModule(nn.Module):
         with torch.no_grad():
             outputs = self._outputs(self.inputs.tensors)
         generator = torch.Generator().manual_seed(WEIGHT_SEED)
+        self.out_scales = nn.ParameterDict()
         for i, out in enumerate(outputs):
             if _differentiable(out):
-                shape = _real_view(out).shape
-                self.register_buffer(f"w{i}", torch.randn(shape, generator=generator))
+                real = _real_view(out)
+                self.register_buffer(f"w{i}", torch.randn(real.shape, generator=generator))
+                self.out_scales[str(i)] = nn.Parameter(torch.ones((), dtype=real.dtype))
+
+    def graded(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter with the tensor it scales: ``input``, ``args[1]``, ...,
+        ``output[0]``, ... (the names failures report)."""
+        inputs = list(zip(self._scale_names, self.scales))
+        return inputs + [(f"output[{i}]", q) for i, q in self.out_scales.items()]
 
     def _outputs(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """The op's flattened outputs on the activations built from ``tensors``."""
@@ -231,7 +241,8 @@ class OpModule(nn.Module):
         for i, out in enumerate(self._outputs(tensors)):
             if _differentiable(out) and out.requires_grad:
                 weight = getattr(self, f"w{i}")
-                term = (_real_view(out).to(weight.dtype) * weight).sum()
+                scaled = _real_view(out) * self.out_scales[str(i)]  # saves the output
+                term = (scaled.to(weight.dtype) * weight).sum()
                 loss = term if loss is None else loss + term
         if loss is None:
             return torch.zeros(())  # no output has a gradient: the caller skips the case
