@@ -9,7 +9,9 @@ sample a module:
 * every tensor of the sample that requires grad becomes an *activation*
   ``scale(x, p) = x * p``: ``p`` is a parameter of ones laid out like ``x``
   (``ones_like``), so the activation has exactly the sample's values (domains such as
-  "symmetric positive definite" survive) and its strides where ``x`` is dense, while
+  "symmetric positive definite" survive) and its strides (a sample that does not cover
+  its storage densely, e.g. a view at an offset, is scaled over its whole storage and
+  viewed again with its own sizes, strides and offset), while
   the op's saved tensors are produced inside the step and ``p``'s gradient is
   ``grad * conj(x)``, not a constant. ``scale`` is a custom op
   (``opdb_sweep::scale``), not ``aten.mul``: AOTAutograd's min-cut partitioner
@@ -40,7 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 
 __all__ = [
     "DTYPES",
@@ -48,6 +50,7 @@ __all__ = [
     "OpModule",
     "SweepCase",
     "autograd_ops",
+    "case_at",
     "cases_for",
     "dtype_name",
     "op_dtypes",
@@ -134,6 +137,17 @@ def cases_for(
     ]
 
 
+def case_at(key: str, dtype: torch.dtype, index: int, variant: str = "function") -> SweepCase:
+    """The case of sample ``index`` of the OpInfo whose :func:`op_key` is ``key``."""
+    ops = [op for op in autograd_ops([key])[0] if op_key(op) == key]
+    if len(ops) != 1:
+        raise LookupError(f"case_at: {len(ops)} autograd OpInfos of op_db are named {key!r}")
+    cases = cases_for(ops[0], dtype, 0, variant)
+    if not 0 <= index < len(cases):
+        raise IndexError(f"case_at: {key} has {len(cases)} samples in {dtype}, not {index + 1}")
+    return cases[index]
+
+
 class CaseInputs:
     """The sample's tensors, detached, as the module's call arguments; ``restore()``
     writes back the bytes every storage had when the case was built."""
@@ -171,6 +185,31 @@ def _scale_backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
 scale.register_autograd(_scale_backward, setup_context=_scale_setup)
 
 
+def _covers_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense, without overlap, and spans its whole storage from offset 0."""
+    return (
+        t.storage_offset() == 0 and is_non_overlapping_and_dense(t)
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def _scale_parameter(t: torch.Tensor, flat: bool) -> nn.Parameter:
+    """Ones laid out like ``t``; for a ``flat`` one, ones over ``t``'s whole storage."""
+    if not flat:
+        return nn.Parameter(torch.ones_like(t))
+    return nn.Parameter(torch.ones(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype))
+
+
+def _activation(t: torch.Tensor, p: torch.Tensor, flat: bool) -> torch.Tensor:
+    """``scale(t, p)``; a ``flat`` one scales ``t``'s whole storage and takes ``t``'s view
+    of it, so a sample that is a view (a storage offset, gaps, overlap) keeps its layout
+    and an ``as_strided`` sample can still reach the bytes around it."""
+    if not flat:
+        return scale(t, p)
+    whole = scale(t.as_strided((p.numel(),), (1,), 0), p)
+    return whole.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
 def _real_view(out: torch.Tensor) -> torch.Tensor:
     """A real tensor holding ``out``'s values (complex: the resolved ``view_as_real``)."""
     if out.is_complex():
@@ -190,18 +229,14 @@ class OpModule(nn.Module):
     def __init__(self, case: SweepCase) -> None:
         super().__init__()
         sample = case.sample
-        paths, spec = tree_flatten_with_path((sample.input, sample.args, sample.kwargs))
-        leaves = [leaf for _, leaf in paths]
-        self._spec = spec
-        self._constants = [None if isinstance(v, torch.Tensor) else v for v in leaves]
-        self._slots = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        tensors: list[torch.Tensor] = []
+        names: list[str] = []
+        self._call = _template((sample.input, sample.args, sample.kwargs), tensors, names, "")
         self._grad = [t.requires_grad for t in tensors]
         self.inputs = CaseInputs([t.detach() for t in tensors])
-        names = [_leaf_name(keystr(path)) for path, v in paths if isinstance(v, torch.Tensor)]
-        self.scales = nn.ParameterList(
-            nn.Parameter(torch.ones_like(t.detach())) for t in tensors if t.requires_grad
-        )
+        graded = [t.detach() for t in tensors if t.requires_grad]
+        self._flat = [not _covers_storage(t) for t in graded]
+        self.scales = nn.ParameterList(_scale_parameter(t, flat) for t, flat in zip(graded, self._flat))
         self._scale_names = tuple(n for n, g in zip(names, self._grad) if g)
         self._fn = case.op.op if case.variant == "function" else case.op.inplace_variant
         if self._fn is None:
@@ -226,15 +261,15 @@ class OpModule(nn.Module):
 
     def _outputs(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """The op's flattened outputs on the activations built from ``tensors``."""
-        leaves = list(self._constants)
-        scales = iter(self.scales)
-        for slot, tensor, needs_grad in zip(self._slots, tensors, self._grad):
-            leaves[slot] = scale(tensor, next(scales)) if needs_grad else tensor
-        first, args, kwargs = tree_unflatten(leaves, self._spec)
+        scales = iter(zip(self.scales, self._flat))
+        values = [
+            _activation(tensor, *next(scales)) if needs_grad else tensor
+            for tensor, needs_grad in zip(tensors, self._grad)
+        ]
+        first, args, kwargs = _fill(self._call, values)
         if self._inplace and not first.requires_grad:
             first = first.clone()  # never write into the case's inputs
-        out = self._process(self._fn(first, *args, **kwargs))
-        return tree_flatten(out)[0]
+        return _flatten(self._process(self._fn(first, *args, **kwargs)))
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         loss: torch.Tensor | None = None
@@ -249,10 +284,54 @@ class OpModule(nn.Module):
         return loss
 
 
-def _leaf_name(path: str) -> str:
-    """``[0]`` -> ``input``, ``[1][2]`` -> ``args[2]``, ``[2]['weight']`` -> ``kwargs['weight']``."""
-    heads = {"[0]": "input", "[1]": "args", "[2]": "kwargs"}
-    return heads.get(path[:3], "?") + path[3:]
+@dataclass(frozen=True)
+class _Slot:
+    """Where the ``index``-th tensor goes in a sample's (input, args, kwargs)."""
+
+    index: int
+
+
+_HEADS = ("input", "args", "kwargs")
+
+
+def _template(value: Any, tensors: list[torch.Tensor], names: list[str], path: str) -> Any:
+    """``value`` with every tensor replaced by a :class:`_Slot` (the tensors and their
+    names, e.g. ``args[1]``, ``kwargs['weight']``, appended in order). Plain recursion,
+    not ``torch.utils._pytree``: Dynamo traces :func:`_fill` on every compile, and
+    through pytree that costs about a second per case."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        names.append(path)
+        return _Slot(len(tensors) - 1)
+    if isinstance(value, (list, tuple)):
+        items = [
+            _template(v, tensors, names, _HEADS[i] if path == "" else f"{path}[{i}]")
+            for i, v in enumerate(value)
+        ]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        return {k: _template(v, tensors, names, f"{path}[{k!r}]") for k, v in value.items()}
+    return value
+
+
+def _fill(template: Any, values: Sequence[torch.Tensor]) -> Any:
+    """The inverse of :func:`_template`, with ``values`` for the tensors."""
+    if isinstance(template, _Slot):
+        return values[template.index]
+    if isinstance(template, list):
+        return [_fill(t, values) for t in template]
+    if isinstance(template, tuple):
+        return tuple(_fill(t, values) for t in template)
+    if isinstance(template, dict):
+        return {k: _fill(v, values) for k, v in template.items()}
+    return template
+
+
+def _flatten(out: Any) -> list[Any]:
+    """An op's outputs as a flat list (tuples, lists and torch.return_types nest)."""
+    if isinstance(out, (list, tuple)):
+        return [leaf for item in out for leaf in _flatten(item)]
+    return [out]
 
 
 def iter_cases(
