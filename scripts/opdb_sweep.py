@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,12 @@ def _run_jobs(args: argparse.Namespace, argv: Sequence[str]) -> list[CaseResult]
         return [CaseResult(**json.loads(line)) for raw in raws for line in raw.read_text().splitlines()]
 
 
+def _children_cpu() -> float:
+    """CPU seconds of the finished worker processes (0 without ``--jobs``)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
@@ -130,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     patterns = [p for p in args.ops.split(",") if p]
     ops, op_db_size = autograd_ops(patterns)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if args.jobs > 1:
         results = _run_jobs(args, argv)
     else:
@@ -146,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "variants": args.variants, "max_samples": args.max_samples, "steps": args.steps,
         "ops_filter": patterns, "torch": torch.__version__,
         "seconds": round(time.perf_counter() - started, 1), "jobs": args.jobs,
+        "cpu_seconds": round(time.process_time() - cpu_started + _children_cpu(), 1),
     }
     no_dtype = [op_key(op) for op in ops if not op_dtypes(op, args.dtypes)]
     summary = summarize(results, op_db_size=op_db_size, autograd_ops=[op_key(op) for op in ops],
