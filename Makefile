@@ -27,7 +27,7 @@ demo-plan: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-# Exactness over torch's op database: every autograd OpInfo sample (at most 4 per op and
+# Exactness over torch's op database: every autograd OpInfo sample (the first and last per op and
 # dtype) in float32/complex64/bfloat16 through both doors at budget 0, bit for bit against
 # the run without hyper_offload; JSON lines, out/sweep.json (summary) and
 # out/sweep-cases.jsonl (every case). Long: see README "Exactness over torch's op database".

@@ -42,7 +42,7 @@ from tests.sweep.opdb import DTYPES, VARIANTS, autograd_ops, dtype_name, iter_ca
 from tests.sweep.opdb import op_dtypes, op_key  # noqa: E402
 from tests.sweep.summary import summarize  # noqa: E402
 
-DEFAULT_MAX_SAMPLES = 4
+DEFAULT_MAX_SAMPLES = 2
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
