@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .exact import StepResult, capture, first_mismatch, run_step
-from .opdb import OpModule, SweepCase, dtype_name, op_key
+from .opdb import OpModule, SparseSample, SweepCase, dtype_name, op_key
 
 __all__ = ["COMPILE_OPTIONS", "DOORS", "CaseResult", "Skip", "run_case", "skipped_op"]
 
@@ -45,6 +45,7 @@ class Skip(str, Enum):
     NONDETERMINISTIC = "two plain runs differ"
     PLAIN_COMPILE_ERROR = "plain torch.compile(backend='aot_eager') raises"
     NO_GRAPH = "Dynamo compiles no graph of the sample under plain aot_eager"
+    SPARSE = "a sparse tensor among the sample's inputs or outputs (activations are strided)"
 
 
 @dataclass
@@ -121,6 +122,8 @@ def _prepare(case: SweepCase) -> tuple[OpModule, StepResult]:
     """The case's module and one plain eager step, or :class:`_Skipped`."""
     try:
         module = OpModule(case)
+    except SparseSample as error:
+        raise _Skipped(Skip.SPARSE, str(error)) from None
     except Exception as error:  # noqa: BLE001 - the sample itself is broken in plain eager
         raise _Skipped(Skip.SAMPLE_ERROR, _error(error)) from None
     if len(module.scales) == 0:

@@ -48,6 +48,7 @@ __all__ = [
     "DTYPES",
     "CaseInputs",
     "OpModule",
+    "SparseSample",
     "SweepCase",
     "autograd_ops",
     "case_at",
@@ -185,6 +186,17 @@ def _scale_backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
 scale.register_autograd(_scale_backward, setup_context=_scale_setup)
 
 
+class SparseSample(Exception):
+    """The sample has a sparse (non-strided) tensor among its inputs or outputs: the
+    harness makes activations and losses of strided tensors only."""
+
+
+def _require_strided(tensors: Sequence[torch.Tensor], where: str) -> None:
+    layouts = sorted({str(t.layout) for t in tensors if t.layout != torch.strided})
+    if layouts:
+        raise SparseSample(f"an {where} has layout {', '.join(layouts)}")
+
+
 def _covers_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` is dense, without overlap, and spans its whole storage from offset 0."""
     return (
@@ -232,6 +244,7 @@ class OpModule(nn.Module):
         tensors: list[torch.Tensor] = []
         names: list[str] = []
         self._call = _template((sample.input, sample.args, sample.kwargs), tensors, names, "")
+        _require_strided(tensors, "input")
         self._grad = [t.requires_grad for t in tensors]
         self.inputs = CaseInputs([t.detach() for t in tensors])
         graded = [t.detach() for t in tensors if t.requires_grad]
@@ -245,6 +258,7 @@ class OpModule(nn.Module):
         self._process = sample.output_process_fn_grad
         with torch.no_grad():
             outputs = self._outputs(self.inputs.tensors)
+        _require_strided([o for o in outputs if isinstance(o, torch.Tensor)], "output")
         generator = torch.Generator().manual_seed(WEIGHT_SEED)
         self.out_scales = nn.ParameterDict()
         for i, out in enumerate(outputs):
