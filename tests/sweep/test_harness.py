@@ -87,6 +87,12 @@ def test_a_sample_that_raises_in_plain_eager_is_skipped_with_its_error() -> None
     assert "ValueError: bad sample" in result.detail
 
 
+def test_a_sparse_input_is_skipped_as_such_not_as_a_sample_error() -> None:
+    sparse = torch.eye(3).to_sparse().requires_grad_()
+    result = run_case(_case(lambda x: x.to_dense() * 2, SampleInput(sparse)), "eager")
+    assert result.status == "skipped" and result.skip == "sparse"
+
+
 def test_a_difference_under_the_session_is_a_failure() -> None:
     # A planted bug: the op computes something else while a dispatch mode (the
     # session's) is active. The harness must call it a failure and name the tensor.
