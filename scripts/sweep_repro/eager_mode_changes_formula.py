@@ -1,11 +1,14 @@
 """Sweep failure group: the eager door's backward is not plain eager's for some formulas.
 
-Found by ``make sweep`` (eager door, ``cumprod`` complex64). torch picks another backward
-formula for ``cumprod`` (its handling of zeros) whenever *any* ``TorchDispatchMode`` is
-active, and that formula rounds differently: the gradient differs in the last bits. A
-no-op mode shows it without hyper_offload; ``OffloadSession`` runs every step under its
-``ActivationDispatchMode``, so it shows the same difference at any budget. Exits 1 while
-the difference is there.
+Found by ``make sweep`` (eager door, complex64: ``cumprod``, ``ormqr``, ``pinverse``;
+each reproduces with a no-op ``TorchDispatchMode`` in place of the session). torch
+treats every tensor as "subclass-like" while *any* ``TorchDispatchMode`` is active
+(ATen's ``TensorSubclassLikeUtils.h`` reads the dispatch-mode TLS), and several formulas
+then take their composite-compliant branch: ``cumprod``'s backward with zeros in its
+input rounds differently (last bits of the gradient), ``pinverse``'s result changes (the
+loss by 1.6 on the sweep's sample). ``OffloadSession`` runs every step under its
+``ActivationDispatchMode``, so it shows the same difference at any budget, with nothing
+moved. Exits 1 while the difference is there.
 
     .venv/bin/python scripts/sweep_repro/eager_mode_changes_formula.py
 """
