@@ -12,8 +12,9 @@ summary (``tests/sweep/summary.py``) to ``--out``.
     .venv/bin/python scripts/opdb_sweep.py --ops 'mul,linalg.*' --door compile \\
         --dtype complex64 --max-samples 2 --out out/sweep-mul.json
 
-``--jobs N`` runs N worker processes on disjoint shares of the (op, dtype) pairs and
-merges their results (the machine's cores are shared: the default is 1).
+Cases run in ``--jobs N`` worker processes on disjoint shares of the (op, dtype) pairs
+(default 1); a case that kills its worker (a segfault) is recorded as failed and the
+worker starts again after it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from tests.sweep.opdb import op_dtypes, op_key  # noqa: E402
 from tests.sweep.summary import summarize  # noqa: E402
 
 DEFAULT_MAX_SAMPLES = 2
+MAX_CRASHES = 50
+"""Worker deaths after which the sweep gives up (each is recorded as a failed case)."""
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -87,40 +90,86 @@ def _line(results: Sequence[CaseResult]) -> dict[str, Any]:
     }
 
 
-def _run_share(args: argparse.Namespace, ops: Sequence[Any]) -> list[CaseResult]:
-    """This process's share of the (op, dtype) pairs, every door; prints its lines."""
+def _key(record: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(record[k] for k in ("op", "variant", "dtype", "sample", "door"))
+
+
+def _read(records: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in records.read_text().splitlines()] if records.exists() else []
+
+
+def _run_share(args: argparse.Namespace, ops: Sequence[Any], records: Path) -> None:
+    """This worker's share of the (op, dtype) pairs, every door: each result is appended
+    to ``records`` as it comes (cases already there are not run again), and the case
+    about to run is named in ``records.running`` first, so a crash loses nothing but
+    that case, which the parent records as failed. Prints one line per (op, dtype, door)."""
     index, count = (int(x) for x in args.shard.split("/"))
-    results: list[CaseResult] = []
+    done = {_key(r) for r in _read(records)}
+    running = records.with_suffix(".running")
     pair = -1
-    for variant in args.variants:
-        for op, dtype, cases in iter_cases(ops, args.dtypes, args.max_samples, variant):
-            pair += 1
-            if pair % count != index:
-                continue
-            for door in args.doors:
-                if isinstance(cases, Exception):
-                    done = [skipped_op(op, dtype, variant, door, cases)]
-                else:
-                    done = [run_case(case, door, args.steps) for case in cases]
-                if done:
-                    print(json.dumps(_line(done)), flush=True)
-                results += done
-    return results
+    with records.open("a") as out:
+        for variant in args.variants:
+            for op, dtype, cases in iter_cases(ops, args.dtypes, args.max_samples, variant):
+                pair += 1
+                if pair % count != index:
+                    continue
+                for door in args.doors:
+                    results = []
+                    for case in [cases] if isinstance(cases, Exception) else cases:
+                        if isinstance(case, Exception):
+                            result = skipped_op(op, dtype, variant, door, case)
+                        else:
+                            who = CaseResult(op_key(op), variant, dtype_name(dtype), case.index, door)
+                            if _key(who.record()) in done:
+                                continue
+                            running.write_text(json.dumps(who.record()))
+                            result = run_case(case, door, args.steps)
+                        out.write(json.dumps(result.record()) + "\n")
+                        out.flush()
+                        results.append(result)
+                    if results:
+                        print(json.dumps(_line(results)), flush=True)
+    running.unlink(missing_ok=True)
 
 
-def _run_jobs(args: argparse.Namespace, argv: Sequence[str]) -> list[CaseResult]:
-    """``--jobs`` workers, each a share; their results come back through files."""
+def _crash_record(records: Path, code: int) -> None:
+    """Record the case a worker died in (``records.running``) as failed."""
+    running = records.with_suffix(".running")
+    case = json.loads(running.read_text())
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    case.update(status="failed", detail=f"the process died ({how}) while running this case")
+    with records.open("a") as out:
+        out.write(json.dumps(case) + "\n")
+    running.unlink()
+    print(json.dumps({"crashed": _key(case), "how": how}), flush=True)
+
+
+def _run_workers(args: argparse.Namespace, argv: Sequence[str]) -> list[CaseResult]:
+    """``--jobs`` worker processes, each a share; a worker that dies (a segfault in a
+    case) has that case recorded as failed and is started again where it stopped."""
     with tempfile.TemporaryDirectory() as folder:
-        raws = [Path(folder) / f"share{i}.jsonl" for i in range(args.jobs)]
-        workers = [
-            subprocess.Popen([sys.executable, __file__, *argv, "--jobs", "1", "--worker",
-                              "--shard", f"{i}/{args.jobs}", "--records", str(raw)])
-            for i, raw in enumerate(raws)
-        ]
-        codes = [w.wait() for w in workers]
-        if any(codes):
-            raise SystemExit(f"opdb_sweep: a worker failed (exit codes {codes})")
-        return [CaseResult(**json.loads(line)) for raw in raws for line in raw.read_text().splitlines()]
+        shares = [Path(folder) / f"share{i}.jsonl" for i in range(args.jobs)]
+
+        def start(i: int) -> subprocess.Popen[bytes]:
+            return subprocess.Popen([sys.executable, __file__, *argv, "--worker",
+                                     "--shard", f"{i}/{args.jobs}", "--records", str(shares[i])])
+
+        workers = {i: start(i) for i in range(args.jobs)}
+        crashes = 0
+        while workers:
+            time.sleep(0.5)
+            for i, worker in list(workers.items()):
+                code = worker.poll()
+                if code is None:
+                    continue
+                del workers[i]
+                if code != 0:
+                    crashes += 1
+                    if crashes > MAX_CRASHES or not shares[i].with_suffix(".running").exists():
+                        raise SystemExit(f"opdb_sweep: worker {i} failed (exit code {code})")
+                    _crash_record(shares[i], code)
+                    workers[i] = start(i)
+        return [CaseResult(**r) for share in shares for r in _read(share)]
 
 
 def _children_cpu() -> float:
@@ -138,16 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     patterns = [p for p in args.ops.split(",") if p]
     ops, op_db_size = autograd_ops(patterns)
     started, cpu_started = time.perf_counter(), time.process_time()
-    if args.jobs > 1:
-        results = _run_jobs(args, argv)
-    else:
-        results = _run_share(args, ops)
     out = Path(args.out)
+    if args.worker:
+        _run_share(args, ops, Path(args.records))
+        return 0
+    results = _run_workers(args, argv)
     records = Path(args.records or out.with_name(out.stem + "-cases.jsonl"))
     records.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     records.write_text("".join(json.dumps(r.record()) + "\n" for r in results))
-    if args.worker:
-        return 0
     config = {
         "doors": args.doors, "dtypes": [dtype_name(d) for d in args.dtypes],
         "variants": args.variants, "max_samples": args.max_samples, "steps": args.steps,
