@@ -203,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - started, 1), "jobs": args.jobs,
         "cpu_seconds": round(time.process_time() - cpu_started + _children_cpu(), 1),
     }
+    if "function" not in args.variants:  # only ops with an in-place variant can run
+        ops = [op for op in ops if op.inplace_variant is not None]
     no_dtype = [op_key(op) for op in ops if not op_dtypes(op, args.dtypes)]
     summary = summarize(results, op_db_size=op_db_size, autograd_ops=[op_key(op) for op in ops],
                         no_dtype=no_dtype, config=config)
