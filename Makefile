@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo demo-plan test bench bench-compile bench-anchors gpu-check mutation-check clean
+.PHONY: setup demo demo-plan test sweep bench bench-compile bench-anchors gpu-check mutation-check clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ demo-plan: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Exactness over torch's op database: every autograd OpInfo sample (the first and last per op and
+# dtype) in float32/complex64/bfloat16 through both doors at budget 0, bit for bit against
+# the run without hyper_offload; JSON lines, out/sweep.json (summary) and
+# out/sweep-cases.jsonl (every case). Long: see README "Exactness over torch's op database".
+sweep: setup
+	$(PY) scripts/opdb_sweep.py --jobs 2 --out out/sweep.json
 
 bench: setup
 	$(PY) benchmarks/planner.py
