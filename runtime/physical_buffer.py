@@ -199,6 +199,8 @@ class PhysicalBuffer:
                 f"({self.nbytes} B at bind, {self.storage.nbytes()} B now); re-bind it after "
                 "resizing"
             )
+        if self.host_buffer is not None and self.host_buffer.numel() < self.nbytes:
+            self.release_host()  # a stale copy from before the storage grew (adopt_resize)
         reuse = self.host_buffer is not None
         host = self.host_buffer if reuse else self._pool.acquire(self.nbytes)
         # Same copy stream keeps these in order anyway; naming them makes the rule explicit
@@ -322,6 +324,18 @@ class PhysicalBuffer:
         pending = [t for t in touching if t is not None and not t.query()]
         self._pool.release(self.host_buffer, AllDone(pending) if pending else None)
         self.host_buffer, self.host_event, self._host_readers = None, None, []
+
+    def adopt_resize(self) -> None:
+        """An op resized the device storage (an in-place op that grows its output,
+        ``resize_``, an ``out=`` argument of another size): manage it at its new size. A
+        host copy, stale since that write, stays until its RELEASE_HOST (a next D2H
+        replaces a host buffer too small for the new size). Only while on the device."""
+        if not self._on_device:
+            raise ResidencyMisuseError(
+                f"adopt_resize({self.label}): the bytes are not on the device (state "
+                f"{self.state.value}), so no op can have resized them"
+            )
+        self.nbytes = self.storage.nbytes()
 
     # ------------------------------------------------------------------ access
 

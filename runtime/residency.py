@@ -122,6 +122,14 @@ class ResidencyManager:
         """``COPY_D2H``: start copying the storage to a host buffer from the pool."""
         return self._track(self.buffer(sid, action="copy_d2h").start_d2h())
 
+    def adopt_resize(self, sid: StorageId) -> int:
+        """An op resized storage ``sid`` on the device: manage it at its new size
+        (:meth:`PhysicalBuffer.adopt_resize`). Returns the change in bytes."""
+        buffer = self.buffer(sid, action="adopt_resize")
+        before = buffer.nbytes
+        buffer.adopt_resize()
+        return buffer.nbytes - before
+
     def release_device(self, sid: StorageId) -> None:
         """``RELEASE_DEVICE``: give the device bytes back to the allocator now."""
         self.buffer(sid, action="release_device").release_device()

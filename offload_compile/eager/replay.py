@@ -186,6 +186,9 @@ class ReplayExecutor(BaseExecutor):
                 self._resident += storage.nbytes()
             elif found >= len(expected) or expected[found] != sid:
                 self._raise_mismatch(self._funcs[i], self._count_leaves(result))
+            elif storage.nbytes() != self.manager.buffer(sid).nbytes:  # the op resized it
+                self._resident += self.manager.adopt_resize(sid)
+                self.drift.note(sid, storage.nbytes())
             found += 1
         if found != len(expected):
             self._raise_mismatch(self._funcs[i], found)

@@ -85,3 +85,33 @@ def test_replay_runs_exactly_the_planned_actions() -> None:
         assert (stats.bytes_d2h, stats.bytes_h2d) == (report.bytes_d2h, report.bytes_h2d)
         assert stats.resident_curve == list(report.resident_bytes)
         assert stats.demand_loads == 0 and stats.ops == session.trace.num_ops
+
+
+def _growing_step(p: torch.Tensor, q: list[torch.Tensor]) -> torch.Tensor:
+    """``addbmm_`` on a 0-dim activation grows its storage to (5, 10); the grown tensor
+    is saved for the last multiply's backward."""
+    generator = torch.Generator().manual_seed(0)
+    x, b1, b2 = (torch.randn(shape, generator=generator) for shape in ((), (5, 5, 5), (5, 5, 10)))
+    a = x * p
+    a.addbmm_(b1 * q[0], b2 * q[1], beta=0.6, alpha=0.2)
+    loss = (a * q[2]).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def test_an_in_place_op_that_grows_its_output_replays_exactly() -> None:
+    """Found by the op database sweep (``addbmm_``, in-place variant): the replay raised
+    "the storage was resized outside the manager" at the grown activation's D2H."""
+    params = [torch.ones((), requires_grad=True), torch.ones(5, 5, 5, requires_grad=True),
+              torch.ones(5, 5, 10, requires_grad=True), torch.ones((), requires_grad=True)]
+    want = _growing_step(params[0], params[1:])
+    want_grads = [p.grad.clone() for p in params]
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    for _ in range(3):
+        for p in params:
+            p.grad = None
+        with session:
+            got = _growing_step(params[0], params[1:])
+        assert torch.equal(got, want)
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, want_grads))
+    assert session.phase == "replay" and session.last_stats.bytes_d2h > 0

@@ -570,3 +570,26 @@ def test_random_sequences_on_an_async_engine_leak_nothing(
             assert tensor.untyped_storage().nbytes() == 0
         else:
             assert torch.equal(tensor, reference)
+
+
+def test_a_storage_an_op_grew_is_adopted_at_its_new_size_and_round_trips(manager) -> None:
+    """An in-place op may resize its output's storage (``addbmm_`` on a 0-dim tensor,
+    ``resize_``, an ``out=`` of another size): the manager adopts the new size, a stale
+    smaller host copy is replaced at the next D2H, and the grown bytes come back."""
+    tensor = torch.ones(())
+    manager.bind(0, tensor)
+    manager.copy_d2h(0)
+    manager.wait_for_transfers()  # a host copy of the 4-byte storage (stale after the write)
+    tensor.resize_(5, 10).copy_(torch.arange(50.0).view(5, 10))
+    with pytest.raises(ResidencyMisuseError, match="resized outside the manager"):
+        manager.copy_d2h(0)
+    assert manager.adopt_resize(0) == 200 - 4
+    manager.copy_d2h(0)
+    manager.release_device(0)
+    manager.copy_h2d(0)
+    manager.wait_h2d(0)
+    assert torch.equal(tensor, torch.arange(50.0).view(5, 10))
+    manager.release_host(0)
+    manager.release_device(0)
+    with pytest.raises(ResidencyMisuseError, match="not on the device"):
+        manager.adopt_resize(0)
