@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .exact import StepResult, capture, first_mismatch, run_step
 from .opdb import OpModule, SparseSample, SweepCase, dtype_name, op_key
@@ -70,6 +71,8 @@ class CaseResult:
     offloaded: int = 0
     seconds: float = 0.0
     figures: dict[str, Any] = field(default_factory=dict)
+    cause: str = ""
+    """For a failure whose cause the sweep measured: :data:`MODE_CAUSE` (else "")."""
 
     @property
     def moved(self) -> bool:
@@ -180,6 +183,30 @@ def _run_eager(module: OpModule, first: StepResult, steps: int, result: CaseResu
         if not _judge(result, reference, step, capture(module, loss)):
             break
     result.figures = {"steps": per_step}
+    if result.mismatch is not None and _differs_under_any_mode(module, reference):
+        result.cause = MODE_CAUSE
+
+
+MODE_CAUSE = "torch_formula_under_any_dispatch_mode"
+"""The cause of an eager failure that a no-op ``TorchDispatchMode`` reproduces without
+the library: while any dispatch mode is active, torch treats every tensor as
+subclass-like (ATen's ``TensorSubclassLikeUtils.h``) and some formulas take their other
+branch (complex ``cumprod``'s backward, ``pinverse``, ``lstsq``, ``prod``). The eager
+door runs every op under its mode; no offload is involved."""
+
+
+class _NoopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def _differs_under_any_mode(module: OpModule, reference: list[StepResult]) -> bool:
+    """Whether plain eager under a no-op dispatch mode already differs from plain."""
+    try:
+        loss = run_step(module, module, _NoopMode())
+    except Exception:  # noqa: BLE001 - then the mode alone does not explain the failure
+        return False
+    return first_mismatch(reference[0], capture(module, loss), 0) is not None
 
 
 class _StepError(Exception):

@@ -33,6 +33,8 @@ def counts(results: Sequence[CaseResult]) -> dict[str, Any]:
         "skipped": sum(1 for r in results if r.status == "skipped"),
         "skipped_by_reason": dict(sorted(Counter(r.skip for r in results if r.skip).items())),
         "failed": sum(1 for r in results if r.status == "failed"),
+        "failed_by_cause": dict(sorted(Counter(
+            r.cause or "library" for r in results if r.status == "failed").items())),
         "ops_run": len({r.op for r in results}),
         "ops_exercised": len({r.op for r in judged}),
         "ops_moved": len({r.op for r in judged if r.moved}),
@@ -72,6 +74,7 @@ def _failure(r: CaseResult) -> dict[str, Any]:
     return {
         "op": r.op, "variant": r.variant, "dtype": r.dtype, "sample": r.sample, "door": r.door,
         "detail": r.detail, "mismatch": r.mismatch, "moved_bytes": r.moved_bytes,
+        "cause": r.cause or "library",
     }
 
 

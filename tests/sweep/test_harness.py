@@ -13,7 +13,9 @@ import torch
 from torch.testing._internal.opinfo.core import SampleInput
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .doors import CaseResult, run_case
+from hyper_offload.eager.active import current_session
+
+from .doors import MODE_CAUSE, CaseResult, run_case
 from .exact import StepResult, first_mismatch, same
 from .opdb import OpModule, SweepCase, spread
 from .summary import summarize
@@ -93,15 +95,26 @@ def test_a_sparse_input_is_skipped_as_such_not_as_a_sample_error() -> None:
     assert result.status == "skipped" and result.skip == "sparse"
 
 
-def test_a_difference_under_the_session_is_a_failure() -> None:
-    # A planted bug: the op computes something else while a dispatch mode (the
-    # session's) is active. The harness must call it a failure and name the tensor.
+def test_a_difference_under_the_session_is_a_failure_of_the_library() -> None:
+    # A planted bug: the op computes something else while a session is active. The
+    # harness must call it a failure, name the tensor, and blame the library.
     def planted(x: torch.Tensor) -> torch.Tensor:
-        return x * (3.0 if _get_current_dispatch_mode() is not None else 2.0)
+        return x * (3.0 if current_session() is not None else 2.0)
 
     result = run_case(_case(planted), "eager")
     assert result.status == "failed" and result.mismatch is not None
     assert result.mismatch["tensor"] == "loss" and result.mismatch["step"] == 0
+    assert result.cause == ""
+
+
+def test_a_difference_any_dispatch_mode_makes_is_a_failure_with_that_cause() -> None:
+    # torch takes other formulas while any TorchDispatchMode is active (complex cumprod,
+    # pinverse): still a failure of the eager door, with the cause the sweep measured.
+    def mode_sensitive(x: torch.Tensor) -> torch.Tensor:
+        return x * (3.0 if _get_current_dispatch_mode() is not None else 2.0)
+
+    result = run_case(_case(mode_sensitive), "eager")
+    assert result.status == "failed" and result.cause == MODE_CAUSE
 
 
 def test_summary_counts_per_door_and_dtype_and_lists_what_was_not_exercised() -> None:
@@ -110,13 +123,16 @@ def test_summary_counts_per_door_and_dtype_and_lists_what_was_not_exercised() ->
         CaseResult("a", "function", "float32", 1, "eager"),
         CaseResult("b", "function", "complex64", 0, "eager", "skipped", "nondeterministic"),
         CaseResult("c", "function", "bfloat16", 0, "eager", "failed", detail="step 0: loss differs"),
+        CaseResult("e", "function", "complex64", 0, "eager", "failed", cause=MODE_CAUSE),
     ]
-    summary = summarize(results, op_db_size=9, autograd_ops=["a", "b", "c", "d"],
+    summary = summarize(results, op_db_size=9, autograd_ops=["a", "b", "c", "d", "e"],
                         no_dtype=["d"], config={})
     totals = summary["doors"]["eager"]["totals"]
-    assert (totals["samples"], totals["passed"], totals["passed_nothing_moved"]) == (4, 2, 1)
-    assert totals["skipped_by_reason"] == {"nondeterministic": 1} and totals["failed"] == 1
-    assert totals["ops_exercised"] == 2 and totals["exercised_fraction"] == 0.5
+    assert (totals["samples"], totals["passed"], totals["passed_nothing_moved"]) == (5, 2, 1)
+    assert totals["skipped_by_reason"] == {"nondeterministic": 1} and totals["failed"] == 2
+    assert totals["failed_by_cause"] == {"library": 1, MODE_CAUSE: 1}
+    assert totals["ops_exercised"] == 3 and totals["exercised_fraction"] == 0.6
     assert summary["doors"]["eager"]["not_exercised"] == {"b": {"nondeterministic": 1}, "d": {"no_dtype": 1}}
     assert summary["doors"]["eager"]["by_dtype"]["float32"]["ops_moved"] == 1
-    assert [f["op"] for f in summary["failures"]] == ["c"]
+    assert [(f["op"], f["cause"]) for f in summary["failures"]] == [("c", "library"),
+                                                                     ("e", MODE_CAUSE)]
