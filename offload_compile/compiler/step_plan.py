@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencySchedule
@@ -186,6 +186,13 @@ class StepPlan:
     over_budget: frozenset[tuple[int, int]] = frozenset()
     """``(region, op)`` pairs where the floor alone is over the budget (in some
     invocation): where only recompute, or a larger budget, could help."""
+    schedules: Mapping[int, ResidencySchedule] = field(default_factory=dict)
+    """Regions this plan lowers with a schedule made for the step (:mod:`.step_planner`),
+    their schedule; every other region runs its floor lowering. ``keep_for`` names slots
+    of the lowering in force."""
+    predicted_stall_s: float = 0.0
+    """The timeline model's stall of this plan (:func:`.step_timeline.predicted_step_stall`),
+    where :mod:`.step_planner` priced it (0 from :func:`plan_step` alone)."""
 
     def keep_for(self, invocation: Invocation) -> frozenset[int]:
         """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
@@ -250,14 +257,17 @@ def plan_step(
     *,
     budget_fraction: float | None = None,
     shared: bool = False,
+    keep: bool = True,
 ) -> StepPlan:
     """Choose the kept slots of every invocation of ``timeline`` under one budget.
 
-    ``profiles`` maps each region of the timeline to its floor profile. The budget is
+    ``profiles`` maps each region of the timeline to the profile of its lowering (its
+    floor, or the schedule :mod:`.step_planner` made for it). The budget is
     ``budget_bytes``, or ``budget_fraction`` of the step's peak without offload.
     ``shared``: decide per region and slot for all its invocations at once, as a graph
     that cannot tell its invocations apart would have to (the alternative the backend
-    does not take: ``benchmarks/step_budget.py`` measures what it costs)."""
+    does not take: ``benchmarks/step_budget.py`` measures what it costs). ``keep=False``
+    keeps only the slots that cost nothing (nothing runs while they would be away)."""
     layout = _lay_out(timeline, profiles)
     floor = _floor(layout, timeline, profiles)
     ranges = [
@@ -278,6 +288,8 @@ def plan_step(
          for key in dict.fromkeys((r.invocation.region, r.slot.slot) for r in ranges)]
         if shared else [[r] for r in ranges]
     )
+    if not keep:
+        groups = [g for g in groups if all(r.lo >= r.hi for r in g)]
     kept, peak = _keep_greedily(groups, floor, budget_bytes)
     keep: dict[Invocation, set[int]] = {i: set() for i in timeline.invocations}
     for r in kept:

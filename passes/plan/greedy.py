@@ -37,8 +37,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..analysis.candidates import OffloadCandidate, design_rank_key
+from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
-from ..ir.trace import ActivationTrace
+from ..ir.trace import ActivationTrace, StorageId
 from .planning import backward_start
 from .refine import refine_choice
 from .report import PlanReport, plan_by_choice
@@ -79,9 +80,22 @@ class GreedyResidencyPlanner:
     and never moves more bytes than ``refine=False``; ``refine=False`` is the design's
     algorithm exactly. ``objective``: ``"time"`` (default) proposes the bytes choice and
     the time-ranked one to the pipeline, ``"bytes"`` the bytes choice only.
+
+    Two keywords serve a trace that is more than one region (the compile door's step,
+    :mod:`hyper_offload.compiler.step_trace`): ``movable`` restricts the gaps to those
+    storages' (None: every storage may move), and ``earliest_prefetch_op`` is where the
+    time ranking assumes each storage's reload may start (one op or one per storage,
+    :mod:`..ir.limits`; None: where the trace's ``bw:`` ops begin, ``backward_start``).
     """
 
-    def __init__(self, refine: bool = True, objective: str = "time") -> None:
+    def __init__(
+        self,
+        refine: bool = True,
+        objective: str = "time",
+        *,
+        movable: frozenset[StorageId] | None = None,
+        earliest_prefetch_op: OpLimit | None = None,
+    ) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(
                 f"GreedyResidencyPlanner(objective={objective!r}): expected one of "
@@ -90,24 +104,30 @@ class GreedyResidencyPlanner:
             )
         self.refine = refine
         self.objective = objective
+        self.movable = None if movable is None else frozenset(movable)
+        self.earliest_prefetch_op = earliest_prefetch_op
 
     def __repr__(self) -> str:
-        return f"GreedyResidencyPlanner(refine={self.refine}, objective={self.objective!r})"
+        extra = "" if self.movable is None else f", movable={len(self.movable)} storages"
+        return (f"GreedyResidencyPlanner(refine={self.refine}, objective={self.objective!r}"
+                f"{extra})")
+
+    def _key(self) -> tuple[object, ...]:
+        limit = self.earliest_prefetch_op
+        limit = limit if limit is None or isinstance(limit, int) else tuple(sorted(limit.items()))
+        return (self.refine, self.objective, self.movable, limit)
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, GreedyResidencyPlanner)
-            and (other.refine, other.objective) == (self.refine, self.objective)
-        )
+        return isinstance(other, GreedyResidencyPlanner) and other._key() == self._key()
 
     def __hash__(self) -> int:
-        return hash((GreedyResidencyPlanner, self.refine, self.objective))
+        return hash((GreedyResidencyPlanner, *self._key()))
 
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:
         return self.plan_with_report(trace).schedule
 
     def plan_with_report(self, trace: ActivationTrace) -> PlanReport:
-        return plan_by_choice(trace, self._choose, planner=repr(self))
+        return plan_by_choice(trace, self._choose, planner=repr(self), movable=self.movable)
 
     def proposals(self, trace: ActivationTrace) -> list[ResidencySchedule]:
         """The schedules the pipeline should place, predict and choose among: the bytes
@@ -118,12 +138,16 @@ class GreedyResidencyPlanner:
             def choose_by_time(
                 candidates: Sequence[OffloadCandidate], excess: Sequence[int]
             ) -> Sequence[OffloadCandidate]:
+                earliest = self.earliest_prefetch_op
                 key = time_rank_key(
-                    trace, candidates, excess, earliest_prefetch_op=backward_start(trace)
+                    trace, candidates, excess,
+                    earliest_prefetch_op=backward_start(trace) if earliest is None else earliest,
                 )
                 return self._refined(candidates, excess, select_greedy(candidates, excess, key))
 
-            timed = plan_by_choice(trace, choose_by_time, planner=repr(self)).schedule
+            timed = plan_by_choice(
+                trace, choose_by_time, planner=repr(self), movable=self.movable
+            ).schedule
             if timed != proposals[0]:
                 proposals.append(timed)
         return proposals
