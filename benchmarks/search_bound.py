@@ -95,7 +95,7 @@ def run(name: str, repeats: int) -> dict[str, Any]:
             result = _step(factory, backend)
             times[mode].append(result["seconds"])
             exact &= _exact(result, plain)
-            bounded |= any(r.recompute is not None and r.recompute.time_bounded
+            bounded |= any(r.recompute is not None and r.recompute.work_bounded
                            for r in backend.reports)
     return {
         "benchmark": "search_bound", "model": name, "fraction": fraction,

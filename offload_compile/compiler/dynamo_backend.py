@@ -30,6 +30,7 @@ keeps a plain ``torch.compile``, or other options, from sharing those entries, a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -46,7 +47,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
-from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
+from hyper_offload.passes import ResidencySchedule, ScheduleError, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.sizes import unbounded_sizes
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
@@ -60,14 +61,17 @@ from .collectives import is_collective
 from .fake_capture import compile_graphs_only
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import Scorer, search_region
-from .region_plan import PlannedRegion, lower_region
+from .region_plan import GraphPlan, PlannedRegion, lower_region, plan_with_schedule
 from .region_report import LOGGER, RegionReport, log_region_report
 from .saved_bytes import node_saved_tensors
 from .step_model import Invocation, StepRecorder, StepTimeline
-from .step_plan import RegionProfile, StepPlan, held_inputs, plan_step, region_profile
-from .step_recompute import regions_to_relower, step_scorer
+from .step_plan import StepPlan, plan_step
+from .step_planner import plan_step_schedules
+from .step_trace import RegionTrace
+from .step_recompute import StepScorer, regions_to_relower
 from .step_report import StepReport, build_step_report, log_step_plan
-from .step_timeline import RegionFloor, predicted_step_stall
+from .step_timeline import predicted_step_stall
+from .region_state import CompiledRegion, Lowering
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_backend"]
 
@@ -79,128 +83,11 @@ __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_ba
 _PLANNING_CODE = (Path(passes.__file__).parent, Path(__file__).parent)
 
 
-class _Region:
-    """Per-region state: its plan and, under the step scope, its floor profile."""
-
-    def __init__(
-        self,
-        index: int,
-        gm: fx.GraphModule,
-        example_inputs: Sequence[Any],
-        runtime: TransferRuntime,
-    ) -> None:
-        self.index = index
-        self.runtime = runtime
-        """The backend's runtime (every region of a backend shares it and its pool)."""
-        self.planned: PlannedRegion | None = None
-        self.dynamo_graph = (gm, example_inputs)
-        """What Dynamo handed over: the step scope may lower the region again from it."""
-        self.collectives = any(is_collective(node) for node in gm.graph.nodes)
-        """Whether the region runs collectives: its Dynamo graph, or once lowered its
-        AOTAutograd graphs (tensor parallel's DTensor ops become collectives there)."""
-        self.compiled: Callable[..., Any] | None = None
-        """What runs the region's forward (a re-lowering replaces it)."""
-        self.relower_requested = False
-        """The step asked for this region's re-lowering with the recompute search ranked
-        on the step (:mod:`.step_recompute`); done before the next step's first forward."""
-        self.scorer: Scorer | None = None
-        """That search's objective, while the re-lowering compiles."""
-        self.relowered = False
-        self.compile_seconds = 0.0
-        """Seconds from Dynamo's hand-over to the end of the first plan (the time bound of
-        a re-lowering's search)."""
-        self.activation_inputs = activation_inputs(example_inputs)
-        """AOTAutograd's names of the graph inputs that are activations (may move)."""
-        self.compile_started = time.perf_counter()
-        """When Dynamo handed the region over (the recompute search's time bound)."""
-        self.from_cache = False
-        """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
-        self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
-        self.unbounded_sizes = unbounded_sizes(example_inputs)
-        """Graph inputs that are sizes with no upper bound: ``{input index: (symbol,
-        the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
-        self.size_warned = False
-
-    def set_planned(self, planned: PlannedRegion) -> None:
-        """Adopt a (new) plan: the floor profile and trace are derived from it again."""
-        self.planned = planned
-        for derived in ("profile", "floor", "slot_names"):
-            self.__dict__.pop(derived, None)
-
-    @property
-    def where(self) -> str:
-        """The region in ``verify``'s errors."""
-        return f"compile door, region {self.index}"
-
-    @functools.cached_property
-    def slot_names(self) -> dict[int, str]:
-        """``copy_d2h`` slot (a storage of the region's trace) -> the graph node that made
-        it, for ``verify``'s errors."""
-        if self.planned is None:
-            return {}
-        names: dict[int, str] = {}
-        for name, storage in self.planned.fx_trace.node_storage.items():
-            names.setdefault(int(storage), f"of {name} (slot {int(storage)})")
-        return names
-
-    @functools.cached_property
-    def profile(self) -> RegionProfile:
-        """The floor profile the step plan lays out (no ops for a region never planned:
-        an inference graph, or a cached one whose plan was not stored)."""
-        if self.planned is None:
-            return RegionProfile(self.index, 0, (), ())
-        trace = self.planned.fx_trace
-        return region_profile(
-            self.index, trace.num_fw_ops, self.planned.check.resident_bytes,
-            self.planned.schedule, trace.trace,
-            held_inputs(trace.node_storage, trace.activation_inputs),
-        )
-
-    @functools.cached_property
-    def floor(self) -> RegionFloor:
-        """The region's floor trace and schedule (empty for a region never planned)."""
-        if self.planned is None:
-            return RegionFloor(ActivationTrace((), {}, 0), ResidencySchedule((), ()), 0)
-        trace = self.planned.fx_trace
-        return RegionFloor(trace.trace, self.planned.schedule, trace.num_fw_ops)
-
-    def check_sizes(self, args: Sequence[Any]) -> None:
-        """Warn once if a call's size exceeds what the plan assumed for an unbounded one
-        (a smaller size needs fewer bytes under the same plan: no warning)."""
-        if self.size_warned:
-            return
-        for index, (symbol, planned) in self.unbounded_sizes.items():
-            if index < len(args) and isinstance(args[index], int) and args[index] > planned:
-                self.size_warned = True
-                LOGGER.warning(
-                    "hyper_offload region %d: planned for %s <= %d (no bound was declared, so "
-                    "the plan assumes the size at the compile) but runs with %s=%d; results "
-                    "stay exact, resident bytes grow with the size and may exceed the "
-                    "budget. Fix: declare the largest size, torch._dynamo.mark_dynamic(tensor, "
-                    "dim, max=N) (a larger size then recompiles and is planned again)",
-                    self.index, symbol, planned, symbol, args[index],
-                )
-                return
-
-
-def activation_inputs(example_inputs: Sequence[Any]) -> frozenset[str]:
-    """The forward placeholders (AOTAutograd names the i-th graph input ``primals_<i+1>``)
-    of inputs that are activations: tensors an autograd graph made (a block's input, the
-    previous block's output), not parameters, buffers or data, which the caller keeps
-    anyway. Dynamo guards a region on ``requires_grad``, not on who made a tensor: a leaf
-    passed where an activation was compiled moves too, exact but for no memory."""
-    return frozenset(
-        f"primals_{i + 1}" for i, value in enumerate(example_inputs)
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
-        and value.grad_fn is not None
-    )
-
-
 class _RegionForward:
     """What Dynamo calls for a region: its compiled forward, with the runtime current."""
 
     def __init__(
-        self, compiled: Callable[..., Any], region: _Region, backend: HyperOffloadBackend
+        self, compiled: Callable[..., Any], region: CompiledRegion, backend: HyperOffloadBackend
     ) -> None:
         region.compiled = compiled
         self._region = region
@@ -231,7 +118,7 @@ class _OffloadPartitioner(CustomPartitionerFn):
     """Stock min-cut partition (searched with recompute), then :func:`lower_region`."""
 
     def __init__(
-        self, backend: HyperOffloadBackend, region: _Region, plan_key: str | None
+        self, backend: HyperOffloadBackend, region: CompiledRegion, plan_key: str | None
     ) -> None:
         self._backend = backend
         self._region = region
@@ -249,23 +136,23 @@ class _OffloadPartitioner(CustomPartitionerFn):
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         started = time.perf_counter()
-        relowering = region.scorer is not None
         choice = search_region(
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=self._backend.bandwidth, region=region.index, floor=options.step_scoped,
             throughput=self._backend.throughput,
             activation_inputs=region.activation_inputs if options.step_scoped else frozenset(),
-            spent_s=region.compile_seconds if relowering else started - region.compile_started,
             score=region.scorer,
         )
         fw, bw = choice.fw, choice.bw
+        schedule, plan = _step_lowering(region, choice.plan)
+        if options.step_scoped:
+            region.floor_plan = choice.plan
+        region.step_schedule = schedule
         region.set_planned(lower_region(
-            fw, bw, choice.plan, num_fwd_outputs=num_fwd_outputs, options=options,
+            fw, bw, plan, num_fwd_outputs=num_fwd_outputs, options=options,
             region=region.index, recompute=choice.report,
             search_seconds=time.perf_counter() - started,
         ))
-        if not relowering:
-            region.compile_seconds = time.perf_counter() - region.compile_started
         region.graphs = (fw, bw)
         region.collectives = region.collectives or any(
             is_collective(node) for graph in (fw, bw) for node in graph.graph.nodes
@@ -316,7 +203,7 @@ class HyperOffloadBackend:
         """``hyper_offload.estimate``'s backend: regions are partitioned, planned and
         lowered as always but no code is generated (graphs run as FX on fake tensors),
         and steps run on fake tensors are the step (:mod:`.step_estimate`)."""
-        self.regions: list[_Region] = []
+        self.regions: list[CompiledRegion] = []
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
         self._verify = VerifySteps(options.config.verify)
         self.runtime = TransferRuntime(
@@ -333,6 +220,8 @@ class HyperOffloadBackend:
         self._budget_pin: int | None = None
         """The step budget in bytes once a re-lowering was asked for (.step_recompute)."""
         self._relower_step: StepTimeline | None = None
+        self._interim = False
+        """Whether the plan in force waits for lowerings the step plan asked for."""
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -377,7 +266,7 @@ class HyperOffloadBackend:
         )
 
     def run_invocation(
-        self, region: _Region, compiled: Callable[..., Any], args: Sequence[Any]
+        self, region: CompiledRegion, compiled: Callable[..., Any], args: Sequence[Any]
     ) -> Any:
         """Run one forward of ``region`` as an invocation of the step: keep what the step
         plan keeps for it, and record it."""
@@ -391,7 +280,8 @@ class HyperOffloadBackend:
             id(a.untyped_storage()) for a in args
             if isinstance(a, torch.Tensor) and a.grad_fn is None
         }
-        recorder.end_forward(invocation, outputs, functools.partial(self._retained, leaves))
+        recorder.end_forward(invocation, outputs,
+                             functools.partial(self._retained, leaves, region))
         return outputs
 
     def _count_verified_step(self) -> None:
@@ -411,8 +301,10 @@ class HyperOffloadBackend:
             return frozenset()
         return plan.keep_for(invocation)
 
-    def _retained(self, leaves: set[int], node: Any) -> int:
-        """Device bytes ``node`` holds that no plan moves (``StepTimeline.retained_bytes``)."""
+    def _retained(self, leaves: set[int], region: CompiledRegion, node: Any) -> int:
+        """Device bytes ``node`` holds that no plan moves (``StepTimeline.retained_bytes``):
+        its saved device storages, less what the lowering in force keeps that its floor
+        would move (so a region lowered for the step measures as its floor)."""
         storages: dict[int, int] = {}
         for tensor in node_saved_tensors(node):
             storage = tensor.untyped_storage()
@@ -420,23 +312,41 @@ class HyperOffloadBackend:
                     or self.runtime.is_kept(tensor)):
                 continue
             storages[id(storage)] = storage.nbytes()
-        return sum(storages.values())
+        return max(sum(storages.values()) - region.kept_across_bytes, 0)
 
     def _on_step(self, timeline: StepTimeline) -> None:
-        """A step ended: plan it again when it differs from the one planned; where the
-        plan cannot fit or stalls, ask for recompute (:mod:`.step_recompute`)."""
+        """A step ended: plan it again when it differs from the one planned (or the plan in
+        force waits for lowerings); where the plan cannot fit or stalls, ask for recompute
+        (:mod:`.step_recompute`)."""
         self._count_verified_step()
         plan = self.step_plan
-        if plan is not None and plan.timeline == timeline:
+        if plan is not None and plan.timeline == timeline and not self._interim:
             return
         fraction = self.options.budget_fraction
         budget = self._budget_pin
         if budget is None and fraction is None:
             budget = self.options.config.budget_bytes
-        plan = self._adopt_plan(timeline, budget, fraction)
-        profiles = {r.index: r.profile for r in self.regions}
+        plan = self._plan_step(timeline, budget, fraction)
         if self.options.recompute != "auto":
             return
+        todo = self._to_search(plan)
+        if not todo:
+            return
+        # Done before the next step's first forward, then that step is planned at once
+        # (relower_requested), under the budget resolved here.
+        self._budget_pin = plan.budget_bytes
+        self._relower_step = timeline
+        for index in todo:
+            self.regions[index].relower_requested = True
+            self.regions[index].lowering_requested = None  # the search lowers it
+        LOGGER.info(
+            "hyper_offload step plan %d %s: re-lowering region(s) %s with the recompute "
+            "search ranked on the step", self.replans,
+            "does not fit" if not plan.fits else "stalls", ", ".join(map(str, todo)),
+        )
+
+    def _to_search(self, plan: StepPlan) -> tuple[int, ...]:
+        """Regions the recompute search should re-lower for ``plan`` (.step_recompute)."""
         # A region running collectives on several ranks is not searched: each rank prices
         # the search with its own measured link and could pick another partition.
         ranks = torch.distributed.is_available() and torch.distributed.is_initialized() and (
@@ -447,72 +357,167 @@ class HyperOffloadBackend:
         )
         # Each op's own working memory matters only where the floor is over the budget.
         working = {} if plan.fits else {
-            r.index: required_bytes(r.floor.trace) for r in self.regions
+            r.index: required_bytes((r.floor_plan or r.planned).fx_trace.trace)
+            for r in self.regions if r.planned is not None
         }
-        todo = regions_to_relower(plan, self.step_stall_s, profiles, done, working)
-        if not todo:
-            return
-        # Done before the next step's first forward, then that step is planned at once
-        # (relower_requested), under the budget resolved here.
-        self._budget_pin = plan.budget_bytes
-        self._relower_step = timeline
-        for index in todo:
-            self.regions[index].relower_requested = True
-        # (The step plan in force stays until then: a region the search leaves as it is
-        # keeps its graphs and the plan its decisions.)
-        LOGGER.info(
-            "hyper_offload step plan %d %s: re-lowering region(s) %s with the recompute "
-            "search ranked on the step", self.replans,
-            "does not fit" if not plan.fits else "stalls", ", ".join(map(str, todo)),
-        )
+        profiles = {r.index: r.profile for r in self.regions}
+        return regions_to_relower(plan, plan.predicted_stall_s, profiles, done, working)
 
-    def _scorer_for(self, region: _Region, timeline: StepTimeline) -> Scorer:
-        """The step objective for ``region``'s re-lowering on ``timeline``, against the
-        other regions as they are lowered now (one pass of coordinate descent,
-        .step_recompute)."""
-        assert self._budget_pin is not None
-        return step_scorer(
-            timeline, {r.index: r.profile for r in self.regions},
-            {r.index: r.floor for r in self.regions}, self._budget_pin, region.index,
-        )
+    def _lowerable(self, region: CompiledRegion) -> bool:
+        """Whether the step plan may lower ``region`` again with a schedule of its own:
+        its partition is torch's (compiling again reproduces it) and its sizes are
+        numbers (one schedule fits every call)."""
+        return (region.floor_plan is not None and region.static_sizes
+                and not _recomputes(region))
 
-    def _adopt_plan(
+    def _step_inputs(
+        self, timeline: StepTimeline, searched: int | None = None
+    ) -> tuple[dict[int, RegionTrace], dict[int, tuple[int, ...]], frozenset[int]] | None:
+        """Each region as the step planner sees it, its bytes curve, and those it may lower
+        again; None when a region of ``timeline`` was never planned here (a cache served
+        it without a plan): then only keeping on the lowerings in force is planned."""
+        lowerable = frozenset(r.index for r in self.regions if self._lowerable(r))
+        regions, resident = {}, {}
+        for region in self.regions:
+            if region.index == searched:
+                continue
+            traced = region.step_trace(region.index in lowerable)
+            if traced is None:
+                continue
+            source = region.floor_plan if region.index in lowerable else region.planned
+            regions[region.index], resident[region.index] = traced, source.check.resident_bytes
+        if any(r not in regions and r != searched for r in timeline.regions):
+            return None
+        return regions, resident, lowerable
+
+    def _plan_step(
+        self, timeline: StepTimeline, budget: int | None, fraction: float | None = None,
+        *, request: bool = True,
+    ) -> StepPlan:
+        """Plan ``timeline`` (:func:`~.step_planner.plan_step_schedules`). If every region
+        runs the lowering the plan wants, put it in force; else put in force the plan of
+        keeping on the lowerings as they are, and (``request``) ask for the lowerings the
+        plan wants before the next step's first forward. Returns the plan wanted."""
+        inputs = self._step_inputs(timeline)
+        if inputs is None:
+            return self._adopt(self._keeping_plan(timeline, budget, fraction), interim=False)
+        regions, resident, lowerable = inputs
+        target = plan_step_schedules(timeline, regions, resident, budget,
+                                     budget_fraction=fraction, tailor=lowerable)
+        wanted = {
+            r.index: target.schedules.get(r.index) for r in self.regions
+            if r.index in lowerable and r.index in timeline.regions
+        }
+        changes = [i for i, schedule in wanted.items() if self.regions[i].step_schedule != schedule]
+        if not changes:
+            return self._adopt(target, interim=False)
+        self._adopt(self._keeping_plan(timeline, target.budget_bytes), interim=True)
+        if request:
+            self._budget_pin = target.budget_bytes
+            self._relower_step = timeline
+            for index in changes:
+                self.regions[index].lowering_requested = (
+                    wanted[index], target.schedule_budget_bytes)
+        return target
+
+    def _keeping_plan(
         self, timeline: StepTimeline, budget: int | None, fraction: float | None = None
     ) -> StepPlan:
-        """Plan ``timeline`` with the regions as lowered now, and put the plan in force
-        (its predicted stall, the re-plan count, one log line)."""
-        plan = plan_step(
-            timeline, {r.index: r.profile for r in self.regions}, budget,
-            budget_fraction=fraction,
-        )
-        self.step_stall_s = predicted_step_stall(
-            timeline, {r.index: r.floor for r in self.regions}, plan.keep_for
-        )
-        self.step_plan = plan
+        """Keeping slots on the lowerings in force, priced on the timeline model."""
+        plan = plan_step(timeline, {r.index: r.profile for r in self.regions}, budget,
+                         budget_fraction=fraction)
+        stall = predicted_step_stall(timeline, {r.index: r.floor for r in self.regions},
+                                     plan.keep_for)
+        return dataclasses.replace(plan, predicted_stall_s=stall)
+
+    def _adopt(self, plan: StepPlan, *, interim: bool) -> StepPlan:
+        """Put ``plan`` in force (its predicted stall, the re-plan count, one log line);
+        ``interim``: it waits for lowerings (the step is planned again at its end)."""
+        self.step_plan, self._interim = plan, interim
+        self.step_stall_s = plan.predicted_stall_s
         self.replans += 1
         log_step_plan(plan, self.replans, self.step_stall_s)
         return plan
 
+    def _scorer_for(self, region: CompiledRegion, timeline: StepTimeline) -> Scorer:
+        """The step objective for ``region``'s re-lowering on ``timeline``, against the
+        other regions as they are lowered now (one pass of coordinate descent,
+        .step_recompute)."""
+        assert self._budget_pin is not None
+        inputs = self._step_inputs(timeline, searched=region.index)
+        if inputs is None:
+            raise ValueError(f"hyper_offload region {region.index}: a region of the step "
+                             "was never planned here; the step's search needs every plan")
+        regions, resident, lowerable = inputs
+        return StepScorer(timeline, regions, resident, self._budget_pin, region.index,
+                          lowerable)
+
     def relower_if_requested(self) -> None:
-        """Re-lower every region the last step asked for (:meth:`_on_step`), one after
-        the other, and plan the step again when one of them changed partition: the step
-        about to start runs planned, not at the floor. Runs at every forward: nothing
-        to do but one check almost always."""
+        """Re-lower every region the last step asked for (:meth:`_on_step`): the recompute
+        search first, then the lowerings made for the step; then plan the step again, so
+        the step about to start runs planned. Runs at every forward: nothing to do but
+        one check almost always."""
         timeline = self._relower_step
         if timeline is None:
             return
         self._relower_step = None  # before compiling: a forward inside it finds nothing
-        requested = [r for r in self.regions if r.relower_requested]
-        if sum(self.relower(region, timeline) for region in requested):
-            self._adopt_plan(timeline, self._budget_pin)
+        changed = sum(self.relower(r, timeline) for r in self.regions if r.relower_requested)
+        changed += sum(self.lower_for_step(r) for r in self.regions
+                       if r.lowering_requested is not None)
+        if changed or self._interim:
+            self._plan_step(timeline, self._budget_pin, request=False)
 
-    def relower(self, region: _Region, timeline: StepTimeline) -> bool:
+    def lower_for_step(self, region: CompiledRegion) -> bool:
+        """Run the lowering the step asked for: compiled once per schedule (the floor's is
+        the first compile's). Whether the region changed; on a failure it keeps the
+        lowering it runs (exact either way)."""
+        asked = region.lowering_requested
+        region.lowering_requested = None
+        if asked is None:
+            return False
+        schedule, budget = asked
+        if schedule in region.variants:
+            region.adopt(region.variants[schedule], schedule)
+            return True
+        before = (Lowering(region.compiled, region.planned, region.graphs), region.step_schedule,
+                  region.floor_plan)
+        gm, example_inputs = region.dynamo_graph
+        try:
+            assert schedule is not None  # the floor is always a variant
+            region.lower_with = (schedule, budget)
+            from torch._functorch import config as functorch_config
+
+            # No plan cache entry, and AOTAutograd's cache must not serve the floor's graphs
+            # (its key cannot tell lowerings apart).
+            with functorch_config.patch(enable_autograd_cache=False):
+                compiled = self._compile(region, gm, example_inputs, None)
+            assert region.planned is not None
+            region.adopt(Lowering(compiled, region.planned, region.graphs), schedule)
+            LOGGER.info("hyper_offload region %d: lowered again with the step's schedule "
+                        "(%d B moved)", region.index, region.planned.check.bytes_d2h)
+            return True
+        except Exception as error:  # an optimisation failed: the lowering in force runs
+            LOGGER.warning(
+                "hyper_offload region %d: lowering it again for the step failed (%s: %s); it "
+                "keeps the lowering it runs, exact as before. Fix: report it",
+                region.index, type(error).__name__, error,
+            )
+            region.floor_plan = before[2]
+            region.adopt(before[0], before[1])
+            return False
+        finally:
+            region.lower_with = None
+
+    def relower(self, region: CompiledRegion, timeline: StepTimeline) -> bool:
         """Search ``region``'s partitions again, ranked on the step; where the search
         chooses one other than torch's, compile the region with it (its plan, profile
-        and compiled forward follow). Whether the region changed."""
+        and compiled forward follow; lowered with the schedule the step plan made for
+        it, when it made one). Whether the region changed."""
         region.relower_requested, region.relowered = False, True
-        before = (region.planned, region.graphs)
+        before = (Lowering(region.compiled, region.planned, region.graphs), region.step_schedule,
+                  region.floor_plan)
         gm, example_inputs = region.dynamo_graph
+        report, changed = None, False
         try:
             region.scorer = self._scorer_for(region, timeline)
             # The search on graphs only (no code generation; for aot_eager and fake steps
@@ -525,12 +530,13 @@ class HyperOffloadBackend:
                 searched = self._compile(region, gm, example_inputs, None, graphs_only=True)
                 report = region.planned.report.recompute if region.planned else None
                 changed = _recomputes(region)
-                if not changed:
-                    pass
-                elif self.fake_steps or self.options.inner_compiler != "inductor":
-                    region.compiled = searched
-                else:  # Inductor: the same search again, then code generation
-                    region.compiled = self._compile(region, gm, example_inputs, None)
+                if changed and not self.fake_steps and self.options.inner_compiler == "inductor":
+                    searched = self._compile(region, gm, example_inputs, None)  # + codegen
+            if changed:
+                assert region.planned is not None
+                region.variants = {}  # another partition: the earlier lowerings are not its
+                region.adopt(Lowering(searched, region.planned, region.graphs),
+                             region.step_schedule)
         except Exception as error:  # an optimisation failed: the floor's graphs still run
             LOGGER.warning(
                 "hyper_offload region %d: the step's recompute search failed (%s: %s); the "
@@ -540,9 +546,9 @@ class HyperOffloadBackend:
             report, changed = None, False
         finally:
             region.scorer = None
-        if not changed:  # torch's partition again, or a failure: the floor's plan stays
-            region.set_planned(before[0])  # type: ignore[arg-type]
-            region.graphs = before[1]
+        if not changed:  # torch's partition again, or a failure: the lowering in force stays
+            region.floor_plan = before[2]
+            region.adopt(before[0], before[1])
         LOGGER.info(
             "hyper_offload region %d searched on the step: %s", region.index,
             report.describe("") if report is not None else "no search",
@@ -550,7 +556,7 @@ class HyperOffloadBackend:
         return changed
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        region = _Region(next(self._counter), gm, example_inputs, self.runtime)
+        region = CompiledRegion(next(self._counter), gm, example_inputs, self.runtime)
         self.regions.append(region)
         plan_key = None
         if self.options.inner_compiler == "inductor" and not self.fake_steps:
@@ -571,10 +577,16 @@ class HyperOffloadBackend:
                 LOGGER.info("hyper_offload region %d: compiled code and plan served "
                             "from the cache", region.index)
                 log_region_report(region.planned.report)
+                if self.options.step_scoped:  # the cached plan is the region's floor
+                    planned = region.planned
+                    region.floor_plan = GraphPlan(planned.fx_trace, planned.schedule,
+                                                  planned.check, 0.0)
+        if region.planned is not None:
+            region.variants[None] = Lowering(compiled, region.planned, region.graphs)
         return _RegionForward(compiled, region, self)
 
     def _compile(
-        self, region: _Region, gm: fx.GraphModule, example_inputs: Sequence[Any],
+        self, region: CompiledRegion, gm: fx.GraphModule, example_inputs: Sequence[Any],
         plan_key: str | None, *, graphs_only: bool = False,
     ) -> Callable[..., Any]:
         """``gm`` compiled with this backend's partitioner for ``region``: graphs only
@@ -590,7 +602,30 @@ class HyperOffloadBackend:
         return _compile_inductor(gm, example_inputs, partitioner, self.options)
 
 
-def _recomputes(region: _Region) -> bool:
+def _step_lowering(
+    region: CompiledRegion, floor: GraphPlan
+) -> tuple[ResidencySchedule | None, GraphPlan]:
+    """The schedule a compile of ``region`` lowers with (None: its partition's floor
+    ``floor``) and its plan: the schedule made for the step that was asked for
+    (``region.lower_with``), or the one the step's re-lowering search priced with the
+    chosen partition (:class:`~.step_recompute.StepScorer`), checked on this compile's
+    trace. Raises ``ScheduleError`` when the trace is not the one the step planned."""
+    asked = region.lower_with
+    if asked is None and region.scorer is not None:
+        asked = getattr(region.scorer, "schedules", {}).get(id(floor))
+    if asked is None:
+        return None, floor
+    if region.lower_with is not None and region.floor_plan is not None and (
+            region.floor_plan.fx_trace.op_nodes != floor.fx_trace.op_nodes):
+        raise ScheduleError(
+            f"hyper_offload region {region.index}: the graphs traced again differ from those "
+            "the step plan was made for; the region keeps the lowering it runs"
+        )
+    schedule, budget = asked
+    return schedule, plan_with_schedule(floor, schedule, budget, region=region.index)
+
+
+def _recomputes(region: CompiledRegion) -> bool:
     """Whether ``region``'s plan chose a partition that recomputes more than torch's."""
     report = region.planned.report.recompute if region.planned is not None else None
     return report is not None and bool(report.recomputed or report.spliced)

@@ -190,6 +190,9 @@ class StepPlan:
     """Regions this plan lowers with a schedule made for the step (:mod:`.step_planner`),
     their schedule; every other region runs its floor lowering. ``keep_for`` names slots
     of the lowering in force."""
+    schedule_budget_bytes: int = 0
+    """The budget ``check_schedule`` accepted each of ``schedules`` under, on its region's
+    trace (the step's budget, or the step's floor peak where that is higher)."""
     predicted_stall_s: float = 0.0
     """The timeline model's stall of this plan (:func:`.step_timeline.predicted_step_stall`),
     where :mod:`.step_planner` priced it (0 from :func:`plan_step` alone)."""

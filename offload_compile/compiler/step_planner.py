@@ -44,7 +44,7 @@ from hyper_offload.passes.plan.planning import plan_residency
 from .step_model import Invocation, StepTimeline
 from .step_plan import RegionProfile, StepPlan, plan_step, region_profile
 from .step_timeline import RegionFloor, predicted_step_stall
-from .step_trace import RegionTrace, StepTrace, build_step_trace, cut_schedule
+from .step_trace import RegionTrace, StepTrace, build_step_trace, cut_schedule, kept_across
 
 __all__ = [
     "StepProposal", "plan_step_schedules", "region_floor_profile", "step_floor_peak", "tailorable",
@@ -143,6 +143,7 @@ def _step_schedule_proposals(
                        "every region keeps its floor lowering", error)
         return []
     schedules, profiles = {}, dict(floors)
+    retained = dict(timeline.retained_bytes)
     for invocation in sorted(planned):
         region = regions[invocation.region]
         cut = cut_schedule(step, made.schedule, invocation, region, at)
@@ -150,16 +151,23 @@ def _step_schedule_proposals(
             continue
         schedule, report = cut
         schedules[invocation.region] = schedule
+        retained[invocation] = retained.get(invocation, 0) + kept_across(region, schedule)
         profiles[invocation.region] = region_profile(
             invocation.region, region.num_fw_ops, report.resident_bytes, schedule,
             region.trace, region.held,
         )
     if not schedules:
         return []
+    # What the lowerings keep from forward to backward is held while the rest of the step
+    # runs: the measured retained bytes are the floor's.
+    held = dataclasses.replace(timeline, retained_bytes=retained)
     name = f"the step's schedule at {at} B"  # (for debugging: proposals are not reported)
     return [
-        StepProposal(_with(plan_step(timeline, profiles, budget, keep=keep), schedules),
-                     f"{name}{'' if keep else ', nothing kept'}")
+        StepProposal(
+            dataclasses.replace(plan_step(held, profiles, budget, keep=keep), timeline=timeline,
+                                schedules=dict(schedules), schedule_budget_bytes=at),
+            f"{name}{'' if keep else ', nothing kept'}",
+        )
         for keep in (True, False)
     ]
 
@@ -169,10 +177,6 @@ def step_floor_peak(step: StepTrace) -> int:
     (a floor of the one trace; the invocations it does not plan run their floor)."""
     floor = lower_offload_choice(step.trace, offload_candidates(step.trace, step.movable))
     return check_schedule(step.trace, floor).peak_resident_bytes
-
-
-def _with(plan: StepPlan, schedules: Mapping[int, object]) -> StepPlan:
-    return dataclasses.replace(plan, schedules=dict(schedules))
 
 
 def _priced(plan: StepPlan, timeline: StepTimeline, regions: Mapping[int, RegionTrace]) -> StepPlan:

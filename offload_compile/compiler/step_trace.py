@@ -47,7 +47,9 @@ from .step_plan import held_inputs
 if TYPE_CHECKING:
     from hyper_offload.passes.fx.graph_trace import FxTrace
 
-__all__ = ["RegionTrace", "StepTrace", "build_step_trace", "cut_schedule", "region_trace"]
+__all__ = [
+    "RegionTrace", "StepTrace", "build_step_trace", "cut_schedule", "kept_across", "region_trace",
+]
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class RegionTrace:
     """What the step trace needs of one region: its floor trace and lowering.
 
     ``movable``: storages its lowering may move (every ``copy_d2h`` slot); ``held``: its
-    activation inputs' storages; ``floor``: the schedule its floor graphs run."""
+    activation inputs' storages; ``floor``: the schedule its graphs run where the step
+    plan does not lower it again (its floor, or the lowering it is kept at)."""
 
     trace: ActivationTrace
     num_fw_ops: int
@@ -149,6 +152,21 @@ def build_step_trace(
     )
     return StepTrace(trace, frozenset(movable), earliest, latest, forward_at, backward_at,
                      base, frozenset(planned))
+
+
+def kept_across(region: RegionTrace, schedule: ResidencySchedule) -> int:
+    """Bytes of ``region``'s movable storages that ``schedule`` keeps on the device from
+    its forward to its backward (no copy): what its autograd graph holds beyond the
+    floor's, between the two (:attr:`~.step_model.StepTimeline.retained_bytes` counts
+    the floor's)."""
+    copied = {a.storage for _, _, a in schedule.actions() if a.kind is ActionKind.COPY_D2H}
+    num_fw = region.num_fw_ops
+    total = 0
+    for storage in region.movable - copied:
+        ops = [op for op, _ in region.trace.accesses_of(storage)]
+        if ops and ops[0] < num_fw <= ops[-1]:
+            total += region.trace.storage_sizes[storage]
+    return total
 
 
 def _in_forward(region: RegionTrace, storage: int) -> bool:

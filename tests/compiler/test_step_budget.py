@@ -87,13 +87,21 @@ def test_every_step_fits_the_budget_and_is_exact(layout, fraction, plain, whole_
         )
         assert exact(result, reference), f"{layout} step {number} differs from plain compile"
     report = backend.step_report
-    # One plan, and one more where the recompute search changed a region (it cannot
-    # lower a block's own working memory, which is what is over the budget at 30%).
-    assert report is not None and report.replans == 1 + bool(report.relowered)
+    # One plan, and one more once regions were lowered again: with the recompute search
+    # (it cannot lower a block's own working memory, which is what is over the budget at
+    # 30%), or with the step's schedule (a region invoked once per step, issue 43).
+    assert report is not None
+    assert report.replans == 1 + bool(report.relowered or report.lowered_for_step)
     # The plan's peak counts working memory too; where the floor alone is over the
     # budget (tight budgets, small models) the plan is no worse than the floor there.
     assert report.peak_bytes <= max(budget, report.floor_peak_bytes)
-    assert report.kept_bytes > 0  # the step plan keeps what fits: not the floor forever
+    # The step plan keeps what fits (not the floor forever): slots kept at run time, or a
+    # lowering made for the step. The whole model is one region run once: it is lowered
+    # with the step's schedule and moves no more than the region scope (issue 43).
+    assert report.kept_bytes > 0 or report.lowered_for_step
+    if layout == "whole":
+        assert report.lowered_for_step == (0,)
+        assert moved[1] <= whole_model_moved(budget)
     # From the second step: what the one plan moves, measured by the runtime.
     assert moved[1] == moved[2] == report.moved_bytes
     reference = whole_model_moved(budget)  # the same model at the same budget
@@ -212,7 +220,7 @@ def test_a_region_that_runs_collectives_is_marked_so_ranks_never_search_it_alone
     import torch.distributed  # noqa: F401  (registers the functional collectives)
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from hyper_offload.compiler.dynamo_backend import _Region
+    from hyper_offload.compiler.region_state import CompiledRegion as _Region
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
         y = torch.ops._c10d_functional.all_reduce(x * 2, "sum", "0")
