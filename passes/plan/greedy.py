@@ -21,8 +21,9 @@ design's literal "resident > budget" test selects (see ``excess_over_allowed``).
 
 ``GreedyResidencyPlanner()`` then runs the refinement of :mod:`.refine` (drop redundant
 transfers, swap expensive picks for cheaper covering ones, insert one gap that
-replaces several picks); ``refine=False`` is the design's exact behaviour, which the
-test suite checks against a straightforward oracle.
+replaces several picks) and the exact fill at the peak of :mod:`.peak_fill`;
+``refine=False`` is the design's exact behaviour, which the test suite checks against a
+straightforward oracle.
 
 Objective. ``plan`` is always the bytes choice above. With ``objective="time"`` (the
 default) :meth:`GreedyResidencyPlanner.proposals` also offers the same walk over a
@@ -41,6 +42,8 @@ from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 from .planning import backward_start
+from .choice_lowering import lower_offload_choice
+from .peak_fill import fill_peak
 from .refine import refine_choice
 from .report import PlanReport, plan_by_choice
 from .segment_tree import RangeAddMaxTree
@@ -131,9 +134,11 @@ class GreedyResidencyPlanner:
 
     def proposals(self, trace: ActivationTrace) -> list[ResidencySchedule]:
         """The schedules the pipeline should place, predict and choose among: the bytes
-        choice first, then (objective ``"time"``) the time-ranked one if it differs."""
+        choice first, then (objective ``"time"``) the time-ranked one, and that one before
+        its peak fill (:mod:`.peak_fill`, which may cost time), each if it differs."""
         proposals = [self.plan(trace)]
         if self.objective == "time":
+            unfilled: list[Sequence[OffloadCandidate]] = []
 
             def choose_by_time(
                 candidates: Sequence[OffloadCandidate], excess: Sequence[int]
@@ -143,13 +148,19 @@ class GreedyResidencyPlanner:
                     trace, candidates, excess,
                     earliest_prefetch_op=backward_start(trace) if earliest is None else earliest,
                 )
-                return self._refined(candidates, excess, select_greedy(candidates, excess, key))
+                chosen = self._refined(candidates, excess, select_greedy(candidates, excess, key),
+                                       fill=False)
+                filled = fill_peak(candidates, excess, chosen) if self.refine else chosen
+                if filled != chosen:
+                    unfilled.append(chosen)
+                return filled
 
             timed = plan_by_choice(
                 trace, choose_by_time, planner=repr(self), movable=self.movable
             ).schedule
-            if timed != proposals[0]:
-                proposals.append(timed)
+            for schedule in (timed, *(lower_offload_choice(trace, c) for c in unfilled)):
+                if schedule not in proposals:
+                    proposals.append(schedule)
         return proposals
 
     def _choose(
@@ -162,5 +173,12 @@ class GreedyResidencyPlanner:
         candidates: Sequence[OffloadCandidate],
         excess: Sequence[int],
         chosen: list[OffloadCandidate],
+        *,
+        fill: bool = True,
     ) -> Sequence[OffloadCandidate]:
-        return refine_choice(candidates, excess, chosen) if self.refine else chosen
+        """``chosen`` refined (:mod:`.refine`) and, with ``fill``, filled exactly at the
+        peak (:mod:`.peak_fill`); ``refine=False`` leaves the design's choice as it is."""
+        if not self.refine:
+            return chosen
+        refined = refine_choice(candidates, excess, chosen)
+        return fill_peak(candidates, excess, refined) if fill else refined
