@@ -284,11 +284,11 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="also print the Markdown table")
     parser.add_argument("--search", action="store_true",
                         help="the recompute search on Llama-3-8B, 32 x 32K (peers_search.py)")
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
     if args.search:
         from peers_search import main as search_main
 
-        search_main()
+        search_main(rest)
         return
     rows = []
     for name in args.models:

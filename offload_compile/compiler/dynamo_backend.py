@@ -66,11 +66,12 @@ from .region_report import LOGGER, RegionReport, log_region_report
 from .saved_bytes import node_saved_tensors
 from .step_model import Invocation, StepRecorder, StepTimeline
 from .step_plan import StepPlan, plan_step
-from .step_planner import plan_step_schedules
+from .size_buckets import Bucket, merged_sizes
+from .step_planner import plan_step_schedules, region_floor_profile
 from .step_trace import RegionTrace
 from .step_recompute import StepScorer, regions_to_relower
 from .step_report import StepReport, build_step_report, log_step_plan
-from .step_timeline import predicted_step_stall
+from .step_timeline import RegionFloor, predicted_step_stall
 from .region_state import CompiledRegion, Lowering
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_backend"]
@@ -95,7 +96,8 @@ class _RegionForward:
 
     def __call__(self, *args: Any) -> Any:
         region, backend = self._region, self._backend
-        region.check_sizes(args)
+        if not backend.options.step_scoped:  # the step scope plans each call's own sizes
+            region.check_sizes(args)
         backend.relower_if_requested()  # the step asked for recompute (.step_recompute)
         compiled = region.compiled
         assert compiled is not None
@@ -222,6 +224,11 @@ class HyperOffloadBackend:
         self._relower_step: StepTimeline | None = None
         self._interim = False
         """Whether the plan in force waits for lowerings the step plan asked for."""
+        self._plans: dict[tuple[Any, ...], StepPlan] = {}
+        """Plans made, by step (events, retained bytes, sizes): a step seen before (a size
+        bucket, :mod:`.size_buckets`) is not planned again."""
+        self.plans_made = 0
+        """Step plans made so far (``replans`` counts those put in force)."""
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -273,7 +280,8 @@ class HyperOffloadBackend:
         recorder = self.recorder
         recorder.poll()
         invocation = recorder.begin_forward(region.index)
-        with self.runtime.keeping(self._keep_for(invocation), where=region.where,
+        bucket = region.bucket(args)
+        with self.runtime.keeping(self._keep_for(invocation, bucket), where=region.where,
                                   slot_names=region.slot_names):
             outputs = compiled(*args)
         leaves = {
@@ -281,7 +289,7 @@ class HyperOffloadBackend:
             if isinstance(a, torch.Tensor) and a.grad_fn is None
         }
         recorder.end_forward(invocation, outputs,
-                             functools.partial(self._retained, leaves, region))
+                             functools.partial(self._retained, leaves, region), bucket)
         return outputs
 
     def _count_verified_step(self) -> None:
@@ -290,16 +298,29 @@ class HyperOffloadBackend:
         self._verify.step_done(self.runtime.verify)
         self.runtime.verify = self._verify.next_step
 
-    def _keep_for(self, invocation: Invocation) -> frozenset[int]:
-        """What the plan keeps for ``invocation``, while this step's forwards so far are
-        the planned step's; the floor (nothing kept) once the step departs from it."""
-        plan = self.step_plan
-        if plan is None:
-            return frozenset()
+    def _keep_for(self, invocation: Invocation, bucket: Bucket = ()) -> frozenset[int]:
+        """What a plan keeps for ``invocation`` (its sizes: ``bucket``): the plan in force,
+        else the latest plan made, while this step's forwards so far are that plan's (same
+        invocations, same sizes) and the regions run the lowerings it was made for; the
+        floor (nothing kept) where no plan is. A plan found this way is put in force."""
         so_far = (*self.recorder.current_forwards(), invocation)
-        if plan.timeline.invocations[: len(so_far)] != so_far:
-            return frozenset()
-        return plan.keep_for(invocation)
+        sizes = {**self.recorder.current_sizes(), invocation: bucket}
+        for plan in (self.step_plan, *reversed(self._plans.values())):
+            if plan is None or plan.timeline.invocations[: len(so_far)] != so_far:
+                continue
+            if any(plan.timeline.sizes.get(i, ()) != sizes[i] for i in so_far):
+                continue
+            if not self._lowered_as(plan):
+                continue
+            if plan is not self.step_plan:  # a size bucket seen before: its plan, as made
+                self.step_plan, self.step_stall_s, self._interim = plan, plan.predicted_stall_s, False
+            return plan.keep_for(invocation)
+        return frozenset()
+
+    def _lowered_as(self, plan: StepPlan) -> bool:
+        """Whether every region runs the lowering ``plan`` was made for."""
+        return all(r.step_schedule == plan.schedules.get(r.index) for r in self.regions
+                   if r.index in plan.timeline.regions)
 
     def _retained(self, leaves: set[int], region: CompiledRegion, node: Any) -> int:
         """Device bytes ``node`` holds that no plan moves (``StepTimeline.retained_bytes``):
@@ -321,6 +342,10 @@ class HyperOffloadBackend:
         self._count_verified_step()
         plan = self.step_plan
         if plan is not None and plan.timeline == timeline and not self._interim:
+            return
+        cached = self._plans.get(_timeline_key(timeline))
+        if cached is not None and self._lowered_as(cached):
+            self._adopt(cached, interim=False)  # a step seen before: its plan, not made again
             return
         fraction = self.options.budget_fraction
         budget = self._budget_pin
@@ -377,15 +402,18 @@ class HyperOffloadBackend:
         again; None when a region of ``timeline`` was never planned here (a cache served
         it without a plan): then only keeping on the lowerings in force is planned."""
         lowerable = frozenset(r.index for r in self.regions if self._lowerable(r))
+        sizes: dict[int, list[Bucket]] = {}
+        for invocation, bucket in timeline.sizes.items():
+            sizes.setdefault(invocation.region, []).append(bucket)
         regions, resident = {}, {}
         for region in self.regions:
             if region.index == searched:
                 continue
-            traced = region.step_trace(region.index in lowerable)
+            traced = region.step_trace(region.index in lowerable,
+                                       merged_sizes(sizes.get(region.index, ())))
             if traced is None:
                 continue
-            source = region.floor_plan if region.index in lowerable else region.planned
-            regions[region.index], resident[region.index] = traced, source.check.resident_bytes
+            regions[region.index], resident[region.index] = traced
         if any(r not in regions and r != searched for r in timeline.regions):
             return None
         return regions, resident, lowerable
@@ -404,6 +432,8 @@ class HyperOffloadBackend:
         regions, resident, lowerable = inputs
         target = plan_step_schedules(timeline, regions, resident, budget,
                                      budget_fraction=fraction, tailor=lowerable)
+        self.plans_made += 1
+        self._plans[_timeline_key(timeline)] = target
         wanted = {
             r.index: target.schedules.get(r.index) for r in self.regions
             if r.index in lowerable and r.index in timeline.regions
@@ -423,12 +453,21 @@ class HyperOffloadBackend:
     def _keeping_plan(
         self, timeline: StepTimeline, budget: int | None, fraction: float | None = None
     ) -> StepPlan:
-        """Keeping slots on the lowerings in force, priced on the timeline model."""
-        plan = plan_step(timeline, {r.index: r.profile for r in self.regions}, budget,
-                         budget_fraction=fraction)
-        stall = predicted_step_stall(timeline, {r.index: r.floor for r in self.regions},
-                                     plan.keep_for)
-        return dataclasses.replace(plan, predicted_stall_s=stall)
+        """Keeping slots on the lowerings in force, priced on the timeline model (a
+        region of symbolic sizes at the sizes ``timeline`` ran with)."""
+        profiles, floors = {r.index: r.profile for r in self.regions}, {}
+        for region in self.regions:
+            floors[region.index] = region.floor
+            at = [b for i, b in timeline.sizes.items() if i.region == region.index]
+            traced = region.step_trace(False, merged_sizes(at)) if at else None
+            if traced is not None:
+                trace, resident = traced
+                profiles[region.index] = region_floor_profile(region.index, trace, resident)
+                floors[region.index] = RegionFloor(trace.trace, trace.floor, trace.num_fw_ops)
+        plan = plan_step(timeline, profiles, budget, budget_fraction=fraction)
+        stall = predicted_step_stall(timeline, floors, plan.keep_for)
+        lowered = {r.index: r.step_schedule for r in self.regions if r.step_schedule is not None}
+        return dataclasses.replace(plan, predicted_stall_s=stall, schedules=lowered)
 
     def _adopt(self, plan: StepPlan, *, interim: bool) -> StepPlan:
         """Put ``plan`` in force (its predicted stall, the re-plan count, one log line);
@@ -535,6 +574,7 @@ class HyperOffloadBackend:
             if changed:
                 assert region.planned is not None
                 region.variants = {}  # another partition: the earlier lowerings are not its
+                self._plans.clear()  # nor are the plans made on them
                 region.adopt(Lowering(searched, region.planned, region.graphs),
                              region.step_schedule)
         except Exception as error:  # an optimisation failed: the floor's graphs still run
@@ -600,6 +640,12 @@ class HyperOffloadBackend:
                 self.options.inductor_patches(),
             )
         return _compile_inductor(gm, example_inputs, partitioner, self.options)
+
+
+def _timeline_key(timeline: StepTimeline) -> tuple[Any, ...]:
+    """A step's key in the plan cache: its events, retained bytes and sizes."""
+    return (timeline.events, tuple(sorted(timeline.retained_bytes.items())),
+            tuple(sorted(timeline.sizes.items())))
 
 
 def _step_lowering(

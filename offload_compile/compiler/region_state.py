@@ -20,14 +20,15 @@ forward), never while its graphs run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import fx
 
-from hyper_offload.passes import ActivationTrace, ResidencySchedule
+from hyper_offload.passes import ActivationTrace, ResidencySchedule, check_schedule
 from hyper_offload.passes.fx.sizes import unbounded_sizes
 from hyper_offload.runtime import TransferRuntime
 
@@ -35,6 +36,7 @@ from .collectives import is_collective
 from .recompute_search import Scorer
 from .region_plan import GraphPlan, PlannedRegion
 from .region_report import LOGGER
+from .size_buckets import Bucket, bucket_of, size_inputs
 from .step_plan import RegionProfile, held_inputs, region_profile
 from .step_timeline import RegionFloor
 from .step_trace import RegionTrace, kept_across, region_trace
@@ -96,6 +98,8 @@ class CompiledRegion:
         self.from_cache = False
         """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
         self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
+        self.size_inputs = size_inputs(example_inputs)
+        """``{graph input index: symbol}`` of the inputs that are sizes (:mod:`.size_buckets`)."""
         self.unbounded_sizes = unbounded_sizes(example_inputs)
         """Graph inputs that are sizes with no upper bound: ``{input index: (symbol,
         the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
@@ -125,14 +129,26 @@ class CompiledRegion:
         """Whether every size of the region's graphs is a number (no symbolic size)."""
         return self.planned is not None and not self.planned.report.sizes
 
-    def step_trace(self, lowerable: bool) -> RegionTrace | None:
-        """What the step plan plans from: the floor of its partition when it may be
-        lowered again (``lowerable``), else the lowering in force (None: never planned)."""
-        if self.floor_plan is None or self.planned is None:
+    def step_trace(
+        self, lowerable: bool, sizes: Mapping[str, int] | None = None
+    ) -> tuple[RegionTrace, tuple[int, ...]] | None:
+        """What the step plan plans from, and its bytes curve: the floor of its partition
+        when it may be lowered again (``lowerable``), else the lowering in force, its
+        symbolic storages at ``sizes`` (:mod:`.size_buckets`; None: the sizes the plan
+        assumes). None for a region never planned."""
+        source = self.floor_plan if lowerable else self.planned
+        if self.floor_plan is None or source is None:
             return None
-        if lowerable:
-            return region_trace(self.floor_plan.fx_trace, self.floor_plan.schedule)
-        return region_trace(self.planned.fx_trace, self.planned.schedule)
+        fx_trace, schedule = source.fx_trace, source.schedule
+        if sizes and fx_trace.storage_exprs:
+            trace = fx_trace.at_sizes(sizes).with_budget(fx_trace.trace.budget_bytes)
+            resident = check_schedule(trace, schedule).resident_bytes
+            return region_trace(dataclasses.replace(fx_trace, trace=trace), schedule), resident
+        return region_trace(fx_trace, schedule), source.check.resident_bytes
+
+    def bucket(self, args: Sequence[Any]) -> Bucket:
+        """The sizes of a call of this region with ``args`` (empty for static sizes)."""
+        return bucket_of(self.size_inputs, args) if self.size_inputs else ()
 
     @functools.cached_property
     def kept_across_bytes(self) -> int:
