@@ -430,10 +430,13 @@ class HyperOffloadBackend:
         if inputs is None:
             return self._adopt(self._keeping_plan(timeline, budget, fraction), interim=False)
         regions, resident, lowerable = inputs
-        target = plan_step_schedules(timeline, regions, resident, budget,
-                                     budget_fraction=fraction, tailor=lowerable)
-        self.plans_made += 1
-        self._plans[_timeline_key(timeline)] = target
+        key = _timeline_key(timeline)
+        target = self._plans.get(key)
+        if target is None or target.budget_bytes != (budget or target.budget_bytes):
+            target = plan_step_schedules(timeline, regions, resident, budget,
+                                         budget_fraction=fraction, tailor=lowerable)
+            self.plans_made += 1
+            self._plans[key] = target
         wanted = {
             r.index: target.schedules.get(r.index) for r in self.regions
             if r.index in lowerable and r.index in timeline.regions
