@@ -159,7 +159,7 @@ def titan_schedule(
         anchor = last_fw_op.get(later[0], gap.start) if later else gap.start
         releases[gap.storage] = max(anchor, gap.start)
         target = own_layer[gap.storage] + 1
-        start = first_bw_op.get(target, gap.end) if target <= max(first_bw_op, default=-1) else gap.end
+        start = first_bw_op.get(target, gap.end)
         starts[(gap.storage, gap.end)] = min(max(start, num_fw), gap.end)
     schedule = with_reload_starts(_moved(schedule, releases), starts)
     return _checked(fx_trace, schedule), skipped

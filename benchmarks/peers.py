@@ -6,8 +6,9 @@ allocated; Dynamo's module paths give torchtitan's rule its layers), partitioned
 torch's min-cut for Inductor, and traced as one region. Ops are priced on the roofline
 at 400 TFLOP/s and 3 TB/s; copies at ``--links`` GB/s each way; every schedule is judged
 by ``check_schedule`` and timed by ``predict_timeline(..., release_waits_for_d2h=True)``
-(one compute stream, one copy engine per direction... one serial copy stream, a release
-waits for its D2H). All figures are **predicted**. ``recompute="off"`` throughout.
+(one compute stream, one serial copy stream, a release waits for its D2H, a reload is
+waited for before its reader). All figures are **predicted**. ``recompute="off"``
+throughout (``--search`` has recompute).
 
 Per (model, budget, link) one JSON line with, for each peer, bytes moved (both ways,
 GiB), stall (ms and % of compute) and peak (GiB):

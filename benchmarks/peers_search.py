@@ -32,7 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from hyper_offload.compiler.dynamo_backend import HyperOffloadBackend  # noqa: E402
-from hyper_offload.compiler.fake_capture import capture_graphs, fake_inputs, fake_module  # noqa: E402
+from hyper_offload.compiler.fake_capture import (  # noqa: E402
+    capture_graphs,
+    fake_inputs,
+    fake_module,
+)
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
 from hyper_offload.compiler.recompute_search import choose_partition, graph_planner  # noqa: E402
 from hyper_offload.compiler.step_estimate import compile_as_given  # noqa: E402

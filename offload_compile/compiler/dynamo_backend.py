@@ -313,7 +313,8 @@ class HyperOffloadBackend:
             if not self._lowered_as(plan):
                 continue
             if plan is not self.step_plan:  # a size bucket seen before: its plan, as made
-                self.step_plan, self.step_stall_s, self._interim = plan, plan.predicted_stall_s, False
+                self.step_plan, self._interim = plan, False
+                self.step_stall_s = plan.predicted_stall_s
             return plan.keep_for(invocation)
         return frozenset()
 

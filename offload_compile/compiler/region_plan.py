@@ -184,8 +184,8 @@ def plan_graphs(
 def plan_with_schedule(
     floor: GraphPlan, schedule: ResidencySchedule, budget_bytes: int, *, region: int
 ) -> GraphPlan:
-    """``floor``'s region (number ``region``) planned with ``schedule`` (a cut of the step's schedule,
-    :mod:`.step_planner`) under ``budget_bytes``: checked on the region's own trace (a
+    """``floor``'s region (number ``region``) planned with ``schedule`` (a cut of the
+    step's schedule, :mod:`.step_planner`) under ``budget_bytes``: checked on the region's own trace (a
     ``ScheduleError`` when ``check_schedule`` rejects it) and priced on its timeline."""
     trace = floor.fx_trace.trace.with_budget(budget_bytes)
     check = check_schedule(trace, schedule)

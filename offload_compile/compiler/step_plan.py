@@ -26,11 +26,13 @@ the range's maximum plus the slot stays within the budget: each decision is one 
 query and one range add on a :class:`~hyper_offload.passes.plan.segment_tree.
 RangeAddMaxTree`. Everything not kept moves, exactly as the floor schedule moves it.
 
-Invariant: at every position the plan's bytes are at most ``max(budget, floor bytes
-there)``: within the budget wherever the floor is, and no worse than the floor where the
-floor alone is over it (a region's working memory there is more than the budget; only
-recompute could help, and the report says so). So ``peak_bytes <= budget_bytes`` whenever
-``floor_peak_bytes <= budget_bytes``. Pure: no torch.
+Invariant: at every position the plan's bytes are at most ``max(budget, floor peak)``:
+within the budget wherever the floor's peak is, and below the floor (its peak over the
+budget: a region's working memory is more than the budget, which only recompute could
+help, and the report says so) no higher than the floor's peak, which no plan can go
+under: slots that do not raise the peak stay (issue 43: moving everything movable there
+only cost time). So ``peak_bytes <= budget_bytes`` whenever ``floor_peak_bytes <=
+budget_bytes``, and ``peak_bytes == floor_peak_bytes`` otherwise. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -293,7 +295,9 @@ def plan_step(
     )
     if not keep:
         groups = [g for g in groups if all(r.lo >= r.hi for r in g)]
-    kept, peak = _keep_greedily(groups, floor, budget_bytes)
+    # Below the floor (its peak over the budget) the floor's peak is the least any plan
+    # reaches: keep what stays under it.
+    kept, peak = _keep_greedily(groups, floor, max(budget_bytes, max(floor, default=0)))
     keep: dict[Invocation, set[int]] = {i: set() for i in timeline.invocations}
     for r in kept:
         keep[r.invocation].add(r.slot.slot)
@@ -339,7 +343,7 @@ def _keep_greedily(
     groups: list[list[_SlotOnStep]], floor: list[int], budget_bytes: int
 ) -> tuple[list[_SlotOnStep], int]:
     """Keep whole groups, those holding the fewest positions first (larger first on
-    ties), while every position stays within its cap (the budget, or the floor where the
+    ties), while every position stays within ``budget_bytes`` (or the floor where the
     floor alone is over it); the kept slots and the resulting peak."""
     room = RangeAddMaxTree([min(value - budget_bytes, 0) for value in floor])
     bytes_now = RangeAddMaxTree(floor)

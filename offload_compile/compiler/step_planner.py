@@ -60,7 +60,9 @@ class StepProposal(NamedTuple):
     name: str
 
 
-def region_floor_profile(index: int, region: RegionTrace, resident: tuple[int, ...]) -> RegionProfile:
+def region_floor_profile(
+    index: int, region: RegionTrace, resident: tuple[int, ...]
+) -> RegionProfile:
     """The floor profile :func:`.step_plan.plan_step` lays out for ``region``
     (``resident``: ``check_schedule``'s curve of its floor)."""
     return region_profile(index, region.num_fw_ops, resident, region.floor, region.trace,
@@ -131,7 +133,8 @@ def _step_schedule_proposals(
     step = build_step_trace(timeline, regions, planned, budget)
     at = max(budget, step_floor_peak(step))
     step = dataclasses.replace(step, trace=step.trace.with_budget(at))
-    planner = GreedyResidencyPlanner(movable=step.movable, earliest_prefetch_op=step.earliest_reload)
+    planner = GreedyResidencyPlanner(movable=step.movable,
+                                     earliest_prefetch_op=step.earliest_reload)
     try:
         made = plan_residency(
             step.trace, planner, earliest_prefetch_op=step.earliest_reload,

@@ -80,17 +80,20 @@ def test_every_step_fits_the_budget_and_is_exact(layout, fraction, plain, whole_
     reference = plain[layout]
     budget = int(fraction * reference.saved_bytes)
     backend, results, moved = _run(layout, budget)
+    report = backend.step_report
+    assert report is not None
+    # Below the floor (a block's own working memory over the budget, at 30%) no plan
+    # meets the budget: the plan keeps what stays under the floor's peak (issue 43).
+    cap = max(budget, report.floor_peak_bytes)
     for number, result in enumerate(results, 1):
-        assert result.saved_bytes <= budget + SLACK, (
+        assert result.saved_bytes <= cap + SLACK, (
             f"{layout} at {fraction:.0%}: step {number} keeps {result.saved_bytes} B on the "
-            f"device for a budget of {budget} B"
+            f"device for a budget of {budget} B (floor peak {report.floor_peak_bytes} B)"
         )
         assert exact(result, reference), f"{layout} step {number} differs from plain compile"
-    report = backend.step_report
     # One plan, and one more once regions were lowered again: with the recompute search
     # (it cannot lower a block's own working memory, which is what is over the budget at
     # 30%), or with the step's schedule (a region invoked once per step, issue 43).
-    assert report is not None
     assert report.replans == 1 + bool(report.relowered or report.lowered_for_step)
     # The plan's peak counts working memory too; where the floor alone is over the
     # budget (tight budgets, small models) the plan is no worse than the floor there.
