@@ -86,6 +86,9 @@ __all__ = [
     "RECOMPUTE_GRID",
     "SPLICE_REFINEMENTS",
     "SPLICE_SHARES",
+    "SEARCH_MIN_WORK",
+    "SEARCH_WORK_SHARE",
+    "STEP_SEARCH_MIN_WORK",
     "PartitionChoice",
     "PlanScore",
     "Scorer",
@@ -93,6 +96,7 @@ __all__ = [
     "copy_joint",
     "draws_random",
     "graph_planner",
+    "plan_work",
     "low_precision_bans",
     "recomputed_nodes",
     "refine_count",
@@ -151,11 +155,19 @@ partition, as the earlier time bound let it (issue 31), and a usual one its whol
 Measured: ``benchmarks/search_bound.py`` (docs/benchmarks.md)."""
 
 SEARCH_MIN_WORK = 2_000_000
-"""Planning work (trace accesses) the search may always spend: the whole grid and splice
-search of a region of up to ~100 K accesses per plan (a 32-layer Llama-3-8B region at
-32 K tokens, ``benchmarks/peers.py --search``: about 60 K). Work, not seconds: the same
-model gets the same search, and so the same plan, on any machine under any load
-(issue 43; a time bound stopped every 4- and 32-layer Llama case after one partition)."""
+"""Planning work (trace accesses) the region scope's search may always spend. It runs at
+every compile of every region, before anything is known of the step, so it stays close to
+what issue 31 allowed in time: HF RWKV (1.1 M accesses a plan, ~40 s) searches about one
+more partition. Work, not seconds: the same model gets the same search, and so the same
+plan, on any machine under any load (issue 43: a time bound stopped the step's search
+after one partition on every 4- and 32-layer Llama case)."""
+
+STEP_SEARCH_MIN_WORK = 8_000_000
+"""The same for the default step scope's search, which runs once per region, after a
+step was seen to stall or miss the budget (:mod:`.step_recompute`): enough for the whole
+grid and splice search of a 32-layer Llama-3-8B region at 32 K tokens (13 plans, 2.8 M
+accesses, one of them 2.0 M: ``benchmarks/peers.py --search``), so the default door
+finds what the region scope's unbounded search finds."""
 
 
 def plan_work(plan: GraphPlan) -> int:
@@ -527,6 +539,7 @@ def search_region(
         restrict_low_precision=options.inner_compiler == "inductor",
         seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
         score=score or region_score,
+        min_work=SEARCH_MIN_WORK if score is None else STEP_SEARCH_MIN_WORK,
     )
 
 
