@@ -42,10 +42,15 @@ def fill_peak(
 
     Bytes are counted as :mod:`..analysis.candidates` does (each gap's H2D plus its
     epoch's D2H), so only storages with one gap in the pool take part."""
-    over = [op for op, e in enumerate(excess) if e > 0]
-    if not over or not chosen:
+    if not chosen:
         return list(chosen)
-    first, last = over[0], over[-1]
+    first = next((op for op, e in enumerate(excess) if e > 0), None)
+    if first is None:
+        return list(chosen)
+    last = next(op for op in range(len(excess) - 1, -1, -1) if excess[op] > 0)
+    # Cheap test first: every pick must cover every op over budget (else nothing to do).
+    if not all(c.start < first and c.end > last for c in chosen):
+        return list(chosen)
     pool = [c for c in candidates if c.start < first and c.end > last]
     per_storage: dict[int, int] = {}
     for c in pool:
