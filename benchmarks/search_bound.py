@@ -1,5 +1,5 @@
-"""The recompute search's time bound (issue 31): compile + one step, ``recompute="auto"``
-against ``recompute="off"``, per-region budgets (``budget_scope="region"``, where the
+"""The recompute search's bound (issue 31; work, not time, since issue 43): compile + one
+step, ``recompute="auto"`` against ``recompute="off"``, per-region budgets (``budget_scope="region"``, where the
 search runs), aot_eager.
 
 Models: HF RWKV (2 layers, from a config) at 10% of its saved bytes, the issue's case

@@ -10,7 +10,7 @@ Dynamo hands over:
    ``activation_memory_budget`` applies) and plans it: under ``budget_scope="step"``
    (the default) at its floor (:mod:`.step_plan`); under ``"region"`` under the whole
    budget, and with ``recompute="auto"`` (the default), where that plan stalls or cannot
-   meet the budget, also with partitions that recompute more (time-bounded), keeping
+   meet the budget, also with partitions that recompute more (work-bounded), keeping
    the fastest predicted step;
 2. :func:`~.region_plan.lower_region` lowers the chosen plan onto the
    ``hyper_offload::`` transfer ops and checks the lowered graphs again;
