@@ -260,7 +260,7 @@ def test_a_region_that_runs_collectives_is_marked_so_ranks_never_search_it_alone
     import torch.distributed  # noqa: F401  (registers the functional collectives)
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from hyper_offload.compiler.region_state import CompiledRegion as _Region
+    from hyper_offload.compiler.region_state import CompiledRegion
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
         y = torch.ops._c10d_functional.all_reduce(x * 2, "sum", "0")
@@ -269,8 +269,8 @@ def test_a_region_that_runs_collectives_is_marked_so_ranks_never_search_it_alone
     with_collective = make_fx(reduce, tracing_mode="fake")(torch.randn(4))
     plain_graph = make_fx(lambda x: x * 2, tracing_mode="fake")(torch.randn(4))
     runtime = hyper_offload.backend().runtime
-    assert _Region(0, with_collective, [], runtime).collectives
-    assert not _Region(1, plain_graph, [], runtime).collectives
+    assert CompiledRegion(0, with_collective, [], runtime).collectives
+    assert not CompiledRegion(1, plain_graph, [], runtime).collectives
 
 
 def test_a_failing_step_search_keeps_the_floor_graphs_and_stays_exact(plain, caplog):
