@@ -371,10 +371,13 @@ def _method_figures(setup: Setup) -> dict[str, Any]:
                    planned_peak_bytes=report.peak_resident_bytes, feasible=report.feasible)
     if "backend" in info:
         reports = info["backend"].reports
+        step = info["backend"].step_report
         out.update(bytes_moved=sum(r.bytes_d2h + r.bytes_h2d for r in reports),
                    predicted_peak_before=sum(r.predicted_peak_before for r in reports),
                    predicted_peak_after=sum(r.predicted_peak_after for r in reports),
-                   feasible=all(r.feasible for r in reports))
+                   feasible=all(r.feasible for r in reports),
+                   # the budget the step scope resolved the fraction to (of the step's peak)
+                   step_budget_bytes=step.budget_bytes if step is not None else None)
     return out
 
 

@@ -1,6 +1,6 @@
-"""The recompute search's time bound (issue 31): compile + one step, ``recompute="auto"``
-against ``recompute="off"``, per-region budgets (``budget_scope="region"``, where the
-search runs), aot_eager.
+"""The recompute search's bound (issue 31; work, not time, since issue 43): compile + one
+step, ``recompute="auto"`` against ``recompute="off"``, per-region budgets
+(``budget_scope="region"``, where the search runs), aot_eager.
 
 Models: HF RWKV (2 layers, from a config) at 10% of its saved bytes, the issue's case
 (135.7 s against 25.5 s before the bound), and HF GPT-2 / Llama (3 layers) at 30%. Per
@@ -95,7 +95,7 @@ def run(name: str, repeats: int) -> dict[str, Any]:
             result = _step(factory, backend)
             times[mode].append(result["seconds"])
             exact &= _exact(result, plain)
-            bounded |= any(r.recompute is not None and r.recompute.time_bounded
+            bounded |= any(r.recompute is not None and r.recompute.work_bounded
                            for r in backend.reports)
     return {
         "benchmark": "search_bound", "model": name, "fraction": fraction,

@@ -143,11 +143,18 @@ def _gpu_floors(backend: Any) -> tuple[dict[int, RegionFloor], dict[int, list[fl
 
 
 def _predicted(backend: Any) -> dict[str, Any]:
-    """The step plan's and the shared alternative's stall on GPU pricing, per link."""
+    """The step plan's and the shared alternative's stall on GPU pricing, per link (the
+    first step: every region at its floor, whatever it runs now)."""
     plan = backend.step_plan
     profiles = {r.index: r.profile for r in backend.regions}
     shared = plan_step(plan.timeline, profiles, plan.budget_bytes, shared=True)
     floors, durations = _gpu_floors(backend)
+    at_floor = {
+        r.index: RegionFloor(r.floor_plan.fx_trace.trace, r.floor_plan.schedule,
+                             r.floor_plan.fx_trace.num_fw_ops)
+        if r.floor_plan is not None else floors[r.index]
+        for r in backend.regions
+    }
     figures: dict[str, Any] = {"shared_moved_bytes": shared.moved_bytes}
     for gbps in LINKS_GBPS:
         price = {"durations": durations, "bandwidth_gbps": (gbps, gbps)}
@@ -156,7 +163,7 @@ def _predicted(backend: Any) -> dict[str, Any]:
         figures[f"shared_stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
             plan.timeline, floors, shared.keep_for, **price)
         figures[f"first_step_stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
-            plan.timeline, floors, lambda invocation: frozenset(), **price)
+            plan.timeline, at_floor, lambda invocation: frozenset(), **price)
     return figures
 
 

@@ -10,7 +10,7 @@ Dynamo hands over:
    ``activation_memory_budget`` applies) and plans it: under ``budget_scope="step"``
    (the default) at its floor (:mod:`.step_plan`); under ``"region"`` under the whole
    budget, and with ``recompute="auto"`` (the default), where that plan stalls or cannot
-   meet the budget, also with partitions that recompute more (time-bounded), keeping
+   meet the budget, also with partitions that recompute more (work-bounded), keeping
    the fastest predicted step;
 2. :func:`~.region_plan.lower_region` lowers the chosen plan onto the
    ``hyper_offload::`` transfer ops and checks the lowered graphs again;
@@ -30,6 +30,7 @@ keeps a plain ``torch.compile``, or other options, from sharing those entries, a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -44,10 +45,10 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # The compiled graphs call the transfer ops: importing .ops registers their real kernels
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
-from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
+from hyper_offload.errors import ConfigurationError, ConfigurationTypeError, OffloadRuntimeError
 from hyper_offload import passes
 from hyper_offload.config import OffloadConfig
-from hyper_offload.passes import ActivationTrace, ResidencySchedule, required_bytes
+from hyper_offload.passes import ResidencySchedule, ScheduleError, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.sizes import planning_size, unbounded_sizes
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
@@ -61,14 +62,18 @@ from .collectives import is_collective
 from .fake_capture import compile_graphs_only
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import Scorer, search_region
-from .region_plan import GraphPlan, PlannedRegion, lower_region
+from .region_plan import GraphPlan, PlannedRegion, lower_region, plan_with_schedule
 from .region_report import LOGGER, RegionReport, log_region_report
 from .saved_bytes import node_saved_tensors
 from .step_model import Invocation, StepRecorder, StepTimeline
-from .step_plan import RegionProfile, StepPlan, held_inputs, plan_step, region_profile
-from .step_recompute import regions_to_relower, step_scorer
+from .step_plan import StepPlan, plan_step
+from .size_buckets import Bucket, merged_sizes
+from .step_planner import plan_step_schedules, region_floor_profile
+from .step_trace import RegionTrace
+from .step_recompute import StepScorer, regions_to_relower
 from .step_report import StepReport, build_step_report, log_step_plan
 from .step_timeline import RegionFloor, predicted_step_stall
+from .region_state import CompiledRegion, Lowering
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_backend"]
 
@@ -80,155 +85,11 @@ __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_ba
 _PLANNING_CODE = (Path(passes.__file__).parent, Path(__file__).parent)
 
 
-class _Region:
-    """Per-region state: its plan and, under the step scope, its floor profile."""
-
-    def __init__(
-        self,
-        index: int,
-        gm: fx.GraphModule,
-        example_inputs: Sequence[Any],
-        runtime: TransferRuntime,
-    ) -> None:
-        self.index = index
-        self.runtime = runtime
-        """The backend's runtime (every region of a backend shares it and its pool)."""
-        self.planned: PlannedRegion | None = None
-        self.attempted: GraphPlan | None = None
-        """The plan last handed to the lowering, also when lowering it raised (which
-        storages it meant to move: ``hyper_offload.check`` bisects them)."""
-        self.dynamo_graph = (gm, _fake_example_inputs(gm, example_inputs))
-        """What Dynamo handed over, its example inputs as Dynamo's fake values: the step
-        scope may lower the region again from it. Never the real inputs: a region's input
-        is often an activation (the logits a loss region takes), whose autograd graph
-        holds the whole step's saved tensors and host copies, for as long as the region
-        lives."""
-        self.tracing_context = torch._guards.TracingContext.try_get()
-        """Dynamo's context of the compile (its fake mode and ``ShapeEnv``, each input's
-        symbolic sizes): a re-lowering runs in it, so it sees the region's sizes as the
-        first lowering did (a region recompiled under automatic dynamic stays symbolic, a
-        data-dependent size stays an unbacked symbol planned at its bound), not as the
-        sizes of the example inputs Dynamo handed over."""
-        self.collectives = any(is_collective(node) for node in gm.graph.nodes)
-        """Whether the region runs collectives: its Dynamo graph, or once lowered its
-        AOTAutograd graphs (tensor parallel's DTensor ops become collectives there)."""
-        self.compiled: Callable[..., Any] | None = None
-        """What runs the region's forward (a re-lowering replaces it)."""
-        self.relower_requested = False
-        """The step asked for this region's re-lowering with the recompute search ranked
-        on the step (:mod:`.step_recompute`); done before the next step's first forward."""
-        self.scorer: Scorer | None = None
-        """That search's objective, while the re-lowering compiles."""
-        self.relowered = False
-        self.compile_seconds = 0.0
-        """Seconds from Dynamo's hand-over to the end of the first plan (the time bound of
-        a re-lowering's search)."""
-        self.activation_inputs = activation_inputs(example_inputs)
-        """AOTAutograd's names of the graph inputs that are activations (may move)."""
-        self.compile_started = time.perf_counter()
-        """When Dynamo handed the region over (the recompute search's time bound)."""
-        self.from_cache = False
-        """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
-        self.graphs: tuple[fx.GraphModule, fx.GraphModule] | None = None  # lowered fw, bw
-        self.unbounded_sizes = unbounded_sizes(example_inputs)
-        """Graph inputs that are sizes with no upper bound: ``{input index: (symbol,
-        the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
-        self.size_warned = False
-
-    def set_planned(self, planned: PlannedRegion) -> None:
-        """Adopt a (new) plan: the floor profile and trace are derived from it again."""
-        self.planned = planned
-        for derived in ("profile", "floor", "slot_names"):
-            self.__dict__.pop(derived, None)
-
-    @property
-    def where(self) -> str:
-        """The region in ``verify``'s errors."""
-        return f"compile door, region {self.index}"
-
-    @functools.cached_property
-    def slot_names(self) -> dict[int, str]:
-        """``copy_d2h`` slot (a storage of the region's trace) -> the graph node that made
-        it, for ``verify``'s errors."""
-        if self.planned is None:
-            return {}
-        names: dict[int, str] = {}
-        for name, storage in self.planned.fx_trace.node_storage.items():
-            names.setdefault(int(storage), f"of {name} (slot {int(storage)})")
-        return names
-
-    @functools.cached_property
-    def profile(self) -> RegionProfile:
-        """The floor profile the step plan lays out (no ops for a region never planned:
-        an inference graph, or a cached one whose plan was not stored)."""
-        if self.planned is None:
-            return RegionProfile(self.index, 0, (), ())
-        trace = self.planned.fx_trace
-        return region_profile(
-            self.index, trace.num_fw_ops, self.planned.check.resident_bytes,
-            self.planned.schedule, trace.trace,
-            held_inputs(trace.node_storage, trace.activation_inputs),
-        )
-
-    @functools.cached_property
-    def floor(self) -> RegionFloor:
-        """The region's floor trace and schedule (empty for a region never planned)."""
-        if self.planned is None:
-            return RegionFloor(ActivationTrace((), {}, 0), ResidencySchedule((), ()), 0)
-        trace = self.planned.fx_trace
-        return RegionFloor(trace.trace, self.planned.schedule, trace.num_fw_ops)
-
-    def check_sizes(self, args: Sequence[Any]) -> None:
-        """Warn once if a call's size exceeds what the plan assumed for an unbounded one
-        (a smaller size needs fewer bytes under the same plan: no warning)."""
-        if self.size_warned:
-            return
-        for index, (symbol, planned) in self.unbounded_sizes.items():
-            if index < len(args) and isinstance(args[index], int) and args[index] > planned:
-                self.size_warned = True
-                LOGGER.warning(
-                    "hyper_offload region %d: planned for %s <= %d (no bound was declared, so "
-                    "the plan assumes the size at the compile) but runs with %s=%d; results "
-                    "stay exact, resident bytes grow with the size and may exceed the "
-                    "budget. Fix: declare the largest size, torch._dynamo.mark_dynamic(tensor, "
-                    "dim, min=2, max=N) (a larger size then recompiles and is planned again)",
-                    self.index, symbol, planned, symbol, args[index],
-                )
-                return
-
-
-def _fake_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
-    """``example_inputs`` with each tensor replaced by the fake value Dynamo traced it as
-    (its placeholder's ``example_value``, of the region's fake mode, symbolic sizes
-    included); a real tensor is kept only where Dynamo recorded none."""
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    fakes = [node.meta.get("example_value") for node in placeholders]
-    if len(fakes) != len(example_inputs):
-        return list(example_inputs)
-    return [
-        fake if isinstance(value, torch.Tensor) and isinstance(fake, torch.Tensor) else value
-        for value, fake in zip(example_inputs, fakes)
-    ]
-
-
-def activation_inputs(example_inputs: Sequence[Any]) -> frozenset[str]:
-    """The forward placeholders (AOTAutograd names the i-th graph input ``primals_<i+1>``)
-    of inputs that are activations: tensors an autograd graph made (a block's input, the
-    previous block's output), not parameters, buffers or data, which the caller keeps
-    anyway. Dynamo guards a region on ``requires_grad``, not on who made a tensor: a leaf
-    passed where an activation was compiled moves too, exact but for no memory."""
-    return frozenset(
-        f"primals_{i + 1}" for i, value in enumerate(example_inputs)
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
-        and value.grad_fn is not None
-    )
-
-
 class _RegionForward:
     """What Dynamo calls for a region: its compiled forward, with the runtime current."""
 
     def __init__(
-        self, compiled: Callable[..., Any], region: _Region, backend: HyperOffloadBackend
+        self, compiled: Callable[..., Any], region: CompiledRegion, backend: HyperOffloadBackend
     ) -> None:
         region.compiled = compiled
         self._region = region
@@ -236,7 +97,8 @@ class _RegionForward:
 
     def __call__(self, *args: Any) -> Any:
         region, backend = self._region, self._backend
-        region.check_sizes(args)
+        if not backend.options.step_scoped:  # the step scope plans each call's own sizes
+            region.check_sizes(args)
         backend.relower_if_requested()  # the step asked for recompute (.step_recompute)
         compiled = region.compiled
         assert compiled is not None
@@ -259,7 +121,7 @@ class _OffloadPartitioner(CustomPartitionerFn):
     """Stock min-cut partition (searched with recompute), then :func:`lower_region`."""
 
     def __init__(
-        self, backend: HyperOffloadBackend, region: _Region, plan_key: str | None
+        self, backend: HyperOffloadBackend, region: CompiledRegion, plan_key: str | None
     ) -> None:
         self._backend = backend
         self._region = region
@@ -277,24 +139,24 @@ class _OffloadPartitioner(CustomPartitionerFn):
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         started = time.perf_counter()
-        relowering = region.scorer is not None
         choice = search_region(
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=self._backend.bandwidth, region=region.index, floor=options.step_scoped,
             throughput=self._backend.throughput,
             activation_inputs=region.activation_inputs if options.step_scoped else frozenset(),
-            spent_s=region.compile_seconds if relowering else started - region.compile_started,
             score=region.scorer,
         )
         fw, bw = choice.fw, choice.bw
-        region.attempted = choice.plan
+        schedule, plan = _step_lowering(region, choice.plan)
+        if options.step_scoped:
+            region.floor_plan = choice.plan
+        region.step_schedule = schedule
+        region.attempted = plan
         region.set_planned(lower_region(
-            fw, bw, choice.plan, num_fwd_outputs=num_fwd_outputs, options=options,
+            fw, bw, plan, num_fwd_outputs=num_fwd_outputs, options=options,
             region=region.index, recompute=choice.report,
             search_seconds=time.perf_counter() - started,
         ))
-        if not relowering:
-            region.compile_seconds = time.perf_counter() - region.compile_started
         region.graphs = (fw, bw)
         region.collectives = region.collectives or any(
             is_collective(node) for graph in (fw, bw) for node in graph.graph.nodes
@@ -345,7 +207,7 @@ class HyperOffloadBackend:
         """``hyper_offload.estimate``'s backend: regions are partitioned, planned and
         lowered as always but no code is generated (graphs run as FX on fake tensors),
         and steps run on fake tensors are the step (:mod:`.step_estimate`)."""
-        self.regions: list[_Region] = []
+        self.regions: list[CompiledRegion] = []
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
         self._verify = VerifySteps(options.config.verify)
         self.runtime = TransferRuntime(
@@ -363,6 +225,13 @@ class HyperOffloadBackend:
         """The step budget in bytes once a re-lowering was asked for (.step_recompute)."""
         self._relower_step: StepTimeline | None = None
         self._meta_warned = False
+        self._interim = False
+        """Whether the plan in force waits for lowerings the step plan asked for."""
+        self._plans: dict[tuple[Any, ...], StepPlan] = {}
+        """Plans made, by step (events, retained bytes, sizes): a step seen before (a size
+        bucket, :mod:`.size_buckets`) is not planned again."""
+        self.plans_made = 0
+        """Step plans made so far (``replans`` counts those put in force)."""
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -407,21 +276,23 @@ class HyperOffloadBackend:
         )
 
     def run_invocation(
-        self, region: _Region, compiled: Callable[..., Any], args: Sequence[Any]
+        self, region: CompiledRegion, compiled: Callable[..., Any], args: Sequence[Any]
     ) -> Any:
         """Run one forward of ``region`` as an invocation of the step: keep what the step
         plan keeps for it, and record it."""
         recorder = self.recorder
         recorder.poll()
         invocation = recorder.begin_forward(region.index)
-        with self.runtime.keeping(self._keep_for(invocation), where=region.where,
+        bucket = region.bucket(args)
+        with self.runtime.keeping(self._keep_for(invocation, bucket), where=region.where,
                                   slot_names=region.slot_names):
             outputs = compiled(*args)
         leaves = {
             id(a.untyped_storage()) for a in args
             if isinstance(a, torch.Tensor) and a.grad_fn is None
         }
-        recorder.end_forward(invocation, outputs, functools.partial(self._retained, leaves))
+        recorder.end_forward(invocation, outputs,
+                             functools.partial(self._retained, leaves, region), bucket)
         return outputs
 
     def _count_verified_step(self) -> None:
@@ -430,19 +301,35 @@ class HyperOffloadBackend:
         self._verify.step_done(self.runtime.verify)
         self.runtime.verify = self._verify.next_step
 
-    def _keep_for(self, invocation: Invocation) -> frozenset[int]:
-        """What the plan keeps for ``invocation``, while this step's forwards so far are
-        the planned step's; the floor (nothing kept) once the step departs from it."""
-        plan = self.step_plan
-        if plan is None:
-            return frozenset()
+    def _keep_for(self, invocation: Invocation, bucket: Bucket = ()) -> frozenset[int]:
+        """What a plan keeps for ``invocation`` (its sizes: ``bucket``): the plan in force,
+        else the latest plan made, while this step's forwards so far are that plan's (same
+        invocations, same sizes) and the regions run the lowerings it was made for; the
+        floor (nothing kept) where no plan is. A plan found this way is put in force."""
         so_far = (*self.recorder.current_forwards(), invocation)
-        if plan.timeline.invocations[: len(so_far)] != so_far:
-            return frozenset()
-        return plan.keep_for(invocation)
+        sizes = {**self.recorder.current_sizes(), invocation: bucket}
+        for plan in (self.step_plan, *reversed(self._plans.values())):
+            if plan is None or plan.timeline.invocations[: len(so_far)] != so_far:
+                continue
+            if any(plan.timeline.sizes.get(i, ()) != sizes[i] for i in so_far):
+                continue
+            if not self._lowered_as(plan):
+                continue
+            if plan is not self.step_plan:  # a size bucket seen before: its plan, as made
+                self.step_plan, self._interim = plan, False
+                self.step_stall_s = plan.predicted_stall_s
+            return plan.keep_for(invocation)
+        return frozenset()
 
-    def _retained(self, leaves: set[int], node: Any) -> int:
-        """Device bytes ``node`` holds that no plan moves (``StepTimeline.retained_bytes``)."""
+    def _lowered_as(self, plan: StepPlan) -> bool:
+        """Whether every region runs the lowering ``plan`` was made for."""
+        return all(r.step_schedule == plan.schedules.get(r.index) for r in self.regions
+                   if r.index in plan.timeline.regions)
+
+    def _retained(self, leaves: set[int], region: CompiledRegion, node: Any) -> int:
+        """Device bytes ``node`` holds that no plan moves (``StepTimeline.retained_bytes``):
+        its saved device storages, less what the lowering in force keeps that its floor
+        would move (so a region lowered for the step measures as its floor)."""
         storages: dict[int, int] = {}
         for tensor in node_saved_tensors(node):
             storage = tensor.untyped_storage()
@@ -452,23 +339,45 @@ class HyperOffloadBackend:
             # A data-dependent size (estimate's fake steps: nonzero's rows) counts at
             # its bound, as the region's plan counts it.
             storages[id(storage)] = planning_size(storage.nbytes(), "a saved tensor")
-        return sum(storages.values())
+        return max(sum(storages.values()) - region.kept_across_bytes, 0)
 
     def _on_step(self, timeline: StepTimeline) -> None:
-        """A step ended: plan it again when it differs from the one planned; where the
-        plan cannot fit or stalls, ask for recompute (:mod:`.step_recompute`)."""
+        """A step ended: plan it again when it differs from the one planned (or the plan in
+        force waits for lowerings); where the plan cannot fit or stalls, ask for recompute
+        (:mod:`.step_recompute`)."""
         self._count_verified_step()
         plan = self.step_plan
-        if plan is not None and plan.timeline == timeline:
+        if plan is not None and plan.timeline == timeline and not self._interim:
+            return
+        cached = self._plans.get(_timeline_key(timeline))
+        if cached is not None and self._lowered_as(cached):
+            self._adopt(cached, interim=False)  # a step seen before: its plan, not made again
             return
         fraction = self.options.budget_fraction
         budget = self._budget_pin
         if budget is None and fraction is None:
             budget = self.options.config.budget_bytes
-        plan = self._adopt_plan(timeline, budget, fraction)
-        profiles = {r.index: r.profile for r in self.regions}
+        plan = self._plan_step(timeline, budget, fraction)
         if self.options.recompute != "auto":
             return
+        todo = self._to_search(plan)
+        if not todo:
+            return
+        # Done before the next step's first forward, then that step is planned at once
+        # (relower_requested), under the budget resolved here.
+        self._budget_pin = plan.budget_bytes
+        self._relower_step = timeline
+        for index in todo:
+            self.regions[index].relower_requested = True
+            self.regions[index].lowering_requested = None  # the search lowers it
+        LOGGER.info(
+            "hyper_offload step plan %d %s: re-lowering region(s) %s with the recompute "
+            "search ranked on the step", self.replans,
+            "does not fit" if not plan.fits else "stalls", ", ".join(map(str, todo)),
+        )
+
+    def _to_search(self, plan: StepPlan) -> tuple[int, ...]:
+        """Regions the recompute search should re-lower for ``plan`` (.step_recompute)."""
         # A region running collectives on several ranks is not searched: each rank prices
         # the search with its own measured link and could pick another partition.
         ranks = torch.distributed.is_available() and torch.distributed.is_initialized() and (
@@ -479,72 +388,184 @@ class HyperOffloadBackend:
         )
         # Each op's own working memory matters only where the floor is over the budget.
         working = {} if plan.fits else {
-            r.index: required_bytes(r.floor.trace) for r in self.regions
+            r.index: required_bytes((r.floor_plan or r.planned).fx_trace.trace)
+            for r in self.regions if r.planned is not None
         }
-        todo = regions_to_relower(plan, self.step_stall_s, profiles, done, working)
-        if not todo:
-            return
-        # Done before the next step's first forward, then that step is planned at once
-        # (relower_requested), under the budget resolved here.
-        self._budget_pin = plan.budget_bytes
-        self._relower_step = timeline
-        for index in todo:
-            self.regions[index].relower_requested = True
-        # (The step plan in force stays until then: a region the search leaves as it is
-        # keeps its graphs and the plan its decisions.)
-        LOGGER.info(
-            "hyper_offload step plan %d %s: re-lowering region(s) %s with the recompute "
-            "search ranked on the step", self.replans,
-            "does not fit" if not plan.fits else "stalls", ", ".join(map(str, todo)),
-        )
+        profiles = {r.index: r.profile for r in self.regions}
+        return regions_to_relower(plan, plan.predicted_stall_s, profiles, done, working)
 
-    def _scorer_for(self, region: _Region, timeline: StepTimeline) -> Scorer:
-        """The step objective for ``region``'s re-lowering on ``timeline``, against the
-        other regions as they are lowered now (one pass of coordinate descent,
-        .step_recompute)."""
-        assert self._budget_pin is not None
-        return step_scorer(
-            timeline, {r.index: r.profile for r in self.regions},
-            {r.index: r.floor for r in self.regions}, self._budget_pin, region.index,
-        )
+    def _lowerable(self, region: CompiledRegion) -> bool:
+        """Whether the step plan may lower ``region`` again with a schedule of its own:
+        its partition is torch's (compiling again reproduces it) and its sizes are
+        numbers (one schedule fits every call)."""
+        return (region.floor_plan is not None and region.static_sizes
+                and not _recomputes(region))
 
-    def _adopt_plan(
+    def _step_inputs(
+        self, timeline: StepTimeline, searched: int | None = None
+    ) -> tuple[dict[int, RegionTrace], dict[int, tuple[int, ...]], frozenset[int]] | None:
+        """Each region as the step planner sees it, its bytes curve, and those it may lower
+        again; None when a region of ``timeline`` was never planned here (a cache served
+        it without a plan): then only keeping on the lowerings in force is planned."""
+        lowerable = frozenset(r.index for r in self.regions if self._lowerable(r))
+        sizes: dict[int, list[Bucket]] = {}
+        for invocation, bucket in timeline.sizes.items():
+            sizes.setdefault(invocation.region, []).append(bucket)
+        regions, resident = {}, {}
+        for region in self.regions:
+            if region.index == searched:
+                continue
+            traced = region.step_trace(region.index in lowerable,
+                                       merged_sizes(sizes.get(region.index, ())))
+            if traced is None:
+                continue
+            regions[region.index], resident[region.index] = traced
+        if any(r not in regions and r != searched for r in timeline.regions):
+            return None
+        return regions, resident, lowerable
+
+    def _plan_step(
+        self, timeline: StepTimeline, budget: int | None, fraction: float | None = None,
+        *, request: bool = True,
+    ) -> StepPlan:
+        """Plan ``timeline`` (:func:`~.step_planner.plan_step_schedules`). If every region
+        runs the lowering the plan wants, put it in force; else put in force the plan of
+        keeping on the lowerings as they are, and (``request``) ask for the lowerings the
+        plan wants before the next step's first forward. Returns the plan wanted."""
+        inputs = self._step_inputs(timeline)
+        if inputs is None:
+            return self._adopt(self._keeping_plan(timeline, budget, fraction), interim=False)
+        regions, resident, lowerable = inputs
+        key = _timeline_key(timeline)
+        target = self._plans.get(key)
+        if target is None or target.budget_bytes != (budget or target.budget_bytes):
+            target = plan_step_schedules(timeline, regions, resident, budget,
+                                         budget_fraction=fraction, tailor=lowerable)
+            self.plans_made += 1
+            self._plans[key] = target
+        wanted = {
+            r.index: target.schedules.get(r.index) for r in self.regions
+            if r.index in lowerable and r.index in timeline.regions
+        }
+        changes = [i for i, schedule in wanted.items() if self.regions[i].step_schedule != schedule]
+        if not changes:
+            return self._adopt(target, interim=False)
+        self._adopt(self._keeping_plan(timeline, target.budget_bytes), interim=True)
+        if request:
+            self._budget_pin = target.budget_bytes
+            self._relower_step = timeline
+            for index in changes:
+                self.regions[index].lowering_requested = (
+                    wanted[index], target.schedule_budget_bytes)
+        return target
+
+    def _keeping_plan(
         self, timeline: StepTimeline, budget: int | None, fraction: float | None = None
     ) -> StepPlan:
-        """Plan ``timeline`` with the regions as lowered now, and put the plan in force
-        (its predicted stall, the re-plan count, one log line)."""
-        plan = plan_step(
-            timeline, {r.index: r.profile for r in self.regions}, budget,
-            budget_fraction=fraction,
-        )
-        self.step_stall_s = predicted_step_stall(
-            timeline, {r.index: r.floor for r in self.regions}, plan.keep_for
-        )
-        self.step_plan = plan
+        """Keeping slots on the lowerings in force, priced on the timeline model (a
+        region of symbolic sizes at the sizes ``timeline`` ran with)."""
+        profiles, floors = {r.index: r.profile for r in self.regions}, {}
+        for region in self.regions:
+            floors[region.index] = region.floor
+            at = [b for i, b in timeline.sizes.items() if i.region == region.index]
+            traced = region.step_trace(False, merged_sizes(at)) if at else None
+            if traced is not None:
+                trace, resident = traced
+                profiles[region.index] = region_floor_profile(region.index, trace, resident)
+                floors[region.index] = RegionFloor(trace.trace, trace.floor, trace.num_fw_ops)
+        plan = plan_step(timeline, profiles, budget, budget_fraction=fraction)
+        stall = predicted_step_stall(timeline, floors, plan.keep_for)
+        lowered = {r.index: r.step_schedule for r in self.regions if r.step_schedule is not None}
+        return dataclasses.replace(plan, predicted_stall_s=stall, schedules=lowered)
+
+    def _adopt(self, plan: StepPlan, *, interim: bool) -> StepPlan:
+        """Put ``plan`` in force (its predicted stall, the re-plan count, one log line);
+        ``interim``: it waits for lowerings (the step is planned again at its end)."""
+        self.step_plan, self._interim = plan, interim
+        self.step_stall_s = plan.predicted_stall_s
         self.replans += 1
         log_step_plan(plan, self.replans, self.step_stall_s)
         return plan
 
+    def _scorer_for(self, region: CompiledRegion, timeline: StepTimeline) -> Scorer:
+        """The step objective for ``region``'s re-lowering on ``timeline``, against the
+        other regions as they are lowered now (one pass of coordinate descent,
+        .step_recompute)."""
+        assert self._budget_pin is not None
+        inputs = self._step_inputs(timeline, searched=region.index)
+        if inputs is None:
+            raise OffloadRuntimeError(f"hyper_offload region {region.index}: a region of the step "
+                             "was never planned here; the step's search needs every plan")
+        regions, resident, lowerable = inputs
+        return StepScorer(timeline, regions, resident, self._budget_pin, region.index,
+                          lowerable)
+
     def relower_if_requested(self) -> None:
-        """Re-lower every region the last step asked for (:meth:`_on_step`), one after
-        the other, and plan the step again when one of them changed partition: the step
-        about to start runs planned, not at the floor. Runs at every forward: nothing
-        to do but one check almost always."""
+        """Re-lower every region the last step asked for (:meth:`_on_step`): the recompute
+        search first, then the lowerings made for the step; then plan the step again, so
+        the step about to start runs planned. Runs at every forward: nothing to do but
+        one check almost always."""
         timeline = self._relower_step
         if timeline is None:
             return
         self._relower_step = None  # before compiling: a forward inside it finds nothing
-        requested = [r for r in self.regions if r.relower_requested]
-        if sum(self.relower(region, timeline) for region in requested):
-            self._adopt_plan(timeline, self._budget_pin)
+        changed = sum(self.relower(r, timeline) for r in self.regions if r.relower_requested)
+        changed += sum(self.lower_for_step(r) for r in self.regions
+                       if r.lowering_requested is not None)
+        if changed or self._interim:
+            self._plan_step(timeline, self._budget_pin, request=False)
 
-    def relower(self, region: _Region, timeline: StepTimeline) -> bool:
+    def lower_for_step(self, region: CompiledRegion) -> bool:
+        """Run the lowering the step asked for: compiled once per schedule (the floor's is
+        the first compile's). Whether the region changed; on a failure it keeps the
+        lowering it runs (exact either way)."""
+        asked = region.lowering_requested
+        region.lowering_requested = None
+        if asked is None:
+            return False
+        schedule, budget = asked
+        if schedule in region.variants:
+            region.adopt(region.variants[schedule], schedule)
+            return True
+        before = (Lowering(region.compiled, region.planned, region.graphs), region.step_schedule,
+                  region.floor_plan)
+        gm, example_inputs = region.dynamo_graph
+        try:
+            assert schedule is not None  # the floor is always a variant
+            region.lower_with = (schedule, budget)
+            from torch._functorch import config as functorch_config
+
+            # No plan cache entry, and AOTAutograd's cache must not serve the floor's graphs
+            # (its key cannot tell lowerings apart).
+            with functorch_config.patch(enable_autograd_cache=False):
+                compiled = self._compile(region, gm, example_inputs, None)
+            assert region.planned is not None
+            region.adopt(Lowering(compiled, region.planned, region.graphs), schedule)
+            LOGGER.info("hyper_offload region %d: lowered again with the step's schedule "
+                        "(%d B moved)", region.index, region.planned.check.bytes_d2h)
+            return True
+        except Exception as error:  # an optimisation failed: the lowering in force runs
+            LOGGER.warning(
+                "hyper_offload region %d: lowering it again for the step failed (%s: %s); it "
+                "keeps the lowering it runs, exact as before. Fix: report it",
+                region.index, type(error).__name__, error,
+            )
+            region.floor_plan = before[2]
+            region.adopt(before[0], before[1])
+            return False
+        finally:
+            region.lower_with = None
+
+    def relower(self, region: CompiledRegion, timeline: StepTimeline) -> bool:
         """Search ``region``'s partitions again, ranked on the step; where the search
         chooses one other than torch's, compile the region with it (its plan, profile
-        and compiled forward follow). Whether the region changed."""
+        and compiled forward follow; lowered with the schedule the step plan made for
+        it, when it made one). Whether the region changed."""
         region.relower_requested, region.relowered = False, True
-        before = (region.planned, region.graphs)
+        before = (Lowering(region.compiled, region.planned, region.graphs), region.step_schedule,
+                  region.floor_plan)
         gm, example_inputs = region.dynamo_graph
+        report, changed = None, False
         try:
             region.scorer = self._scorer_for(region, timeline)
             # The search on graphs only (no code generation; for aot_eager and fake steps
@@ -558,12 +579,14 @@ class HyperOffloadBackend:
                 searched = self._compile(region, gm, example_inputs, None, graphs_only=True)
                 report = region.planned.report.recompute if region.planned else None
                 changed = _recomputes(region)
-                if not changed:
-                    pass
-                elif self.fake_steps or self.options.inner_compiler != "inductor":
-                    region.compiled = searched
-                else:  # Inductor: the same search again, then code generation
-                    region.compiled = self._compile(region, gm, example_inputs, None)
+                if changed and not self.fake_steps and self.options.inner_compiler == "inductor":
+                    searched = self._compile(region, gm, example_inputs, None)  # + codegen
+            if changed:
+                assert region.planned is not None
+                region.variants = {}  # another partition: the earlier lowerings are not its
+                self._plans.clear()  # nor are the plans made on them
+                region.adopt(Lowering(searched, region.planned, region.graphs),
+                             region.step_schedule)
         except Exception as error:  # an optimisation failed: the floor's graphs still run
             LOGGER.warning(
                 "hyper_offload region %d: the step's recompute search failed (%s: %s); the "
@@ -573,9 +596,9 @@ class HyperOffloadBackend:
             report, changed = None, False
         finally:
             region.scorer = None
-        if not changed:  # torch's partition again, or a failure: the floor's plan stays
-            region.set_planned(before[0])  # type: ignore[arg-type]
-            region.graphs = before[1]
+        if not changed:  # torch's partition again, or a failure: the lowering in force stays
+            region.floor_plan = before[2]
+            region.adopt(before[0], before[1])
         LOGGER.info(
             "hyper_offload region %d searched on the step: %s", region.index,
             report.describe("") if report is not None else "no search",
@@ -585,7 +608,7 @@ class HyperOffloadBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if _on_meta(example_inputs):
             return self._compile_on_meta(gm, example_inputs)
-        region = _Region(next(self._counter), gm, example_inputs, self.runtime)
+        region = CompiledRegion(next(self._counter), gm, example_inputs, self.runtime)
         self.regions.append(region)
         plan_key = None
         if self.options.inner_compiler == "inductor" and not self.fake_steps:
@@ -606,6 +629,12 @@ class HyperOffloadBackend:
                 LOGGER.info("hyper_offload region %d: compiled code and plan served "
                             "from the cache", region.index)
                 log_region_report(region.planned.report)
+                if self.options.step_scoped:  # the cached plan is the region's floor
+                    planned = region.planned
+                    region.floor_plan = GraphPlan(planned.fx_trace, planned.schedule,
+                                                  planned.check, 0.0)
+        if region.planned is not None:
+            region.variants[None] = Lowering(compiled, region.planned, region.graphs)
         return _RegionForward(compiled, region, self)
 
     def _compile_on_meta(
@@ -635,7 +664,7 @@ class HyperOffloadBackend:
         return aot_eager(gm, example_inputs)
 
     def _compile(
-        self, region: _Region, gm: fx.GraphModule, example_inputs: Sequence[Any],
+        self, region: CompiledRegion, gm: fx.GraphModule, example_inputs: Sequence[Any],
         plan_key: str | None, *, graphs_only: bool = False,
     ) -> Callable[..., Any]:
         """``gm`` compiled with this backend's partitioner for ``region``: graphs only
@@ -658,7 +687,36 @@ def _on_meta(example_inputs: Sequence[Any]) -> bool:
                for value in example_inputs)
 
 
-def _recomputes(region: _Region) -> bool:
+def _timeline_key(timeline: StepTimeline) -> tuple[Any, ...]:
+    """A step's key in the plan cache: its events, retained bytes and sizes."""
+    return (timeline.events, tuple(sorted(timeline.retained_bytes.items())),
+            tuple(sorted(timeline.sizes.items())))
+
+
+def _step_lowering(
+    region: CompiledRegion, floor: GraphPlan
+) -> tuple[ResidencySchedule | None, GraphPlan]:
+    """The schedule a compile of ``region`` lowers with (None: its partition's floor
+    ``floor``) and its plan: the schedule made for the step that was asked for
+    (``region.lower_with``), or the one the step's re-lowering search priced with the
+    chosen partition (:class:`~.step_recompute.StepScorer`), checked on this compile's
+    trace. Raises ``ScheduleError`` when the trace is not the one the step planned."""
+    asked = region.lower_with
+    if asked is None and region.scorer is not None:
+        asked = getattr(region.scorer, "schedules", {}).get(id(floor))
+    if asked is None:
+        return None, floor
+    if region.lower_with is not None and region.floor_plan is not None and (
+            region.floor_plan.fx_trace.op_nodes != floor.fx_trace.op_nodes):
+        raise ScheduleError(
+            f"hyper_offload region {region.index}: the graphs traced again differ from those "
+            "the step plan was made for; the region keeps the lowering it runs"
+        )
+    schedule, budget = asked
+    return schedule, plan_with_schedule(floor, schedule, budget, region=region.index)
+
+
+def _recomputes(region: CompiledRegion) -> bool:
     """Whether ``region``'s plan chose a partition that recomputes more than torch's."""
     report = region.planned.report.recompute if region.planned is not None else None
     return report is not None and bool(report.recomputed or report.spliced)

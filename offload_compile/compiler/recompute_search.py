@@ -57,7 +57,6 @@ import copy
 import dataclasses
 import math
 import operator
-import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -87,6 +86,9 @@ __all__ = [
     "RECOMPUTE_GRID",
     "SPLICE_REFINEMENTS",
     "SPLICE_SHARES",
+    "SEARCH_MIN_WORK",
+    "SEARCH_WORK_SHARE",
+    "STEP_SEARCH_MIN_WORK",
     "PartitionChoice",
     "PlanScore",
     "Scorer",
@@ -94,6 +96,7 @@ __all__ = [
     "copy_joint",
     "draws_random",
     "graph_planner",
+    "plan_work",
     "low_precision_bans",
     "recomputed_nodes",
     "refine_count",
@@ -143,18 +146,35 @@ Planner = Callable[[fx.GraphModule, fx.GraphModule, "int | None"], GraphPlan]
 """Plans a forward/backward pair under a byte budget (None: the options' budget)."""
 
 
-SEARCH_TIME_SHARE = 1.0
-"""The recompute search's time bound, as a share of the compile time spent before it
-ends planning the default partition (:func:`choose_partition`, ``spent_s``): with the
-rule that an attempt starts only when it is expected to end in time, the search adds at
-most about what ``recompute="off"`` spends up to there. Measured
-(``benchmarks/search_bound.py``, issue 31, docs/benchmarks.md)."""
+SEARCH_WORK_SHARE = 1.0
+"""The recompute search's work bound, as a share of the default partition's planning
+work (:func:`plan_work`): with :data:`SEARCH_MIN_WORK`, and the rule that an attempt
+starts only when the largest attempt so far would still fit, a region whose one plan is
+costly (HF RWKV, 2 layers: 1.1 M accesses, ~40 s a plan) searches about one more
+partition, as the earlier time bound let it (issue 31), and a usual one its whole grid.
+Measured: ``benchmarks/search_bound.py`` (docs/benchmarks.md)."""
 
-SEARCH_MIN_S = 10.0
-"""Seconds the search may always spend: a small graph's whole search takes a few seconds
-(the bf16 splice search on the tests' models among them), and cutting it would only lose
-the plans the search exists to find; the bound is for graphs whose one partition takes
-tens of seconds (HF RWKV: ~40 s)."""
+SEARCH_MIN_WORK = 2_000_000
+"""Planning work (trace accesses) the region scope's search may always spend. It runs at
+every compile of every region, before anything is known of the step, so it stays close to
+what issue 31 allowed in time: HF RWKV (1.1 M accesses a plan, ~40 s) searches about one
+more partition. Work, not seconds: the same model gets the same search, and so the same
+plan, on any machine under any load (issue 43: a time bound stopped the step's search
+after one partition on every 4- and 32-layer Llama case)."""
+
+STEP_SEARCH_MIN_WORK = 8_000_000
+"""The same for the default step scope's search, which runs once per region, after a
+step was seen to stall or miss the budget (:mod:`.step_recompute`): enough for the whole
+grid and splice search of a 32-layer Llama-3-8B region at 32 K tokens (13 plans, 2.8 M
+accesses, one of them 2.0 M: ``benchmarks/peers.py --search``), so the default door
+finds what the region scope's unbounded search finds."""
+
+
+def plan_work(plan: GraphPlan) -> int:
+    """The work of planning ``plan``'s partition: its trace's accesses (what the planning
+    pipeline's passes walk; its time grows about linearly with them)."""
+    return sum(len(op.accesses) for op in plan.fx_trace.trace.ops)
+
 
 @dataclass(frozen=True)
 class PartitionChoice:
@@ -186,29 +206,27 @@ def choose_partition(
     restrict_low_precision: bool,
     grid: Iterable[float] = RECOMPUTE_GRID,
     seconds: Callable[[fx.Node], float] | None = None,
-    spent_s: float | None = None,
-    min_search_s: float = SEARCH_MIN_S,
+    bounded: bool = True,
+    min_work: int = SEARCH_MIN_WORK,
     score: Scorer = region_score,
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
     low-precision values follow the exactness rule above, and the spliced backwards of
     :mod:`.recompute_splice` join the search. ``seconds`` prices one op for ranking
-    splice options (default: the roofline at CPU figures). ``spent_s``: seconds the
-    region's compile took before this call (AOTAutograd's trace); with it the search
-    is time-bounded: it may spend :data:`SEARCH_TIME_SHARE` of what ``recompute="off"``
-    spends up to the end of the default partition's plan (``spent_s`` plus that
-    partition and plan), and at least ``min_search_s``, so a large searched region
-    compiles in under twice the time of an unsearched one (the issue-31 bound: HF RWKV
-    at 10% took 5.3x before it). ``score`` is the objective every partition is ranked by
-    (default: the region's own plan, :func:`region_score`)."""
-    started = time.perf_counter()
+    splice options (default: the roofline at CPU figures). ``bounded``: the search's
+    planning work is bounded (:data:`SEARCH_WORK_SHARE` of the default partition's
+    :func:`plan_work`, at least ``min_work``), so a region whose one plan is costly
+    compiles in about twice the time of an unsearched one (the issue-31 bound: HF RWKV at
+    10% took 5.3x before it), and the same model gets the same plan on any machine.
+    ``score`` is the objective every partition is ranked by (default: the region's own
+    plan, :func:`region_score`)."""
     seconds = seconds or partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
     user_budget = float(functorch_config.activation_memory_budget)
     pristine = copy_joint(joint) if mode == "auto" else None
     fw, bw = partition(joint)  # the original graph: exactly what plain compile partitions
     default_plan = plan(fw, bw, None)
-    deadline = None if spent_s is None else _Deadline.after(started, spent_s, min_search_s)
+    deadline = _WorkBound.after(default_plan, min_work) if bounded else None
     default = _Candidate(
         _partition_report(user_budget, default_plan, 0, score), fw, bw, default_plan
     )
@@ -247,7 +265,7 @@ def choose_partition(
         recomputed=best.recomputed, offload_only_s=offload_only_s,
         recompute_only_s=min(fits_alone, default=None), joint_s=best.report.step_s,
         partitions=tuple(c.report for c in candidates), restriction=restriction,
-        spliced=best.report.spliced, time_bounded=deadline is not None and deadline.hit,
+        spliced=best.report.spliced, work_bounded=deadline is not None and deadline.hit,
     )
     assert best.plan is not None
     return PartitionChoice(best.fw, best.bw, best.plan, report)
@@ -292,7 +310,7 @@ def _search(
     default_recomputed: set[str],
     budgets: list[float],
     banned: frozenset[str],
-    deadline: _Deadline | None = None,
+    deadline: _WorkBound | None = None,
     score: Scorer = region_score,
 ) -> list[_Candidate]:
     """Torch's partition at each of ``budgets`` (``banned`` ops marked ``MUST_SAVE``),
@@ -306,8 +324,7 @@ def _search(
     found = []
     for memory_budget in budgets:
         if deadline is not None and not deadline.affords():
-            break  # the time bound (choose_partition): keep what was found so far
-        attempt_started = time.perf_counter()
+            break  # the work bound (choose_partition): keep what was found so far
         graph = copy_joint(pristine)
         for node in graph.graph.nodes:
             if node.name in banned:
@@ -332,36 +349,36 @@ def _search(
         found.append(_Candidate(_partition_report(memory_budget, planned, len(extra), score),
                                 fw, bw, planned, extra))
         if deadline is not None:
-            deadline.record(time.perf_counter() - attempt_started)
+            deadline.record(plan_work(planned))
     return found
 
 
-class _Deadline:
-    """The search's time bound (:func:`choose_partition`, ``spent_s``): an absolute
-    ``perf_counter`` time, and the longest attempt seen so far (the expected cost of the
-    next one). ``hit`` says whether the bound stopped the search."""
+class _WorkBound:
+    """The search's work bound (:func:`choose_partition`): the planning work it may still
+    spend, and the largest attempt seen so far (the expected cost of the next one).
+    ``hit`` says whether the bound stopped the search. Work, never seconds: the same
+    search on any machine."""
 
-    def __init__(self, at: float, attempt_s: float) -> None:
-        self.at, self.attempt_s, self.hit = at, attempt_s, False
+    def __init__(self, allowance: int, attempt: int) -> None:
+        self.allowance, self.attempt, self.spent, self.hit = allowance, attempt, 0, False
 
     @classmethod
-    def after(cls, started: float, spent_s: float, min_search_s: float) -> _Deadline:
-        """The bound once the default partition, begun at ``started``, is planned: a
-        share of what the compile spent so far, never under ``min_search_s`` (a small
-        graph's whole search takes a few seconds). One more partition costs about what
-        the default's did: one starts only if it is expected to end in time."""
-        now = time.perf_counter()
-        allowance = max(SEARCH_TIME_SHARE * (spent_s + now - started), min_search_s)
-        return cls(now + allowance, attempt_s=now - started)
+    def after(cls, default: GraphPlan, min_work: int) -> _WorkBound:
+        """The bound once the default partition is planned: :data:`SEARCH_WORK_SHARE` of
+        its work, never under ``min_work``; one more partition costs about what the
+        largest so far did, and starts only if it is expected to fit."""
+        work = plan_work(default)
+        return cls(max(int(SEARCH_WORK_SHARE * work), min_work), attempt=work)
 
     def affords(self) -> bool:
-        """Whether one more attempt is expected to end by the deadline."""
-        if time.perf_counter() + self.attempt_s > self.at:
+        """Whether one more attempt is expected to fit the bound."""
+        if self.spent + self.attempt > self.allowance:
             self.hit = True
         return not self.hit
 
-    def record(self, seconds: float) -> None:
-        self.attempt_s = max(self.attempt_s, seconds)
+    def record(self, work: int) -> None:
+        self.spent += work
+        self.attempt = max(self.attempt, work)
 
 
 SPLICE_SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
@@ -422,7 +439,7 @@ def _splice_search(
     default: _Candidate,
     user_budget: float,
     seconds: Callable[[fx.Node], float],
-    deadline: _Deadline | None = None,
+    deadline: _WorkBound | None = None,
     score: Scorer = region_score,
 ) -> list[_Candidate]:
     """The default partition with its cheapest saved activations recomputed by the
@@ -443,8 +460,7 @@ def _splice_search(
 
     def price(count: int) -> float:
         if deadline is not None and not deadline.affords():
-            return math.inf  # past the time bound: not built, not a candidate
-        attempt_started = time.perf_counter()
+            return math.inf  # past the work bound: not built, not a candidate
         chosen = options[:count]
         fw, bw = splice(default.fw, default.bw, zero_bw, chosen)
         planned = plan(fw, bw, byte_budget)
@@ -454,7 +470,7 @@ def _splice_search(
         )
         built[count] = _Candidate(report, fw, bw, planned, ops)
         if deadline is not None:
-            deadline.record(time.perf_counter() - attempt_started)
+            deadline.record(plan_work(planned))
         return report.step_s if report.feasible else math.inf
 
     # count 0 is the default partition itself: priced already, a bound for the bisection
@@ -499,7 +515,6 @@ def search_region(
     throughput: DeviceThroughput | None = None,
     floor: bool = False,
     activation_inputs: frozenset[str] = frozenset(),
-    spent_s: float | None = None,
     score: Scorer | None = None,
 ) -> PartitionChoice:
     """:func:`choose_partition` as both doors call it: partitions planned by
@@ -523,7 +538,8 @@ def search_region(
         joint, partition, plan, mode="off" if floor and score is None else options.recompute,
         restrict_low_precision=options.inner_compiler == "inductor",
         seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
-        spent_s=spent_s, score=score or region_score,
+        score=score or region_score,
+        min_work=SEARCH_MIN_WORK if score is None else STEP_SEARCH_MIN_WORK,
     )
 
 

@@ -21,7 +21,14 @@ from typing import NamedTuple
 
 from torch import fx
 
-from hyper_offload.passes import ResidencySchedule, ScheduleError, ScheduleReport, required_bytes
+from hyper_offload.passes import (
+    ResidencySchedule,
+    ScheduleError,
+    ScheduleReport,
+    check_schedule,
+    predict_timeline,
+    required_bytes,
+)
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, exposed_transfer_time
 from hyper_offload.passes.fx.graph_trace import FxTrace, build_fx_trace
@@ -42,6 +49,7 @@ __all__ = [
     "kept_saved",
     "lower_region",
     "plan_graphs",
+    "plan_with_schedule",
 ]
 
 
@@ -172,6 +180,19 @@ def plan_graphs(
         where=f"hyper_offload region {region}",
     )
     return GraphPlan(fx_trace, planned.schedule, planned.check, planned.predicted_stall_s)
+
+
+def plan_with_schedule(
+    floor: GraphPlan, schedule: ResidencySchedule, budget_bytes: int, *, region: int
+) -> GraphPlan:
+    """``floor``'s region (number ``region``) planned with ``schedule`` (a cut of the
+    step's schedule, :mod:`.step_planner`) under ``budget_bytes``: checked on the region's own trace (a
+    ``ScheduleError`` when ``check_schedule`` rejects it) and priced on its timeline."""
+    trace = floor.fx_trace.trace.with_budget(budget_bytes)
+    check = check_schedule(trace, schedule)
+    _require_ok(check, "the schedule the step plan made for it", region)
+    stall = predict_timeline(trace, schedule, release_waits_for_d2h=True).exposed_transfer_s
+    return GraphPlan(dataclasses.replace(floor.fx_trace, trace=trace), schedule, check, stall)
 
 
 def build_region_report(

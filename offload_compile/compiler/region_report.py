@@ -98,9 +98,9 @@ class RecomputeReport:
     partitions: tuple[PartitionReport, ...] = ()
     restriction: str | None = None
     spliced: int = 0
-    time_bounded: bool = False
-    """True when the search stopped at its time bound (:mod:`.recompute_search`,
-    ``search_deadline``) before trying every partition."""
+    work_bounded: bool = False
+    """True when the search stopped at its work bound (:mod:`.recompute_search`,
+    :data:`~.recompute_search.SEARCH_MIN_WORK`) before trying every partition."""
 
     def summary(self) -> dict[str, object]:
         data = dict(self.__dict__)
@@ -131,8 +131,8 @@ class RecomputeReport:
         else:
             chosen = "no extra recompute"
         restriction = f"; {self.restriction}" if self.restriction else ""
-        if self.time_bounded:
-            restriction += "; the search stopped at its time bound"
+        if self.work_bounded:
+            restriction += "; the search stopped at its work bound"
         return (
             f"{head}{chosen}, {len(self.partitions)} partition(s) searched; predicted step: "
             f"offload only {ms(self.offload_only_s)}, recompute only "

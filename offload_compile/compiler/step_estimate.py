@@ -6,8 +6,8 @@ is compiled with ``torch.compile`` and a :class:`~.dynamo_backend.HyperOffloadBa
 in *fake-steps* mode, and runs one step on fake inputs: one forward (Dynamo splits it
 into the regions a real compile makes: graph breaks, blocks compiled on their own,
 one compiled block invoked once per layer) and one backward of every output that
-requires grad (gradients of ones, as AOTAutograd's tangents), and one more step when
-the plan asked for recompute (as a real run's second step). Each region is
+requires grad (gradients of ones, as AOTAutograd's tangents), and more steps while
+the plan asks for regions to be lowered again (as a real run's next steps). Each region is
 partitioned, planned at its floor and lowered by the backend's own code; its graphs run
 as FX graphs on the fake tensors, so the backend's step recorder sees the step exactly
 as it sees a real first step, and :func:`~.step_plan.plan_step` plans it. Estimate and
@@ -78,7 +78,8 @@ def estimate_step(
     compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend))
     for _ in range(_MAX_STEPS):
         _fake_step(compiled, inputs, mode)
-        if not any(r.relower_requested for r in backend.regions):
+        if not any(r.relower_requested or r.lowering_requested is not None
+                   for r in backend.regions):
             break
     report = backend.step_report
     if report is None and not backend.regions:
@@ -101,10 +102,12 @@ def estimate_step(
     return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started)
 
 
-_MAX_STEPS = 2
-"""Fake steps an estimate runs: the first at the floor, and one more when the step plan
-asked for recompute (:mod:`.step_recompute`: each region is re-lowered at most once, at
-its next forward, and that step is planned at its end), as a real run's second step."""
+_MAX_STEPS = 3
+"""Fake steps an estimate runs at most: the first at the floor, and more while the step
+plan asks for regions to be lowered again (:mod:`.step_recompute`'s search, each region at
+most once; :mod:`.step_planner`'s schedules), as a real run's next steps: a lowering
+asked for at a step's end is made before the next step's first forward, and that step
+is planned again at its end."""
 
 
 def _fake_step(compiled: Any, inputs: Sequence[Any], mode: Any) -> None:

@@ -82,6 +82,10 @@ class StepTimeline:
 
     events: tuple[StepEvent, ...]
     retained_bytes: Mapping[Invocation, int] = field(default_factory=dict)
+    sizes: Mapping[Invocation, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    """Each invocation's sizes where its region has symbolic ones (``(symbol, value)``,
+    :mod:`.size_buckets`); absent for static sizes. Two steps of other sizes are two
+    timelines: each has its own plan."""
 
     def __repr__(self) -> str:
         return f"StepTimeline({' '.join(map(repr, self.events))})"
@@ -105,6 +109,7 @@ class _Pending(NamedTuple):
 
     node: weakref.ref[Any]
     retained_bytes: int
+    sizes: tuple[tuple[str, int], ...] = ()
 
 
 class StepRecorder:
@@ -119,7 +124,7 @@ class StepRecorder:
         self._events: list[StepEvent] = []
         self._ordinals: dict[int, int] = {}
         self._pending: dict[Invocation, _Pending] = {}
-        self._done: dict[Invocation, int] = {}
+        self._done: dict[Invocation, _Pending] = {}
         self._dead: list[Invocation] = []  # appended by weakref callbacks, lock-free
         self._ready: list[StepTimeline] = []  # ended inside _reap; delivered by poll()
         self.steps = 0
@@ -135,6 +140,13 @@ class StepRecorder:
         with self._lock:
             return tuple(e.invocation for e in self._events if e.kind is StepEventKind.FORWARD)
 
+    def current_sizes(self) -> dict[Invocation, tuple[tuple[str, int], ...]]:
+        """The sizes each invocation of the step in progress ran with."""
+        with self._lock:
+            found = {**self._done, **self._pending}
+            return {e.invocation: found[e.invocation].sizes for e in self._events
+                    if e.kind is StepEventKind.FORWARD and e.invocation in found}
+
     def begin_forward(self, region: int) -> Invocation:
         """The invocation a forward of ``region`` about to run will be, if it records."""
         with self._lock:
@@ -142,11 +154,12 @@ class StepRecorder:
             return Invocation(region, self._ordinals.get(region, 0))
 
     def end_forward(
-        self, invocation: Invocation, outputs: Any, retained_bytes: Callable[[Any], int]
+        self, invocation: Invocation, outputs: Any, retained_bytes: Callable[[Any], int],
+        sizes: tuple[tuple[str, int], ...] = (),
     ) -> bool:
         """Record ``invocation`` if ``outputs`` carry a compiled backward node; hook it.
-        ``retained_bytes(node)`` measures what the node holds (see :class:`StepTimeline`).
-        Returns whether the forward is part of the step."""
+        ``retained_bytes(node)`` measures what the node holds, ``sizes`` are the call's
+        (see :class:`StepTimeline`). Returns whether the forward is part of the step."""
         node = compiled_backward_node(outputs)
         if node is None:
             return False
@@ -161,7 +174,7 @@ class StepRecorder:
                 return False  # another thread recorded this ordinal first: not tracked
             self._ordinals[invocation.region] = invocation.ordinal + 1
             self._events.append(StepEvent(StepEventKind.FORWARD, invocation))
-            self._pending[invocation] = _Pending(ref, held)
+            self._pending[invocation] = _Pending(ref, held, tuple(sizes))
         node.register_prehook(lambda grads: self._backward_started(invocation, ref))
         node.register_hook(lambda grad_inputs, grad_outputs: self._backward_done(invocation, ref))
         return True
@@ -179,7 +192,7 @@ class StepRecorder:
         with self._lock:
             if not self._is_current(invocation, ref):
                 return  # a retained graph's second backward: its step is over
-            self._done[invocation] = self._pending.pop(invocation).retained_bytes
+            self._done[invocation] = self._pending.pop(invocation)
             finished = self._finish_if_idle()
         if finished is not None:
             self._on_step(finished)
@@ -204,7 +217,10 @@ class StepRecorder:
         if self._pending:
             return None
         events = [e for e in self._events if e.invocation in self._done]
-        timeline = StepTimeline(tuple(events), dict(self._done)) if events else None
+        timeline = StepTimeline(
+            tuple(events), {i: p.retained_bytes for i, p in self._done.items()},
+            {i: p.sizes for i, p in self._done.items() if p.sizes},
+        ) if events else None
         self._events, self._done, self._ordinals = [], {}, {}
         if timeline is not None:
             self.steps += 1

@@ -26,18 +26,20 @@ the range's maximum plus the slot stays within the budget: each decision is one 
 query and one range add on a :class:`~hyper_offload.passes.plan.segment_tree.
 RangeAddMaxTree`. Everything not kept moves, exactly as the floor schedule moves it.
 
-Invariant: at every position the plan's bytes are at most ``max(budget, floor bytes
-there)``: within the budget wherever the floor is, and no worse than the floor where the
-floor alone is over it (a region's working memory there is more than the budget; only
-recompute could help, and the report says so). So ``peak_bytes <= budget_bytes`` whenever
-``floor_peak_bytes <= budget_bytes``. Pure: no torch.
+Invariant: at every position the plan's bytes are at most ``max(budget, floor peak)``:
+within the budget wherever the floor's peak is, and below the floor (its peak over the
+budget: a region's working memory is more than the budget, which only recompute could
+help, and the report says so) no higher than the floor's peak, which no plan can go
+under: slots that do not raise the peak stay (issue 43: moving everything movable there
+only cost time). So ``peak_bytes <= budget_bytes`` whenever ``floor_peak_bytes <=
+budget_bytes``, and ``peak_bytes == floor_peak_bytes`` otherwise. Pure: no torch.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencySchedule
@@ -186,6 +188,16 @@ class StepPlan:
     over_budget: frozenset[tuple[int, int]] = frozenset()
     """``(region, op)`` pairs where the floor alone is over the budget (in some
     invocation): where only recompute, or a larger budget, could help."""
+    schedules: Mapping[int, ResidencySchedule] = field(default_factory=dict)
+    """Regions this plan lowers with a schedule made for the step (:mod:`.step_planner`),
+    their schedule; every other region runs its floor lowering. ``keep_for`` names slots
+    of the lowering in force."""
+    schedule_budget_bytes: int = 0
+    """The budget ``check_schedule`` accepted each of ``schedules`` under, on its region's
+    trace (the step's budget, or the step's floor peak where that is higher)."""
+    predicted_stall_s: float = 0.0
+    """The timeline model's stall of this plan (:func:`.step_timeline.predicted_step_stall`),
+    where :mod:`.step_planner` priced it (0 from :func:`plan_step` alone)."""
 
     def keep_for(self, invocation: Invocation) -> frozenset[int]:
         """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
@@ -250,14 +262,17 @@ def plan_step(
     *,
     budget_fraction: float | None = None,
     shared: bool = False,
+    keep: bool = True,
 ) -> StepPlan:
     """Choose the kept slots of every invocation of ``timeline`` under one budget.
 
-    ``profiles`` maps each region of the timeline to its floor profile. The budget is
+    ``profiles`` maps each region of the timeline to the profile of its lowering (its
+    floor, or the schedule :mod:`.step_planner` made for it). The budget is
     ``budget_bytes``, or ``budget_fraction`` of the step's peak without offload.
     ``shared``: decide per region and slot for all its invocations at once, as a graph
     that cannot tell its invocations apart would have to (the alternative the backend
-    does not take: ``benchmarks/step_budget.py`` measures what it costs)."""
+    does not take: ``benchmarks/step_budget.py`` measures what it costs). ``keep=False``
+    keeps only the slots that cost nothing (nothing runs while they would be away)."""
     layout = _lay_out(timeline, profiles)
     floor = _floor(layout, timeline, profiles)
     ranges = [
@@ -278,7 +293,11 @@ def plan_step(
          for key in dict.fromkeys((r.invocation.region, r.slot.slot) for r in ranges)]
         if shared else [[r] for r in ranges]
     )
-    kept, peak = _keep_greedily(groups, floor, budget_bytes)
+    if not keep:
+        groups = [g for g in groups if all(r.lo >= r.hi for r in g)]
+    # Below the floor (its peak over the budget) the floor's peak is the least any plan
+    # reaches: keep what stays under it.
+    kept, peak = _keep_greedily(groups, floor, max(budget_bytes, max(floor, default=0)))
     keep: dict[Invocation, set[int]] = {i: set() for i in timeline.invocations}
     for r in kept:
         keep[r.invocation].add(r.slot.slot)
@@ -324,7 +343,7 @@ def _keep_greedily(
     groups: list[list[_SlotOnStep]], floor: list[int], budget_bytes: int
 ) -> tuple[list[_SlotOnStep], int]:
     """Keep whole groups, those holding the fewest positions first (larger first on
-    ties), while every position stays within its cap (the budget, or the floor where the
+    ties), while every position stays within ``budget_bytes`` (or the floor where the
     floor alone is over it); the kept slots and the resulting peak."""
     room = RangeAddMaxTree([min(value - budget_bytes, 0) for value in floor])
     bytes_now = RangeAddMaxTree(floor)

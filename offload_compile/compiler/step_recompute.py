@@ -13,9 +13,10 @@ inputs and outputs are over it is left alone: no partition changes those) every 
 of the step that saves anything is
 *re-lowered once*: the recompute search (:func:`~.recompute_search.choose_partition`)
 runs again on the region's joint graph, each candidate partition planned at its floor
-and ranked by :func:`step_scorer`: the step plan made with that partition in the
-region's place (every other region as it is) and its predicted stall, plus the step's
-compute (the region's once per invocation). The fastest predicted step that fits wins;
+and ranked by :class:`StepScorer`: the step plan made with that partition in the
+region's place (every other region as it is; the region may be lowered again with a
+schedule made for the step) and its predicted stall, plus the step's compute (the
+region's once per invocation). The fastest predicted step that fits wins;
 with none fitting, the lowest predicted peak. The time objective and the search are the
 region scope's, only priced on the whole step. Before the next step's first forward the
 regions are searched one at a time, each against the others as lowered then (one pass
@@ -35,13 +36,16 @@ from collections.abc import Mapping, Sequence
 
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
 
-from .recompute_search import PlanScore, Scorer
+from hyper_offload.passes.ir.schedule import ResidencySchedule
+
+from .recompute_search import PlanScore
 from .region_plan import GraphPlan
 from .step_model import StepTimeline
-from .step_plan import RegionProfile, StepPlan, held_inputs, plan_step, region_profile
-from .step_timeline import RegionFloor, predicted_step_stall
+from .step_plan import RegionProfile, StepPlan
+from .step_planner import plan_step_schedules
+from .step_trace import RegionTrace, region_trace
 
-__all__ = ["regions_to_relower", "step_scorer"]
+__all__ = ["StepScorer", "regions_to_relower"]
 
 
 def regions_to_relower(
@@ -65,31 +69,45 @@ def regions_to_relower(
     return tuple(r for r in regions if r not in done and profiles[r].slots)
 
 
-def step_scorer(
-    timeline: StepTimeline,
-    profiles: Mapping[int, RegionProfile],
-    floors: Mapping[int, RegionFloor],
-    budget_bytes: int,
-    region: int,
-) -> Scorer:
-    """The objective of ``region``'s re-lowering: a candidate partition's floor plan put
-    in the region's place on ``timeline``, the step planned under ``budget_bytes``, and
-    its predicted compute, stall, fit and peak."""
-    invocations = [i.region for i in timeline.invocations]
-    others_s = sum(
-        sum(op_durations(floors[r].trace)) for r in invocations if r != region
-    )
-    count = invocations.count(region)
+class StepScorer:
+    """The objective of ``region``'s re-lowering: a candidate partition's floor put in the
+    region's place on ``timeline`` (which may be lowered again with a schedule made for
+    the step, as the backend would), the step planned under ``budget_bytes``
+    (:func:`~.step_planner.plan_step_schedules`), and its predicted compute, stall, fit
+    and peak. ``schedules[id(plan)]``: the schedule (and the budget it was checked
+    under) the step plan made for the region with that candidate, if any: the lowering
+    the backend compiles when the candidate wins.
 
-    def score(plan: GraphPlan) -> PlanScore:
-        trace = plan.fx_trace
-        profile = region_profile(
-            region, trace.num_fw_ops, plan.check.resident_bytes, plan.schedule, trace.trace,
-            held_inputs(trace.node_storage, trace.activation_inputs),
+    ``regions`` / ``resident``: every other region as the step plan sees it now;
+    ``tailor``: those of them that may be lowered again."""
+
+    def __init__(
+        self,
+        timeline: StepTimeline,
+        regions: Mapping[int, RegionTrace],
+        resident: Mapping[int, tuple[int, ...]],
+        budget_bytes: int,
+        region: int,
+        tailor: frozenset[int],
+    ) -> None:
+        self.timeline, self.regions, self.resident = timeline, dict(regions), dict(resident)
+        self.budget_bytes, self.region, self.tailor = budget_bytes, region, tailor | {region}
+        invocations = [i.region for i in timeline.invocations]
+        self.others_s = sum(
+            sum(op_durations(regions[r].trace)) for r in invocations if r != region
         )
-        floor = RegionFloor(trace.trace, plan.schedule, trace.num_fw_ops)
-        step = plan_step(timeline, {**profiles, region: profile}, budget_bytes)
-        stall = predicted_step_stall(timeline, {**floors, region: floor}, step.keep_for)
-        return PlanScore(others_s + count * plan.compute_s, stall, step.fits, step.peak_bytes)
+        self.count = invocations.count(region)
+        self.schedules: dict[int, tuple[ResidencySchedule, int]] = {}
 
-    return score
+    def __call__(self, plan: GraphPlan) -> PlanScore:
+        fx_trace = plan.fx_trace
+        candidate = region_trace(fx_trace, plan.schedule)
+        step = plan_step_schedules(
+            self.timeline, {**self.regions, self.region: candidate},
+            {**self.resident, self.region: plan.check.resident_bytes}, self.budget_bytes,
+            tailor=self.tailor,
+        )
+        if self.region in step.schedules:
+            self.schedules[id(plan)] = (step.schedules[self.region], step.schedule_budget_bytes)
+        return PlanScore(self.others_s + self.count * plan.compute_s, step.predicted_stall_s,
+                         step.fits, step.peak_bytes)

@@ -39,6 +39,10 @@ class StepReport:
     """Regions lowered again with the recompute search ranked on the step, because an
     earlier plan did not fit or stalled (:mod:`.step_recompute`); their region reports
     say what they recompute."""
+    lowered_for_step: tuple[int, ...] = ()
+    """Regions the plan runs with a schedule made for the step (:mod:`.step_planner`):
+    what they move, and where, was planned on the whole step; the others run their floor
+    and keep slots at run time (``kept_bytes``)."""
 
     @property
     def moved_bytes(self) -> int:
@@ -67,6 +71,7 @@ class StepReport:
             "steps_seen": self.steps_seen,
             "predicted_stall_s": self.predicted_stall_s,
             "relowered": list(self.relowered),
+            "lowered_for_step": list(self.lowered_for_step),
         }
 
     def __str__(self) -> str:
@@ -78,7 +83,9 @@ class StepReport:
             f"{self.predicted_stall_s * 1e3:.3f} ms; {self.replans} plan(s) in "
             f"{self.steps_seen} step(s)"
             + (f"; region(s) {', '.join(map(str, self.relowered))} re-lowered with "
-               "recompute" if self.relowered else ""),
+               "recompute" if self.relowered else "")
+            + (f"; region(s) {', '.join(map(str, self.lowered_for_step))} lowered with the "
+               "step's schedule" if self.lowered_for_step else ""),
             f"{'invocation':>10} {'kept MiB':>9} {'moved MiB':>9} {'retained MiB':>12}",
         ]
         lines += [
@@ -99,6 +106,7 @@ def build_step_report(
         peak_without_offload_bytes=plan.peak_without_offload_bytes,
         invocations=plan.invocations, replans=replans, steps_seen=steps_seen,
         predicted_stall_s=predicted_stall_s, relowered=relowered,
+        lowered_for_step=tuple(sorted(plan.schedules)),
     )
 
 
@@ -117,8 +125,8 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
     )
     if plan.floor_peak_bytes > plan.budget_bytes:
         over = (
-            "; the floor is over the budget: everything movable moves and the step still "
-            "exceeds it. Fix: raise the budget; with recompute='auto' (the default) the "
+            "; the floor is over the budget: no plan meets it, and the plan reaches the "
+            "floor's peak moving only what lowers it. Fix: raise the budget; with recompute='auto' (the default) the "
             "step's regions are lowered again once with the recompute search, which may "
             "bring the floor down (a region's own working memory it cannot)"
         )

@@ -56,18 +56,22 @@ class OffloadCandidate(NamedTuple):
         return (self.storage, self.d2h_op)
 
 
-def offload_candidates(trace: ActivationTrace) -> list[OffloadCandidate]:
+def offload_candidates(
+    trace: ActivationTrace, movable: frozenset[StorageId] | None = None
+) -> list[OffloadCandidate]:
     """Every gap worth considering, ordered by storage then position.
 
     Gaps that cover no op relieve nothing and gaps of zero-byte storages save nothing,
-    so neither is a candidate.
+    so neither is a candidate. ``movable``: only those storages' gaps (None: every
+    storage's); a step laid out as one trace has storages that must stay where they are
+    between two accesses (a region's saved tensor that may not move).
     """
     candidates = []
     write = AccessKind.WRITE
     sizes = trace.storage_sizes
     for storage in trace.accessed_storages():
         size = sizes[storage]
-        if size <= 0:
+        if size <= 0 or (movable is not None and storage not in movable):
             continue
         accesses = trace.accesses_of(storage)
         d2h_op = accesses[0][0]

@@ -46,9 +46,10 @@ unit is the storage, so saved views move with their base (once per storage).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -119,6 +120,22 @@ class FxTrace:
     """Whether saved model outputs may move (``build_fx_trace``)."""
     may_move: frozenset[str] | None = None
     """The saved tensors the caller lets move, None for all (``build_fx_trace``)."""
+    storage_exprs: Mapping[StorageId, Any] = field(default_factory=dict)
+    """Bytes of each storage whose size is symbolic, as a sympy expression of the sizes'
+    symbols (``trace.storage_sizes`` holds it at the values a plan assumes,
+    :mod:`.sizes`): :meth:`at_sizes` evaluates it at a call's own sizes."""
+
+    def at_sizes(self, values: Mapping[str, int]) -> ActivationTrace:
+        """The trace with every symbolic storage at ``values`` (symbol name -> size;
+        a symbol not named keeps the value the plan assumes). Same ops and accesses."""
+        if not self.storage_exprs or not values:
+            return self.trace
+        sizes = dict(self.trace.storage_sizes)
+        for sid, expr in self.storage_exprs.items():
+            known = {s: values[str(s)] for s in expr.free_symbols if str(s) in values}
+            if len(known) == len(expr.free_symbols):
+                sizes[sid] = int(expr.xreplace(known))
+        return dataclasses.replace(self.trace, storage_sizes=sizes)
 
     @property
     def peak_without_offload(self) -> int:
@@ -182,6 +199,7 @@ class _Builder:
         self.storage: dict[str, list[StorageId | None]] = {}  # qualified name -> per leaf
         self.sizes: dict[StorageId, int] = {}
         self.bases: dict[StorageId, StorageBase] = {}  # storage -> what created it
+        self.exprs: dict[StorageId, Any] = {}  # storage -> its symbolic bytes
         self.ops: list[dict[StorageId, AccessKind]] = []
         self.names: list[str] = []
         self.durations: list[float] = []
@@ -192,6 +210,9 @@ class _Builder:
         sid = len(self.sizes)
         self.sizes[sid] = nbytes
         self.bases[sid] = base
+        expr = symbolic_bytes(base.value)
+        if expr is not None:
+            self.exprs[sid] = expr
         return sid
 
     def of(self, prefix: str, arg: Any) -> list[StorageId | None]:
@@ -263,7 +284,6 @@ class _Builder:
         self.names.append(qualified)
         self.durations.append(node_seconds(node, self.throughput))
 
-
     def add_work_op(self, prefix: str, node: fx.Node, qualified: str) -> None:
         """A ``Work``-returning op: WRITEs every tensor it is given and pins it (the
         communication ends at a ``Work.wait()``, no op); its results alias them."""
@@ -286,6 +306,17 @@ class _Builder:
         self.ops.append(accesses)
         self.names.append(qualified)
         self.durations.append(node_seconds(node, self.throughput))
+
+
+def symbolic_bytes(value: Any) -> Any | None:
+    """``value``'s bytes as a sympy expression of its sizes' symbols, or None when they
+    are a number (a static size)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    numel = value.numel()
+    if not isinstance(numel, torch.SymInt) or not numel.node.expr.free_symbols:
+        return None
+    return numel.node.expr * value.element_size()
 
 
 def _node_leaves(arg: Any) -> list[fx.Node]:
@@ -400,9 +431,10 @@ def build_fx_trace(
         h2d_bandwidth_gbps=h2d_bandwidth_gbps,
     )
     node_storage = {name: sids[0] for name, sids in builder.storage.items() if sids and sids[0] is not None}
+    exprs = {sid: expr for sid, expr in builder.exprs.items() if builder.sizes[sid]}
     return FxTrace(
         trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device,
-        frozenset(inputs), outputs_move, may_move,
+        frozenset(inputs), outputs_move, may_move=may_move, storage_exprs=exprs,
     )
 
 

@@ -21,8 +21,9 @@ design's literal "resident > budget" test selects (see ``excess_over_allowed``).
 
 ``GreedyResidencyPlanner()`` then runs the refinement of :mod:`.refine` (drop redundant
 transfers, swap expensive picks for cheaper covering ones, insert one gap that
-replaces several picks); ``refine=False`` is the design's exact behaviour, which the
-test suite checks against a straightforward oracle.
+replaces several picks) and the exact fill at the peak of :mod:`.peak_fill`;
+``refine=False`` is the design's exact behaviour, which the test suite checks against a
+straightforward oracle.
 
 Objective. ``plan`` is always the bytes choice above. With ``objective="time"`` (the
 default) :meth:`GreedyResidencyPlanner.proposals` also offers the same walk over a
@@ -39,9 +40,12 @@ from typing import Any
 from hyper_offload.errors import ConfigurationError
 
 from ..analysis.candidates import OffloadCandidate, design_rank_key
+from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
-from ..ir.trace import ActivationTrace
+from ..ir.trace import ActivationTrace, StorageId
 from .planning import backward_start
+from .choice_lowering import lower_offload_choice
+from .peak_fill import fill_peak
 from .refine import refine_choice
 from .report import PlanReport, plan_by_choice
 from .segment_tree import RangeAddMaxTree
@@ -81,9 +85,22 @@ class GreedyResidencyPlanner:
     and never moves more bytes than ``refine=False``; ``refine=False`` is the design's
     algorithm exactly. ``objective``: ``"time"`` (default) proposes the bytes choice and
     the time-ranked one to the pipeline, ``"bytes"`` the bytes choice only.
+
+    Two keywords serve a trace that is more than one region (the compile door's step,
+    :mod:`hyper_offload.compiler.step_trace`): ``movable`` restricts the gaps to those
+    storages' (None: every storage may move), and ``earliest_prefetch_op`` is where the
+    time ranking assumes each storage's reload may start (one op or one per storage,
+    :mod:`..ir.limits`; None: where the trace's ``bw:`` ops begin, ``backward_start``).
     """
 
-    def __init__(self, refine: bool = True, objective: str = "time") -> None:
+    def __init__(
+        self,
+        refine: bool = True,
+        objective: str = "time",
+        *,
+        movable: frozenset[StorageId] | None = None,
+        earliest_prefetch_op: OpLimit | None = None,
+    ) -> None:
         if objective not in OBJECTIVES:
             raise ConfigurationError(
                 f"GreedyResidencyPlanner(objective={objective!r}): expected one of "
@@ -92,42 +109,60 @@ class GreedyResidencyPlanner:
             )
         self.refine = refine
         self.objective = objective
+        self.movable = None if movable is None else frozenset(movable)
+        self.earliest_prefetch_op = earliest_prefetch_op
 
     def __repr__(self) -> str:
-        return f"GreedyResidencyPlanner(refine={self.refine}, objective={self.objective!r})"
+        extra = "" if self.movable is None else f", movable={len(self.movable)} storages"
+        return (f"GreedyResidencyPlanner(refine={self.refine}, objective={self.objective!r}"
+                f"{extra})")
+
+    def _key(self) -> tuple[object, ...]:
+        limit = self.earliest_prefetch_op
+        limit = limit if limit is None or isinstance(limit, int) else tuple(sorted(limit.items()))
+        return (self.refine, self.objective, self.movable, limit)
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, GreedyResidencyPlanner)
-            and (other.refine, other.objective) == (self.refine, self.objective)
-        )
+        return isinstance(other, GreedyResidencyPlanner) and other._key() == self._key()
 
     def __hash__(self) -> int:
-        return hash((GreedyResidencyPlanner, self.refine, self.objective))
+        return hash((GreedyResidencyPlanner, *self._key()))
 
     def plan(self, trace: ActivationTrace) -> ResidencySchedule:
         return self.plan_with_report(trace).schedule
 
     def plan_with_report(self, trace: ActivationTrace) -> PlanReport:
-        return plan_by_choice(trace, self._choose, planner=repr(self))
+        return plan_by_choice(trace, self._choose, planner=repr(self), movable=self.movable)
 
     def proposals(self, trace: ActivationTrace) -> list[ResidencySchedule]:
         """The schedules the pipeline should place, predict and choose among: the bytes
-        choice first, then (objective ``"time"``) the time-ranked one if it differs."""
+        choice first, then (objective ``"time"``) the time-ranked one, and that one before
+        its peak fill (:mod:`.peak_fill`, which may cost time), each if it differs."""
         proposals = [self.plan(trace)]
         if self.objective == "time":
+            unfilled: list[Sequence[OffloadCandidate]] = []
 
             def choose_by_time(
                 candidates: Sequence[OffloadCandidate], excess: Sequence[int]
             ) -> Sequence[OffloadCandidate]:
+                earliest = self.earliest_prefetch_op
                 key = time_rank_key(
-                    trace, candidates, excess, earliest_prefetch_op=backward_start(trace)
+                    trace, candidates, excess,
+                    earliest_prefetch_op=backward_start(trace) if earliest is None else earliest,
                 )
-                return self._refined(candidates, excess, select_greedy(candidates, excess, key))
+                chosen = self._refined(candidates, excess, select_greedy(candidates, excess, key),
+                                       fill=False)
+                filled = fill_peak(candidates, excess, chosen) if self.refine else chosen
+                if filled != chosen:
+                    unfilled.append(chosen)
+                return filled
 
-            timed = plan_by_choice(trace, choose_by_time, planner=repr(self)).schedule
-            if timed != proposals[0]:
-                proposals.append(timed)
+            timed = plan_by_choice(
+                trace, choose_by_time, planner=repr(self), movable=self.movable
+            ).schedule
+            for schedule in (timed, *(lower_offload_choice(trace, c) for c in unfilled)):
+                if schedule not in proposals:
+                    proposals.append(schedule)
         return proposals
 
     def _choose(
@@ -140,5 +175,12 @@ class GreedyResidencyPlanner:
         candidates: Sequence[OffloadCandidate],
         excess: Sequence[int],
         chosen: list[OffloadCandidate],
+        *,
+        fill: bool = True,
     ) -> Sequence[OffloadCandidate]:
-        return refine_choice(candidates, excess, chosen) if self.refine else chosen
+        """``chosen`` refined (:mod:`.refine`) and, with ``fill``, filled exactly at the
+        peak (:mod:`.peak_fill`); ``refine=False`` leaves the design's choice as it is."""
+        if not self.refine:
+            return chosen
+        refined = refine_choice(candidates, excess, chosen)
+        return fill_peak(candidates, excess, refined) if fill else refined

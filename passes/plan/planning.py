@@ -37,6 +37,7 @@ from hyper_offload.errors import ConfigurationError, PlanningError
 
 from ..analysis.predicted_timeline import predict_timeline
 from ..analysis.validator import ScheduleError, ScheduleReport, check_schedule
+from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
 from .prefetch import PrefetchError, hoist_prefetches, prefetch_leads
@@ -100,7 +101,7 @@ class PlannedSchedule:
     planned: ResidencySchedule
     """The planner's schedule, before placement (``COPY_H2D`` next to its ``WAIT_H2D``)."""
     planned_check: ScheduleReport
-    earliest_prefetch_op: int
+    earliest_prefetch_op: OpLimit
     predicted_stall_s: float = 0.0
     """The timeline model's stall of ``schedule`` (:func:`~.predicted_timeline.predict_timeline`
     with this door's ``release_waits_for_d2h``): the least among the proposals."""
@@ -112,10 +113,10 @@ def plan_residency(
     trace: ActivationTrace,
     planner: ResidencyPlanner,
     *,
-    earliest_prefetch_op: int = 0,
+    earliest_prefetch_op: OpLimit = 0,
     default_op_duration_s: float | None = None,
     release_waits_for_d2h: bool = False,
-    latest_release_op: int | None = None,
+    latest_release_op: OpLimit | None = None,
     where: str = "hyper_offload",
 ) -> PlannedSchedule:
     """Plan ``trace`` under its budget with ``planner`` and check; where a release waits
@@ -125,12 +126,15 @@ def plan_residency(
     (no reload before ``earliest_prefetch_op``) and check again. With several proposals
     (module docstring) the one predicted to stall least is kept.
 
-    ``where`` names the caller in errors (``"hyper_offload region 3"``, ``"eager warmup"``).
+    ``earliest_prefetch_op`` and ``latest_release_op`` are one op for every storage or
+    one per storage (:mod:`..ir.limits`: a step laid out as one trace has a pair per
+    invocation). ``where`` names the caller in errors (``"hyper_offload region 3"``,
+    ``"eager warmup"``).
     ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
     Raises :class:`PlanningError` (a ``ScheduleError``) naming ``where`` and the stage
     when a stage's schedule breaks a rule; exceptions of ``planner.plan`` propagate.
     """
-    if earliest_prefetch_op < 0:
+    if min(_ops(earliest_prefetch_op), default=0) < 0:
         raise ConfigurationError(
             f"{where}: plan_residency(earliest_prefetch_op={earliest_prefetch_op}): must be >= 0 "
             "(0: reloads may start anywhere on the step's timeline)"
@@ -163,6 +167,10 @@ def plan_residency(
     )
 
 
+def _ops(limit: OpLimit) -> list[int]:
+    return [limit] if isinstance(limit, int) else list(limit.values())
+
+
 def _proposals(planner: ResidencyPlanner, trace: ActivationTrace) -> list[ResidencySchedule]:
     propose = getattr(planner, "proposals", None)
     if propose is None:
@@ -179,9 +187,9 @@ def _place(
     trace: ActivationTrace,
     planned: ResidencySchedule,
     planner: ResidencyPlanner,
-    earliest_prefetch_op: int,
+    earliest_prefetch_op: OpLimit,
     default_op_duration_s: float | None,
-    latest_release_op: int | None,
+    latest_release_op: OpLimit | None,
     where: str,
     *,
     delayed: bool,

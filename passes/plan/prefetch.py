@@ -42,6 +42,7 @@ from hyper_offload.errors import PrefetchError
 from ..analysis.liveness import required_bytes
 from ..analysis.predicted_timeline import predict_timeline
 from ..analysis.validator import check_schedule
+from ..ir.limits import OpLimit, op_limit
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 
@@ -59,7 +60,7 @@ def prefetch_slots(
     trace: ActivationTrace,
     schedule: ResidencySchedule,
     *,
-    earliest_op: int = 0,
+    earliest_op: OpLimit = 0,
     default_op_duration_s: float | None = None,
     release_waits_for_d2h: bool = False,
 ) -> dict[tuple[StorageId, int], int]:
@@ -81,12 +82,14 @@ def earliest_slots(
     trace: ActivationTrace,
     schedule: ResidencySchedule,
     *,
-    earliest_op: int = 0,
+    earliest_op: OpLimit = 0,
 ) -> dict[tuple[StorageId, int], int]:
     """The earliest op each reload may start at, in wait order: as far back as the budget
     allows, never before ``earliest_op`` (the compile path cannot start a backward reload
-    in the forward graph), nor before its wait if that is earlier, nor before the start
-    of the reload waited for before it. ``schedule`` must pass ``check_schedule``.
+    in the forward graph; per storage for a step of several regions,
+    :mod:`~hyper_offload.passes.ir.limits`), nor before its wait if that is earlier, nor
+    before the start of the reload waited for before it. ``schedule`` must pass
+    ``check_schedule``.
     """
     report = check_schedule(trace, schedule)
     if report.violations:
@@ -102,7 +105,7 @@ def earliest_slots(
     previous_start = 0
     for wait_op, storage, release_op in _reloads(schedule):
         size = trace.storage_sizes[storage]
-        floor = min(wait_op, max(release_op + 1, earliest_op, previous_start))
+        floor = min(wait_op, max(release_op + 1, op_limit(earliest_op, storage, 0), previous_start))
         start = wait_op
         while start > floor and room[start - 1] >= size:
             start -= 1
@@ -214,7 +217,7 @@ def hoist_prefetches(
     trace: ActivationTrace,
     schedule: ResidencySchedule,
     *,
-    earliest_op: int = 0,
+    earliest_op: OpLimit = 0,
     default_op_duration_s: float | None = None,
     release_waits_for_d2h: bool = False,
 ) -> ResidencySchedule:

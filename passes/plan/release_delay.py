@@ -37,6 +37,7 @@ from hyper_offload.errors import ReleaseDelayError
 from ..analysis.liveness import required_bytes
 from ..analysis.predicted_timeline import TimelineSimulator
 from ..analysis.validator import check_schedule
+from ..ir.limits import OpLimit, op_limit
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 
@@ -47,13 +48,14 @@ def release_slots(
     trace: ActivationTrace,
     schedule: ResidencySchedule,
     *,
-    latest_op: int | None = None,
+    latest_op: OpLimit | None = None,
     default_op_duration_s: float | None = None,
 ) -> dict[tuple[StorageId, int], int]:
     """``{(storage, release op): new release op}`` for every release this pass holds back,
     in the order they are issued (a release held back and freed in its own slot maps to
     its own op: it moved behind that slot's other actions). ``schedule`` must pass
     ``check_schedule``; ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
+    ``latest_op``: one op for every storage or one per storage (:mod:`..ir.limits`).
     """
     report = check_schedule(trace, schedule)
     if report.violations:
@@ -61,12 +63,11 @@ def release_slots(
             f"release_slots: the input schedule breaks {len(report.violations)} rule(s), "
             f"first: {report.violations[0]}; delay only schedules check_schedule accepts"
         )
-    last = trace.num_ops - 1 if latest_op is None else min(latest_op, trace.num_ops - 1)
     room = [
         max(trace.budget_bytes, need) - resident
         for need, resident in zip(required_bytes(trace), report.resident_bytes)
     ]
-    limits = _release_limits(schedule, last)
+    limits = _release_limits(schedule, latest_op, trace.num_ops - 1)
     simulator = TimelineSimulator(
         trace, default_op_duration_s=default_op_duration_s, release_waits_for_d2h=True
     )
@@ -88,18 +89,24 @@ def release_slots(
     return held.slots
 
 
-def _release_limits(schedule: ResidencySchedule, last: int) -> dict[tuple[StorageId, int], int]:
+def _release_limits(
+    schedule: ResidencySchedule, latest_op: OpLimit | None, final_op: int
+) -> dict[tuple[StorageId, int], int]:
     """``{(storage, release op): latest op it may move to}``: before the storage's next
-    ``COPY_H2D`` (a reload needs the bytes freed first) and at most ``last``."""
+    ``COPY_H2D`` (a reload needs the bytes freed first) and at most its ``latest_op``
+    (``final_op``, the trace's last op, where none is given)."""
     limits: dict[tuple[StorageId, int], int] = {}
     open_release: dict[StorageId, int] = {}
     for op, _where, action in schedule.actions():
+        storage = action.storage
         if action.kind is ActionKind.RELEASE_DEVICE:
-            limits[(action.storage, op)] = max(op, last)
-            open_release[action.storage] = op
-        elif action.kind is ActionKind.COPY_H2D and action.storage in open_release:
-            released = open_release.pop(action.storage)
-            limits[(action.storage, released)] = max(released, min(last, op - 1))
+            last = min(op_limit(latest_op, storage, final_op), final_op)
+            limits[(storage, op)] = max(op, last)
+            open_release[storage] = op
+        elif action.kind is ActionKind.COPY_H2D and storage in open_release:
+            released = open_release.pop(storage)
+            last = min(op_limit(latest_op, storage, final_op), final_op)
+            limits[(storage, released)] = max(released, min(last, op - 1))
     return limits
 
 
@@ -145,7 +152,7 @@ def delay_releases(
     trace: ActivationTrace,
     schedule: ResidencySchedule,
     *,
-    latest_op: int | None = None,
+    latest_op: OpLimit | None = None,
     default_op_duration_s: float | None = None,
 ) -> ResidencySchedule:
     """``schedule`` with every :func:`release_slots` release moved to its new op.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..analysis.candidates import OffloadCandidate, budget_excess, offload_candidates
 from ..analysis.liveness import InfeasibleOp
 from ..ir.schedule import ResidencySchedule
-from ..ir.trace import ActivationTrace
+from ..ir.trace import ActivationTrace, StorageId
 from .choice_lowering import lower_offload_choice
 
 #: Picks the gaps to offload from all candidates and the per-op bytes over budget.
@@ -48,10 +48,17 @@ class PlanReport:
         )
 
 
-def plan_by_choice(trace: ActivationTrace, choose: ChooseGaps, *, planner: str) -> PlanReport:
-    """Analyse ``trace``, let ``choose`` pick gaps, lower the pick; time the whole."""
+def plan_by_choice(
+    trace: ActivationTrace,
+    choose: ChooseGaps,
+    *,
+    planner: str,
+    movable: frozenset[StorageId] | None = None,
+) -> PlanReport:
+    """Analyse ``trace``, let ``choose`` pick gaps (of ``movable`` storages only, when
+    given), lower the pick; time the whole."""
     started = time.perf_counter()
-    candidates = offload_candidates(trace)
+    candidates = offload_candidates(trace, movable)
     excess, infeasible = budget_excess(trace)
     chosen = choose(candidates, excess)
     return PlanReport(

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from ..analysis.candidates import OffloadCandidate, design_rank_key
 from ..analysis.predicted_timeline import op_start_times
+from ..ir.limits import OpLimit, op_limit
 from ..ir.trace import ActivationTrace
 
 __all__ = ["copy_fits", "time_rank_key"]
@@ -36,9 +37,10 @@ def copy_fits(
     candidates: Sequence[OffloadCandidate],
     excess: Sequence[int],
     *,
-    earliest_prefetch_op: int = 0,
+    earliest_prefetch_op: OpLimit = 0,
 ) -> list[bool]:
-    """For each candidate, whether its D2H and its H2D each fit their window alone."""
+    """For each candidate, whether its D2H and its H2D each fit their window alone
+    (``earliest_prefetch_op``: one op, or one per storage, :mod:`..ir.limits`)."""
     num_ops = trace.num_ops
     clock = op_start_times(trace)
     next_over = [num_ops] * (num_ops + 1)  # first op >= i over budget
@@ -55,7 +57,7 @@ def copy_fits(
         if first >= gap.end:  # covers no op over budget: nothing has to be gone in time
             fits.append(True)
             continue
-        reload_from = min(max(last + 1, earliest_prefetch_op), gap.end)
+        reload_from = min(max(last + 1, op_limit(earliest_prefetch_op, gap.storage, 0)), gap.end)
         d2h_window = clock[first] - clock[gap.d2h_op + 1]
         h2d_window = clock[gap.end] - clock[reload_from]
         fits.append(gap.size / d2h_rate <= d2h_window and gap.size / h2d_rate <= h2d_window)
@@ -67,7 +69,7 @@ def time_rank_key(
     candidates: Sequence[OffloadCandidate],
     excess: Sequence[int],
     *,
-    earliest_prefetch_op: int = 0,
+    earliest_prefetch_op: OpLimit = 0,
 ) -> RankKey:
     """A sort key (ascending) for :func:`~.greedy.select_greedy`: fitting gaps
     first, then the design's order (:func:`~.candidates.design_rank_key`)."""

@@ -61,9 +61,10 @@ def _pair(saved: list[str], recomputed: list[str], target=aten.relu.default):
 class _Stubs:
     """Partitions per ``activation_memory_budget`` and their prices."""
 
-    def __init__(self, pairs, prices, target=aten.relu.default):
+    def __init__(self, pairs, prices, target=aten.relu.default, accesses=10):
         self.graphs = {b: _pair(s, r, target) for b, (s, r) in pairs.items()}
         self.prices = prices
+        self.accesses = accesses  # each plan's trace: its planning work
         self.partitioned: list[float] = []
         self.budgets: list[int | None] = []
 
@@ -77,8 +78,10 @@ class _Stubs:
         (memory_budget,) = [b for b, g in self.graphs.items() if g[0] is fw]
         compute, stall, feasible, peak, *after = self.prices[memory_budget]
         peak_after = after[0] if after else (min(peak, 100) if feasible else 150)
+        ops = (SimpleNamespace(accesses=(None,) * self.accesses),)
         return SimpleNamespace(
-            fx_trace=SimpleNamespace(trace=SimpleNamespace(budget_bytes=100), peak_without_offload=peak),
+            fx_trace=SimpleNamespace(trace=SimpleNamespace(budget_bytes=100, ops=ops),
+                                     peak_without_offload=peak),
             check=SimpleNamespace(peak_resident_bytes=peak_after, bytes_d2h=1),
             predicted_stall_s=stall, compute_s=compute, step_s=compute + stall, feasible=feasible,
         )
@@ -316,53 +319,28 @@ def test_refine_count_finds_the_minimum_of_a_falling_then_rising_step(best, slop
     assert min(scores.values()) == step(best)
 
 
-class _Clock:
-    """The search's ``time`` module, on a clock only the stubs advance: the time bound
-    is checked against work done, not against how busy the machine is (issue 45)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-class _SlowStubs(_Stubs):
-    """Stubs whose every partition takes ``seconds`` of the search's clock (a large
-    graph's partitioner)."""
-
-    def __init__(self, *args, seconds: float, clock: _Clock, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.seconds, self.clock = seconds, clock
-
-    def partition(self, joint):
-        self.clock.now += self.seconds
-        return super().partition(joint)
-
-
-def test_the_search_stops_at_its_time_bound_and_keeps_what_it_found(monkeypatch):
-    import hyper_offload.compiler.recompute_search as search
-
-    clock = _Clock()
-    monkeypatch.setattr(search, "time", clock)
+def test_the_search_stops_at_its_work_bound_and_keeps_what_it_found():
+    """The bound is planning work (trace accesses), never seconds: the same search on any
+    machine, under any load (issue 43)."""
     pairs = {1.0: (["a", "b"], []), 0.8: (["a"], ["b"]), 0.5: (["x"], ["a", "b"]),
              0.2: (["y"], ["a", "b", "x"])}
     prices = {1.0: (1.0, 5.0, True, 200), 0.8: (1.5, 1.0, True, 150),
               0.5: (1.7, 0.0, True, 90), 0.2: (1.2, 0.0, True, 90)}
-    unbounded = _SlowStubs(pairs, prices, seconds=0.05, clock=clock)
     choose = partial(choose_partition, JOINT, mode="auto", restrict_low_precision=False,
                      grid=(0.8, 0.5, 0.2))
-    assert not choose(unbounded.partition, unbounded.plan).report.time_bounded
+    unbounded = _Stubs(pairs, prices, accesses=1000)
+    assert not choose(unbounded.partition, unbounded.plan, bounded=False).report.work_bounded
     assert unbounded.partitioned == [1.0, 0.8, 0.5, 0.2]
-    # Nothing spent before the search: it may spend what the default partition took,
-    # about one more partition, so it stops after at most two.
-    bounded = _SlowStubs(pairs, prices, seconds=0.05, clock=clock)
-    # (min_search_s: the bound's floor, scaled to the stubs' times)
-    report = choose(bounded.partition, bounded.plan, spent_s=0.0, min_search_s=0.0).report
-    assert report.time_bounded and len(bounded.partitioned) <= 3
+    # Large plans and no floor to the bound: it may spend what the default partition's
+    # plan took, one more partition, then stops.
+    bounded = _Stubs(pairs, prices, accesses=1000)
+    report = choose(bounded.partition, bounded.plan, min_work=0).report
+    assert report.work_bounded and bounded.partitioned == [1.0, 0.8]
     assert report.partitions[0].memory_budget == 1.0  # the default is always planned
-    # With the compile's earlier work as allowance, the whole grid fits again.
-    generous = _SlowStubs(pairs, prices, seconds=0.05, clock=clock)
-    assert not choose(generous.partition, generous.plan, spent_s=10.0,
-                      min_search_s=0.0).report.time_bounded
+    # The same plans under the default floor (SEARCH_MIN_WORK): the whole grid.
+    generous = _Stubs(pairs, prices, accesses=1000)
+    assert not choose(generous.partition, generous.plan).report.work_bounded
     assert generous.partitioned == [1.0, 0.8, 0.5, 0.2]
+    # The bound reads no clock: twice the same search, the same partitions and choice.
+    again = _Stubs(pairs, prices, accesses=1000)
+    assert choose(again.partition, again.plan, min_work=0).report == report

@@ -16,7 +16,10 @@ import pytest
 import torch
 
 import hyper_offload
-from hyper_offload.compiler.dynamo_backend import shared_backend
+from hyper_offload.compiler.dynamo_backend import HyperOffloadBackend, shared_backend
+from hyper_offload.compiler.options import parse_backend_options
+from hyper_offload.passes.fx.cost_model import DeviceThroughput
+from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .step_models import (
     LAYOUTS,
@@ -80,20 +83,31 @@ def test_every_step_fits_the_budget_and_is_exact(layout, fraction, plain, whole_
     reference = plain[layout]
     budget = int(fraction * reference.saved_bytes)
     backend, results, moved = _run(layout, budget)
+    report = backend.step_report
+    assert report is not None
+    # Below the floor (a block's own working memory over the budget, at 30%) no plan
+    # meets the budget: the plan keeps what stays under the floor's peak (issue 43).
+    cap = max(budget, report.floor_peak_bytes)
     for number, result in enumerate(results, 1):
-        assert result.saved_bytes <= budget + SLACK, (
+        assert result.saved_bytes <= cap + SLACK, (
             f"{layout} at {fraction:.0%}: step {number} keeps {result.saved_bytes} B on the "
-            f"device for a budget of {budget} B"
+            f"device for a budget of {budget} B (floor peak {report.floor_peak_bytes} B)"
         )
         assert exact(result, reference), f"{layout} step {number} differs from plain compile"
-    report = backend.step_report
-    # One plan, and one more where the recompute search changed a region (it cannot
-    # lower a block's own working memory, which is what is over the budget at 30%).
-    assert report is not None and report.replans == 1 + bool(report.relowered)
+    # One plan, and one more once regions were lowered again: with the recompute search
+    # (it cannot lower a block's own working memory, which is what is over the budget at
+    # 30%), or with the step's schedule (a region invoked once per step, issue 43).
+    assert report.replans == 1 + bool(report.relowered or report.lowered_for_step)
     # The plan's peak counts working memory too; where the floor alone is over the
     # budget (tight budgets, small models) the plan is no worse than the floor there.
     assert report.peak_bytes <= max(budget, report.floor_peak_bytes)
-    assert report.kept_bytes > 0  # the step plan keeps what fits: not the floor forever
+    # The step plan keeps what fits (not the floor forever): slots kept at run time, or a
+    # lowering made for the step. The whole model is one region run once: it is lowered
+    # with the step's schedule and moves no more than the region scope (issue 43).
+    assert report.kept_bytes > 0 or report.lowered_for_step
+    if layout == "whole":
+        assert report.lowered_for_step == (0,)
+        assert moved[1] <= whole_model_moved(budget)
     # From the second step: what the one plan moves, measured by the runtime.
     assert moved[1] == moved[2] == report.moved_bytes
     reference = whole_model_moved(budget)  # the same model at the same budget
@@ -147,6 +161,40 @@ def test_a_mib_budget_per_region_is_what_issue_31_found_broken(plain):
     budget = int(0.5 * plain["per_block"].saved_bytes)
     _, results, moved = _run("per_block", budget, scope="region")
     assert sum(moved) == 0 and results[0].saved_bytes > budget + SLACK
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_inductor_lowers_the_whole_model_again_for_the_step_and_stays_exact(dtype):
+    """Issue 43: the whole model is one region run once per step, so after the first step
+    it is compiled once more with the step's own schedule (release and reload points made
+    for the step); every step is exact against plain Inductor and within the budget.
+    Planned as a GPU would plan it (ops on its roofline, copies at 16 GB/s: there the
+    step's schedule stalls less than keeping slots on the floor graph; at CPU prices both
+    are free and the floor, first among equals, stays)."""
+    torch._dynamo.reset()
+    model, step = build("whole", "inductor", dtype=dtype)
+    reference = train(model, step, 1, dtype)[0]
+    # 70%: above the floor (Inductor's whole-model floor is over 50% of the saved bytes,
+    # where every movable byte must move and no schedule beats the floor's).
+    budget = int(0.7 * reference.saved_bytes)
+    torch._dynamo.reset()
+    backend = HyperOffloadBackend(
+        parse_backend_options({"max_resident_activation_mb": budget / _MIB, "recompute": "off"}),
+        link=TransferBandwidth(16.0, 16.0, measured=False),
+        throughput=DeviceThroughput(flops_per_s=400e12, bytes_per_s=3e12),
+    )
+    model, step = build("whole", backend, dtype=dtype)
+    moved, results = [], []
+    for _ in range(STEPS):
+        before = backend.runtime.bytes_d2h
+        results += train(model, step, 1, dtype)
+        moved.append(backend.runtime.bytes_d2h - before)
+    report = backend.step_report
+    assert report.lowered_for_step == (0,) and len(backend.regions[0].variants) == 2
+    for result in results:
+        assert result.saved_bytes <= budget + SLACK and exact(result, reference)
+    assert moved[0] > moved[1] == moved[2] == report.moved_bytes
 
 
 @pytest.mark.slow
@@ -212,7 +260,7 @@ def test_a_region_that_runs_collectives_is_marked_so_ranks_never_search_it_alone
     import torch.distributed  # noqa: F401  (registers the functional collectives)
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from hyper_offload.compiler.dynamo_backend import _Region
+    from hyper_offload.compiler.region_state import CompiledRegion
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
         y = torch.ops._c10d_functional.all_reduce(x * 2, "sum", "0")
@@ -221,8 +269,8 @@ def test_a_region_that_runs_collectives_is_marked_so_ranks_never_search_it_alone
     with_collective = make_fx(reduce, tracing_mode="fake")(torch.randn(4))
     plain_graph = make_fx(lambda x: x * 2, tracing_mode="fake")(torch.randn(4))
     runtime = hyper_offload.backend().runtime
-    assert _Region(0, with_collective, [], runtime).collectives
-    assert not _Region(1, plain_graph, [], runtime).collectives
+    assert CompiledRegion(0, with_collective, [], runtime).collectives
+    assert not CompiledRegion(1, plain_graph, [], runtime).collectives
 
 
 def test_a_failing_step_search_keeps_the_floor_graphs_and_stays_exact(plain, caplog):

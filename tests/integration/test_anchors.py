@@ -68,8 +68,13 @@ def test_hyper_offload_compile_moves_saved_bytes_off_the_device(results: dict[st
     # Half of the region's peak is feasible now that saved views move with their base
     # (issue 15), and the saved bytes measured from autograd's graph fit in it.
     assert r["feasible"], r
-    assert r["predicted_peak_after"] <= r["budget_fraction"] * r["predicted_peak_before"]
-    assert r["saved_bytes"] <= r["budget_fraction"] * r["predicted_peak_before"]
+    # The step scope resolves the fraction against the step's peak without offload (its
+    # byte model counts a kept copy beside its source until the floor's release: within
+    # 1% of the region's); the region is lowered with the step's schedule (issue 43).
+    budget = r["step_budget_bytes"]
+    assert budget <= 1.01 * r["budget_fraction"] * r["predicted_peak_before"]
+    assert r["predicted_peak_after"] <= budget
+    assert r["saved_bytes"] <= budget
 
 
 def test_baselines_do_what_they_claim(results: dict[str, dict[str, Any]]) -> None:
