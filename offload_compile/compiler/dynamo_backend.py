@@ -533,11 +533,7 @@ class HyperOffloadBackend:
         try:
             assert schedule is not None  # the floor is always a variant
             region.lower_with = (schedule, budget)
-            from torch._functorch import config as functorch_config
-
-            # No plan cache entry, and AOTAutograd's cache must not serve the floor's graphs
-            # (its key cannot tell lowerings apart).
-            with functorch_config.patch(enable_autograd_cache=False):
+            with region.compiling_again():  # no plan cache entry either
                 compiled = self._compile(region, gm, example_inputs, None)
             assert region.planned is not None
             region.adopt(Lowering(compiled, region.planned, region.graphs), schedule)
@@ -569,13 +565,8 @@ class HyperOffloadBackend:
         try:
             region.scorer = self._scorer_for(region, timeline)
             # The search on graphs only (no code generation; for aot_eager and fake steps
-            # that is the compile). No plan cache entry (the choice depends on the step),
-            # and AOTAutograd's cache must not serve the floor's graphs for another
-            # partition.
-            from torch._functorch import config as functorch_config
-
-            with (functorch_config.patch(enable_autograd_cache=False),
-                  torch._guards.tracing(region.tracing_context)):
+            # that is the compile). No plan cache entry (the choice depends on the step).
+            with region.compiling_again():
                 searched = self._compile(region, gm, example_inputs, None, graphs_only=True)
                 report = region.planned.report.recompute if region.planned else None
                 changed = _recomputes(region)

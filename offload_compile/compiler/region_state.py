@@ -20,9 +20,10 @@ forward), never while its graphs run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -83,10 +84,11 @@ class CompiledRegion:
         is often an activation (the logits a loss region takes), whose autograd graph
         holds the whole step's saved tensors and host copies, for as long as the region
         lives."""
-        self.tracing_context = torch._guards.TracingContext.try_get()
-        """Dynamo's context of the compile (its fake mode and ``ShapeEnv``, each input's
-        symbolic sizes): a re-lowering runs in it, so it sees the region's sizes as the
-        first lowering did (a region recompiled under automatic dynamic stays symbolic, a
+        context = torch._guards.TracingContext.try_get()
+        self.fake_mode = context.fake_mode if context is not None else None
+        """Dynamo's fake mode of the compile (its ``ShapeEnv``, each input's symbolic
+        sizes): a re-lowering runs in it, so it sees the region's sizes as the first
+        lowering did (a region recompiled under automatic dynamic stays symbolic, a
         data-dependent size stays an unbacked symbol planned at its bound), not as the
         sizes of the example inputs Dynamo handed over."""
         self.collectives = any(is_collective(node) for node in gm.graph.nodes)
@@ -206,6 +208,22 @@ class CompiledRegion:
             return RegionFloor(ActivationTrace((), {}, 0), ResidencySchedule((), ()), 0)
         trace = self.planned.fx_trace
         return RegionFloor(trace.trace, self.planned.schedule, trace.num_fw_ops)
+
+    @contextlib.contextmanager
+    def compiling_again(self) -> Iterator[None]:
+        """The context every later lowering of :attr:`dynamo_graph` runs in: a tracing
+        context with Dynamo's fake mode of the first compile (it owns the example inputs,
+        so a fake mode active around the call, an estimate's fake step, does not clash),
+        and no AOTAutograd cache (its key cannot tell lowerings or partitions apart, so it
+        would serve the floor's graphs). A fresh context, not Dynamo's own: that one also
+        counts DDPOptimizer's bucket compiles, which a lowering outside Dynamo's compile
+        would throw off (its lazy backward then finds no bucket left)."""
+        from torch._functorch import config as functorch_config
+
+        tracing = (torch._guards.tracing(torch._guards.TracingContext(self.fake_mode))
+                   if self.fake_mode is not None else contextlib.nullcontext())
+        with functorch_config.patch(enable_autograd_cache=False), tracing:
+            yield
 
     def check_sizes(self, args: Sequence[Any]) -> None:
         """Warn once if a call's size exceeds what the plan assumed for an unbounded one

@@ -108,7 +108,9 @@ def assert_estimate_is_the_step_plan(
     assert estimate.step is not None and real is not None
     for field in ("budget_bytes", "peak_bytes", "floor_peak_bytes",
                   "peak_without_offload_bytes", "invocations", "predicted_stall_s"):
-        assert getattr(estimate.step, field) == getattr(real, field), field
+        assert getattr(estimate.step, field) == getattr(real, field), (
+            f"{field}: estimate {getattr(estimate.step, field)!r}, real step {getattr(real, field)!r}"
+        )
     assert estimate.fits == real.fits and estimate.bytes_d2h == real.moved_bytes
     compiled = [(r.fw_nodes, r.bw_nodes, r.saved_activation_bytes, r.bytes_d2h)
                 for r in backend.reports]

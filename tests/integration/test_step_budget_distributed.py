@@ -44,15 +44,20 @@ def test_every_step_fits_the_ranks_budget_and_is_exact(results, kind, rank, frac
         for index, (got, want) in enumerate(zip(step["grads"], reference["grads"])):
             assert torch.equal(got, want), f"step {number}: gradient {index} differs"
     report = run["report"]
-    assert report is not None and report["replans"] == 1
-    if report["floor_peak_bytes"] <= run["budget"]:
-        assert report["kept_bytes"] > 0  # from the second step the plan keeps what fits
-    else:  # a block's own working memory is over the budget: everything moves
-        assert report["predicted_peak_bytes"] == report["floor_peak_bytes"]
+    assert report is not None
+    # Plans settle: the step is planned once, again after the recompute search, and once
+    # more when regions are lowered with the step's schedule (issue 43; DDPOptimizer's
+    # split regions are lowered after the second step); the last two steps run the same
+    # plan, which moves what it says.
+    replans = [s["replans"] for s in run["steps"]]
+    assert replans[-1] == replans[-2] <= 4, replans
     moved = [s["moved"] for s in run["steps"]]
-    assert moved[1] == moved[2] == report["moved_bytes"]  # measured = planned
-    assert moved[0] == moved[1] + report["kept_bytes"]  # the first step ran at the floor
-
+    assert moved[-1] == moved[-2] == report["moved_bytes"], moved  # measured = planned
+    if report["floor_peak_bytes"] <= run["budget"]:
+        assert report["kept_bytes"] > 0  # once planned, the step keeps what fits
+    else:  # a block's own working memory is over the budget: the floor's peak is reached
+        assert report["predicted_peak_bytes"] == report["floor_peak_bytes"]
+    assert moved[0] == max(moved)  # the first step ran at the floor, moving the most
 
 @pytest.mark.parametrize("kind", list(worker_module.LAYERS))
 def test_the_step_spans_several_regions_and_every_layer(results, kind):
