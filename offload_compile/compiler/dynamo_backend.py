@@ -65,7 +65,7 @@ from .recompute_search import Scorer, search_region
 from .region_plan import GraphPlan, PlannedRegion, lower_region, plan_with_schedule
 from .region_report import LOGGER, RegionReport, log_region_report
 from .saved_bytes import node_saved_tensors
-from .step_model import Invocation, StepRecorder, StepTimeline
+from .step_model import Invocation, StepObserver, StepRecorder, StepTimeline
 from .step_plan import StepPlan, plan_step
 from .size_buckets import Bucket, merged_sizes
 from .step_planner import plan_step_schedules, region_floor_profile
@@ -197,6 +197,7 @@ class HyperOffloadBackend:
         link: TransferBandwidth | None = None,
         throughput: DeviceThroughput | None = None,
         fake_steps: bool = False,
+        observer: StepObserver | None = None,
     ) -> None:
         self.options = options
         self.link = link
@@ -213,7 +214,9 @@ class HyperOffloadBackend:
         self.runtime = TransferRuntime(
             pool=PinnedMemoryPool(options.config.max_host_bytes), verify=self._verify.next_step
         )
-        self.recorder = StepRecorder(self._on_step)
+        self.recorder = StepRecorder(self._on_step, observer)
+        """Learns the step; with an ``observer`` (estimate's :class:`~.eager_between.
+        EagerMeter`) each step also carries the eager code's bytes between regions."""
         self.step_plan: StepPlan | None = None
         self.step_stall_s = 0.0
         """The step plan's predicted stall (seconds, the regions' device prices)."""
@@ -284,9 +287,17 @@ class HyperOffloadBackend:
         recorder.poll()
         invocation = recorder.begin_forward(region.index)
         bucket = region.bucket(args)
-        with self.runtime.keeping(self._keep_for(invocation, bucket), where=region.where,
-                                  slot_names=region.slot_names):
-            outputs = compiled(*args)
+        observer = recorder.observer
+        if observer is not None:  # the region counts its inputs from here, and its ops
+            observer.hand_over(args)
+            observer.enter()
+        try:
+            with self.runtime.keeping(self._keep_for(invocation, bucket), where=region.where,
+                                      slot_names=region.slot_names):
+                outputs = compiled(*args)
+        finally:
+            if observer is not None:
+                observer.exit()
         leaves = {
             id(a.untyped_storage()) for a in args
             if isinstance(a, torch.Tensor) and a.grad_fn is None

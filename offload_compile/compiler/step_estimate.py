@@ -40,6 +40,7 @@ from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .dynamo_backend import HyperOffloadBackend
+from .eager_between import EagerMeter
 from .fake_capture import estimate_fake_mode, fake_inputs, fake_module
 from .options import BackendOptions
 from .region_report import RegionReport
@@ -74,10 +75,13 @@ def estimate_step(
     mode = estimate_fake_mode()
     fake = fake_module(model, mode, device)
     inputs = fake_inputs(mode, example_inputs, device)
-    backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True)
+    meter = EagerMeter(mode, device, fake.parameters())
+    backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True,
+                                  observer=meter)
     compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend))
     for _ in range(_MAX_STEPS):
-        _fake_step(compiled, inputs, mode)
+        meter.new_step()
+        _fake_step(compiled, inputs, mode, meter)
         if not any(r.relower_requested or r.lowering_requested is not None
                    for r in backend.regions):
             break
@@ -110,14 +114,15 @@ asked for at a step's end is made before the next step's first forward, and that
 is planned again at its end."""
 
 
-def _fake_step(compiled: Any, inputs: Sequence[Any], mode: Any) -> None:
-    """One forward and the backward of every output that requires grad (ones). An error
-    the backend raised on purpose comes out as itself, not wrapped in Dynamo's
-    ``BackendCompilerFailed``: the caller of ``estimate`` compiled nothing."""
+def _fake_step(compiled: Any, inputs: Sequence[Any], mode: Any, meter: EagerMeter) -> None:
+    """One forward and the backward of every output that requires grad (ones), the eager
+    code between regions measured by ``meter``. An error the backend raised on purpose
+    comes out as itself, not wrapped in Dynamo's ``BackendCompilerFailed``: the caller of
+    ``estimate`` compiled nothing."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     try:
-        with mode, torch.enable_grad():
+        with mode, meter, torch.enable_grad():
             outputs = compiled(*inputs)
             leaves = [
                 t for t in tree_flatten(outputs)[0]

@@ -36,11 +36,14 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["Invocation", "StepEvent", "StepEventKind", "StepRecorder", "StepTimeline"]
+__all__ = [
+    "BetweenRegions", "Invocation", "StepEvent", "StepEventKind", "StepObserver", "StepRecorder",
+    "StepTimeline",
+]
 
 
 class StepEventKind(str, Enum):
@@ -70,6 +73,30 @@ class StepEvent(NamedTuple):
 
 
 @dataclass(frozen=True)
+class BetweenRegions:
+    """Device bytes of the eager code between a step's compiled regions (measured on fake
+    tensors, :mod:`.eager_between`), against the step's events.
+
+    ``gap_bytes[k]``: the most bytes eager code held at any moment of the gap before event
+    ``k`` (``k == len(events)``: after the last event), its operands included;
+    ``gap_ops[k]`` the op at that moment ("" for none) and ``gap_op_bytes[k]`` its own
+    operands' bytes. ``during_bytes[k]``: bytes eager code holds while event ``k`` runs
+    (made before it, alive after it). Invariant: ``len(gap_bytes) == len(during_bytes) + 1``.
+    """
+
+    gap_bytes: tuple[int, ...]
+    gap_ops: tuple[str, ...]
+    gap_op_bytes: tuple[int, ...]
+    during_bytes: tuple[int, ...]
+
+    def gap(self, k: int) -> int:
+        return self.gap_bytes[k] if k < len(self.gap_bytes) else 0
+
+    def during(self, k: int) -> int:
+        return self.during_bytes[k] if k < len(self.during_bytes) else 0
+
+
+@dataclass(frozen=True)
 class StepTimeline:
     """One observed step: forwards and backwards of its invocations, in the order they ran.
 
@@ -86,6 +113,9 @@ class StepTimeline:
     """Each invocation's sizes where its region has symbolic ones (``(symbol, value)``,
     :mod:`.size_buckets`); absent for static sizes. Two steps of other sizes are two
     timelines: each has its own plan."""
+    between: BetweenRegions | None = None
+    """The eager code between regions, where it was measured (``hyper_offload.estimate``'s
+    fake steps); None in a real step, whose plan counts only what regions hold."""
 
     def __repr__(self) -> str:
         return f"StepTimeline({' '.join(map(repr, self.events))})"
@@ -112,14 +142,35 @@ class _Pending(NamedTuple):
     sizes: tuple[tuple[str, int], ...] = ()
 
 
+class StepObserver(Protocol):
+    """What watches the step besides the recorder (:class:`~.eager_between.EagerMeter`):
+    told of each event as it is recorded, of a region's backward running, and asked for
+    the eager code's bytes when a step ends."""
+
+    def event(self, event: StepEvent, *, done: bool = False) -> None: ...
+
+    def hand_over(self, values: Iterable[Any]) -> None: ...
+
+    def enter(self) -> None: ...
+
+    def exit(self) -> None: ...
+
+    def between(self, events: tuple[StepEvent, ...]) -> BetweenRegions | None: ...
+
+
 class StepRecorder:
     """Learns steps from invocations of compiled regions (module docstring).
 
     ``on_step`` receives each finished step that ran at least one backward, on the thread
-    that finished it (a backward hook's, or the caller of :meth:`begin_forward`)."""
+    that finished it (a backward hook's, or the caller of :meth:`begin_forward`).
+    ``observer`` (estimate's fake steps) measures the eager code between regions: each
+    timeline then carries it (``StepTimeline.between``)."""
 
-    def __init__(self, on_step: Callable[[StepTimeline], None]) -> None:
+    def __init__(
+        self, on_step: Callable[[StepTimeline], None], observer: StepObserver | None = None
+    ) -> None:
         self._on_step = on_step
+        self.observer = observer
         self._lock = threading.RLock()
         self._events: list[StepEvent] = []
         self._ordinals: dict[int, int] = {}
@@ -173,8 +224,12 @@ class StepRecorder:
             if self._ordinals.get(invocation.region, 0) != invocation.ordinal:
                 return False  # another thread recorded this ordinal first: not tracked
             self._ordinals[invocation.region] = invocation.ordinal + 1
-            self._events.append(StepEvent(StepEventKind.FORWARD, invocation))
+            event = StepEvent(StepEventKind.FORWARD, invocation)
+            self._events.append(event)
             self._pending[invocation] = _Pending(ref, held, tuple(sizes))
+            if self.observer is not None:
+                self.observer.event(event)
+                self.observer.event(event, done=True)
         node.register_prehook(lambda grads: self._backward_started(invocation, ref))
         node.register_hook(lambda grad_inputs, grad_outputs: self._backward_done(invocation, ref))
         return True
@@ -186,12 +241,19 @@ class StepRecorder:
     def _backward_started(self, invocation: Invocation, ref: weakref.ref[Any]) -> None:
         with self._lock:
             if self._is_current(invocation, ref):
-                self._events.append(StepEvent(StepEventKind.BACKWARD, invocation))
+                event = StepEvent(StepEventKind.BACKWARD, invocation)
+                self._events.append(event)
+                if self.observer is not None:
+                    self.observer.event(event)
+                    self.observer.enter()
 
     def _backward_done(self, invocation: Invocation, ref: weakref.ref[Any]) -> None:
         with self._lock:
             if not self._is_current(invocation, ref):
                 return  # a retained graph's second backward: its step is over
+            if self.observer is not None:
+                self.observer.exit()
+                self.observer.event(StepEvent(StepEventKind.BACKWARD, invocation), done=True)
             self._done[invocation] = self._pending.pop(invocation)
             finished = self._finish_if_idle()
         if finished is not None:
@@ -216,10 +278,11 @@ class StepRecorder:
         """End the step if nothing is outstanding; the timeline if it ran a backward."""
         if self._pending:
             return None
-        events = [e for e in self._events if e.invocation in self._done]
+        events = tuple(e for e in self._events if e.invocation in self._done)
         timeline = StepTimeline(
-            tuple(events), {i: p.retained_bytes for i, p in self._done.items()},
+            events, {i: p.retained_bytes for i, p in self._done.items()},
             {i: p.sizes for i, p in self._done.items() if p.sizes},
+            self.observer.between(events) if self.observer is not None else None,
         ) if events else None
         self._events, self._done, self._ordinals = [], {}, {}
         if timeline is not None:

@@ -10,12 +10,19 @@ graphs are not lowered again, the runtime makes a device copy where the floor wo
 have made a host copy.
 
 The step's device bytes on one timeline: the invocations' forward and backward ops laid
-end to end in the order the step ran them (the eager code between regions holds no
-saved activation and adds no op). At each position::
+end to end in the order the step ran them, and where it was measured (``hyper_offload.
+estimate``'s fake steps: :class:`~.step_model.BetweenRegions`) one position per gap of
+eager code between regions (an LM head and loss outside the compiled blocks). At each
+position::
 
     bytes(t) = floor profile of the region op running at t        (its own schedule)
+               or the eager code's peak in the gap at t
+             + eager bytes held while the region op at t runs
              + retained bytes of every other invocation between its forward and backward
              + nbytes of every kept slot whose range covers t
+
+A real step does not measure its eager code (that would take a dispatch mode around the
+user's step): its plan counts what regions hold, and its report says so.
 
 A slot of invocation ``i`` kept costs its bytes from just after its ``copy_d2h`` (the
 device copy exists from there; the source is freed where the floor frees it) until the
@@ -42,6 +49,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from hyper_offload.passes.analysis.liveness import resident_bytes_without_offload
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencySchedule
 from hyper_offload.passes.ir.trace import ActivationTrace
 from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
@@ -49,7 +57,7 @@ from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
 from .step_model import Invocation, StepEventKind, StepTimeline
 
 __all__ = [
-    "RegionProfile", "SlotRange", "StepPlan", "held_inputs", "plan_step", "region_profile",
+    "FloorOp", "RegionProfile", "SlotRange", "StepPlan", "held_inputs", "plan_step", "region_profile",
 ]
 
 
@@ -73,6 +81,12 @@ class RegionProfile:
     num_fw_ops: int
     resident: tuple[int, ...]
     slots: tuple[SlotRange, ...]
+    unplanned: tuple[int, ...] = ()
+    """Device bytes during each op with nothing moved (empty: ``resident``)."""
+    op_names: tuple[str, ...] = ()
+    """Each op's name (``"fw:mm"``), for the report of what sets the floor."""
+    op_bytes: tuple[int, ...] = ()
+    """Each op's own operands (bytes no plan moves while it runs)."""
 
     @property
     def num_bw_ops(self) -> int:
@@ -113,19 +127,11 @@ def region_profile(
     device bytes the floor returns at their copy come back only at the forward's end (an
     output's, at the end of the next region's forward, which counts it as its input):
     each is counted over those forward ops, whatever the schedule says (a kept one's
-    device copy is its slot's, as any other)."""
+    device copy is its slot's, as any other).
+
+    ``unplanned`` is the same curve with nothing moved (no schedule), counted the same
+    way: what the step's peak without offload lays out (it depends on no link or plan)."""
     storage_sizes = trace.storage_sizes
-    outputs_bytes = sum(
-        storage_sizes[sid] for sid in trace.retained
-        if all(op < num_fw_ops for op, _ in trace.accesses_of(sid))
-    )
-    held = held | trace.retained
-    counted = _counted_ops(schedule, trace, held, num_fw_ops)
-    resident = tuple(
-        max(value - outputs_bytes, 0) if op >= num_fw_ops
-        else value + sum(storage_sizes[sid] for sid in held if op not in counted[sid])
-        for op, value in enumerate(resident)
-    )
     d2h: dict[int, int] = {}
     h2d: dict[int, int] = {}
     for op, _, action in schedule.actions():
@@ -139,7 +145,36 @@ def region_profile(
         SlotRange(sid, storage_sizes[sid], d2h[sid] + 1, h2d[sid])
         for sid in sorted(d2h) if sid in h2d
     )
-    return RegionProfile(region, num_fw_ops, tuple(resident), slots)
+    nothing = ResidencySchedule(((),) * trace.num_ops, ((),) * trace.num_ops)
+    unplanned = _as_in_step(
+        tuple(resident_bytes_without_offload(trace)), nothing, trace, held, num_fw_ops
+    )
+    return RegionProfile(
+        region, num_fw_ops, _as_in_step(resident, schedule, trace, held, num_fw_ops), slots,
+        unplanned=unplanned, op_names=tuple(op.name for op in trace.ops),
+        op_bytes=tuple(trace.operand_bytes(i) for i in range(trace.num_ops)),
+    )
+
+
+def _as_in_step(
+    resident: tuple[int, ...], schedule: ResidencySchedule, trace: ActivationTrace,
+    held: frozenset[int], num_fw_ops: int,
+) -> tuple[int, ...]:
+    """``resident`` (``schedule``'s curve on ``trace``) as the step counts it
+    (:func:`region_profile`: held inputs and outputs over the forward, outputs not over
+    the backward)."""
+    storage_sizes = trace.storage_sizes
+    outputs_bytes = sum(
+        storage_sizes[sid] for sid in trace.retained
+        if all(op < num_fw_ops for op, _ in trace.accesses_of(sid))
+    )
+    held = held | trace.retained
+    counted = _counted_ops(schedule, trace, held, num_fw_ops)
+    return tuple(
+        max(value - outputs_bytes, 0) if op >= num_fw_ops
+        else value + sum(storage_sizes[sid] for sid in held if op not in counted[sid])
+        for op, value in enumerate(resident)
+    )
 
 
 def _counted_ops(
@@ -198,6 +233,8 @@ class StepPlan:
     predicted_stall_s: float = 0.0
     """The timeline model's stall of this plan (:func:`.step_timeline.predicted_step_stall`),
     where :mod:`.step_planner` priced it (0 from :func:`plan_step` alone)."""
+    floor_op: FloorOp | None = None
+    """The op at which ``floor_peak_bytes`` is reached (what sets the floor)."""
 
     def keep_for(self, invocation: Invocation) -> frozenset[int]:
         """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
@@ -230,29 +267,92 @@ class StepPlan:
         )
 
 
+class FloorOp(NamedTuple):
+    """The op at which the step's floor (everything movable moved) peaks: where it runs
+    (``region`` index, or None for eager code between regions), its name, its own
+    operands' bytes (what no plan moves while it runs) and the floor's bytes there."""
+
+    region: int | None
+    op: str
+    op_bytes: int
+    floor_bytes: int
+
+    def describe(self) -> str:
+        where = ("eager code between compiled regions" if self.region is None
+                 else f"region {self.region}")
+        return (f"{self.op} ({where}): its own inputs and outputs {self.op_bytes / (1 << 20):,.1f}"
+                f" MiB of the floor's {self.floor_bytes / (1 << 20):,.1f} MiB")
+
+
 class _Layout(NamedTuple):
-    """Where each invocation's forward and backward ops start on the step timeline, and
-    which region op runs at each position."""
+    """Where each invocation's forward and backward ops start on the step timeline, which
+    region op runs at each position (``(-1, k)``: the eager code of gap ``k``, measured:
+    :class:`~.step_model.BetweenRegions`), and the bytes there at the floor and with
+    nothing moved."""
 
     values: list[int]
     forward_at: dict[Invocation, int]
     backward_at: dict[Invocation, int]
     ops: list[tuple[int, int]]
+    plain: list[int]
 
 
 def _lay_out(timeline: StepTimeline, profiles: Mapping[int, RegionProfile]) -> _Layout:
     values: list[int] = []
+    plain: list[int] = []
     forward_at: dict[Invocation, int] = {}
     backward_at: dict[Invocation, int] = {}
     ops: list[tuple[int, int]] = []
-    for kind, invocation in timeline.events:
+    between = timeline.between
+
+    def gap(k: int) -> None:
+        if between is not None and between.gap(k):
+            values.append(between.gap(k))
+            plain.append(between.gap(k))
+            ops.append((-1, k))
+
+    for k, (kind, invocation) in enumerate(timeline.events):
+        gap(k)
         profile = profiles[invocation.region]
         span = (range(profile.num_fw_ops) if kind is StepEventKind.FORWARD
                 else range(profile.num_fw_ops, len(profile.resident)))
         (forward_at if kind is StepEventKind.FORWARD else backward_at)[invocation] = len(values)
-        values.extend(profile.resident[op] for op in span)
+        eager = between.during(k) if between is not None else 0
+        unplanned = profile.unplanned or _with_slots(profile)
+        values.extend(profile.resident[op] + eager for op in span)
+        plain.extend(unplanned[op] + eager for op in span)
         ops.extend((invocation.region, op) for op in span)
-    return _Layout(values, forward_at, backward_at, ops)
+    gap(len(timeline.events))
+    return _Layout(values, forward_at, backward_at, ops, plain)
+
+
+def _with_slots(profile: RegionProfile) -> tuple[int, ...]:
+    """A profile's curve with every slot kept over its range (a hand-built profile that
+    gives no ``unplanned`` curve: its slots are the only bytes a plan moves)."""
+    values = list(profile.resident)
+    for slot in profile.slots:
+        for op in range(slot.start, min(slot.end, len(values))):
+            values[op] += slot.nbytes
+    return tuple(values)
+
+
+def _floor_op(
+    layout: _Layout, floor: list[int], timeline: StepTimeline,
+    profiles: Mapping[int, RegionProfile],
+) -> FloorOp | None:
+    """The op at the floor's peak (the first such position)."""
+    if not layout.ops:
+        return None
+    at = max(range(len(layout.ops)), key=lambda i: (floor[i], -i))
+    region, op = layout.ops[at]
+    if region < 0:
+        between = timeline.between
+        assert between is not None
+        return FloorOp(None, between.gap_ops[op], between.gap_op_bytes[op], floor[at])
+    profile = profiles[region]
+    name = profile.op_names[op] if op < len(profile.op_names) else f"op {op}"
+    own = profile.op_bytes[op] if op < len(profile.op_bytes) else 0
+    return FloorOp(region, name, own, floor[at])
 
 
 def plan_step(
@@ -281,11 +381,7 @@ def plan_step(
         for invocation, backward in layout.backward_at.items()
         for slot in profiles[invocation.region].slots
     ]
-    everything = RangeAddMaxTree(floor)
-    for r in ranges:
-        if r.lo < r.hi:
-            everything.add(r.lo, r.hi, r.slot.nbytes)
-    peak_without = everything.max_all()
+    peak_without = _peak_without_offload(layout, timeline, profiles)
     if budget_bytes is None:
         budget_bytes = int((budget_fraction or 1.0) * peak_without)
     groups = (
@@ -312,8 +408,25 @@ def plan_step(
         ))
     over = frozenset(op for op, value in zip(layout.ops, floor) if value > budget_bytes)
     return StepPlan(
-        timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans), over
+        timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans), over,
+        floor_op=_floor_op(layout, floor, timeline, profiles),
     )
+
+
+def _peak_without_offload(
+    layout: _Layout, timeline: StepTimeline, profiles: Mapping[int, RegionProfile]
+) -> int:
+    """The step's peak with nothing moved: each region's curve without a schedule, and
+    between an invocation's forward and backward what it retains and every slot it would
+    move (no link or plan in it: a floor placed for another link gives the same)."""
+    tree = RangeAddMaxTree(layout.plain or [0])
+    for invocation, backward in layout.backward_at.items():
+        profile = profiles[invocation.region]
+        lo = layout.forward_at[invocation] + profile.num_fw_ops
+        held = timeline.retained_bytes.get(invocation, 0) + sum(s.nbytes for s in profile.slots)
+        if lo < backward and held:
+            tree.add(lo, backward, held)
+    return tree.max_all()
 
 
 class _SlotOnStep(NamedTuple):

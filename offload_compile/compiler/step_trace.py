@@ -116,17 +116,25 @@ def build_step_trace(
     last_forward = invocations[-1] if invocations else None
     forward_at: dict[Invocation, int] = {}
     backward_at: dict[Invocation, int] = {}
-    for kind, invocation in timeline.events:
+    between = timeline.between
+    for k, (kind, invocation) in enumerate(timeline.events):
+        if between is not None:
+            builder.eager(between.gap(k))
         region = regions[invocation.region]
         forward = kind is StepEventKind.FORWARD
         (forward_at if forward else backward_at)[invocation] = len(builder.ops)
         span = (range(region.num_fw_ops) if forward
                 else range(region.num_fw_ops, region.trace.num_ops))
         fixed = invocation not in planned
+        first = len(builder.ops)
         builder.add_ops(region, span, base[invocation], fixed)
+        if between is not None:
+            builder.eager(between.during(k), first)
         if forward:
             held = region.held | (region.trace.retained if invocation != last_forward else set())
             builder.hold(region, base[invocation], held)
+    if between is not None:
+        builder.eager(between.gap(len(timeline.events)))
     movable: set[int] = set()
     earliest: dict[int, int] = {}
     latest: dict[int, int] = {}
@@ -202,6 +210,23 @@ class _StepBuilder:
                     sid = self._reloaded(base, storage, region)
                     accesses.setdefault(sid, AccessKind.READ)
             self.ops.append((op.name, accesses, op.duration_s))
+
+    def eager(self, nbytes: int, since: int | None = None) -> None:
+        """The eager code's bytes between regions (:class:`~.step_model.BetweenRegions`),
+        a storage no plan moves: held from op ``since`` to the last op laid out so far, or
+        (``since`` None) one op of its own (a gap's eager code)."""
+        if not nbytes or (since is not None and since >= len(self.ops)):
+            return
+        sid = self.next_id
+        self.next_id += 1
+        self.split_sizes[sid] = nbytes
+        if since is None:
+            self.ops.append(("eager", {sid: AccessKind.WRITE}, 0.0))
+            return
+        for at, kind in ((since, AccessKind.WRITE), (len(self.ops) - 1, AccessKind.READ)):
+            name, accesses, duration = self.ops[at]
+            accesses.setdefault(sid, kind)
+            self.ops[at] = (name, accesses, duration)
 
     def _reloaded(self, base: int, storage: int, region: RegionTrace) -> int:
         key = (base, storage)
