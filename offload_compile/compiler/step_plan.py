@@ -222,7 +222,8 @@ class StepPlan:
     invocations: tuple[InvocationPlan, ...]
     over_budget: frozenset[tuple[int, int]] = frozenset()
     """``(region, op)`` pairs where the floor alone is over the budget (in some
-    invocation): where only recompute, or a larger budget, could help."""
+    invocation): where only recompute, or a larger budget, could help (positions of eager
+    code between regions are not listed: no region's partition changes them)."""
     schedules: Mapping[int, ResidencySchedule] = field(default_factory=dict)
     """Regions this plan lowers with a schedule made for the step (:mod:`.step_planner`),
     their schedule; every other region runs its floor lowering. ``keep_for`` names slots
@@ -406,7 +407,9 @@ def plan_step(
             sum(s.nbytes for s in slots) - kept_bytes,
             timeline.retained_bytes.get(invocation, 0),
         ))
-    over = frozenset(op for op, value in zip(layout.ops, floor) if value > budget_bytes)
+    # Eager code between regions is over the budget on its own: no region's plan helps.
+    over = frozenset(op for op, value in zip(layout.ops, floor)
+                     if value > budget_bytes and op[0] >= 0)
     return StepPlan(
         timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans), over,
         floor_op=_floor_op(layout, floor, timeline, profiles),

@@ -84,7 +84,9 @@ def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
     }
     nbytes = sum(tensor_bytes(t, node.name) for t in _tensors((args, kwargs, out)))
     flops = attention_flops(node.target, args, kwargs)
-    packet = getattr(node.target, "overloadpacket", None)
+    # An aten op's formula is registered by its packet, a higher-order op's (flex
+    # attention) by the op itself.
+    packet = getattr(node.target, "overloadpacket", node.target)
     formula = flop_registry.get(packet)
     if flops is None and formula is not None:
         try:
@@ -96,31 +98,40 @@ def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
 
 
 def attention_flops(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """FLOPs of a fused ``scaled_dot_product`` attention kernel (forward or backward, any
-    backend's), or None when ``target`` is no such kernel. torch's own counts (two
-    matmuls forward, four backward, GQA included) times the causal fraction: a causal
-    kernel computes ``(s + 1) / 2s`` of an ``s x s`` score matrix (flash skips the
-    masked blocks; the other kernels are priced alike, as the better estimate of what a
-    device runs)."""
+    """FLOPs of a fused attention kernel (forward or backward, any backend's), or None
+    when ``target`` is no such kernel. torch's own counts (two matmuls forward, four
+    backward, GQA included) times the causal fraction: a causal kernel computes
+    ``(s + 1) / 2s`` of an ``s x s`` score matrix (flash skips the masked blocks; the
+    other kernels are priced alike, as the better estimate of what a device runs).
+
+    Kernels: every ``aten::_scaled_dot_product_*`` (flash, efficient, cuDNN, the CPU
+    flash, the "overrideable" one, MPS math; ``(batch, heads, seq, dim)``), and the
+    kernels below them, ``aten::_flash_attention_*`` / ``aten::_efficient_attention_*``
+    (``(batch, seq, heads, dim)``; a varlen call, 3-D, is left to torch's registry).
+    ``flex_attention`` (a higher-order op) is priced by torch's registry
+    (:func:`node_seconds`), at its full score matrix."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     name = getattr(getattr(target, "_schema", None), "name", "")
-    if not name.startswith("aten::_scaled_dot_product_"):
+    fused = name.startswith("aten::_scaled_dot_product_")
+    inner = name.startswith(("aten::_flash_attention_", "aten::_efficient_attention_"))
+    if not (fused or inner):
         return None
     bound = _bind(target, args, kwargs)
     query, key, value = bound.get("query"), bound.get("key"), bound.get("value")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return None
-    shapes = (query.shape, key.shape, value.shape)
+    layout = (lambda t: t.shape) if fused else (lambda t: t.transpose(1, 2).shape)
+    shapes = (layout(query), layout(key), layout(value))
     if name.endswith("_backward"):
-        grad = bound.get("grad_out")
+        grad = bound.get("grad_out", bound.get("grad_out_"))
         if not isinstance(grad, torch.Tensor):
             return None
-        flops = sdpa_backward_flop_count(grad.shape, *shapes)
+        flops = sdpa_backward_flop_count(layout(grad), *shapes)
     else:
         flops = sdpa_flop_count(*shapes)
-    if bound.get("is_causal"):
-        s_q, s_k = query.shape[-2], key.shape[-2]
+    if bound.get("is_causal") or bound.get("custom_mask_type") in (1, 2):
+        s_q, s_k = shapes[0][-2], shapes[1][-2]
         # the lower triangle with its diagonal, of the square the causal mask aligns
         flops = flops * (torch.sym_min(s_q, s_k) + 1) // (2 * s_k)
     return flops

@@ -61,3 +61,49 @@ def test_causality_halves_the_price_and_a_full_attention_is_torchs_count():
 
 def test_other_ops_are_not_attention():
     assert attention_flops(torch.ops.aten.mm.default, (), {}) is None
+
+
+def _attention_kernels() -> list[torch._ops.OpOverload]:
+    """Every fused attention kernel this torch has (forward and backward, each overload):
+    a kernel torch adds is priced by this test too."""
+    found = []
+    for name in dir(torch.ops.aten):
+        if name.startswith(("_scaled_dot_product_", "_flash_attention_", "_efficient_attention_")):
+            packet = getattr(torch.ops.aten, name)
+            found += [getattr(packet, overload) for overload in packet.overloads()]
+    return found
+
+
+@pytest.mark.parametrize("kernel", _attention_kernels(), ids=str)
+def test_every_attention_kernel_is_priced_by_its_flops(kernel):
+    names = {argument.name for argument in kernel._schema.arguments}
+    assert {"query", "key", "value"} <= names, f"{kernel}: a kernel of another form"
+    inner = str(kernel).startswith(("aten._flash", "aten._efficient"))
+    heads, kv_heads, seq, dim = 8, 8, 256, 64
+    shape = (1, seq, heads, dim) if inner else (1, heads, seq, dim)
+    with FakeTensorMode():
+        q = k = v = grad = torch.empty(shape)
+    arguments = {"query": q, "key": k, "value": v}
+    causal = "is_causal" in names or "custom_mask_type" in names
+    arguments.update({"is_causal": True} if "is_causal" in names else
+                     {"custom_mask_type": 1} if causal else {})
+    backward = str(kernel._schema.name).endswith("_backward")
+    if backward:
+        arguments["grad_out" if "grad_out" in names else "grad_out_"] = grad
+    flops = attention_flops(kernel, (), arguments)
+    bhsd = (1, heads, seq, dim)
+    count = (torch.utils.flop_counter.sdpa_backward_flop_count(bhsd, bhsd, bhsd, bhsd) if backward
+             else torch.utils.flop_counter.sdpa_flop_count(bhsd, bhsd, bhsd))
+    assert flops == (count * (seq + 1) // (2 * seq) if causal else count) > 0
+
+
+def test_flex_attention_is_priced_by_torchs_count():
+    """A higher-order op's formula is registered under the op itself, not a packet."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with FakeTensorMode():
+        q = torch.empty(1, 8, 1024, 64)
+        graph = make_fx(lambda q: flex_attention(q, q, q))(q)
+    (node,) = [n for n in graph.graph.nodes if "flex_attention" in str(n.target)]
+    count = torch.utils.flop_counter.sdpa_flop_count(q.shape, q.shape, q.shape)
+    assert node_seconds(node, GPU) == pytest.approx(count / GPU.flops_per_s, rel=1e-9)
