@@ -15,7 +15,10 @@ from hyper_offload.compiler.step_plan import (
     plan_step,
     region_profile,
 )
-from hyper_offload.passes import ActionKind, ActivationTrace, ResidencyAction, ResidencySchedule
+from hyper_offload.passes import (
+    ActionKind, ActivationTrace, ResidencyAction, ResidencySchedule, check_schedule,
+    resident_bytes_without_offload,
+)
 
 F, B = StepEventKind.FORWARD, StepEventKind.BACKWARD
 
@@ -285,3 +288,28 @@ def test_a_moved_model_output_is_held_to_the_forwards_end() -> None:
     # Returned to the caller, it lives on the device until the forward ends (then the
     # next region counts it as its held input), whatever the floor's release says.
     assert profile.resident == (4, 4, 4, 0)
+
+
+def test_the_peak_without_offload_does_not_depend_on_where_the_floor_releases() -> None:
+    # Issue 44: the floor's release waits for its D2H, so a slower link releases later;
+    # the peak without offload (1 layer 8B at 8K: 14.32 GB at 25 GB/s, 13.95 at 50)
+    # followed it. Storage 0 (8 B): made at op 0, read by the backward at op 4; storage 1
+    # (1 B) read at every op. Two floors: released right after its copy, or two ops later.
+    trace = ActivationTrace.from_accesses(
+        [{0: "W", 1: "W"}, {1: "R"}, {1: "R"}, {1: "R"}, {0: "R", 1: "R"}], {0: 8, 1: 1},
+        budget_bytes=0,
+    )
+    d2h, release = ResidencyAction(ActionKind.COPY_D2H, 0), ResidencyAction(ActionKind.RELEASE_DEVICE, 0)
+    pre = ((),) * 4 + ((ResidencyAction(ActionKind.COPY_H2D, 0),
+                        ResidencyAction(ActionKind.WAIT_H2D, 0)),)
+    last = ((release, ResidencyAction(ActionKind.RELEASE_HOST, 0)),)
+    fast = ResidencySchedule(pre, ((d2h, release), (), (), ()) + last)
+    slow = ResidencySchedule(pre, ((d2h,), (), (release,), ()) + last)
+    inv = Invocation(0, 0)
+    timeline = _timeline([(F, inv), (B, inv)])
+    peaks = set()
+    for floor in (fast, slow):
+        resident = check_schedule(trace, floor).resident_bytes
+        profile = region_profile(0, 3, resident, floor, trace)
+        peaks.add(plan_step(timeline, {0: profile}, budget_bytes=100).peak_without_offload_bytes)
+    assert peaks == {max(resident_bytes_without_offload(trace))} == {9}
