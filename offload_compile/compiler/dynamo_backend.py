@@ -235,6 +235,11 @@ class HyperOffloadBackend:
         bucket, :mod:`.size_buckets`) is not planned again."""
         self.plans_made = 0
         """Step plans made so far (``replans`` counts those put in force)."""
+        self._plain_peaks: dict[tuple[Any, ...], int] = {}
+        """Per step (events and sizes): its peak without offload on torch's partitions,
+        from the plans made before any region was re-lowered with recompute: what training
+        without hyper_offload peaks at, whatever partition the plan later chose (which
+        depends on the link)."""
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -274,6 +279,15 @@ class HyperOffloadBackend:
         if plan is None:
             return None
         relowered = tuple(r.index for r in self.regions if r.relowered and _recomputes(r))
+        plain = self._plain_peaks.get(_plain_key(plan.timeline))
+        if plain is not None:
+            plan = dataclasses.replace(plan, peak_without_offload_bytes=plain)
+        floor_op = plan.floor_op
+        if floor_op is not None and floor_op.region is not None:
+            origin = self.regions[floor_op.region].op_origin(floor_op.op)
+            if origin is not None:  # a decomposition's node: name what it came from
+                plan = dataclasses.replace(
+                    plan, floor_op=floor_op._replace(op=f"{floor_op.op} (of {origin})"))
         return build_step_report(
             plan, self.replans, self.recorder.steps, self.step_stall_s, relowered
         )
@@ -494,6 +508,8 @@ class HyperOffloadBackend:
         ``interim``: it waits for lowerings (the step is planned again at its end)."""
         self.step_plan, self._interim = plan, interim
         self.step_stall_s = plan.predicted_stall_s
+        if not any(_recomputes(r) for r in self.regions if r.index in plan.timeline.regions):
+            self._plain_peaks.setdefault(_plain_key(plan.timeline), plan.peak_without_offload_bytes)
         self.replans += 1
         log_step_plan(plan, self.replans, self.step_stall_s)
         return plan
@@ -693,6 +709,11 @@ def _timeline_key(timeline: StepTimeline) -> tuple[Any, ...]:
     """A step's key in the plan cache: its events, retained bytes and sizes."""
     return (timeline.events, tuple(sorted(timeline.retained_bytes.items())),
             tuple(sorted(timeline.sizes.items())))
+
+
+def _plain_key(timeline: StepTimeline) -> tuple[Any, ...]:
+    """A step's key for its peak without offload: its events and sizes."""
+    return (timeline.events, tuple(sorted(timeline.sizes.items())))
 
 
 def _step_lowering(

@@ -36,8 +36,8 @@ from .step_model import BetweenRegions, StepEvent
 
 __all__ = ["EagerMeter", "between_regions"]
 
-# Log entries: ("op", name, ((key, nbytes), ...), own_bytes), ("free", key),
-# ("event", StepEvent), ("done", StepEvent).
+# Log entries (a key is a storage's id, unique in the meter's life): ("op", name,
+# ((key, nbytes), ...), own_bytes), ("free", key), ("event", StepEvent), ("done", StepEvent).
 _Entry = tuple[Any, ...]
 
 
@@ -55,7 +55,10 @@ class EagerMeter(TorchDispatchMode):
         self._device = device
         self._parameters = tuple(parameters)
         self._inside = 0
-        self._live: dict[int, int] = {}
+        self._ids: dict[int, int] = {}
+        """Live storages: address -> the id it was logged under (an address is reused
+        once its storage dies; an id never is)."""
+        self._next_id = 0
         self.log: list[_Entry] = []
 
     @classmethod
@@ -81,10 +84,8 @@ class EagerMeter(TorchDispatchMode):
 
     def hand_over(self, values: Iterable[Any]) -> None:
         for value in values:
-            if isinstance(value, torch.Tensor):
-                key = _key(value)
-                if key in self._live:
-                    self.log.append(("free", key))
+            if isinstance(value, torch.Tensor) and _address(value) in self._ids:
+                self.log.append(("free", self._ids[_address(value)]))
 
     def new_step(self) -> None:
         """Forget the log: a step starts (storages alive now are no step's)."""
@@ -92,7 +93,8 @@ class EagerMeter(TorchDispatchMode):
 
     def between(self, events: tuple[StepEvent, ...]) -> BetweenRegions:
         """The eager bytes of the step so far against its ``events``."""
-        grads = frozenset(_key(p.grad) for p in self._parameters if p.grad is not None)
+        grads = frozenset(self._ids[_address(p.grad)] for p in self._parameters
+                          if p.grad is not None and _address(p.grad) in self._ids)
         return between_regions(self.log, events, grads)
 
     def event(self, event: StepEvent, *, done: bool = False) -> None:
@@ -108,18 +110,19 @@ class EagerMeter(TorchDispatchMode):
         if not outputs:
             return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        read = {_key(t) for t in inputs}
-        made, own = [], {}
-        for tensor in (*(t for t in inputs if self._counts(t)), *outputs):
-            own[_key(tensor)] = tensor.untyped_storage().nbytes()
+        read = {_address(t) for t in inputs}
+        own = {_address(t): t.untyped_storage().nbytes()
+               for t in (*(t for t in inputs if self._counts(t)), *outputs)}
+        made = []
         for tensor in outputs:
-            storage = tensor.untyped_storage()
-            key = _key(tensor)
-            if key in self._live or key in read:
+            address = _address(tensor)
+            if address in self._ids or address in read:
                 continue  # a view or an in-place result (of any tensor): no new bytes
-            self._live[key] = storage.nbytes()
+            storage = tensor.untyped_storage()
+            key = self._ids[address] = self._next_id
+            self._next_id += 1
             made.append((key, storage.nbytes()))
-            weakref.finalize(storage, self._freed, key)
+            weakref.finalize(storage, self._freed, address, key)
         if made:
             self.log.append(("op", str(func.overloadpacket.__name__), tuple(made),
                              sum(own.values())))
@@ -129,14 +132,15 @@ class EagerMeter(TorchDispatchMode):
         return (isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is self._mode
                 and value.device == self._device)
 
-    def _freed(self, key: int) -> None:
-        self._live.pop(key, None)
+    def _freed(self, address: int, key: int) -> None:
+        if self._ids.get(address) == key:
+            del self._ids[address]
         self.log.append(("free", key))
 
 
-def _key(tensor: torch.Tensor) -> int:
-    # The storage's address: stable while any tensor holds it (as every logged one does
-    # until its finalizer runs, which logs the free before the address can be reused).
+def _address(tensor: torch.Tensor) -> int:
+    # The storage's address: stable while any tensor holds it; reused once it died (the
+    # log names storages by ids, never by address).
     return tensor.untyped_storage()._cdata
 
 

@@ -47,7 +47,8 @@ from .options import BackendOptions, parse_backend_options
 from .recompute_search import PartitionChoice, search_region
 from .region_plan import build_region_report
 from .region_report import RegionReport
-from .step_report import StepReport
+from .step_plan import FloorOp
+from .step_report import StepReport, explain_floor
 
 __all__ = ["EstimateReport", "estimate"]
 
@@ -86,6 +87,8 @@ class EstimateReport:
     None under the step scope (the bound is per region)."""
     step: StepReport | None = None
     """Step scope: the step plan the backend makes after the first step."""
+    region_floor_op: FloorOp | None = None
+    """Region scope: the op whose own need is ``min_feasible_budget_bytes``."""
     regions: tuple[RegionReport, ...] = ()
     """Step scope: the region reports of every region the step compiled (at the floor)."""
 
@@ -141,6 +144,18 @@ class EstimateReport:
         return self._region.exposed_transfer_s
 
     @property
+    def floor_op(self) -> FloorOp | None:
+        """The op that sets ``min_feasible_budget_bytes`` (its name, where it runs, its own
+        operands' bytes): under the step scope the step plan's, eager code between
+        regions included."""
+        return self.step.floor_op if self.step is not None else self.region_floor_op
+
+    @property
+    def floor_explained(self) -> str:
+        """What sets the floor, its bytes, and what lowers it (one line)."""
+        return explain_floor(self.floor_op, self.min_feasible_budget_bytes)
+
+    @property
     def fits(self) -> bool:
         """True when the plan keeps every op at or under the budget."""
         return self.step.fits if self.step is not None else self._region.feasible
@@ -162,7 +177,11 @@ class EstimateReport:
             bytes_d2h=self.bytes_d2h,
             bytes_h2d=self.bytes_h2d,
             exposed_transfer_s=self.exposed_transfer_s,
+            floor_op=None if self.floor_op is None else self.floor_op.op,
+            floor_op_bytes=None if self.floor_op is None else self.floor_op.op_bytes,
+            floor_explained=self.floor_explained,
         )
+        data.pop("region_floor_op", None)
         if self.step is not None:
             data.update(_step_dict(self.step, self.regions))
         else:
@@ -236,7 +255,8 @@ def _region_summary(report: EstimateReport, verdict: str, prices: str) -> str:
         f"peak activations: {_mib(report.peak_without_offload)} without offload -> "
         f"{_mib(report.peak_with_plan)} with the plan "
         f"(saved for backward: {_mib(r.saved_activation_bytes)})",
-        f"smallest feasible budget: {_mib(report.min_feasible_budget_bytes)}",
+        f"smallest feasible budget: {_mib(report.min_feasible_budget_bytes)}, set by "
+        f"{report.floor_explained}",
         f"moved per step: D2H {_mib(r.bytes_d2h)}, H2D {_mib(r.bytes_h2d)} "
         f"({r.transfers} transfers)",
         f"transfer time at {report.d2h_bandwidth_gbps:g}/{report.h2d_bandwidth_gbps:g} GB/s "
@@ -272,7 +292,9 @@ def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
         f"peak activations: {_mib(report.peak_without_offload)} without offload -> "
         f"{_mib(report.peak_with_plan)} with the step plan",
         f"smallest feasible budget: {_mib(report.min_feasible_budget_bytes)} (the floor: "
-        "everything movable moved)",
+        "everything movable moved" + (
+            f"; the compiled regions alone: {_mib(step.regions_floor_bytes)}"
+            if step.regions_floor_bytes is not None else "") + ")",
         f"moved per step: {_mib(step.moved_bytes)} each way, kept on the device "
         f"{_mib(step.kept_bytes)}",
         f"predicted stall at {report.d2h_bandwidth_gbps:g}/{report.h2d_bandwidth_gbps:g} "
@@ -366,6 +388,10 @@ def estimate(
         model, example_inputs, target, parsed, link, prices
     )
     fx_trace, schedule, check, _ = choice.plan
+    need = required_bytes(fx_trace.trace)
+    at = max(range(len(need)), key=need.__getitem__, default=None)
+    floor_op = None if at is None else FloorOp(
+        0, fx_trace.trace.ops[at].name, fx_trace.trace.operand_bytes(at), need[at])
     report = build_region_report(
         fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report,
         sizes=symbolic_sizes(choice.fw, choice.bw),  # each symbol and the size planned at
@@ -373,7 +399,8 @@ def estimate(
     return EstimateReport(
         **common,
         region_report=report,
-        min_feasible_budget_bytes=max(required_bytes(fx_trace.trace), default=0),
+        min_feasible_budget_bytes=max(need, default=0),
+        region_floor_op=floor_op,
         trace_seconds=trace_seconds,
         stall_lower_bound_s=stall_lower_bound(
             fx_trace.trace, earliest_prefetch_op=fx_trace.num_fw_ops,

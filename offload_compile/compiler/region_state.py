@@ -134,6 +134,20 @@ class CompiledRegion:
         self.step_schedule = schedule
         self.set_planned(lowering.planned)
 
+    def op_origin(self, op: str) -> str | None:
+        """The aten op that trace op ``op`` (``"bw:mul_17"``) came from, where a
+        decomposition made it (``"aten.nll_loss_backward"``); None when it is its own."""
+        graph_name, _, node_name = op.partition(":")
+        if self.graphs is None or graph_name not in ("fw", "bw"):
+            return None
+        graph = self.graphs[graph_name == "bw"].graph
+        node = next((n for n in graph.nodes if n.name == node_name), None)
+        origin = node.meta.get("original_aten") if node is not None else None
+        packet = getattr(origin, "overloadpacket", None)
+        if packet is None or packet is getattr(node.target, "overloadpacket", None):
+            return None
+        return f"aten.{packet.__name__}"
+
     @property
     def where(self) -> str:
         """The region in ``verify``'s errors."""

@@ -44,6 +44,7 @@ budget_bytes``, and ``peak_bytes == floor_peak_bytes`` otherwise. Pure: no torch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -236,6 +237,9 @@ class StepPlan:
     where :mod:`.step_planner` priced it (0 from :func:`plan_step` alone)."""
     floor_op: FloorOp | None = None
     """The op at which ``floor_peak_bytes`` is reached (what sets the floor)."""
+    regions_floor_bytes: int | None = None
+    """Where the timeline measured its eager code between regions: the floor without it
+    (what the regions alone need; None otherwise)."""
 
     def keep_for(self, invocation: Invocation) -> frozenset[int]:
         """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
@@ -376,6 +380,7 @@ def plan_step(
     keeps only the slots that cost nothing (nothing runs while they would be away)."""
     layout = _lay_out(timeline, profiles)
     floor = _floor(layout, timeline, profiles)
+    regions_only = dataclasses.replace(timeline, between=None)
     ranges = [
         _SlotOnStep(invocation, slot, layout.forward_at[invocation] + slot.start,
                     backward + slot.end - profiles[invocation.region].num_fw_ops)
@@ -413,6 +418,8 @@ def plan_step(
     return StepPlan(
         timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans), over,
         floor_op=_floor_op(layout, floor, timeline, profiles),
+        regions_floor_bytes=None if timeline.between is None else max(_floor(
+            _lay_out(regions_only, profiles), regions_only, profiles), default=0),
     )
 
 

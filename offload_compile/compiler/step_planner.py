@@ -105,7 +105,7 @@ def plan_step_schedules(
             p._replace(plan=dataclasses.replace(
                 p.plan, floor_peak_bytes=base.floor_peak_bytes, over_budget=base.over_budget,
                 peak_without_offload_bytes=base.peak_without_offload_bytes,
-                floor_op=base.floor_op,
+                floor_op=base.floor_op, regions_floor_bytes=base.regions_floor_bytes,
             ))
             for p in _step_schedule_proposals(timeline, regions, floors, planned, budget)
         ]

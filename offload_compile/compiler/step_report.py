@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .region_report import LOGGER
-from .step_plan import InvocationPlan, StepPlan
+from .step_plan import FloorOp, InvocationPlan, StepPlan
 
-__all__ = ["StepReport", "build_step_report", "log_step_plan"]
+__all__ = ["StepReport", "build_step_report", "explain_floor", "log_step_plan"]
 
 _MIB = 1 << 20
 
@@ -43,6 +43,19 @@ class StepReport:
     """Regions the plan runs with a schedule made for the step (:mod:`.step_planner`):
     what they move, and where, was planned on the whole step; the others run their floor
     and keep slots at run time (``kept_bytes``)."""
+    floor_op: FloorOp | None = None
+    """The op at which the floor peaks: what sets ``floor_peak_bytes``."""
+    eager_measured: bool = False
+    """Whether the eager code between regions was measured and counted
+    (``hyper_offload.estimate``); a real step counts only what its regions hold."""
+    regions_floor_bytes: int | None = None
+    """Where the eager code was measured: the floor with it left out (what the regions
+    alone need)."""
+
+    @property
+    def floor_explained(self) -> str:
+        """What sets the floor and what lowers it (one line; empty without a step)."""
+        return explain_floor(self.floor_op, self.floor_peak_bytes)
 
     @property
     def moved_bytes(self) -> int:
@@ -72,6 +85,11 @@ class StepReport:
             "predicted_stall_s": self.predicted_stall_s,
             "relowered": list(self.relowered),
             "lowered_for_step": list(self.lowered_for_step),
+            "floor_op": None if self.floor_op is None else self.floor_op.op,
+            "floor_op_region": None if self.floor_op is None else self.floor_op.region,
+            "floor_op_bytes": None if self.floor_op is None else self.floor_op.op_bytes,
+            "eager_between_regions_counted": self.eager_measured,
+            "regions_floor_bytes": self.regions_floor_bytes,
         }
 
     def __str__(self) -> str:
@@ -86,6 +104,11 @@ class StepReport:
                "recompute" if self.relowered else "")
             + (f"; region(s) {', '.join(map(str, self.lowered_for_step))} lowered with the "
                "step's schedule" if self.lowered_for_step else ""),
+            f"floor set by {self.floor_explained}",
+            "eager code between compiled regions: " + (
+                "counted (measured on fake tensors)" if self.eager_measured else
+                "NOT counted (a real step measures only its regions; hyper_offload.estimate "
+                "measures the eager code, e.g. an LM head and loss left outside torch.compile)"),
             f"{'invocation':>10} {'kept MiB':>9} {'moved MiB':>9} {'retained MiB':>12}",
         ]
         lines += [
@@ -106,8 +129,34 @@ def build_step_report(
         peak_without_offload_bytes=plan.peak_without_offload_bytes,
         invocations=plan.invocations, replans=replans, steps_seen=steps_seen,
         predicted_stall_s=predicted_stall_s, relowered=relowered,
-        lowered_for_step=tuple(sorted(plan.schedules)),
+        lowered_for_step=tuple(sorted(plan.schedules)), floor_op=plan.floor_op,
+        eager_measured=plan.timeline.between is not None,
+        regions_floor_bytes=plan.regions_floor_bytes,
     )
+
+
+_LOSS_OPS = ("nll_loss", "log_softmax", "cross_entropy", "softmax_backward")
+_ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention")
+
+
+def explain_floor(floor_op: FloorOp | None, floor_bytes: int) -> str:
+    """``floor_op`` in words, and what lowers the floor there: its own operands no plan
+    moves; what else the step holds there is movable only as far as the floor moved it."""
+    if floor_op is None:
+        return f"no op ({floor_bytes / _MIB:,.1f} MiB)"
+    name = floor_op.op.lower()
+    if any(k in name for k in _LOSS_OPS):
+        lower = ("the loss over the vocabulary: compute the LM head and the loss in sequence "
+                 "chunks, each checkpointed (examples/llama_model.py: LlamaConfig.loss_chunks), "
+                 "or split the sequence across ranks (context parallel)")
+    elif any(k in name for k in _ATTENTION_OPS):
+        lower = "attention over the whole sequence: split it across ranks (context parallel)"
+    else:
+        lower = ("this op's own inputs and outputs, which no offload or recompute plan moves: "
+                 "a shorter sequence or batch per rank (context parallel) or a chunked op")
+    if floor_op.region is None:
+        lower += "; it runs eagerly, outside every compiled region"
+    return f"{floor_op.describe()}; lowered by {lower}"
 
 
 def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -> None:
