@@ -231,11 +231,12 @@ def llama3_8b_chunked_loss(dtype: torch.dtype = torch.bfloat16) -> Llama:
     return llama3_8b(loss_chunks=16, dtype=dtype)
 
 
-def llama_tiny(dtype: torch.dtype = torch.float32, rope: str = "real") -> Llama:
+def llama_tiny(dtype: torch.dtype = torch.float32, rope: str = "real",
+               loss_chunks: int = 1) -> Llama:
     """A real (CPU) model small enough to train in a test: d=32, 2 layers, GQA."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, hidden=64,
-                         max_seq_len=64, rope=rope)
+                         max_seq_len=64, rope=rope, loss_chunks=loss_chunks)
     return Llama(config).to(dtype)
 
 

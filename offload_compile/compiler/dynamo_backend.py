@@ -30,6 +30,7 @@ keeps a plain ``torch.compile``, or other options, from sharing those entries, a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -236,10 +237,8 @@ class HyperOffloadBackend:
         self.plans_made = 0
         """Step plans made so far (``replans`` counts those put in force)."""
         self._plain_peaks: dict[tuple[Any, ...], int] = {}
-        """Per step (events and sizes): its peak without offload on torch's partitions,
-        from the plans made before any region was re-lowered with recompute: what training
-        without hyper_offload peaks at, whatever partition the plan later chose (which
-        depends on the link)."""
+        """Per step shape: its peak without offload on torch's partitions (before any
+        re-lowering with recompute, whose choice depends on the link)."""
 
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
@@ -279,17 +278,10 @@ class HyperOffloadBackend:
         if plan is None:
             return None
         relowered = tuple(r.index for r in self.regions if r.relowered and _recomputes(r))
-        plain = self._plain_peaks.get(_plain_key(plan.timeline))
-        if plain is not None:
-            plan = dataclasses.replace(plan, peak_without_offload_bytes=plain)
-        floor_op = plan.floor_op
-        if floor_op is not None and floor_op.region is not None:
-            origin = self.regions[floor_op.region].op_origin(floor_op.op)
-            if origin is not None:  # a decomposition's node: name what it came from
-                plan = dataclasses.replace(
-                    plan, floor_op=floor_op._replace(op=f"{floor_op.op} (of {origin})"))
         return build_step_report(
-            plan, self.replans, self.recorder.steps, self.step_stall_s, relowered
+            plan, self.replans, self.recorder.steps, self.step_stall_s, relowered,
+            plain_peak=self._plain_peaks.get(plan.timeline.shape_key),
+            op_origin=lambda region, op: self.regions[region].op_origin(op),
         )
 
     def run_invocation(
@@ -301,17 +293,11 @@ class HyperOffloadBackend:
         recorder.poll()
         invocation = recorder.begin_forward(region.index)
         bucket = region.bucket(args)
-        observer = recorder.observer
-        if observer is not None:  # the region counts its inputs from here, and its ops
-            observer.hand_over(args)
-            observer.enter()
-        try:
-            with self.runtime.keeping(self._keep_for(invocation, bucket), where=region.where,
-                                      slot_names=region.slot_names):
-                outputs = compiled(*args)
-        finally:
-            if observer is not None:
-                observer.exit()
+        observer = recorder.observer  # estimate's: the region counts its inputs and ops
+        inside = observer.region(args) if observer is not None else contextlib.nullcontext()
+        with inside, self.runtime.keeping(self._keep_for(invocation, bucket),
+                                          where=region.where, slot_names=region.slot_names):
+            outputs = compiled(*args)
         leaves = {
             id(a.untyped_storage()) for a in args
             if isinstance(a, torch.Tensor) and a.grad_fn is None
@@ -509,7 +495,7 @@ class HyperOffloadBackend:
         self.step_plan, self._interim = plan, interim
         self.step_stall_s = plan.predicted_stall_s
         if not any(_recomputes(r) for r in self.regions if r.index in plan.timeline.regions):
-            self._plain_peaks.setdefault(_plain_key(plan.timeline), plan.peak_without_offload_bytes)
+            self._plain_peaks.setdefault(plan.timeline.shape_key, plan.peak_without_offload_bytes)
         self.replans += 1
         log_step_plan(plan, self.replans, self.step_stall_s)
         return plan
@@ -709,11 +695,6 @@ def _timeline_key(timeline: StepTimeline) -> tuple[Any, ...]:
     """A step's key in the plan cache: its events, retained bytes and sizes."""
     return (timeline.events, tuple(sorted(timeline.retained_bytes.items())),
             tuple(sorted(timeline.sizes.items())))
-
-
-def _plain_key(timeline: StepTimeline) -> tuple[Any, ...]:
-    """A step's key for its peak without offload: its events and sizes."""
-    return (timeline.events, tuple(sorted(timeline.sizes.items())))
 
 
 def _step_lowering(

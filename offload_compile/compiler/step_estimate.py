@@ -12,7 +12,9 @@ partitioned, planned at its floor and lowered by the backend's own code; its gra
 as FX graphs on the fake tensors, so the backend's step recorder sees the step exactly
 as it sees a real first step, and :func:`~.step_plan.plan_step` plans it. Estimate and
 backend therefore agree by construction: same regions, same floor plans, same step plan
-(a test compares them).
+(a test compares them), but for one thing the estimate adds: the eager code between
+regions (an LM head and loss outside the compiled blocks), which its fake step measures
+(:mod:`.eager_between`) and a real step does not (its report says so).
 
 What a fake step cannot do: eager code between regions that reads tensor *values*
 (``if x.sum() > 0``, ``.item()``, ``.tolist()``) has no values to read; the error names
@@ -27,6 +29,7 @@ reset (the caller's compiled models keep their code).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -65,9 +68,13 @@ def estimate_step(
     options: BackendOptions,
     link: TransferBandwidth,
     throughput: DeviceThroughput | None,
+    measure_eager: bool = True,
 ) -> StepEstimate:
     """Run one step of ``model(*example_inputs)`` on fake tensors on ``device`` through
     the backend in fake-steps mode, and return its step plan (module docstring).
+    ``measure_eager``: count the eager code between regions (:mod:`.eager_between`);
+    False plans what the regions hold only, as the compile door's real step does (tests
+    compare the two).
 
     Raises ``ConfigurationError`` when the step has no backward (nothing requires grad, or no
     compiled region's output reaches one)."""
@@ -75,12 +82,13 @@ def estimate_step(
     mode = estimate_fake_mode()
     fake = fake_module(model, mode, device)
     inputs = fake_inputs(mode, example_inputs, device)
-    meter = EagerMeter(mode, device, fake.parameters())
+    meter = EagerMeter(mode, device, fake.parameters()) if measure_eager else None
     backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True,
                                   observer=meter)
     compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend))
     for _ in range(_MAX_STEPS):
-        meter.new_step()
+        if meter is not None:
+            meter.new_step()
         _fake_step(compiled, inputs, mode, meter)
         if not any(r.relower_requested or r.lowering_requested is not None
                    for r in backend.regions):
@@ -114,7 +122,9 @@ asked for at a step's end is made before the next step's first forward, and that
 is planned again at its end."""
 
 
-def _fake_step(compiled: Any, inputs: Sequence[Any], mode: Any, meter: EagerMeter) -> None:
+def _fake_step(
+    compiled: Any, inputs: Sequence[Any], mode: Any, meter: EagerMeter | None
+) -> None:
     """One forward and the backward of every output that requires grad (ones), the eager
     code between regions measured by ``meter``. An error the backend raised on purpose
     comes out as itself, not wrapped in Dynamo's ``BackendCompilerFailed``: the caller of
@@ -122,14 +132,16 @@ def _fake_step(compiled: Any, inputs: Sequence[Any], mode: Any, meter: EagerMete
     from torch._dynamo.exc import BackendCompilerFailed
 
     try:
-        with mode, meter, torch.enable_grad():
+        with mode, meter or contextlib.nullcontext(), torch.enable_grad():
             outputs = compiled(*inputs)
             leaves = [
                 t for t in tree_flatten(outputs)[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-            if leaves:
-                torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+            if leaves:  # the seeds are the estimate's, not the step's: not metered
+                with meter.region() if meter is not None else contextlib.nullcontext():
+                    seeds = [torch.ones_like(t) for t in leaves]
+                torch.autograd.backward(leaves, seeds)
     except BackendCompilerFailed as error:
         if isinstance(error.inner_exception, HyperOffloadError):
             raise error.inner_exception from None

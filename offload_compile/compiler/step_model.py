@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
@@ -121,6 +122,11 @@ class StepTimeline:
         return f"StepTimeline({' '.join(map(repr, self.events))})"
 
     @property
+    def shape_key(self) -> tuple[Any, ...]:
+        """The step's events and sizes (not its bytes)."""
+        return (self.events, tuple(sorted(self.sizes.items())))
+
+    @property
     def invocations(self) -> tuple[Invocation, ...]:
         """Every invocation, in forward order."""
         return tuple(e.invocation for e in self.events if e.kind is StepEventKind.FORWARD)
@@ -149,7 +155,10 @@ class StepObserver(Protocol):
 
     def event(self, event: StepEvent, *, done: bool = False) -> None: ...
 
-    def hand_over(self, values: Iterable[Any]) -> None: ...
+    def region(self, args: Sequence[Any]) -> AbstractContextManager[Any]:
+        """Around a region's forward: ``args`` are the region's from here, and so are
+        the ops run inside."""
+        ...
 
     def enter(self) -> None: ...
 

@@ -10,6 +10,7 @@ step plan that cannot fit (the floor is over the budget) a WARNING.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .region_report import LOGGER
@@ -121,15 +122,24 @@ class StepReport:
 
 def build_step_report(
     plan: StepPlan, replans: int, steps_seen: int, predicted_stall_s: float = 0.0,
-    relowered: tuple[int, ...] = (),
+    relowered: tuple[int, ...] = (), *, plain_peak: int | None = None,
+    op_origin: Callable[[int, str], str | None] | None = None,
 ) -> StepReport:
+    """The report of ``plan``. ``plain_peak``: the step's peak without offload on torch's
+    partitions, where the plan's regions were re-lowered since; ``op_origin(region,
+    op)``: the aten op a decomposed node came from (named beside the floor's op)."""
+    floor_op = plan.floor_op
+    origin = (op_origin(floor_op.region, floor_op.op)
+              if floor_op is not None and floor_op.region is not None and op_origin else None)
+    if origin is not None:
+        floor_op = floor_op._replace(op=f"{floor_op.op} (of {origin})")
     return StepReport(
         budget_bytes=plan.budget_bytes, peak_bytes=plan.peak_bytes,
         floor_peak_bytes=plan.floor_peak_bytes,
-        peak_without_offload_bytes=plan.peak_without_offload_bytes,
+        peak_without_offload_bytes=plain_peak or plan.peak_without_offload_bytes,
         invocations=plan.invocations, replans=replans, steps_seen=steps_seen,
         predicted_stall_s=predicted_stall_s, relowered=relowered,
-        lowered_for_step=tuple(sorted(plan.schedules)), floor_op=plan.floor_op,
+        lowered_for_step=tuple(sorted(plan.schedules)), floor_op=floor_op,
         eager_measured=plan.timeline.between is not None,
         regions_floor_bytes=plan.regions_floor_bytes,
     )

@@ -96,22 +96,30 @@ def exact(a: StepResult, b: StepResult) -> bool:
 def assert_estimate_is_the_step_plan(
     model: nn.Module, inputs: tuple[Any, ...], backend: Any, **options: Any
 ) -> None:
-    """``hyper_offload.estimate`` of ``model`` (uncompiled, or with the blocks it compiled
-    on their own; fresh weights are fine) gives ``backend``'s step plan after a real step:
-    the same invocations with the same kept / moved / retained bytes, the same peaks and
-    predicted stall, and the same regions (issue 31, item 6)."""
-    import hyper_offload
+    """``hyper_offload.estimate``'s fake step of ``model`` (uncompiled, or with the blocks
+    it compiled on their own; fresh weights are fine), planning what the regions hold as
+    a real step does (the eager code between regions not measured), gives ``backend``'s
+    step plan after a real step: the same invocations with the same kept / moved /
+    retained bytes, the same peaks and predicted stall, and the same regions (issue 31,
+    item 6; ``test_estimate_between.py`` tests what counting the eager code adds)."""
+    from hyper_offload.compiler.fake_capture import resolve_trace_device
+    from hyper_offload.compiler.options import parse_backend_options
+    from hyper_offload.compiler.step_estimate import estimate_step
 
     real = backend.step_report
     link = backend.bandwidth(backend.regions[0].graphs[0])  # what the backend priced with
-    estimate = hyper_offload.estimate(model, inputs, bandwidth=link, **options)
-    assert estimate.step is not None and real is not None
+    estimate = estimate_step(
+        model, inputs, device=resolve_trace_device(model, None),
+        options=parse_backend_options(options), link=link, throughput=None,
+        measure_eager=False,
+    )
+    assert real is not None
     for field in ("budget_bytes", "peak_bytes", "floor_peak_bytes",
                   "peak_without_offload_bytes", "invocations", "predicted_stall_s"):
         assert getattr(estimate.step, field) == getattr(real, field), (
             f"{field}: estimate {getattr(estimate.step, field)!r}, real step {getattr(real, field)!r}"
         )
-    assert estimate.fits == real.fits and estimate.bytes_d2h == real.moved_bytes
+    assert estimate.step.fits == real.fits and estimate.step.moved_bytes == real.moved_bytes
     compiled = [(r.fw_nodes, r.bw_nodes, r.saved_activation_bytes, r.bytes_d2h)
                 for r in backend.reports]
     assert [(r.fw_nodes, r.bw_nodes, r.saved_activation_bytes, r.bytes_d2h)
