@@ -692,9 +692,9 @@ def _on_meta(example_inputs: Sequence[Any]) -> bool:
 
 
 def _timeline_key(timeline: StepTimeline) -> tuple[Any, ...]:
-    """A step's key in the plan cache: its events, retained bytes and sizes."""
+    """A step's key in the plan cache: its events, retained bytes, sizes and eager bytes."""
     return (timeline.events, tuple(sorted(timeline.retained_bytes.items())),
-            tuple(sorted(timeline.sizes.items())))
+            tuple(sorted(timeline.sizes.items())), timeline.between)
 
 
 def _step_lowering(

@@ -129,8 +129,10 @@ class EagerMeter(TorchDispatchMode):
         return out
 
     def _counts(self, value: Any) -> bool:
-        return (isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is self._mode
-                and value.device == self._device)
+        if not isinstance(value, torch.Tensor) or getattr(value, "fake_mode", None) is not self._mode:
+            return False
+        device = value.device  # "cuda" names the current one: a tensor says "cuda:0"
+        return device.type == self._device.type and self._device.index in (None, device.index)
 
     def _freed(self, address: int, key: int) -> None:
         if self._ids.get(address) == key:

@@ -184,7 +184,9 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
     )
     if plan.floor_peak_bytes > plan.budget_bytes:
         over = (
-            "; the floor is over the budget: no plan meets it, and the plan reaches the "
+            f"; the floor is over the budget (set by {explain_floor(plan.floor_op, 0)})"
+            .replace("%", "%%") +
+            ": no plan meets it, and the plan reaches the "
             "floor's peak moving only what lowers it. Fix: raise the budget; with recompute='auto' (the default) the "
             "step's regions are lowered again once with the recompute search, which may "
             "bring the floor down (a region's own working memory it cannot)"

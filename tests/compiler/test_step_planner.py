@@ -153,3 +153,34 @@ def test_the_plan_is_the_same_on_every_call(graphs):
     plans = [plan_step_schedules(ONE, {0: region}, {0: floor.check.resident_bytes}, budget,
                                  tailor=frozenset({0})) for _ in range(2)]
     assert plans[0] == plans[1]
+
+
+def test_eager_code_between_regions_is_laid_out_as_the_step_plan_counts_it(graphs):
+    """Issue 44: a gap's eager peak is an op of the step trace, eager bytes held through
+    an event a storage over its ops; ``plan_step`` and the step trace count them alike,
+    and the step's schedule meets the budget there too."""
+    from hyper_offload.compiler.step_model import BetweenRegions
+    from hyper_offload.passes import resident_bytes_without_offload
+
+    floor, _ = _plans(graphs, 50.0)
+    region = region_trace(floor.fx_trace, floor.schedule)
+    gap, held = 3 << 20, 1 << 20  # the loss's peak before the backward; bytes held through it
+    timeline = replace(ONE, between=BetweenRegions((0, gap, 0), ("", "nll_loss_backward", ""),
+                                                   (gap, 0, 0), (0, held)))
+    step = build_step_trace(timeline, {0: region}, frozenset(ONE.invocations), 12345)
+    trace = floor.fx_trace.trace
+    assert step.trace.num_ops == trace.num_ops + 1
+    eager = step.trace.ops[floor.fx_trace.num_fw_ops]
+    assert eager.name == "eager" and step.trace.operand_bytes(floor.fx_trace.num_fw_ops) == gap
+    plain = resident_bytes_without_offload(step.trace)
+    before = resident_bytes_without_offload(trace)
+    assert plain[floor.fx_trace.num_fw_ops + 1:] == [b + held for b in before[floor.fx_trace.num_fw_ops:]]
+    profiles = {0: region_floor_profile(0, region, floor.check.resident_bytes)}
+    plan = plan_step(timeline, profiles, None)
+    alone = plan_step(ONE, profiles, None)
+    assert plan.floor_op.region is None and plan.floor_op.op == "nll_loss_backward"
+    assert plan.regions_floor_bytes == alone.floor_peak_bytes < plan.floor_peak_bytes
+    budget = plan.floor_peak_bytes + (1 << 20)
+    made = plan_step_schedules(timeline, {0: region}, {0: floor.check.resident_bytes}, budget,
+                               tailor=frozenset({0}))
+    assert made.fits and made.peak_bytes <= budget
