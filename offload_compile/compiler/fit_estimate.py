@@ -21,7 +21,10 @@ machine's memory. Two scopes, as the backend's ``budget_scope``:
 
 Figures are for saved activations and the temporaries of the step as the compile
 backend counts them (parameters, inputs, gradients and optimizer state excluded; see
-docs/architecture.md "Compile path", "What counts").
+docs/architecture.md "Compile path", "What counts"), and under the step scope the eager
+code between compiled regions too (an LM head and loss outside per-block compiled
+blocks, :mod:`.eager_between`), which a real step does not measure. ``floor_op`` names
+the op that sets the floor and ``floor_explained`` what lowers it.
 """
 
 from __future__ import annotations
@@ -64,7 +67,10 @@ class EstimateReport:
     :class:`StepReport` or :class:`RegionReport` for the same model, so estimate and
     backend never disagree. The properties (``fits``, ``peak_with_plan``, ``bytes_d2h``,
     ...) mean the same in both scopes: code that reads them works in either.
-    Invariants: ``peak_with_plan <= peak_without_offload``; ``fits`` (the plan meets
+    Invariants: ``peak_with_plan <= peak_without_offload`` under the region scope (under
+    the step scope a slot kept at run time is a device copy that coexists with its source
+    from the copy to the floor's release, so a plan keeping everything peaks above the
+    step without offload; the latter depends on no link); ``fits`` (the plan meets
     ``budget_bytes`` at every op) iff ``budget_bytes >= min_feasible_budget_bytes``
     (under the step scope that is the floor's peak: everything movable moved).
     """
