@@ -32,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from hyper_offload.passes.fx.sizes import planning_size
+
 from .step_model import BetweenRegions, StepEvent
 
 __all__ = ["EagerMeter", "between_regions"]
@@ -111,7 +113,7 @@ class EagerMeter(TorchDispatchMode):
             return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         read = {_address(t) for t in inputs}
-        own = {_address(t): t.untyped_storage().nbytes()
+        own = {_address(t): _nbytes(t)
                for t in (*(t for t in inputs if self._counts(t)), *outputs)}
         made = []
         for tensor in outputs:
@@ -121,7 +123,7 @@ class EagerMeter(TorchDispatchMode):
             storage = tensor.untyped_storage()
             key = self._ids[address] = self._next_id
             self._next_id += 1
-            made.append((key, storage.nbytes()))
+            made.append((key, _nbytes(tensor)))
             weakref.finalize(storage, self._freed, address, key)
         if made:
             self.log.append(("op", str(func.overloadpacket.__name__), tuple(made),
@@ -138,6 +140,12 @@ class EagerMeter(TorchDispatchMode):
         if self._ids.get(address) == key:
             del self._ids[address]
         self.log.append(("free", key))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    # A data-dependent size (nonzero's rows in eager code) counts at its bound, as a
+    # region's plan counts it.
+    return planning_size(tensor.untyped_storage().nbytes(), "an eager tensor between regions")
 
 
 def _address(tensor: torch.Tensor) -> int:
