@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo demo-plan test sweep bench bench-compile bench-anchors gpu-check mutation-check clean
+.PHONY: setup demo demo-plan test test-extended sweep bench bench-compile bench-anchors gpu-check mutation-check clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,15 @@ demo: setup
 demo-plan: setup
 	$(PY) examples/plan_transformer_trace.py
 
+# Two workers on two cores, one test file per worker at a time (a module's tests share
+# its compiled models); exhaustive parametrizations are left to `make test-extended`.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not extended" tests
+
+# The cases `make test` leaves out: every model x inner compiler x dtype where make test
+# runs one representative (about 5 more minutes on 2 cores).
+test-extended: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m extended tests
 
 # Exactness over torch's op database: every autograd OpInfo sample (the first and last per op and
 # dtype) in float32/complex64/bfloat16 through both doors at budget 0, bit for bit against

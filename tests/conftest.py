@@ -7,6 +7,11 @@ compiled code without running our partitioner, so its lowered graphs
 order. The cached path is tested on purpose, with the cache on, in
 ``tests/compiler/test_warm_restart.py`` (in-process and across processes).
 
+Under ``pytest-xdist`` (``make test`` runs two workers on two cores) each worker keeps
+torch to one intra-op thread: two workers with two threads each on two cores spin
+against each other. Every numerics test compares runs made in the same process, so the
+thread count is the reference's too.
+
 ``one_rank``: a default process group of one gloo rank in this process (a
 ``HashStore``), for tests of collectives that need no worker processes.
 """
@@ -17,10 +22,16 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch._functorch import config as functorch_config
 
 AUTOGRAD_CACHE_ENV = "TORCHINDUCTOR_AUTOGRAD_CACHE"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,6 +9,10 @@ trace). Every run must give ``torch.equal`` loss and gradients; below the peak, 
 views must really move (measured: the device bytes autograd's graph holds) and at the
 floor the plan must be feasible. Deterministic algorithms are on (plain Inductor on CPU
 is not run-to-run deterministic without them).
+
+``make test`` runs every model under aot_eager and the demo GPT under Inductor (fp32);
+the other Inductor cases (minutes of Inductor code generation on two cores) are marked
+``extended`` and run by ``make test-extended``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
 from hyper_offload.passes import required_bytes
 
-from .compile_models import INDUCTOR, deterministic, moved_views  # noqa: F401 (autouse)
+from .compile_models import deterministic, moved_views  # noqa: F401 (autouse)
 
 MIB = 1 << 20
 Batch = tuple[torch.Tensor, ...]
@@ -99,9 +103,22 @@ def _assert_equal(got: tuple, want: tuple, what: str) -> None:
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: grad {index}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("inner", ["aot_eager", INDUCTOR])
-@pytest.mark.parametrize("model", sorted(MODELS))
+def _cases() -> list[Any]:
+    """Every (model, inner compiler, dtype); Inductor's beyond the demo GPT in fp32 are
+    ``extended``."""
+    cases = []
+    for model in sorted(MODELS):
+        for inner in ("aot_eager", "inductor"):
+            for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+                representative = inner == "aot_eager" or (model, name) == ("demo_gpt", "fp32")
+                marks = (() if inner == "aot_eager" else (pytest.mark.slow,)) + (
+                    () if representative else (pytest.mark.extended,))
+                cases.append(pytest.param(model, inner, dtype, marks=marks,
+                                          id=f"{model}-{inner}-{name}"))
+    return cases
+
+
+@pytest.mark.parametrize(("model", "inner", "dtype"), _cases())
 def test_every_budget_moves_saved_views_and_stays_bit_exact(model: str, inner: str, dtype: torch.dtype) -> None:
     factory = MODELS[model]
     want = _run(factory, dtype, inner)
