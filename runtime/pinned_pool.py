@@ -65,6 +65,8 @@ import torch
 
 from hyper_offload.errors import ConfigurationError, PageableFallbackWarning, PoolMisuseError
 
+from hyper_offload.passes.ir.host import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, host_bucket_bytes
+
 from .device import pin_memory_available
 from .memory_meter import label_host
 
@@ -79,23 +81,13 @@ __all__ = [
     "host_buffer",
 ]
 
-MIN_BUCKET_BYTES = 1 << 10
-MAX_BUCKET_BYTES = 1 << 31
-
-
 class CompletionEvent(Protocol):
     def query(self) -> bool: ...
 
 
-def bucket_bytes(nbytes: int) -> int:
-    """Capacity of the buffer that serves a request of ``nbytes``.
-
-    A power of two in ``[MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]``, or ``nbytes`` itself for
-    requests above ``MAX_BUCKET_BYTES`` (dedicated allocation).
-    """
-    if nbytes > MAX_BUCKET_BYTES:
-        return nbytes
-    return max(MIN_BUCKET_BYTES, 1 << max(0, nbytes - 1).bit_length())
+#: Capacity of the buffer that serves a request (the planners count the same, so a plan
+#: that keeps the host budget in these bytes keeps the pool under its cap).
+bucket_bytes = host_bucket_bytes
 
 
 def pinned_cost(capacity: int) -> int:
