@@ -152,7 +152,8 @@ def plan_residency(
     invocation). ``where`` names the caller in errors (``"hyper_offload region 3"``,
     ``"eager warmup"``).
     ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
-    ``host_budget_bytes``: proposals holding more bucketed host bytes at once are
+    ``host_budget_bytes`` (None: the planner's own ``host_budget_bytes``, if it has
+    one): proposals holding more bucketed host bytes at once are
     dropped (:mod:`.host_budget`; a planner that keeps none raises); a proposal the host
     budget kept over the device budget is checked under the device bytes it reaches
     (:attr:`PlannedSchedule.binding` ``"host"``).
@@ -166,6 +167,8 @@ def plan_residency(
         )
     proposals = _proposals(planner, trace)
     requested = trace.budget_bytes
+    if host_budget_bytes is None:
+        host_budget_bytes = getattr(planner, "host_budget_bytes", None)
     if host_budget_bytes is not None:
         proposals = _within_host(trace, proposals, host_budget_bytes, planner, where)
         trace = _reached_budget(trace, proposals)
