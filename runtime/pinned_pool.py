@@ -349,15 +349,19 @@ class PinnedMemoryPool:
         return freed
 
     def has_room(self, nbytes: int) -> bool:
-        """Whether a request of ``nbytes`` would be served within the cap now (cached
-        buffers count as room: they are evicted first; pending ones do not)."""
+        """Whether a request of ``nbytes`` would be served within the cap (cached buffers
+        count as room: they are evicted first; so do pending ones: :meth:`acquire` waits
+        for their copies at the cap)."""
         capacity = bucket_bytes(nbytes)
         cost = pinned_cost(capacity) if self.pin else capacity
         with self._lock:
             self._reap_locked()
             if capacity <= MAX_BUCKET_BYTES and self._free.get(capacity):
                 return True
-            return self._held - self._cached_bytes + cost <= self.max_host_bytes
+            waiting = sum(b.cost for b, e in self._pending if e is not None and b.pool_owned
+                          and callable(getattr(e, "synchronize", None)))
+            busy = self._held - self._cached_bytes - waiting
+            return busy + cost <= self.max_host_bytes
 
     def owns(self, buffer: torch.Tensor) -> bool:
         """Whether ``buffer`` (or a view of it) is currently handed out by this pool."""

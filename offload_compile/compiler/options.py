@@ -91,6 +91,17 @@ class BackendOptions:
     mode: str | None = None
     budget_scope: str = "step"
     move_only: frozenset[tuple[int, str]] | None = None
+    host_budget_bytes: int | None = dataclasses.field(default=None, compare=False)
+    """The host budget in bytes every plan keeps: ``config.host_budget_bytes()``, resolved
+    once when the options are made (the node view reads the machine then). Not part of
+    equality nor of :meth:`cache_key` (the config's ``max_host_activation_mb`` is): the
+    node view's figure moves with the machine, and a cached graph whose plan asks for
+    more host room than there is keeps those bytes on the device at run time
+    (:func:`hyper_offload.runtime.ops` ``copy_d2h``), exactly."""
+
+    def __post_init__(self) -> None:
+        if self.host_budget_bytes is None:
+            object.__setattr__(self, "host_budget_bytes", self.config.host_budget_bytes())
 
     def may_move(self, region: int) -> frozenset[str] | None:
         """The saved tensors of ``region`` that may move (None: every movable one)."""

@@ -43,6 +43,13 @@ class StepReport:
     """Regions the plan runs with a schedule made for the step (:mod:`.step_planner`):
     what they move, and where, was planned on the whole step; the others run their floor
     and keep slots at run time (``kept_bytes``)."""
+    host_budget_bytes: int | None = None
+    """The host budget the plan keeps (per rank, pool buckets; None: none)."""
+    peak_host_bytes: int = 0
+    """The most host bytes the plan's moved slots hold at once (*predicted*)."""
+    binding: str = "none"
+    """Which budget limits the step (:attr:`.step_plan.StepPlan.binding`): ``"device"``,
+    ``"host"``, ``"both"`` or ``"none"``."""
 
     @property
     def moved_bytes(self) -> int:
@@ -72,6 +79,9 @@ class StepReport:
             "predicted_stall_s": self.predicted_stall_s,
             "relowered": list(self.relowered),
             "lowered_for_step": list(self.lowered_for_step),
+            "host_budget_bytes": self.host_budget_bytes,
+            "peak_host_bytes": self.peak_host_bytes,
+            "binding": self.binding,
         }
 
     def __str__(self) -> str:
@@ -85,7 +95,11 @@ class StepReport:
             + (f"; region(s) {', '.join(map(str, self.relowered))} re-lowered with "
                "recompute" if self.relowered else "")
             + (f"; region(s) {', '.join(map(str, self.lowered_for_step))} lowered with the "
-               "step's schedule" if self.lowered_for_step else ""),
+               "step's schedule" if self.lowered_for_step else "")
+            + (f"; host {self.peak_host_bytes / _MIB:.2f} MiB of a host budget of "
+               f"{self.host_budget_bytes / _MIB:.2f} MiB" if self.host_budget_bytes is not None
+               else "")
+            + f"; binding: {self.binding}",
             f"{'invocation':>10} {'kept MiB':>9} {'moved MiB':>9} {'retained MiB':>12}",
         ]
         lines += [
@@ -107,6 +121,8 @@ def build_step_report(
         invocations=plan.invocations, replans=replans, steps_seen=steps_seen,
         predicted_stall_s=predicted_stall_s, relowered=relowered,
         lowered_for_step=tuple(sorted(plan.schedules)),
+        host_budget_bytes=plan.host_budget_bytes, peak_host_bytes=plan.peak_host_bytes,
+        binding=plan.binding,
     )
 
 
@@ -131,5 +147,21 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
             "bring the floor down (a region's own working memory it cannot)"
         )
         LOGGER.warning(message + over, *figures)
+    elif plan.binding == "host":
+        LOGGER.warning(message + _host_binds(plan), *figures)
     else:
         LOGGER.info(message, *figures)
+
+
+def _host_binds(plan: StepPlan) -> str:
+    """Why a plan the host budget held over the device budget is there, and the fixes."""
+    host = plan.host_budget_bytes or 0
+    return (
+        f"; the host budget ({host / _MIB:.2f} MiB per rank, "
+        "OffloadConfig.max_host_activation_mb) cannot take what the device budget would "
+        f"move: {plan.kept_for_host} slot(s) stay on the device, so the step peaks over its "
+        "device budget (exact). Fix: with recompute='auto' (the default) the step's regions "
+        "are lowered again once with the recompute search, which recomputes what neither "
+        "budget holds; or raise max_host_activation_mb (fewer ranks on the node: "
+        "local_world_size) or the device budget"
+    ).replace("%", "%%")
