@@ -1,7 +1,8 @@
 """``options=`` of ``torch.compile(..., backend="hyper_offload")``: parsed and validated.
 
 Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
-(``max_resident_activation_mb``, ``max_offload_activation_mb``, ``planner``), plus
+(``max_resident_activation_mb``, ``max_host_activation_mb``, ``local_world_size``,
+``pageable_fallback``, ``planner``; the deprecated ``max_offload_activation_mb``), plus
 
 * ``inner_compiler``: ``"inductor"`` (default) or ``"aot_eager"``;
 * ``max_resident_activation_fraction``: the budget as a fraction in (0, 1] of the

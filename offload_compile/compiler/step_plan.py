@@ -318,6 +318,7 @@ def plan_step(
          for key in dict.fromkeys((r.invocation.region, r.slot.slot) for r in ranges)]
         if shared else [[r] for r in ranges]
     )
+    every_group = groups  # what is not kept moves, and holds host memory
     if not keep:
         groups = [g for g in groups if all(r.lo >= r.hi for r in g)]
     # Below the floor (its peak over the budget) the floor's peak is the least any plan
@@ -325,7 +326,8 @@ def plan_step(
     kept, peak = _keep_greedily(groups, floor, max(budget_bytes, max(floor, default=0)))
     host_peak = forced = 0
     if host_budget_bytes is not None:
-        kept, peak, host_peak, forced = _keep_for_host(groups, kept, floor, host_budget_bytes)
+        kept, peak, host_peak, forced = _keep_for_host(every_group, kept, floor,
+                                                       host_budget_bytes)
     keep: dict[Invocation, set[int]] = {i: set() for i in timeline.invocations}
     for r in kept:
         keep[r.invocation].add(r.slot.slot)
