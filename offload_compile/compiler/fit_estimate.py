@@ -382,10 +382,11 @@ def estimate(
     choice, plan_seconds, trace_seconds = _capture_and_search(
         model, example_inputs, target, parsed, link, prices
     )
-    fx_trace, schedule, check, _ = choice.plan
+    fx_trace, schedule, check = choice.plan.fx_trace, choice.plan.schedule, choice.plan.check
     report = build_region_report(
         fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report,
         sizes=symbolic_sizes(choice.fw, choice.bw),  # each symbol and the size planned at
+        planned=choice.plan,
     )
     return EstimateReport(
         **common,

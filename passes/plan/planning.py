@@ -171,7 +171,7 @@ def plan_residency(
         host_budget_bytes = getattr(planner, "host_budget_bytes", None)
     if host_budget_bytes is not None:
         proposals = _within_host(trace, proposals, host_budget_bytes, planner, where)
-        trace = _reached_budget(trace, proposals)
+        trace, proposals = _reached_budget(trace, proposals)
     # Where releases wait for their D2H, holding them (release_delay) is a heuristic that
     # can cost time (it may leave a reload no room to start early): each proposal is also
     # placed as planned, as a door whose releases do not wait would place it, and the
@@ -223,16 +223,22 @@ def _within_host(
     )
 
 
-def _reached_budget(trace: ActivationTrace, proposals: list[ResidencySchedule]) -> ActivationTrace:
-    """``trace`` under the device bytes the host-bound proposals reach, where that is
-    above its budget; the ops a proposal leaves over the budget are the ones the host
-    budget made it keep (every other rule is still judged by ``check_schedule``)."""
-    reached = trace.budget_bytes
+def _reached_budget(
+    trace: ActivationTrace, proposals: list[ResidencySchedule]
+) -> tuple[ActivationTrace, list[ResidencySchedule]]:
+    """The proposals that meet the device budget, if any does (then ``trace`` as it is);
+    else every proposal, with ``trace`` under the most device bytes one of them reaches:
+    the ops a proposal leaves over the budget are those the host budget made it keep
+    (every other rule is still judged by ``check_schedule``)."""
+    peaks = []
     for proposal in proposals:
         report = check_schedule(trace, proposal)
-        if any(v.rule in _BUDGET_RULES for v in report.violations):
-            reached = max(reached, report.peak_resident_bytes)
-    return trace if reached == trace.budget_bytes else trace.with_budget(reached)
+        over = any(v.rule in _BUDGET_RULES for v in report.violations)
+        peaks.append(report.peak_resident_bytes if over else None)
+    within = [p for p, peak in zip(proposals, peaks) if peak is None]
+    if within:
+        return trace, within
+    return trace.with_budget(max(p for p in peaks if p is not None)), proposals
 
 
 _BUDGET_RULES = (Rule.OVER_BUDGET, Rule.TRANSIENT_OVER_BUDGET)
