@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
@@ -22,8 +23,32 @@ class OffloadConfig:
     max_resident_activation_mb: float = 1024
     """Device budget in MiB for resident activation bytes (the planner's ``budget_bytes``)."""
 
-    max_offload_activation_mb: float = 65536
-    """Cap in MiB on pinned host memory; past it the host pool hands out pageable memory."""
+    max_host_activation_mb: float | None = None
+    """Host budget in MiB *per rank* for offloaded activations, counted as the host pool
+    holds them (power-of-two buckets): every planner keeps it, like the device budget,
+    and the host pool is capped at it. Where the two budgets cannot hold the step
+    together, bytes stay on the device (the compile door's ``recompute="auto"``
+    recomputes them instead) and the door says the host budget binds. ``None``
+    (default): the node view, this machine's available memory divided by the ranks that
+    share it (:mod:`hyper_offload.host_memory`), read when a door starts."""
+
+    local_world_size: int | None = None
+    """Ranks sharing this machine's host memory, for the node view of
+    ``max_host_activation_mb=None``; ``None``: from ``torch.distributed`` when it is
+    initialised (its world size, at most one rank per accelerator), else 1."""
+
+    pageable_fallback: bool = False
+    """What the host pool does when a request would break the host budget (a plan made
+    with another budget, a custom planner): ``False`` (default) raises
+    :class:`~hyper_offload.errors.HostBudgetError` naming the budget and the fix;
+    ``True`` serves it from pageable memory past the pinned cap (slower: pageable copies
+    block the host), as ``max_offload_activation_mb`` did before issue 44."""
+
+    max_offload_activation_mb: float | None = None
+    """Deprecated alias of ``max_host_activation_mb`` (it capped the pinned pool and then
+    fell back to pageable memory; now the host budget is planned, and pageable memory is
+    ``pageable_fallback``'s explicit choice). Setting it warns and sets the host budget;
+    setting both raises."""
 
     planner: ResidencyPlanner | None = None
     """Planner used to build the schedule; ``None`` means ``GreedyResidencyPlanner()``."""
@@ -52,8 +77,11 @@ class OffloadConfig:
         from hyper_offload.runtime.verify import verify_steps
 
         verify_steps(self.verify)
-        for name in ("max_resident_activation_mb", "max_offload_activation_mb"):
+        for name in ("max_resident_activation_mb", "max_host_activation_mb",
+                     "max_offload_activation_mb"):
             value = getattr(self, name)
+            if value is None and name != "max_resident_activation_mb":
+                continue
             # ``not 0 <= value < inf`` is also true for NaN, which int() would reject later.
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 0 <= value < math.inf
@@ -73,6 +101,21 @@ class OffloadConfig:
                 f"OffloadConfig.max_warmups: expected a whole number of warmup steps >= 1, got "
                 f"{self.max_warmups!r}"
             )
+        self._resolve_alias()
+        if self.local_world_size is not None and (
+            isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
+            or self.local_world_size < 1
+        ):
+            raise ConfigurationError(
+                f"OffloadConfig.local_world_size: expected a whole number of ranks >= 1 "
+                f"sharing this machine's host memory (or None: from torch.distributed), got "
+                f"{self.local_world_size!r}"
+            )
+        if not isinstance(self.pageable_fallback, bool):
+            raise ConfigurationTypeError(
+                f"OffloadConfig.pageable_fallback: expected True or False, got "
+                f"{self.pageable_fallback!r}"
+            )
         if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
             raise ConfigurationTypeError(
                 f"OffloadConfig.planner: {self.planner!r} has no plan(trace) method; pass an "
@@ -83,13 +126,45 @@ class OffloadConfig:
     def budget_bytes(self) -> int:
         return int(self.max_resident_activation_mb * MIB)
 
+    def _resolve_alias(self) -> None:
+        old = self.max_offload_activation_mb
+        if old is None:
+            return
+        if self.max_host_activation_mb is not None and self.max_host_activation_mb != old:
+            raise ConfigurationError(
+                f"OffloadConfig: max_offload_activation_mb={old!r} and max_host_activation_mb="
+                f"{self.max_host_activation_mb!r} both set the host budget; keep only "
+                "max_host_activation_mb (max_offload_activation_mb is its deprecated alias)"
+            )
+        warnings.warn(
+            "OffloadConfig.max_offload_activation_mb is deprecated: it is now the host budget "
+            "the planners keep, max_host_activation_mb (pageable memory past it only with "
+            "pageable_fallback=True)", DeprecationWarning, stacklevel=4,
+        )
+        object.__setattr__(self, "max_host_activation_mb", old)
+        # One field holds the budget from here on, so replace() and repr() see it once.
+        object.__setattr__(self, "max_offload_activation_mb", None)
+
     @property
     def max_host_bytes(self) -> int:
-        return int(self.max_offload_activation_mb * MIB)
+        """The host budget in bytes, resolved now (:meth:`host_budget_bytes`)."""
+        return self.host_budget_bytes()
 
-    def resolved_planner(self) -> ResidencyPlanner:
+    def host_budget_bytes(self) -> int:
+        """``max_host_activation_mb`` in bytes, or the node view when it is ``None``
+        (:func:`hyper_offload.host_memory.node_host_budget_bytes`: read from the system
+        at this call; a door calls it once, where it starts, and keeps the figure)."""
+        if self.max_host_activation_mb is not None:
+            return int(self.max_host_activation_mb * MIB)
+        from hyper_offload.host_memory import node_host_budget_bytes
+
+        return node_host_budget_bytes(self.local_world_size)
+
+    def resolved_planner(self, host_budget_bytes: int | None = None) -> ResidencyPlanner:
+        """The configured planner, else ``GreedyResidencyPlanner`` keeping
+        ``host_budget_bytes`` (the door's resolved host budget; None: no host budget)."""
         if self.planner is not None:
             return self.planner
         from hyper_offload.passes import GreedyResidencyPlanner
 
-        return GreedyResidencyPlanner()
+        return GreedyResidencyPlanner(host_budget_bytes=host_budget_bytes)

@@ -29,6 +29,7 @@ __all__ = [
     "ConfigurationTypeError",
     "DataLostError",
     "DynamicShapeError",
+    "HostBudgetError",
     "HyperOffloadError",
     "HyperOffloadWarning",
     "LoweringError",
@@ -174,6 +175,13 @@ class TimelineError(HyperOffloadError, ValueError):
 
 class OffloadRuntimeError(HyperOffloadError, RuntimeError):
     """Base class of every error the runtime layer (what moves bytes) raises on purpose."""
+
+
+class HostBudgetError(HyperOffloadError, MemoryError):
+    """A host buffer was asked for past the host budget
+    (``OffloadConfig.max_host_activation_mb``) with ``pageable_fallback=False``: the plan
+    that asked was not made under this budget. The message names the budget, what the
+    pool holds and the fixes. Also a ``MemoryError``."""
 
 
 class PoolMisuseError(OffloadRuntimeError):

@@ -62,7 +62,9 @@ def _copy_d2h_kernel(
     src: torch.Tensor, dim_order: list[int] | None = None, slot: int = -1
 ) -> torch.Tensor:
     runtime = current_transfer_runtime("hyper_offload::copy_d2h")
-    if current_keep(slot):
+    # Kept: the step plan says so, or the host budget has no room (a plan made without
+    # it, such as the step scope's first, floor step): a device copy, exact either way.
+    if current_keep(slot) or runtime.host_full(src):
         return runtime.keep_on_device(src, *host_layout(src, dim_order))
     return runtime.copy_d2h(src, *host_layout(src, dim_order), slot)
 

@@ -20,13 +20,19 @@ Rules (each is tested):
   cached pinned blocks of the process). :attr:`PoolStats.host_allocator_pinned_bytes`
   reports what torch's host allocator really holds, for comparison. When a new buffer
   would break the cap, cached buffers are freed first; if that is not enough, the
-  request is served with ordinary *pageable* memory, counted separately
-  (``pageable_fallbacks``, ``pageable_bytes_in_use``) and simply dropped on release. A
-  failed pinned allocation also falls back to pageable.
+  pool first waits for buffers whose release is still pending on an event (their copies
+  finish; nothing else can free room), then, only with ``pageable_fallback=True``, serves
+  the request with ordinary *pageable* memory, counted separately
+  (``pageable_fallbacks``, ``pageable_bytes_in_use``) and simply dropped on release;
+  without it (the default) the cap is the host budget the planners keep
+  (``OffloadConfig.max_host_activation_mb``), and breaking it raises
+  :class:`~hyper_offload.errors.HostBudgetError` naming the budget and the fixes. A
+  failed pinned allocation (the operating system refused to pin) falls back to pageable
+  either way: that takes no more host memory, only slower copies.
 * **Pageable fallbacks are loud.** A copy to or from pageable memory is synchronous on
   CUDA and, since the copy stream first waits for compute, blocks the host behind all
   queued work. A pinned pool warns once (:class:`PageableFallbackWarning`, naming the
-  cap and ``OffloadConfig.max_offload_activation_mb``) and every stats view reports the
+  cap and ``OffloadConfig.max_host_activation_mb``) and every stats view reports the
   count.
 * **Release after the last event.** ``release(buffer, event)`` puts the buffer on a
   pending list; it becomes reusable only once ``event.query()`` is True (the copy that
@@ -63,7 +69,14 @@ from typing import Protocol
 
 import torch
 
-from hyper_offload.errors import ConfigurationError, PageableFallbackWarning, PoolMisuseError
+from hyper_offload.errors import (
+    ConfigurationError,
+    HostBudgetError,
+    PageableFallbackWarning,
+    PoolMisuseError,
+)
+
+from hyper_offload.passes.ir.host import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, host_bucket_bytes
 
 from .device import pin_memory_available
 from .memory_meter import label_host
@@ -79,23 +92,13 @@ __all__ = [
     "host_buffer",
 ]
 
-MIN_BUCKET_BYTES = 1 << 10
-MAX_BUCKET_BYTES = 1 << 31
-
-
 class CompletionEvent(Protocol):
     def query(self) -> bool: ...
 
 
-def bucket_bytes(nbytes: int) -> int:
-    """Capacity of the buffer that serves a request of ``nbytes``.
-
-    A power of two in ``[MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]``, or ``nbytes`` itself for
-    requests above ``MAX_BUCKET_BYTES`` (dedicated allocation).
-    """
-    if nbytes > MAX_BUCKET_BYTES:
-        return nbytes
-    return max(MIN_BUCKET_BYTES, 1 << max(0, nbytes - 1).bit_length())
+#: Capacity of the buffer that serves a request (the planners count the same, so a plan
+#: that keeps the host budget in these bytes keeps the pool under its cap).
+bucket_bytes = host_bucket_bytes
 
 
 def pinned_cost(capacity: int) -> int:
@@ -203,7 +206,9 @@ def _storage_key(tensor: torch.Tensor) -> int:
 class PinnedMemoryPool:
     """Host staging buffers for offloaded activations; see the module docstring."""
 
-    def __init__(self, max_host_bytes: int, *, pin: bool | None = None) -> None:
+    def __init__(
+        self, max_host_bytes: int, *, pin: bool | None = None, pageable_fallback: bool = False
+    ) -> None:
         if not _is_count(max_host_bytes):
             raise ConfigurationError(
                 f"PinnedMemoryPool: max_host_bytes must be an int >= 0, got {max_host_bytes!r}; "
@@ -218,6 +223,7 @@ class PinnedMemoryPool:
             )
         self.max_host_bytes = max_host_bytes
         self.pin = pin
+        self.pageable_fallback = bool(pageable_fallback)
         self._lock = threading.Lock()
         self._free: dict[int, list[_Buffer]] = {}  # capacity -> cached buffers
         self._in_use: dict[int, _Buffer] = {}  # storage key -> buffer
@@ -259,6 +265,10 @@ class PinnedMemoryPool:
                 return buffer.tensor
             self._misses += 1
             reserved = self._reserve_locked(cost)
+        if not reserved and self._wait_for_pending():
+            with self._lock:
+                self._reap_locked()
+                reserved = self._reserve_locked(cost)
         self._flush_host_cache()  # evicted pinned buffers must really be unpinned first
         if reserved:
             tensor = self._allocate(capacity, pin=self.pin)
@@ -271,6 +281,8 @@ class PinnedMemoryPool:
             with self._lock:
                 self._held -= cost  # pinning failed: give the reservation back
             return self._acquire_pageable(nbytes, why="pinning the buffer failed")
+        if not self.pageable_fallback:
+            raise self._over_budget(nbytes, capacity)
         return self._acquire_pageable(
             nbytes, why=f"the pool's cap of {self.max_host_bytes} B pinned is reached"
         )
@@ -336,6 +348,21 @@ class PinnedMemoryPool:
         self._flush_host_cache()
         return freed
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a request of ``nbytes`` would be served within the cap (cached buffers
+        count as room: they are evicted first; so do pending ones: :meth:`acquire` waits
+        for their copies at the cap)."""
+        capacity = bucket_bytes(nbytes)
+        cost = pinned_cost(capacity) if self.pin else capacity
+        with self._lock:
+            self._reap_locked()
+            if capacity <= MAX_BUCKET_BYTES and self._free.get(capacity):
+                return True
+            waiting = sum(b.cost for b, e in self._pending if e is not None and b.pool_owned
+                          and callable(getattr(e, "synchronize", None)))
+            busy = self._held - self._cached_bytes - waiting
+            return busy + cost <= self.max_host_bytes
+
     def owns(self, buffer: torch.Tensor) -> bool:
         """Whether ``buffer`` (or a view of it) is currently handed out by this pool."""
         with self._lock:
@@ -343,9 +370,37 @@ class PinnedMemoryPool:
             return _storage_key(buffer) in self._in_use
 
     def __repr__(self) -> str:
-        return f"PinnedMemoryPool(max_host_bytes={self.max_host_bytes}, pin={self.pin})"
+        return (f"PinnedMemoryPool(max_host_bytes={self.max_host_bytes}, pin={self.pin}, "
+                f"pageable_fallback={self.pageable_fallback})")
 
     # ------------------------------------------------------------------ internals
+
+    def _wait_for_pending(self) -> bool:
+        """Block until every pending release's event completes (outside the lock); True if
+        there was one. Only called when the cap is reached: waiting is slower than
+        reusing, but cheaper than breaking the host budget."""
+        with self._lock:
+            events = [event for _, event in self._pending if event is not None]
+        for event in events:
+            synchronize = getattr(event, "synchronize", None)
+            if synchronize is not None:
+                synchronize()
+        return bool(events)
+
+    def _over_budget(self, nbytes: int, capacity: int) -> HostBudgetError:
+        with self._lock:
+            held, in_use = self._held, self._in_use_bytes
+        mib = 1 << 20
+        return HostBudgetError(
+            f"PinnedMemoryPool: a {nbytes} B host buffer ({capacity} B bucket) would take the "
+            f"pool past its host budget of {self.max_host_bytes / mib:g} MiB ({held} B held, "
+            f"{in_use} B in use): the plan that asked for it was not made under this budget "
+            "(a planner that ignores OffloadConfig.max_host_activation_mb, or a step that "
+            "changed). Raise max_host_activation_mb, let the door's planner keep it (the "
+            "default planner does; the compile door's recompute=\"auto\" recomputes what "
+            "neither budget holds), or allow slower pageable memory past it with "
+            "OffloadConfig(pageable_fallback=True)"
+        )
 
     def _hand_out_locked(self, buffer: _Buffer) -> None:
         self._in_use[buffer.key] = buffer
@@ -396,7 +451,7 @@ class PinnedMemoryPool:
                     f"PinnedMemoryPool: a {nbytes} B host buffer was served from pageable "
                     f"memory because {why}. Copies to and from pageable memory block the host "
                     "behind all queued device work, so offloading stops overlapping with "
-                    "compute. Raise OffloadConfig.max_offload_activation_mb (this pool's cap "
+                    "compute. Raise OffloadConfig.max_host_activation_mb (this pool's cap "
                     f"is {self.max_host_bytes / (1 << 20):g} MiB) or offload less; this warning "
                     "is shown once per pool, every fallback is counted in "
                     "PoolStats.pageable_fallbacks"

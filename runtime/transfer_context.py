@@ -244,6 +244,10 @@ class TransferRuntime:
         """Bytes copied back to a device since the runtime was made."""
         self.bytes_kept = 0
         """Bytes of ``copy_d2h`` calls that a step plan kept on the device instead."""
+        self.bytes_kept_for_host = 0
+        """Of ``bytes_kept``, those kept because the host budget had no room for them
+        (:meth:`host_full`): a plan made without this budget (the step scope's first,
+        floor step, a cached graph). Every such byte is over the device budget's plan."""
         self._tokens: list[Token[_Scope | None]] = []
         # Keys whose storage died, appended by weakref callbacks (which may run inside
         # any code, this runtime's included) and applied under the lock by _collect_locked.
@@ -334,6 +338,21 @@ class TransferRuntime:
         # Set last: until here a failure leaves a plain tensor that frees its own bytes.
         setattr(storage, _HOST_BUFFER, buffer)
         return host
+
+    def host_full(self, src: torch.Tensor) -> bool:
+        """Whether a ``copy_d2h`` of ``src`` would take the host pool past its budget (and
+        the pool may not fall back to pageable memory): the copy is then kept on the
+        device instead, exactly as a step plan keeps one, and counted in
+        :attr:`bytes_kept_for_host`. Never true under ``pageable_fallback``."""
+        if self.pool.pageable_fallback:
+            return False
+        self.collect()  # a finished copy may hold the last reference to a buffer
+        nbytes = src.numel() * src.element_size()
+        if self.pool.has_room(nbytes):
+            return False
+        with self._lock:
+            self.bytes_kept_for_host += nbytes
+        return True
 
     def keep_on_device(
         self, src: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]
@@ -606,7 +625,7 @@ class TransferRuntime:
             pending = len(self._pending)
         stats = runtime_stats(counters, self.pool.stats(), pending)
         moved = {"bytes_d2h": self.bytes_d2h, "bytes_h2d": self.bytes_h2d,
-                 "bytes_kept": self.bytes_kept}
+                 "bytes_kept": self.bytes_kept, "bytes_kept_for_host": self.bytes_kept_for_host}
         return dataclasses.replace(stats, extra={**stats.extra, **moved})
 
     def synchronize(self) -> None:

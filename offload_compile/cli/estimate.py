@@ -59,6 +59,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     budget.add_argument("--budget-mb", type=float, help="device budget for activations, MiB")
     budget.add_argument("--budget-fraction", type=float,
                         help="budget as a fraction in (0, 1] of the peak without offload")
+    parser.add_argument("--host-budget-mb", type=float, default=None,
+                        help="host budget for offloaded activations, MiB per rank (default: "
+                        "this machine's available memory / --local-world-size)")
+    parser.add_argument("--local-world-size", type=int, default=None,
+                        help="ranks sharing the host's memory, for the default host budget "
+                        "(default: from torch.distributed, else 1)")
     parser.add_argument("--inner-compiler", choices=("inductor", "aot_eager"), default="inductor",
                         help="whose graphs to model (default inductor, as the backend)")
     parser.add_argument("--budget-scope", choices=("step", "region"), default="step",
@@ -190,6 +196,12 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.budget_fraction is not None and not 0 < args.budget_fraction <= 1:
         raise _BadInput("--budget-fraction must be a number in (0, 1] (a fraction of the "
                         f"activation peak without offload), got {args.budget_fraction:g}")
+    if args.host_budget_mb is not None and not 0 <= args.host_budget_mb < math.inf:
+        raise _BadInput("--host-budget-mb must be a finite number of MiB >= 0 (per rank), got "
+                        f"{args.host_budget_mb:g}")
+    if args.local_world_size is not None and args.local_world_size < 1:
+        raise _BadInput("--local-world-size must be a whole number of ranks >= 1, got "
+                        f"{args.local_world_size}")
     if not 0 < args.bandwidth_gbps < math.inf:
         raise _BadInput("--bandwidth-gbps must be a finite number of GB/s > 0 (each way), got "
                         f"{args.bandwidth_gbps:g}")
@@ -228,6 +240,10 @@ def _estimate(args: argparse.Namespace) -> Any:
         options["max_resident_activation_fraction"] = args.budget_fraction
     else:
         options["max_resident_activation_mb"] = args.budget_mb
+    if args.host_budget_mb is not None:
+        options["max_host_activation_mb"] = args.host_budget_mb
+    if args.local_world_size is not None:
+        options["local_world_size"] = args.local_world_size
     inputs = _inputs(args)
     throughput = _throughput(args)
     factory = load_factory(args.target)

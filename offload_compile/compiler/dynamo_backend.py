@@ -213,7 +213,9 @@ class HyperOffloadBackend:
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
         self._verify = VerifySteps(options.config.verify)
         self.runtime = TransferRuntime(
-            pool=PinnedMemoryPool(options.config.max_host_bytes), verify=self._verify.next_step
+            pool=PinnedMemoryPool(options.host_budget_bytes,
+                                  pageable_fallback=options.config.pageable_fallback),
+            verify=self._verify.next_step,
         )
         self.recorder = StepRecorder(self._on_step, observer)
         """Learns the step; with an ``observer`` (estimate's :class:`~.eager_between.
@@ -451,7 +453,8 @@ class HyperOffloadBackend:
         target = self._plans.get(key)
         if target is None or target.budget_bytes != (budget or target.budget_bytes):
             target = plan_step_schedules(timeline, regions, resident, budget,
-                                         budget_fraction=fraction, tailor=lowerable)
+                                         budget_fraction=fraction, tailor=lowerable,
+                                         host_budget_bytes=self.options.host_budget_bytes)
             self.plans_made += 1
             self._plans[key] = target
         wanted = {
@@ -484,7 +487,8 @@ class HyperOffloadBackend:
                 trace, resident = traced
                 profiles[region.index] = region_floor_profile(region.index, trace, resident)
                 floors[region.index] = RegionFloor(trace.trace, trace.floor, trace.num_fw_ops)
-        plan = plan_step(timeline, profiles, budget, budget_fraction=fraction)
+        plan = plan_step(timeline, profiles, budget, budget_fraction=fraction,
+                         host_budget_bytes=self.options.host_budget_bytes)
         stall = predicted_step_stall(timeline, floors, plan.keep_for)
         lowered = {r.index: r.step_schedule for r in self.regions if r.step_schedule is not None}
         return dataclasses.replace(plan, predicted_stall_s=stall, schedules=lowered)
@@ -511,7 +515,7 @@ class HyperOffloadBackend:
                              "was never planned here; the step's search needs every plan")
         regions, resident, lowerable = inputs
         return StepScorer(timeline, regions, resident, self._budget_pin, region.index,
-                          lowerable)
+                          lowerable, self.options.host_budget_bytes)
 
     def relower_if_requested(self) -> None:
         """Re-lower every region the last step asked for (:meth:`_on_step`): the recompute

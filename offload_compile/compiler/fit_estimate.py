@@ -285,6 +285,7 @@ def _region_summary(report: EstimateReport, verdict: str, prices: str) -> str:
             f"raise the budget to at least {_mib(report.min_feasible_budget_bytes)}: "
             f"{len(r.infeasible_ops)} op(s) need more than the budget on their own"
         )
+    lines += _host_lines(r.binding, r.peak_host_bytes, r.host_budget_bytes)
     return "\n".join(lines)
 
 
@@ -315,7 +316,23 @@ def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
             "re-lowered with recompute), a region's working memory and what the rest of "
             "the step holds there are over the budget"
         )
+    lines += _host_lines(step.binding, step.peak_host_bytes, step.host_budget_bytes)
     return "\n".join(lines)
+
+
+def _host_lines(binding: str, peak_host: int, host_budget: int | None) -> list[str]:
+    """The host budget's line, and its fix where it binds (issue 44)."""
+    if host_budget is None:
+        return []
+    lines = [f"host: {_mib(peak_host)} held at once of a host budget of {_mib(host_budget)} "
+             f"per rank; binding: {binding}"]
+    if binding in ("host", "both"):
+        lines.append(
+            "the host budget keeps bytes on the device past the device budget: raise "
+            "--host-budget-mb (max_host_activation_mb; fewer ranks per node: "
+            "--local-world-size) or let recompute='auto' (the default) recompute them"
+        )
+    return lines
 
 
 def _mib(nbytes: int) -> str:
@@ -393,7 +410,7 @@ def estimate(
     choice, plan_seconds, trace_seconds = _capture_and_search(
         model, example_inputs, target, parsed, link, prices
     )
-    fx_trace, schedule, check, _ = choice.plan
+    fx_trace, schedule, check = choice.plan.fx_trace, choice.plan.schedule, choice.plan.check
     need = required_bytes(fx_trace.trace)
     at = max(range(len(need)), key=need.__getitem__, default=None)
     floor_op = None if at is None else FloorOp(
@@ -401,6 +418,7 @@ def estimate(
     report = build_region_report(
         fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report,
         sizes=symbolic_sizes(choice.fw, choice.bw),  # each symbol and the size planned at
+        planned=choice.plan,
     )
     return EstimateReport(
         **common,

@@ -1,7 +1,8 @@
 """``options=`` of ``torch.compile(..., backend="hyper_offload")``: parsed and validated.
 
 Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
-(``max_resident_activation_mb``, ``max_offload_activation_mb``, ``planner``), plus
+(``max_resident_activation_mb``, ``max_host_activation_mb``, ``local_world_size``,
+``pageable_fallback``, ``planner``; the deprecated ``max_offload_activation_mb``), plus
 
 * ``inner_compiler``: ``"inductor"`` (default) or ``"aot_eager"``;
 * ``max_resident_activation_fraction``: the budget as a fraction in (0, 1] of the
@@ -91,6 +92,17 @@ class BackendOptions:
     mode: str | None = None
     budget_scope: str = "step"
     move_only: frozenset[tuple[int, str]] | None = None
+    host_budget_bytes: int | None = dataclasses.field(default=None, compare=False)
+    """The host budget in bytes every plan keeps: ``config.host_budget_bytes()``, resolved
+    once when the options are made (the node view reads the machine then). Not part of
+    equality nor of :meth:`cache_key` (the config's ``max_host_activation_mb`` is): the
+    node view's figure moves with the machine, and a cached graph whose plan asks for
+    more host room than there is keeps those bytes on the device at run time
+    (:func:`hyper_offload.runtime.ops` ``copy_d2h``), exactly."""
+
+    def __post_init__(self) -> None:
+        if self.host_budget_bytes is None:
+            object.__setattr__(self, "host_budget_bytes", self.config.host_budget_bytes())
 
     def may_move(self, region: int) -> frozenset[str] | None:
         """The saved tensors of ``region`` that may move (None: every movable one)."""

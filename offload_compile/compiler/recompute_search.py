@@ -258,7 +258,7 @@ def choose_partition(
         best = min(feasible, key=lambda c: c.report.step_s)  # first (least recompute) on ties
     else:
         best = min(usable, key=lambda c: (c.report.peak_with_plan, c.report.step_s))
-    budget = default_plan.fx_trace.trace.budget_bytes
+    budget = default_plan.budget_bytes
     fits_alone = [c.report.compute_s for c in usable if c.report.peak_without_offload <= budget]
     report = RecomputeReport(
         mode=mode, searched=True, memory_budget=best.report.memory_budget,
@@ -318,7 +318,7 @@ def _search(
     when its backward re-runs a random op the default partition (which recomputes
     ``default_recomputed``) does not."""
     assert default.plan is not None
-    byte_budget = default.plan.fx_trace.trace.budget_bytes
+    byte_budget = default.plan.budget_bytes
     default_random = _random_nodes(default_recomputed, default.fw)
     seen = {_saved_signature(default.fw)}
     found = []
@@ -449,7 +449,7 @@ def _splice_search(
     default partition's byte budget. The recompute chains come from torch's
     ``activation_memory_budget=0`` partition."""
     assert default.plan is not None
-    byte_budget = default.plan.fx_trace.trace.budget_bytes
+    byte_budget = default.plan.budget_bytes
     with functorch_config.patch(activation_memory_budget=0.0):
         _, zero_bw = partition(copy_joint(pristine))
     options = recompute_order(splice_options(

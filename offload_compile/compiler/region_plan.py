@@ -36,6 +36,7 @@ from hyper_offload.passes.fx.lowering import lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering
 from hyper_offload.passes.fx.sizes import SymbolicSize, symbolic_sizes
 from hyper_offload.passes.plan.floor import FloorPlanner
+from hyper_offload.passes.plan.host_budget import host_curve
 from hyper_offload.passes.plan.planning import plan_residency
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
@@ -62,6 +63,9 @@ class GraphPlan(NamedTuple):
     schedule: ResidencySchedule
     check: ScheduleReport
     predicted_stall_s: float
+    requested_budget_bytes: int | None = None
+    """The device budget asked for, where the host budget kept the plan above it
+    (``fx_trace.trace.budget_bytes`` is then the device bytes it reaches); else None."""
 
     @property
     def compute_s(self) -> float:
@@ -75,7 +79,23 @@ class GraphPlan(NamedTuple):
 
     @property
     def feasible(self) -> bool:
-        return not self.check.infeasible_ops
+        """Whether the plan meets the device budget asked for wherever the ops' own
+        operands allow: not where the host budget kept bytes on the device."""
+        return not self.check.infeasible_ops and self.requested_budget_bytes is None
+
+    @property
+    def budget_bytes(self) -> int:
+        """The device budget asked for (the trace's, unless the host budget raised it)."""
+        requested = self.requested_budget_bytes
+        return self.fx_trace.trace.budget_bytes if requested is None else requested
+
+    @property
+    def binding(self) -> str:
+        """``"host"`` where the host budget kept bytes on the device past the budget,
+        ``"device"`` where the device budget made it move bytes, else ``"none"``."""
+        if self.requested_budget_bytes is not None:
+            return "host"
+        return "device" if self.check.bytes_moved else "none"
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,7 @@ def lower_region(
     """Rewrite ``fw``/``bw`` in place with ``planned`` (their plan, made by the recompute
     search in ``search_seconds``), re-check the lowered graphs and report."""
     started = time.perf_counter() - search_seconds
-    fx_trace, schedule, check, _ = planned
+    fx_trace, schedule, check = planned.fx_trace, planned.schedule, planned.check
     sizes = symbolic_sizes(fw, bw)  # before the lowering adds its nodes
     lowered_check = None
     if check.num_transfers:
@@ -120,7 +140,7 @@ def lower_region(
         _require_ok(lowered_check, "the schedule re-derived from the lowered graphs", region)
     seconds = time.perf_counter() - started
     report = build_region_report(fx_trace, schedule, check, options, region, seconds, recompute,
-                                 sizes=sizes)
+                                 sizes=sizes, planned=planned)
     return PlannedRegion(fx_trace, schedule, check, lowered_check, report)
 
 
@@ -169,17 +189,25 @@ def plan_graphs(
         budget_bytes = options.budget_bytes(fx_trace.peak_without_offload)
     trace = fx_trace.trace.with_budget(budget_bytes)
     fx_trace = dataclasses.replace(fx_trace, trace=trace)
+    host = None if floor else options.host_budget_bytes
     planned = plan_residency(
         trace,
         FloorPlanner(fx_trace.num_fw_ops, frozenset(fx_trace.movable())) if floor
-        else options.config.resolved_planner(),
+        else options.config.resolved_planner(host),
         earliest_prefetch_op=fx_trace.num_fw_ops,
         # the lowering's wait_transfer frees a saved activation's device bytes only once
         # its D2H is done, and inside the forward graph
         release_waits_for_d2h=True, latest_release_op=fx_trace.num_fw_ops - 1,
         where=f"hyper_offload region {region}",
+        # The floor moves everything: the step plan keeps the host budget (.step_plan).
+        host_budget_bytes=host,
     )
-    return GraphPlan(fx_trace, planned.schedule, planned.check, planned.predicted_stall_s)
+    requested = None
+    if planned.binding == "host":  # checked (and lowered) under the bytes it reaches
+        fx_trace = dataclasses.replace(fx_trace, trace=planned.trace)
+        requested = budget_bytes
+    return GraphPlan(fx_trace, planned.schedule, planned.check, planned.predicted_stall_s,
+                     requested)
 
 
 def plan_with_schedule(
@@ -205,8 +233,12 @@ def build_region_report(
     recompute: RecomputeReport | None = None,
     *,
     sizes: tuple[SymbolicSize, ...] = (),
+    planned: GraphPlan | None = None,
 ) -> RegionReport:
+    """The region's report; ``planned``: its plan, for the budget it was asked for and
+    which budget binds (without: the trace's budget, nothing said of the host)."""
     timing = exposed_transfer_time(fx_trace.trace, schedule)
+    host = None if planned is None or options.step_scoped else options.host_budget_bytes
     movable = fx_trace.movable()
     offloaded = tuple(
         saved.name for _, _, a in schedule.actions()
@@ -218,7 +250,7 @@ def build_region_report(
         fw_nodes=fx_trace.num_fw_ops,
         bw_nodes=fx_trace.trace.num_ops - fx_trace.num_fw_ops,
         saved_activation_bytes=fx_trace.saved_bytes,
-        budget_bytes=fx_trace.trace.budget_bytes,
+        budget_bytes=fx_trace.trace.budget_bytes if planned is None else planned.budget_bytes,
         # plain compile's peak: torch's default partition, without offload
         predicted_peak_before=(
             recompute.partitions[0].peak_without_offload
@@ -243,6 +275,10 @@ def build_region_report(
             s.name for s in fx_trace.saved if s.storage is not None and s.name not in offloaded
         ),
         sizes=sizes,
+        host_budget_bytes=host,
+        peak_host_bytes=host_curve(fx_trace.trace, schedule).peak,
+        binding="device" if planned is None and check.bytes_moved else (
+            "none" if planned is None else planned.binding),
     )
 
 

@@ -187,6 +187,15 @@ class RegionReport:
     (:mod:`hyper_offload.passes.fx.sizes`): the plan holds at every size up to a
     ``RANGE`` bound; a ``HINT`` size has no bound and a larger one may exceed the budget
     (empty: the region has static shapes)."""
+    host_budget_bytes: int | None = None
+    """The host budget the region's plan keeps (pool buckets; None: none, the step
+    scope's floor, whose host bytes the step plan keeps)."""
+    peak_host_bytes: int = 0
+    """The most host bytes (pool buckets) the region's plan holds at once (*predicted*)."""
+    binding: str = "none"
+    """Which budget limits the plan: ``"device"`` (the device budget made it move bytes,
+    or its ops' own operands are over it), ``"host"`` (the host budget kept bytes on the
+    device past ``budget_bytes``: ``predicted_peak_after`` is over it, exactly), ``"none"``."""
 
     @property
     def feasible(self) -> bool:
@@ -242,3 +251,12 @@ def log_region_report(report: RegionReport) -> None:
     LOGGER.info("%s", report)
     if not report.feasible:
         LOGGER.warning("%s", report.infeasible_message())
+    if report.binding == "host":
+        LOGGER.warning(
+            "hyper_offload region %d: the host budget of %d B (OffloadConfig."
+            "max_host_activation_mb, per rank, in pool buckets) cannot take what the device "
+            "budget of %d B would move: the plan holds %d B on the host and peaks at %d B "
+            "on the device (exact). Fix: recompute='auto' (the default) recomputes what "
+            "neither budget holds; or raise max_host_activation_mb or the device budget",
+            report.region, report.host_budget_bytes or 0, report.budget_bytes,
+            report.peak_host_bytes, report.predicted_peak_after)

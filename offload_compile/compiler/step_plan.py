@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hyper_offload.passes.analysis.liveness import resident_bytes_without_offload
+from hyper_offload.passes.ir.host import host_bucket_bytes
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencySchedule
 from hyper_offload.passes.ir.trace import ActivationTrace
 from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree
@@ -240,6 +241,26 @@ class StepPlan:
     regions_floor_bytes: int | None = None
     """Where the timeline measured its eager code between regions: the floor without it
     (what the regions alone need; None otherwise)."""
+    host_budget_bytes: int | None = None
+    """The host budget the plan keeps (bucketed bytes; None: none)."""
+    peak_host_bytes: int = 0
+    """The most host bytes (pool buckets) the moved slots hold at once on the step."""
+    kept_for_host: int = 0
+    """Slots kept on the device only because the host budget had no room for them."""
+
+    @property
+    def binding(self) -> str:
+        """Which budget limits the step: ``"device"`` (the floor alone is over the device
+        budget: only recompute or a larger budget helps; or the device budget made it
+        move bytes and the host had room), ``"host"`` (the host budget kept slots on the
+        device past the device budget: more host memory, or recompute, helps),
+        ``"both"`` (both at once), ``"none"`` (nothing had to move)."""
+        host = self.kept_for_host > 0 and self.peak_bytes > max(self.budget_bytes,
+                                                               self.floor_peak_bytes)
+        device = self.floor_peak_bytes > self.budget_bytes
+        if host:
+            return "both" if device else "host"
+        return "device" if device or self.moved_bytes else "none"
 
     def keep_for(self, invocation: Invocation) -> frozenset[int]:
         """The slots ``invocation`` keeps; none (the floor) for one the plan never saw."""
@@ -368,6 +389,7 @@ def plan_step(
     budget_fraction: float | None = None,
     shared: bool = False,
     keep: bool = True,
+    host_budget_bytes: int | None = None,
 ) -> StepPlan:
     """Choose the kept slots of every invocation of ``timeline`` under one budget.
 
@@ -377,7 +399,10 @@ def plan_step(
     ``shared``: decide per region and slot for all its invocations at once, as a graph
     that cannot tell its invocations apart would have to (the alternative the backend
     does not take: ``benchmarks/step_budget.py`` measures what it costs). ``keep=False``
-    keeps only the slots that cost nothing (nothing runs while they would be away)."""
+    keeps only the slots that cost nothing (nothing runs while they would be away).
+    ``host_budget_bytes``: the moved slots never hold more host bytes (pool buckets) at
+    once; where the device's choice would, more slots stay on the device, past its budget
+    if need be (:func:`_keep_for_host`; ``StepPlan.binding`` says so)."""
     layout = _lay_out(timeline, profiles)
     floor = _floor(layout, timeline, profiles)
     regions_only = dataclasses.replace(timeline, between=None)
@@ -395,11 +420,16 @@ def plan_step(
          for key in dict.fromkeys((r.invocation.region, r.slot.slot) for r in ranges)]
         if shared else [[r] for r in ranges]
     )
+    every_group = groups  # what is not kept moves, and holds host memory
     if not keep:
         groups = [g for g in groups if all(r.lo >= r.hi for r in g)]
     # Below the floor (its peak over the budget) the floor's peak is the least any plan
     # reaches: keep what stays under it.
     kept, peak = _keep_greedily(groups, floor, max(budget_bytes, max(floor, default=0)))
+    host_peak = forced = 0
+    if host_budget_bytes is not None:
+        kept, peak, host_peak, forced = _keep_for_host(every_group, kept, floor,
+                                                       host_budget_bytes)
     keep: dict[Invocation, set[int]] = {i: set() for i in timeline.invocations}
     for r in kept:
         keep[r.invocation].add(r.slot.slot)
@@ -415,11 +445,16 @@ def plan_step(
     # Eager code between regions is over the budget on its own: no region's plan helps.
     over = frozenset(op for op, value in zip(layout.ops, floor)
                      if value > budget_bytes and op[0] >= 0)
+    if forced and peak > budget_bytes:  # where the host budget kept the step over it
+        device = _device_bytes(floor, kept).values()
+        over |= frozenset(op for op, value in zip(layout.ops, device)
+                          if value > budget_bytes and op[0] >= 0)
     return StepPlan(
         timeline, budget_bytes, peak_without, max(floor, default=0), peak, tuple(plans), over,
         floor_op=_floor_op(layout, floor, timeline, profiles),
         regions_floor_bytes=None if timeline.between is None else max(_floor(
             _lay_out(regions_only, profiles), regions_only, profiles), default=0),
+        host_budget_bytes=host_budget_bytes, peak_host_bytes=host_peak, kept_for_host=forced,
     )
 
 
@@ -492,3 +527,51 @@ def _keep_greedily(
         for r in added:  # the group does not fit whole: undo its part
             room.add(r.lo, r.hi, -r.slot.nbytes)
     return kept, bytes_now.max_all()
+
+
+def _host_span(r: _SlotOnStep, positions: int) -> tuple[int, int]:
+    """Positions (half-open) a moved slot holds its host buffer: from its ``copy_d2h``
+    (the position before ``lo``) through its reload (``hi``), one more each side than
+    the device saves, so the count is never below what the pool holds."""
+    return max(r.lo - 1, 0), min(r.hi + 1, positions)
+
+
+def _device_bytes(floor: list[int], kept: list[_SlotOnStep]) -> RangeAddMaxTree:
+    tree = RangeAddMaxTree(floor or [0])
+    for r in kept:
+        if r.lo < r.hi:
+            tree.add(r.lo, r.hi, r.slot.nbytes)
+    return tree
+
+
+def _keep_for_host(
+    groups: list[list[_SlotOnStep]], kept: list[_SlotOnStep], floor: list[int],
+    host_budget_bytes: int,
+) -> tuple[list[_SlotOnStep], int, int, int]:
+    """``kept`` plus the groups the host budget cannot take: while the moved slots hold
+    more host bytes than the budget at some position, the group covering it that holds
+    the device over the fewest positions is kept too. Returns the kept slots, the device
+    peak, the host peak and how many slots were kept for the host."""
+    positions = max(len(floor), 1)
+    chosen = {id(r) for r in kept}
+    moved = [g for g in groups if not any(id(r) in chosen for r in g)]
+    host = RangeAddMaxTree([0] * positions)
+    for group in moved:
+        for r in group:
+            host.add(*_host_span(r, positions), host_bucket_bytes(r.slot.nbytes))
+    moved.sort(key=lambda g: sum(max(r.hi - r.lo, 0) for r in g))
+    forced = 0
+    while moved and host.max_all() > host_budget_bytes:
+        at = host.argmax_all()
+        index = next((i for i, g in enumerate(moved)
+                      if any(_host_span(r, positions)[0] <= at < _host_span(r, positions)[1]
+                             for r in g)), None)
+        if index is None:
+            break  # nothing moved holds that position (cannot happen: the tree is theirs)
+        group = moved.pop(index)
+        for r in group:
+            host.add(*_host_span(r, positions), -host_bucket_bytes(r.slot.nbytes))
+        kept = kept + group
+        forced += len(group)
+    peak = _device_bytes(floor, kept).max_all()
+    return kept, peak, max(host.max_all(), 0), forced

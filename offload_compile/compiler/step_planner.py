@@ -90,13 +90,16 @@ def plan_step_schedules(
     *,
     budget_fraction: float | None = None,
     tailor: frozenset[int] = frozenset(),
+    host_budget_bytes: int | None = None,
 ) -> StepPlan:
     """The step plan of ``timeline`` (module docstring). ``regions``: each region's floor
     (:class:`~.step_trace.RegionTrace`) and ``floor_resident`` its floor's bytes curve;
     ``tailor``: the regions that may be lowered again with a schedule of their own (the
-    backend's choice: static sizes, a partition it can reproduce)."""
+    backend's choice: static sizes, a partition it can reproduce).
+    ``host_budget_bytes``: every proposal keeps it (:func:`.step_plan.plan_step`)."""
     floors = {r: region_floor_profile(r, regions[r], floor_resident[r]) for r in regions}
-    base = plan_step(timeline, floors, budget_bytes, budget_fraction=budget_fraction)
+    base = plan_step(timeline, floors, budget_bytes, budget_fraction=budget_fraction,
+                     host_budget_bytes=host_budget_bytes)
     budget = base.budget_bytes
     proposals = [StepProposal(base, "keep on the floor")]
     planned = tailorable(timeline, tailor)
@@ -107,7 +110,8 @@ def plan_step_schedules(
                 peak_without_offload_bytes=base.peak_without_offload_bytes,
                 floor_op=base.floor_op, regions_floor_bytes=base.regions_floor_bytes,
             ))
-            for p in _step_schedule_proposals(timeline, regions, floors, planned, budget)
+            for p in _step_schedule_proposals(timeline, regions, floors, planned, budget,
+                                              host_budget_bytes)
         ]
     cap = max(budget, base.floor_peak_bytes)
     priced = [
@@ -125,6 +129,7 @@ def _step_schedule_proposals(
     floors: Mapping[int, RegionProfile],
     planned: frozenset[Invocation],
     budget: int,
+    host_budget_bytes: int | None = None,
 ) -> list[StepProposal]:
     """The step's schedule, cut per region, with and without run-time keeping under
     ``budget``; none when planning fails (the floor stays). The step's trace is planned
@@ -168,7 +173,9 @@ def _step_schedule_proposals(
     name = f"the step's schedule at {at} B"  # (for debugging: proposals are not reported)
     return [
         StepProposal(
-            dataclasses.replace(plan_step(held, profiles, budget, keep=keep), timeline=timeline,
+            dataclasses.replace(plan_step(held, profiles, budget, keep=keep,
+                                          host_budget_bytes=host_budget_bytes),
+                                timeline=timeline,
                                 schedules=dict(schedules), schedule_budget_bytes=at),
             f"{name}{'' if keep else ', nothing kept'}",
         )

@@ -79,7 +79,8 @@ class StepScorer:
     the backend compiles when the candidate wins.
 
     ``regions`` / ``resident``: every other region as the step plan sees it now;
-    ``tailor``: those of them that may be lowered again."""
+    ``tailor``: those of them that may be lowered again; ``host_budget_bytes``: the host
+    budget every step plan keeps (a partition that recomputes needs less of it)."""
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class StepScorer:
         budget_bytes: int,
         region: int,
         tailor: frozenset[int],
+        host_budget_bytes: int | None = None,
     ) -> None:
         self.timeline, self.regions, self.resident = timeline, dict(regions), dict(resident)
         self.budget_bytes, self.region, self.tailor = budget_bytes, region, tailor | {region}
@@ -98,6 +100,7 @@ class StepScorer:
         )
         self.count = invocations.count(region)
         self.schedules: dict[int, tuple[ResidencySchedule, int]] = {}
+        self.host_budget_bytes = host_budget_bytes
 
     def __call__(self, plan: GraphPlan) -> PlanScore:
         fx_trace = plan.fx_trace
@@ -105,7 +108,7 @@ class StepScorer:
         step = plan_step_schedules(
             self.timeline, {**self.regions, self.region: candidate},
             {**self.resident, self.region: plan.check.resident_bytes}, self.budget_bytes,
-            tailor=self.tailor,
+            tailor=self.tailor, host_budget_bytes=self.host_budget_bytes,
         )
         if self.region in step.schedules:
             self.schedules[id(plan)] = (step.schedules[self.region], step.schedule_budget_bytes)

@@ -52,6 +52,13 @@ class StepReport:
     regions_floor_bytes: int | None = None
     """Where the eager code was measured: the floor with it left out (what the regions
     alone need)."""
+    host_budget_bytes: int | None = None
+    """The host budget the plan keeps (per rank, pool buckets; None: none)."""
+    peak_host_bytes: int = 0
+    """The most host bytes the plan's moved slots hold at once (*predicted*)."""
+    binding: str = "none"
+    """Which budget limits the step (:attr:`.step_plan.StepPlan.binding`): ``"device"``,
+    ``"host"``, ``"both"`` or ``"none"``."""
 
     @property
     def floor_explained(self) -> str:
@@ -91,6 +98,9 @@ class StepReport:
             "floor_op_bytes": None if self.floor_op is None else self.floor_op.op_bytes,
             "eager_between_regions_counted": self.eager_measured,
             "regions_floor_bytes": self.regions_floor_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "peak_host_bytes": self.peak_host_bytes,
+            "binding": self.binding,
         }
 
     def __str__(self) -> str:
@@ -104,7 +114,11 @@ class StepReport:
             + (f"; region(s) {', '.join(map(str, self.relowered))} re-lowered with "
                "recompute" if self.relowered else "")
             + (f"; region(s) {', '.join(map(str, self.lowered_for_step))} lowered with the "
-               "step's schedule" if self.lowered_for_step else ""),
+               "step's schedule" if self.lowered_for_step else "")
+            + (f"; host {self.peak_host_bytes / _MIB:.2f} MiB of a host budget of "
+               f"{self.host_budget_bytes / _MIB:.2f} MiB" if self.host_budget_bytes is not None
+               else "")
+            + f"; binding: {self.binding}",
             f"floor set by {self.floor_explained}",
             "eager code between compiled regions: " + (
                 "counted (measured on fake tensors)" if self.eager_measured else
@@ -142,6 +156,8 @@ def build_step_report(
         lowered_for_step=tuple(sorted(plan.schedules)), floor_op=floor_op,
         eager_measured=plan.timeline.between is not None,
         regions_floor_bytes=plan.regions_floor_bytes,
+        host_budget_bytes=plan.host_budget_bytes, peak_host_bytes=plan.peak_host_bytes,
+        binding=plan.binding,
     )
 
 
@@ -192,5 +208,21 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
             "bring the floor down (a region's own working memory it cannot)"
         )
         LOGGER.warning(message + over, *figures)
+    elif plan.binding == "host":
+        LOGGER.warning(message + _host_binds(plan), *figures)
     else:
         LOGGER.info(message, *figures)
+
+
+def _host_binds(plan: StepPlan) -> str:
+    """Why a plan the host budget held over the device budget is there, and the fixes."""
+    host = plan.host_budget_bytes or 0
+    return (
+        f"; the host budget ({host / _MIB:.2f} MiB per rank, "
+        "OffloadConfig.max_host_activation_mb) cannot take what the device budget would "
+        f"move: {plan.kept_for_host} slot(s) stay on the device, so the step peaks over its "
+        "device budget (exact). Fix: with recompute='auto' (the default) the step's regions "
+        "are lowered again once with the recompute search, which recomputes what neither "
+        "budget holds; or raise max_host_activation_mb (fewer ranks on the node: "
+        "local_world_size) or the device budget"
+    ).replace("%", "%%")

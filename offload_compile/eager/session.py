@@ -89,7 +89,11 @@ class OffloadSession:
                 f"{self.device}; pass an engine for the session's device"
             )
         self.engine = engine if engine is not None else TransferEngine(self.device)
-        self.pool = PinnedMemoryPool(self.config.max_host_bytes)
+        self.host_budget_bytes = self.config.host_budget_bytes()
+        """The host budget every plan of this session keeps, resolved once here
+        (``OffloadConfig.max_host_activation_mb``, or the node view when it is None)."""
+        self.pool = PinnedMemoryPool(self.host_budget_bytes,
+                                     pageable_fallback=self.config.pageable_fallback)
         self.manager = ResidencyManager(self.engine, self.pool)
         self._plan: WarmupResult | None = None
         self._executor: BaseExecutor | None = None
@@ -271,7 +275,7 @@ class OffloadSession:
         settling = not self.settled and self.warmups < self.config.max_warmups
         rewarm = self._take_over if self.config.rewarm_on_mismatch or settling else None
         return ReplayExecutor(self.manager, self.device, self._plan, rewarm=rewarm,
-                              planner=self.config.resolved_planner())
+                              planner=self.config.resolved_planner(self.host_budget_bytes))
 
     def _new_warmup(self) -> WarmupExecutor:
         self.warmups += 1
@@ -279,7 +283,8 @@ class OffloadSession:
             self.manager,
             self.device,
             budget_bytes=self.config.budget_bytes,
-            planner=self.config.resolved_planner(),
+            planner=self.config.resolved_planner(self.host_budget_bytes),
+            host_budget_bytes=self.host_budget_bytes,
         )
 
     def _take_over(self, reason: str) -> WarmupExecutor:

@@ -47,7 +47,7 @@ from hyper_offload.passes.ir.trace import (
     StorageId,
     TraceOp,
 )
-from hyper_offload.passes.plan.planning import PlanningError, plan_residency
+from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError, plan_residency
 from hyper_offload.passes.plan.protocol import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.op_clock import OpClock
@@ -120,10 +120,16 @@ class WarmupExecutor(BaseExecutor):
         budget_bytes: int,
         planner: ResidencyPlanner,
         profile_bandwidth: bool = True,
+        host_budget_bytes: int | None = None,
     ) -> None:
         super().__init__(manager, device)
         self.budget_bytes = budget_bytes
         self.planner = planner
+        self.host_budget_bytes = host_budget_bytes
+        """Host budget the plan keeps; online eviction stops where the pool has no room
+        under it (None: the pool's cap alone decides)."""
+        self.host_limited = 0
+        """Evictions the host budget refused during this warmup step."""
         self.profile_bandwidth = profile_bandwidth
         self.tracker = ActivationTracker(on_free=self._on_free)
         self.ops: list[TraceOp] = []
@@ -361,6 +367,9 @@ class WarmupExecutor(BaseExecutor):
             storage = tracker.storage(sid)
             if storage is None or storage.nbytes() == 0:
                 continue
+            if not self.manager.pool.has_room(storage.nbytes()):
+                self.host_limited += 1  # the host budget is full: the device keeps it
+                continue
             excess -= self._offload(sid, storage)
 
     def _offload(self, sid: StorageId, storage: torch.UntypedStorage) -> int:
@@ -518,9 +527,13 @@ class WarmupExecutor(BaseExecutor):
         self.stats.end_resident_bytes = trace.retained_bytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, trace.retained_bytes)
         try:
-            planned = plan_residency(trace, self.planner, earliest_prefetch_op=0, where="eager warmup")
+            planned = plan_residency(trace, self.planner, earliest_prefetch_op=0,
+                                     where="eager warmup", host_budget_bytes=self.host_budget_bytes)
         except PlanningError as error:
             raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
+        if planned.binding == "host" or self.host_limited:
+            warnings.warn(OffloadBudgetWarning(_host_message(planned, self.host_limited)),
+                          stacklevel=3)
         if planned.check.infeasible_ops:
             warnings.warn(
                 OffloadBudgetWarning(
@@ -609,6 +622,25 @@ def hand_back(
             if sids:
                 handed[index] = sids
     return handed
+
+
+def _host_message(planned: PlannedSchedule, refused: int) -> str:
+    """The host budget binds: what it kept on the device, and the fixes."""
+    requested = planned.requested_budget_bytes or planned.trace.budget_bytes
+    return (
+        f"OffloadSession warmup: the host budget of {planned.host_budget_bytes} B "
+        "(OffloadConfig.max_host_activation_mb, per rank; counted in host pool buckets) "
+        "cannot hold what the device budget of "
+        f"{requested} B would move: the plan keeps {planned.peak_host_bytes} B on the host "
+        f"and peaks at {planned.trace.budget_bytes} B on the device"
+        + (f" (the warmup step itself kept {refused} storage(s) on the device for want of "
+           "host room)" if refused else "")
+        + ". Every step stays exact. Raise max_host_activation_mb (or lower "
+        "local_world_size if fewer ranks share this machine), raise "
+        "max_resident_activation_mb, or recompute instead: the compile door "
+        "(torch.compile(backend=\"hyper_offload\"), recompute=\"auto\") recomputes what "
+        "neither budget holds"
+    )
 
 
 def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:

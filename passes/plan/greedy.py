@@ -45,6 +45,7 @@ from ..ir.schedule import ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 from .planning import backward_start
 from .choice_lowering import lower_offload_choice
+from .host_budget import HostLedger, fit_host_budget
 from .peak_fill import fill_peak
 from .refine import refine_choice
 from .report import PlanReport, plan_by_choice
@@ -58,12 +59,15 @@ def select_greedy(
     candidates: Sequence[OffloadCandidate],
     excess: Sequence[int],
     key: Callable[[OffloadCandidate], Any] = design_rank_key,
+    host: HostLedger | None = None,
 ) -> list[OffloadCandidate]:
     """The design's greedy choice: accepted candidates, in acceptance order.
 
     ``excess[i]`` is op ``i``'s resident bytes minus its allowance with no offload
     (positive = over); it is not modified. ``key`` orders the walk (ascending; the
-    design's order by default).
+    design's order by default). ``host``: a candidate is accepted only if the ledger
+    has host room for it too (:mod:`.host_budget`); the walk then goes on to the next
+    one, so a gap the host cannot take leaves its ops to other gaps.
     """
     if not candidates or max(excess, default=0) <= 0:
         return []
@@ -71,7 +75,13 @@ def select_greedy(
     subtract_if_over = tree.add_if_max_exceeds
     chosen = []
     for cand in sorted(candidates, key=key):
+        if host is not None and not host.fits(cand):
+            if tree.max(cand.start + 1, cand.end) > 0:
+                host.rejected += 1  # the device wanted it: the host budget binds here
+            continue
         if subtract_if_over(cand.start + 1, cand.end, 0, -cand.size):
+            if host is not None:
+                host.take(cand)
             chosen.append(cand)
             if tree.max_all() <= 0:
                 break  # nothing is over budget any more: no later candidate is accepted
@@ -91,6 +101,11 @@ class GreedyResidencyPlanner:
     storages' (None: every storage may move), and ``earliest_prefetch_op`` is where the
     time ranking assumes each storage's reload may start (one op or one per storage,
     :mod:`..ir.limits`; None: where the trace's ``bw:`` ops begin, ``backward_start``).
+
+    ``host_budget_bytes``: the most bucketed bytes host buffers may hold at once
+    (:mod:`.host_budget`; None: no host budget). Every proposal keeps it; where it stops
+    a gap the device budget wanted, the device stays over its budget there (the doors
+    report the host limit, and the compile door's ``recompute="auto"`` recomputes).
     """
 
     def __init__(
@@ -100,6 +115,7 @@ class GreedyResidencyPlanner:
         *,
         movable: frozenset[StorageId] | None = None,
         earliest_prefetch_op: OpLimit | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             raise ConfigurationError(
@@ -111,16 +127,20 @@ class GreedyResidencyPlanner:
         self.objective = objective
         self.movable = None if movable is None else frozenset(movable)
         self.earliest_prefetch_op = earliest_prefetch_op
+        HostLedger(0, host_budget_bytes)  # validates it
+        self.host_budget_bytes = host_budget_bytes
 
     def __repr__(self) -> str:
         extra = "" if self.movable is None else f", movable={len(self.movable)} storages"
+        if self.host_budget_bytes is not None:
+            extra += f", host_budget_bytes={self.host_budget_bytes}"
         return (f"GreedyResidencyPlanner(refine={self.refine}, objective={self.objective!r}"
                 f"{extra})")
 
     def _key(self) -> tuple[object, ...]:
         limit = self.earliest_prefetch_op
         limit = limit if limit is None or isinstance(limit, int) else tuple(sorted(limit.items()))
-        return (self.refine, self.objective, self.movable, limit)
+        return (self.refine, self.objective, self.movable, limit, self.host_budget_bytes)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, GreedyResidencyPlanner) and other._key() == self._key()
@@ -150,9 +170,10 @@ class GreedyResidencyPlanner:
                     trace, candidates, excess,
                     earliest_prefetch_op=backward_start(trace) if earliest is None else earliest,
                 )
-                chosen = self._refined(candidates, excess, select_greedy(candidates, excess, key),
-                                       fill=False)
-                filled = fill_peak(candidates, excess, chosen) if self.refine else chosen
+                picked = select_greedy(candidates, excess, key, self._ledger(len(excess)))
+                chosen = self._fit(excess, self._refined(candidates, excess, picked, fill=False))
+                filled = (self._fit(excess, fill_peak(candidates, excess, chosen)) if self.refine
+                          else chosen)
                 if filled != chosen:
                     unfilled.append(chosen)
                 return filled
@@ -168,7 +189,19 @@ class GreedyResidencyPlanner:
     def _choose(
         self, candidates: Sequence[OffloadCandidate], excess: Sequence[int]
     ) -> Sequence[OffloadCandidate]:
-        return self._refined(candidates, excess, select_greedy(candidates, excess))
+        picked = select_greedy(candidates, excess, host=self._ledger(len(excess)))
+        return self._fit(excess, self._refined(candidates, excess, picked))
+
+    def _ledger(self, num_ops: int) -> HostLedger | None:
+        budget = self.host_budget_bytes
+        return None if budget is None else HostLedger(num_ops, budget)
+
+    def _fit(
+        self, excess: Sequence[int], chosen: Sequence[OffloadCandidate]
+    ) -> list[OffloadCandidate]:
+        """``chosen`` within the host budget: refinement and the peak fill swap and add
+        gaps by device bytes alone, so the final choice is filtered once more."""
+        return fit_host_budget(len(excess), chosen, self.host_budget_bytes)[0]
 
     def _refined(
         self,

@@ -36,11 +36,12 @@ from enum import Enum
 from hyper_offload.errors import ConfigurationError, PlanningError
 
 from ..analysis.predicted_timeline import predict_timeline
-from ..analysis.validator import ScheduleError, ScheduleReport, check_schedule
+from ..analysis.validator import Rule, ScheduleError, ScheduleReport, check_schedule
 from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
 from .prefetch import PrefetchError, hoist_prefetches, prefetch_leads
+from .host_budget import host_curve
 from .protocol import ResidencyPlanner
 from .release_delay import delay_releases
 
@@ -107,6 +108,25 @@ class PlannedSchedule:
     with this door's ``release_waits_for_d2h``): the least among the proposals."""
     proposals: int = 1
     """How many schedules the planner proposed (``planned`` is the one kept)."""
+    host_budget_bytes: int | None = None
+    """The host budget the plan keeps (bucketed bytes, :mod:`.host_budget`); None: none."""
+    peak_host_bytes: int = 0
+    """The most bucketed bytes ``schedule`` holds in host buffers at once
+    (:func:`~.host_budget.host_curve`); at most ``host_budget_bytes``."""
+    requested_budget_bytes: int | None = None
+    """The device budget asked for. ``trace.budget_bytes`` is higher only where the host
+    budget left bytes on the device (``binding == "host"``): the plan is checked under
+    the budget it really reaches, and the door warns with both figures."""
+
+    @property
+    def binding(self) -> str:
+        """Which budget shapes the plan: ``"host"`` (the host budget kept bytes on the
+        device past its budget), ``"device"`` (the device budget made it offload and the
+        host had room), ``"none"`` (nothing had to move)."""
+        requested = self.requested_budget_bytes
+        if requested is not None and self.trace.budget_bytes > requested:
+            return "host"
+        return "device" if self.check.bytes_moved else "none"
 
 
 def plan_residency(
@@ -118,6 +138,7 @@ def plan_residency(
     release_waits_for_d2h: bool = False,
     latest_release_op: OpLimit | None = None,
     where: str = "hyper_offload",
+    host_budget_bytes: int | None = None,
 ) -> PlannedSchedule:
     """Plan ``trace`` under its budget with ``planner`` and check; where a release waits
     for its D2H (``release_waits_for_d2h``: the compile lowering), hold each release until
@@ -131,6 +152,11 @@ def plan_residency(
     invocation). ``where`` names the caller in errors (``"hyper_offload region 3"``,
     ``"eager warmup"``).
     ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
+    ``host_budget_bytes`` (None: the planner's own ``host_budget_bytes``, if it has
+    one): proposals holding more bucketed host bytes at once are
+    dropped (:mod:`.host_budget`; a planner that keeps none raises); a proposal the host
+    budget kept over the device budget is checked under the device bytes it reaches
+    (:attr:`PlannedSchedule.binding` ``"host"``).
     Raises :class:`PlanningError` (a ``ScheduleError``) naming ``where`` and the stage
     when a stage's schedule breaks a rule; exceptions of ``planner.plan`` propagate.
     """
@@ -140,6 +166,12 @@ def plan_residency(
             "(0: reloads may start anywhere on the step's timeline)"
         )
     proposals = _proposals(planner, trace)
+    requested = trace.budget_bytes
+    if host_budget_bytes is None:
+        host_budget_bytes = getattr(planner, "host_budget_bytes", None)
+    if host_budget_bytes is not None:
+        proposals = _within_host(trace, proposals, host_budget_bytes, planner, where)
+        trace, proposals = _reached_budget(trace, proposals)
     # Where releases wait for their D2H, holding them (release_delay) is a heuristic that
     # can cost time (it may leave a reload no room to start early): each proposal is also
     # placed as planned, as a door whose releases do not wait would place it, and the
@@ -164,7 +196,52 @@ def plan_residency(
         trace=trace, schedule=schedule, check=check, planned=planned,
         planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
         predicted_stall_s=stalls[best], proposals=len(proposals),
+        host_budget_bytes=host_budget_bytes, peak_host_bytes=host_curve(trace, schedule).peak,
+        requested_budget_bytes=requested,
     )
+
+
+def _within_host(
+    trace: ActivationTrace,
+    proposals: list[ResidencySchedule],
+    host_budget_bytes: int,
+    planner: ResidencyPlanner,
+    where: str,
+) -> list[ResidencySchedule]:
+    """The proposals that keep the host budget; none: a planner that ignores it."""
+    peaks = [host_curve(trace, p).peak for p in proposals]
+    kept = [p for p, peak in zip(proposals, peaks) if peak <= host_budget_bytes]
+    if kept:
+        return kept
+    raise PlanningError(
+        f"{where}: every schedule of {planner!r} holds more host bytes at once than the "
+        f"host budget ({min(peaks)} > {host_budget_bytes} B, in pool buckets): the planner "
+        "ignores OffloadConfig.max_host_activation_mb. Use GreedyResidencyPlanner("
+        "host_budget_bytes=...) (the default planner gets it from the config) or raise "
+        "max_host_activation_mb",
+        where=where, stage=PlanningStage.PLAN, schedule=proposals[0], report=None,
+    )
+
+
+def _reached_budget(
+    trace: ActivationTrace, proposals: list[ResidencySchedule]
+) -> tuple[ActivationTrace, list[ResidencySchedule]]:
+    """The proposals that meet the device budget, if any does (then ``trace`` as it is);
+    else every proposal, with ``trace`` under the most device bytes one of them reaches:
+    the ops a proposal leaves over the budget are those the host budget made it keep
+    (every other rule is still judged by ``check_schedule``)."""
+    peaks = []
+    for proposal in proposals:
+        report = check_schedule(trace, proposal)
+        over = any(v.rule in _BUDGET_RULES for v in report.violations)
+        peaks.append(report.peak_resident_bytes if over else None)
+    within = [p for p, peak in zip(proposals, peaks) if peak is None]
+    if within:
+        return trace, within
+    return trace.with_budget(max(p for p in peaks if p is not None)), proposals
+
+
+_BUDGET_RULES = (Rule.OVER_BUDGET, Rule.TRANSIENT_OVER_BUDGET)
 
 
 def _ops(limit: OpLimit) -> list[int]:

@@ -91,7 +91,10 @@ class PipelineSwapSession:
                 "this order; swap needs a backward consumer (forward-only orders cannot swap)"
             )
         engine = engine if engine is not None else TransferEngine(self.device)
-        pool = pool if pool is not None else PinnedMemoryPool(_DEFAULT_HOST_BYTES)
+        # The swap door does not plan under a host budget (issue 44 covers the other
+        # doors): past its default cap it keeps serving pageable memory, warned once.
+        pool = pool if pool is not None else PinnedMemoryPool(_DEFAULT_HOST_BYTES,
+                                                              pageable_fallback=True)
         self.manager = ResidencyManager(engine, pool)
         self.generation = 0
         self._groups: dict[ChunkKey, SwapGroup] = {}

@@ -163,6 +163,8 @@ def test_human_summary_and_exit_code_0(factories, capsys) -> None:
         ("{f}:small", ["--budget-mb", "nan"], "--budget-mb must be"),
         ("{f}:small", ["--budget-fraction", "2"], "--budget-fraction must be a number in (0, 1]"),
         ("{f}:small", ["--bandwidth-gbps", "0"], "--bandwidth-gbps must be"),
+        ("{f}:small", ["--host-budget-mb", "-1"], "--host-budget-mb must be a finite number"),
+        ("{f}:small", ["--local-world-size", "0"], "--local-world-size must be a whole number"),
         ("{f}:small", ["--device", "meta"], "--device meta: cannot trace on the meta device"),
         ("{f}:small", ["--device", "nodevice"], "--device 'nodevice' is not a torch device"),
         ("{f}:small", ["--compute-tflops", "100"], "together"),
@@ -180,6 +182,23 @@ def test_bad_input_is_one_line_and_exit_code_2(factories, capsys, target, extra,
     assert err.startswith("hyper-offload estimate: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "max_resident_activation" not in err and "device=" not in err  # Python names
+
+
+def test_host_budget_flag_reaches_the_step_plan(factories, capsys) -> None:
+    base = ["estimate", f"{factories}:small", "--input-shape", "512,16", "--budget-fraction",
+            "0.9", "--inner-compiler", "aot_eager", "--recompute", "off"]
+    assert main([*base, "--json", "--host-budget-mb", "1024"]) == 0
+    roomy = json.loads(capsys.readouterr().out)["step"]
+    assert roomy["binding"] == "device" and roomy["moved_bytes"] > 0
+    assert roomy["host_budget_bytes"] == 1024 * MIB
+    # No host room: what the device budget would move stays on the device, over it.
+    assert main([*base, "--host-budget-mb", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "binding: host" in out and "--host-budget-mb" in out
+    main([*base, "--json", "--host-budget-mb", "0"])
+    tight = json.loads(capsys.readouterr().out)["step"]
+    assert tight["peak_host_bytes"] == 0 and tight["moved_bytes"] == 0
+    assert tight["predicted_peak_bytes"] > tight["budget_bytes"] >= tight["floor_peak_bytes"]
 
 
 def test_recompute_flag_reaches_the_search(factories, capsys) -> None:

@@ -22,7 +22,7 @@ def test_defaults_and_accepted_keys():
     assert opts.config == OffloadConfig()
     opts = parse_backend_options(
         {"max_resident_activation_fraction": 0.25, "inner_compiler": "aot_eager",
-         "max_offload_activation_mb": 8, "planner": GreedyResidencyPlanner(refine=False)}
+         "max_host_activation_mb": 8, "planner": GreedyResidencyPlanner(refine=False)}
     )
     assert opts.budget_bytes(1000) == 250 and opts.config.max_host_bytes == 8 << 20
     assert parse_backend_options({"max_resident_activation_mb": 2}).budget_bytes(10) == 2 << 20
@@ -55,6 +55,9 @@ def test_backend_prices_copies_at_the_given_link():
         ({"max_resident_activation_mb": math.nan}, "max_resident_activation_mb"),
         ({"max_resident_activation_mb": "1024"}, "max_resident_activation_mb"),
         ({"max_offload_activation_mb": math.inf}, "max_offload_activation_mb"),
+        ({"max_host_activation_mb": -1}, "max_host_activation_mb"),
+        ({"local_world_size": 0}, "local_world_size"),
+        ({"pageable_fallback": "yes"}, "pageable_fallback"),
         ({"max_resident_activation_fraction": 0}, "max_resident_activation_fraction"),
         ({"max_resident_activation_fraction": 1.5}, "max_resident_activation_fraction"),
         ({"max_resident_activation_fraction": math.nan}, "max_resident_activation_fraction"),

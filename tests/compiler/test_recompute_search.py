@@ -84,6 +84,7 @@ class _Stubs:
                                      peak_without_offload=peak),
             check=SimpleNamespace(peak_resident_bytes=peak_after, bytes_d2h=1),
             predicted_stall_s=stall, compute_s=compute, step_s=compute + stall, feasible=feasible,
+            budget_bytes=100,  # GraphPlan.budget_bytes: the budget asked for
         )
 
 

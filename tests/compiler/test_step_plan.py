@@ -313,3 +313,58 @@ def test_the_peak_without_offload_does_not_depend_on_where_the_floor_releases() 
         profile = region_profile(0, 3, resident, floor, trace)
         peaks.add(plan_step(timeline, {0: profile}, budget_bytes=100).peak_without_offload_bytes)
     assert peaks == {max(resident_bytes_without_offload(trace))} == {9}
+
+
+def naive_host_bytes(timeline: StepTimeline, profiles: dict[int, RegionProfile], keep) -> list[int]:
+    """Host bytes (pool buckets) the moved slots hold at every position, from the
+    position before their device range to the one after it (copy through reload)."""
+    from hyper_offload.passes.ir.host import host_bucket_bytes
+
+    positions: list[tuple[Invocation, int]] = []
+    for kind, inv in timeline.events:
+        p = profiles[inv.region]
+        ops = range(p.num_fw_ops) if kind is F else range(p.num_fw_ops, len(p.resident))
+        positions += [(inv, op) for op in ops]
+    values = [0] * len(positions)
+    for inv in timeline.invocations:
+        profile = profiles[inv.region]
+        fw = next(i for i, (v, _) in enumerate(positions) if v == inv)
+        bw = next(i for i, (v, op) in enumerate(positions)
+                  if v == inv and op >= profile.num_fw_ops)
+        for slot in profile.slots:
+            if slot.slot in keep(inv):
+                continue
+            lo, hi = fw + slot.start, bw + slot.end - profile.num_fw_ops
+            for t in range(max(lo - 1, 0), min(hi + 1, len(positions))):
+                values[t] += host_bucket_bytes(slot.nbytes)
+    return values
+
+
+KIB = 1024
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 40), st.integers(0, 12), st.booleans())
+def test_a_host_budget_is_never_exceeded_and_the_plan_says_when_it_binds(
+    blocks: int, budget_kib: int, host_kib: int, keep: bool
+) -> None:
+    invs = [Invocation(0, i) for i in range(blocks)]
+    timeline = _timeline([(F, i) for i in invs] + [(B, i) for i in reversed(invs)])
+    # Sizes of a few KiB, rounded up differently by the pool's buckets (3 -> 4, 2 -> 2).
+    profile = RegionProfile(0, 3, (5 * KIB, 6 * KIB, 5 * KIB, 6 * KIB, 5 * KIB, 3 * KIB),
+                            (SlotRange(1, 3 * KIB, 1, 4), SlotRange(2, 2 * KIB, 2, 3)))
+    profiles = {0: profile}
+    plan = plan_step(timeline, profiles, budget_kib * KIB, keep=keep,
+                     host_budget_bytes=host_kib * KIB)
+    host = naive_host_bytes(timeline, profiles, plan.keep_for)
+    assert max(host) <= host_kib * KIB and plan.peak_host_bytes == max(host)
+    device = naive_bytes(timeline, profiles, plan.keep_for)
+    assert max(device) == plan.peak_bytes
+    unlimited = plan_step(timeline, profiles, budget_kib * KIB, keep=keep)
+    if plan.kept_for_host == 0:  # the host had room: the device's plan, unchanged
+        assert plan.keep_for(invs[0]) == unlimited.keep_for(invs[0])
+        assert plan.peak_bytes == unlimited.peak_bytes and plan.binding != "host"
+    cap = max(plan.budget_bytes, plan.floor_peak_bytes)
+    assert (plan.binding in ("host", "both")) == (plan.peak_bytes > cap)
+    if plan.peak_bytes > cap:
+        assert plan.kept_for_host > 0 and not plan.fits

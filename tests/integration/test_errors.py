@@ -23,6 +23,7 @@ BUILTIN_OF_ERROR = {
     "ConfigurationTypeError": TypeError,
     "DataLostError": RuntimeError,
     "DynamicShapeError": ValueError,
+    "HostBudgetError": MemoryError,
     "LoweringError": ValueError,
     "OffloadRuntimeError": RuntimeError,
     "OffloadSessionError": RuntimeError,

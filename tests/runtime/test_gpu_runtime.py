@@ -226,10 +226,10 @@ def test_pinned_pool_bounds_what_torch_really_pins() -> None:
 
 def test_pageable_fallback_warns_once_and_counts_its_host_blocks() -> None:
     engine = TransferEngine("cuda")
-    pool = PinnedMemoryPool(0, pin=True)  # every request past the cap: pageable
+    pool = PinnedMemoryPool(0, pin=True, pageable_fallback=True)  # past the cap: pageable
     manager = ResidencyManager(engine, pool)
     manager.bind(0, torch.ones(1024, device="cuda"))
-    with pytest.warns(PageableFallbackWarning, match="max_offload_activation_mb"):
+    with pytest.warns(PageableFallbackWarning, match="max_host_activation_mb"):
         manager.copy_d2h(0)
     manager.bind(1, torch.ones(1024, device="cuda"))
     with warnings.catch_warnings(record=True) as later:

@@ -40,8 +40,26 @@ def test_a_kept_slot_stays_a_device_tensor_and_a_moved_one_goes_to_the_host() ->
     assert _reload(kept) is kept  # no transfer: the kept tensor is the reload
     assert torch.equal(_reload(kept), a) and torch.equal(_reload(moved), b)
     assert rt.bytes_kept == a.nbytes and rt.bytes_d2h == b.nbytes == rt.bytes_h2d
-    assert rt.stats().extra == {"bytes_d2h": b.nbytes, "bytes_h2d": b.nbytes, "bytes_kept": a.nbytes}
+    assert rt.stats().extra == {"bytes_d2h": b.nbytes, "bytes_h2d": b.nbytes, "bytes_kept": a.nbytes,
+                                "bytes_kept_for_host": 0}
     assert rt.transfers_pending == 0
+
+
+def test_a_copy_the_host_budget_has_no_room_for_stays_on_the_device() -> None:
+    # A 2 KiB host budget: the first 1.5 KiB tensor takes its whole 2 KiB bucket.
+    rt = TransferRuntime(pool=PinnedMemoryPool(2048, pin=False))
+    a, b = torch.randn(384), torch.randn(384)
+    with rt:
+        moved = _round_trip(a, 0)
+        kept = _round_trip(b, 1)  # no room left: kept on the device, not past the budget
+    assert is_host_labelled(moved) and not is_host_labelled(kept) and rt.is_kept(kept)
+    assert rt.bytes_kept_for_host == rt.bytes_kept == b.nbytes and rt.bytes_d2h == a.nbytes
+    assert rt.pool.stats().pinned_bytes_peak == 2048 and rt.pool.stats().pageable_fallbacks == 0
+    assert torch.equal(_reload(moved), a) and torch.equal(_reload(kept), b)
+    # With room again (the host copy died and went back to the pool), the next copy moves.
+    del moved
+    with rt:
+        assert is_host_labelled(_round_trip(torch.randn(384), 2))
 
 
 def test_a_kept_copy_is_never_the_source() -> None:

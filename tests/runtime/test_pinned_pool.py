@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_offload.errors import PoolMisuseError
+from hyper_offload.errors import HostBudgetError, PoolMisuseError
 from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.pinned_pool import (
     MAX_BUCKET_BYTES,
@@ -88,7 +88,7 @@ def test_release_accepts_a_view_of_the_buffer() -> None:
 
 
 def test_past_the_cap_requests_get_pageable_memory_counted_separately() -> None:
-    pool = PinnedMemoryPool(8 * KIB, pin=False)
+    pool = PinnedMemoryPool(8 * KIB, pin=False, pageable_fallback=True)
     pooled = pool.acquire(8 * KIB)
     fallback = pool.acquire(100)
     assert fallback.numel() >= 100 and is_host_labelled(fallback)
@@ -105,6 +105,28 @@ def test_past_the_cap_requests_get_pageable_memory_counted_separately() -> None:
     assert pool.stats().pinned_bytes_held == 8 * KIB
 
 
+def test_without_pageable_fallback_the_cap_is_a_budget_that_raises() -> None:
+    pool = PinnedMemoryPool(8 * KIB, pin=False)  # the default: no pageable memory
+    held = pool.acquire(6 * KIB)  # an 8 KiB bucket: the whole budget
+    with pytest.raises(HostBudgetError, match="max_host_activation_mb") as info:
+        pool.acquire(100)
+    assert "pageable_fallback=True" in str(info.value) and "0.0078125 MiB" in str(info.value)
+    stats = pool.stats()
+    assert stats.pageable_fallbacks == 0 and stats.buffers_in_use == 1
+    assert stats.pinned_bytes_peak == 8 * KIB  # never past the budget
+    pool.release(held)
+    assert pool.acquire(100).numel() == KIB  # room again: served from the pool
+
+
+def test_at_the_cap_pending_releases_are_waited_for_before_raising(fake_event) -> None:
+    pool = PinnedMemoryPool(8 * KIB, pin=False)
+    event = fake_event()
+    pool.release(pool.acquire(8 * KIB), event)  # its copy is still running
+    again = pool.acquire(8 * KIB)  # no room until that copy ends: the pool waits for it
+    assert event.synchronizes == 1 and again.numel() == 8 * KIB
+    assert pool.stats().pinned_bytes_peak == 8 * KIB
+
+
 def test_cached_buffers_are_evicted_before_falling_back_to_pageable() -> None:
     pool = PinnedMemoryPool(8 * KIB, pin=False)
     pool.release(pool.acquire(4 * KIB))
@@ -117,7 +139,7 @@ def test_cached_buffers_are_evicted_before_falling_back_to_pageable() -> None:
 
 
 def test_zero_cap_serves_everything_pageable() -> None:
-    pool = PinnedMemoryPool(0, pin=False)
+    pool = PinnedMemoryPool(0, pin=False, pageable_fallback=True)
     a, b = pool.acquire(0), pool.acquire(10)
     assert _key(a) != _key(b)
     stats = pool.stats()
@@ -149,7 +171,7 @@ def test_release_waits_for_its_event_before_reuse(fake_event) -> None:
 
 
 def test_pageable_buffer_also_waits_for_its_event(fake_event) -> None:
-    pool = PinnedMemoryPool(0, pin=False)
+    pool = PinnedMemoryPool(0, pin=False, pageable_fallback=True)
     buf = pool.acquire(64)
     event = fake_event()
     pool.release(buf, event)
@@ -227,7 +249,7 @@ def test_default_pool_pins_exactly_when_this_process_can_pin() -> None:
 
 
 def test_eight_threads_never_share_a_buffer_and_stats_stay_consistent() -> None:
-    pool = PinnedMemoryPool(64 * KIB, pin=False)  # small cap: exercises fallback too
+    pool = PinnedMemoryPool(64 * KIB, pin=False, pageable_fallback=True)  # small cap: exercises fallback too
     holders: dict[int, int] = {}
     holders_lock = threading.Lock()
     errors: list[str] = []
@@ -310,7 +332,7 @@ def test_requests_above_two_gib_get_dedicated_buffers_that_are_not_cached() -> N
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 20_000), st.integers(0, 99)), max_size=40))
 def test_random_acquire_release_sequences_keep_the_books(ops) -> None:
     cap = 32 * KIB
-    pool = PinnedMemoryPool(cap, pin=False)
+    pool = PinnedMemoryPool(cap, pin=False, pageable_fallback=True)
     held: list[torch.Tensor] = []
     acquires = 0
     for is_acquire, nbytes, pick in ops:
@@ -373,7 +395,7 @@ class _SimulatedPinnedPool(PinnedMemoryPool):
 
     def __init__(self, max_host_bytes: int) -> None:
         self.empties = 0
-        super().__init__(max_host_bytes, pin=True)
+        super().__init__(max_host_bytes, pin=True, pageable_fallback=True)
 
     @staticmethod
     def _allocate(capacity: int, *, pin: bool) -> torch.Tensor | None:
@@ -421,7 +443,7 @@ def test_pinned_evictions_and_trim_empty_torchs_host_cache(pinned_pool_cls) -> N
 
 def test_a_pinned_pool_warns_once_naming_the_knob(pinned_pool_cls) -> None:
     pool = pinned_pool_cls(0)
-    with pytest.warns(PageableFallbackWarning, match="OffloadConfig.max_offload_activation_mb"):
+    with pytest.warns(PageableFallbackWarning, match="OffloadConfig.max_host_activation_mb"):
         a = pool.acquire(KIB)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -434,7 +456,7 @@ def test_a_pinned_pool_warns_once_naming_the_knob(pinned_pool_cls) -> None:
 
 
 def test_an_unpinned_pool_counts_fallbacks_without_warning() -> None:
-    pool = PinnedMemoryPool(0, pin=False)
+    pool = PinnedMemoryPool(0, pin=False, pageable_fallback=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pool.release(pool.acquire(KIB))

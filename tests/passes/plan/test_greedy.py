@@ -221,7 +221,8 @@ def test_offload_config_accepts_and_defaults_to_the_greedy_planner() -> None:
     assert isinstance(default, GreedyResidencyPlanner) and default.refine
 
 
-@pytest.mark.parametrize("field", ["max_resident_activation_mb", "max_offload_activation_mb"])
+@pytest.mark.parametrize(
+    "field", ["max_resident_activation_mb", "max_host_activation_mb", "max_offload_activation_mb"])
 @pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True, "8"])
 def test_offload_config_rejects_budgets_that_are_not_finite_mib(field: str, value) -> None:
     with pytest.raises(ValueError, match=rf"OffloadConfig\.{field}: expected a finite number"):
