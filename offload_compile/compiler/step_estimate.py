@@ -39,21 +39,24 @@ from hyper_offload.errors import ConfigurationError, DynamicShapeError, HyperOff
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
+from .block_layout import AUTO_MIN_REPEATS, BlockRun, compile_per_block, repeated_blocks
 from .dynamo_backend import HyperOffloadBackend
 from .fake_capture import estimate_fake_mode, fake_inputs, fake_module
 from .options import BackendOptions
 from .region_report import RegionReport
 from .step_report import StepReport
 
-__all__ = ["StepEstimate", "compile_as_given", "estimate_step"]
+__all__ = ["StepEstimate", "block_run_for", "compile_as_given", "estimate_step"]
 
 
 class StepEstimate(NamedTuple):
-    """The step plan of one fake step, the regions it ran, and the seconds it took."""
+    """The step plan of one fake step, the regions it ran, the seconds it took, and how
+    the model was compiled for it (``"as given"``, or :meth:`.BlockRun.describe`)."""
 
     step: StepReport
     regions: tuple[RegionReport, ...]
     seconds: float
+    layout: str = "as given"
 
 
 def estimate_step(
@@ -64,9 +67,11 @@ def estimate_step(
     options: BackendOptions,
     link: TransferBandwidth,
     throughput: DeviceThroughput | None,
+    layout: str = "auto",
 ) -> StepEstimate:
     """Run one step of ``model(*example_inputs)`` on fake tensors on ``device`` through
     the backend in fake-steps mode, and return its step plan (module docstring).
+    ``layout``: :data:`.block_layout.LAYOUTS` (:func:`block_run_for`).
 
     Raises ``ConfigurationError`` when the step has no backward (nothing requires grad, or no
     compiled region's output reaches one)."""
@@ -75,7 +80,8 @@ def estimate_step(
     fake = fake_module(model, mode, device)
     inputs = fake_inputs(mode, example_inputs, device)
     backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True)
-    compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend))
+    run = block_run_for(fake, layout)
+    compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend), run)
     for _ in range(_MAX_STEPS):
         _fake_step(compiled, inputs, mode)
         if not any(r.relower_requested or r.lowering_requested is not None
@@ -99,7 +105,8 @@ def estimate_step(
             "saved activations to plan. Fix: estimate a training step (parameters with "
             "requires_grad=True)"
         )
-    return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started)
+    return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started,
+                        "as given" if run is None else run.describe())
 
 
 _MAX_STEPS = 3
@@ -154,12 +161,31 @@ def _refusing_data_dependent_inputs(backend: HyperOffloadBackend) -> Any:
     return compile_region
 
 
-def compile_as_given(model: nn.Module, backend: Any) -> Any:
+def block_run_for(model: nn.Module, layout: str) -> BlockRun | None:
+    """The run of identical blocks ``layout`` compiles per block in ``model``
+    (:data:`.block_layout.LAYOUTS`), or None to compile it as given. A model its owner
+    compiled (whole or per block) is always compiled as given."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if layout == "as_given" or any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    ):
+        return None
+    run = repeated_blocks(model)
+    if run is None or (layout == "auto" and len(run.names) < AUTO_MIN_REPEATS):
+        return None
+    return run
+
+
+def compile_as_given(model: nn.Module, backend: Any, per_block: BlockRun | None = None) -> Any:
     """``model`` compiled with ``backend`` the way its owner compiled it: each submodule
     the owner compiled (``torch.compile(block)`` in its parent's place, or
     ``block.compile()``) is compiled again with ``backend`` and the rest runs eagerly, as
     in per-block training; a model compiled whole, or not compiled at all, is compiled
-    whole. ``model`` (a private copy) is changed in place.
+    whole, or with ``per_block`` (a run of its identical blocks) each of those blocks on
+    its own and the rest whole (:func:`.block_layout.compile_per_block`). ``model`` (a
+    private copy) is changed in place.
 
     One Dynamo context serves every submodule, with its own recompile bucket
     (``isolate_recompiles``): blocks share compiled regions as they do under one
@@ -168,6 +194,8 @@ def compile_as_given(model: nn.Module, backend: Any) -> Any:
     from torch._dynamo.eval_frame import OptimizedModule
 
     optimize = torch._dynamo.optimize(backend=backend, isolate_recompiles=True)
+    if per_block is not None:
+        return compile_per_block(model, per_block, optimize)
     if isinstance(model, OptimizedModule):
         return optimize(model._orig_mod)
     recompiled = False
