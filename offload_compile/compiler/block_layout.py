@@ -37,7 +37,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["LAYOUTS", "MIN_REPEATS", "BlockRun", "compile_per_block", "repeated_blocks"]
+__all__ = [
+    "AUTO_MIN_REPEATS", "LAYOUTS", "MAX_KINDS", "MIN_REPEATS", "BlockRun", "compile_per_block",
+    "repeated_blocks",
+]
 
 LAYOUTS = ("auto", "as_given", "per_block")
 """``estimate(..., layout=)``: ``"as_given"`` compiles the model as its owner did (whole,
@@ -47,7 +50,11 @@ run); ``"auto"`` (default) is ``"per_block"`` for a model compiled whole whose r
 at least :data:`AUTO_MIN_REPEATS` blocks, else ``"as_given"``."""
 
 MIN_REPEATS = 2
-"""Blocks a run needs at least to be one (one block is nothing to share)."""
+"""Blocks of one kind a run needs at least (one block is nothing to share)."""
+
+MAX_KINDS = 4
+"""Kinds of identical blocks one run may mix (each is one compiled region; Dynamo's
+recompile limit, 8 by default, must not be reached, or blocks would run uncompiled)."""
 
 AUTO_MIN_REPEATS = 8
 """Blocks from which ``layout="auto"`` estimates per block: where the whole graph's
@@ -60,16 +67,19 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 class BlockRun(NamedTuple):
-    """A run of identical blocks: the container and the names of its children in it."""
+    """A run of identical blocks: the container, the names of its children in it, and
+    how many kinds of identical blocks they are."""
 
     container: nn.Module
     path: str
     names: tuple[str, ...]
     block_type: str
+    kinds: int = 1
 
     def describe(self) -> str:
         where = self.path or type(self.container).__name__
-        return f"{len(self.names)} identical {self.block_type} in {where}, compiled per block"
+        kinds = "identical" if self.kinds == 1 else f"identical (in {self.kinds} kinds)"
+        return f"{len(self.names)} {kinds} {self.block_type} in {where}, compiled per block"
 
 
 def _plain(value: Any) -> bool:
@@ -100,25 +110,29 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
 
 
 def repeated_blocks(model: nn.Module) -> BlockRun | None:
-    """The longest run of identical blocks in ``model`` (module docstring): the children
-    of one ``ModuleList`` or ``Sequential``, at least :data:`MIN_REPEATS`, all with the
-    same signature and no parameter shared between two of them; the first such
-    container in ``named_modules`` order wins ties. None when there is none."""
+    """The run of identical blocks in ``model`` (module docstring): the children of one
+    ``ModuleList`` or ``Sequential`` that share their signature with at least one other
+    child (:data:`MIN_REPEATS`), in at most :data:`MAX_KINDS` kinds (a model that
+    checkpoints its first layers has two: Dynamo compiles one region per kind), with no
+    parameter shared between two of them. The container with the most such blocks wins
+    (the first in ``named_modules`` order on ties); None when there is none."""
     best: BlockRun | None = None
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
-        children = list(container.named_children())
-        if len(children) < MIN_REPEATS or (best and len(children) <= len(best.names)):
+        kinds: dict[tuple[Any, ...], list[tuple[str, nn.Module]]] = {}
+        for name, child in container.named_children():
+            kinds.setdefault(_signature(child), []).append((name, child))
+        runs = [members for members in kinds.values() if len(members) >= MIN_REPEATS]
+        blocks = [member for members in runs for member in members]
+        if not runs or len(runs) > MAX_KINDS or (best and len(blocks) <= len(best.names)):
             continue
-        first = _signature(children[0][1])
-        if any(_signature(c) != first for _, c in children[1:]):
-            continue
-        ids = [id(p) for _, c in children for p in c.parameters()]
+        ids = [id(p) for _, c in blocks for p in c.parameters()]
         if len(ids) != len(set(ids)):
             continue
-        best = BlockRun(container, path, tuple(n for n, _ in children),
-                        type(children[0][1]).__name__)
+        order = {name: i for i, (name, _) in enumerate(container.named_children())}
+        best = BlockRun(container, path, tuple(sorted((n for n, _ in blocks), key=order.get)),
+                        type(blocks[0][1]).__name__, len(runs))
     return best
 
 

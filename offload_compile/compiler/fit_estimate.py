@@ -88,6 +88,10 @@ class EstimateReport:
     """Step scope: the step plan the backend makes after the first step."""
     regions: tuple[RegionReport, ...] = ()
     """Step scope: the region reports of every region the step compiled (at the floor)."""
+    step_compute_s: float | None = None
+    """Step scope: the step's predicted compute (every op of every invocation,
+    recomputation included, at ``flops_per_s`` / ``memory_bytes_per_s``): what
+    ``exposed_transfer_s`` is a share of. None under the region scope."""
     layout: str = "as given"
     """How the step scope compiled the model: ``"as given"`` (as its owner did), or its
     run of identical blocks compiled per block (:mod:`.block_layout`, ``layout=``)."""
@@ -377,7 +381,7 @@ def estimate(
         return EstimateReport(
             **common, region_report=None, min_feasible_budget_bytes=found.step.floor_peak_bytes,
             trace_seconds=found.seconds, step=found.step, regions=found.regions,
-            layout=found.layout,
+            layout=found.layout, step_compute_s=found.compute_s,
         )
     choice, plan_seconds, trace_seconds = _capture_and_search(
         model, example_inputs, target, parsed, link, prices

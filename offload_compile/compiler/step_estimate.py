@@ -57,6 +57,9 @@ class StepEstimate(NamedTuple):
     regions: tuple[RegionReport, ...]
     seconds: float
     layout: str = "as given"
+    compute_s: float = 0.0
+    """The step's predicted compute: every op of every invocation (recomputation
+    included) as its region's lowering in force traced and priced it."""
 
 
 def estimate_step(
@@ -106,7 +109,20 @@ def estimate_step(
             "requires_grad=True)"
         )
     return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started,
-                        "as given" if run is None else run.describe())
+                        "as given" if run is None else run.describe(), _compute_s(backend))
+
+
+def _compute_s(backend: HyperOffloadBackend) -> float:
+    """:attr:`StepEstimate.compute_s` of the plan in force (0 when there is none)."""
+    from hyper_offload.passes.analysis.predicted_timeline import op_durations
+
+    plan = backend.step_plan
+    inputs = None if plan is None else backend._step_inputs(plan.timeline)
+    if inputs is None:
+        return 0.0
+    regions = inputs[0]
+    per_region = {r: sum(op_durations(t.trace)) for r, t in regions.items()}
+    return sum(per_region[i.region] for i in plan.timeline.invocations)
 
 
 _MAX_STEPS = 3
