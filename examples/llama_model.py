@@ -191,10 +191,19 @@ class Llama(nn.Module):
         t = tokens.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(f"Llama: sequence length {t} > max_seq_len {self.config.max_seq_len}")
-        table = rotary_tables(self.config, t, tokens.device)
-        x = self.tok_embeddings(tokens)
+        x, table = self._embed(tokens)
         for layer in self.layers:
             x = layer(x, *table)
+        return self._head_and_loss(x, targets)
+
+    # The code before and after the layers lives in methods: where the layers are compiled
+    # one by one inside a compiled model (hyper_offload.estimate's per-block layout), Dynamo
+    # skips this frame (a graph break in a loop) but still compiles the frames it calls.
+    def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return self.tok_embeddings(tokens), rotary_tables(self.config, tokens.shape[1],
+                                                          tokens.device)
+
+    def _head_and_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(x)
         if self.config.loss_chunks == 1:
             logits = self.output(hidden).float()

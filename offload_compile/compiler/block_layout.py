@@ -13,9 +13,13 @@ step plan (:mod:`.step_plan`), which is what "capture and plan one, price all" m
 module types, parameter and buffer names, shapes, strides, dtypes, ``requires_grad``,
 the same plain attributes and the same other attribute objects, so that Dynamo has nothing to tell them apart by and
 compiles one region for all). :func:`compile_per_block` compiles each block on its own
-and the rest of the model as a whole (the outer frame breaks around each block call:
-the code before the blocks and the code after them, the head and the loss, stay
-compiled regions the step plan counts).
+and the rest of the model as a whole. The outer frame breaks at each block call, and a
+graph break inside the loop over the blocks makes Dynamo run that frame eagerly: the
+functions and modules it calls (``self._head_and_loss(x)``, a norm, an embedding
+method) are still compiled as regions the step plan counts, but code written inline in
+that frame (an ``F.cross_entropy`` on the logits) runs uncompiled and, until the
+estimate counts eager code between regions, uncounted. ``examples/llama_model.py`` keeps
+its embedding and its head and loss in methods for this reason.
 
 What differs from the plan of the model compiled whole (stated, and measured in
 ``benchmarks/long_context.py``'s notes): the block region's partition and its floor

@@ -1,0 +1,213 @@
+"""The long-context table (issue 44, item 5): the longest sequence Llama-3-8B trains at,
+and the step's stall, on an 80 GiB device of an 8-rank node (all figures *predicted*).
+
+    .venv/bin/python benchmarks/long_context.py                 # both links (see runtime)
+    .venv/bin/python benchmarks/long_context.py --links 25 --grid 16384,32768
+
+Setup (one rank of eight): Llama-3-8B (``examples/llama_model.py``, 32 layers, bf16,
+batch 1) with its loss in 16 checkpointed chunks; the model FSDP-sharded 8 ways
+(fp32 master weights, fp32 gradients and Adam's two fp32 moments: 16 B per parameter,
+an eighth per rank, plus the bf16 working copies of two blocks and of the LM head,
+unsharded while they run); the rest of the 80 GiB is the activation budget. Eight ranks
+share 1 TiB of host RAM: 128 GiB per rank for the activations a plan moves.
+
+Every row is computed the same way: ``hyper_offload.estimate`` (one step on fake
+tensors through the compile backend, Inductor's graphs, the one timeline/cost model,
+ops priced at :data:`PRICES`, blocks compiled per block: ``layout="auto"``):
+
+* ``plain``: no offload, no checkpointing: fits when the step's peak without offload
+  is within the budget (no stall);
+* ``full_ac``: every layer under ``torch.utils.checkpoint`` (saves its input, recomputes
+  its forward in the backward), no offload: fits when its peak is within the budget;
+* ``offload``: offload only (``recompute="off"``): fits when the plan meets the device
+  budget and moves at most the host budget;
+* ``default``: our default (offload + ``recompute="auto"``) under both budgets. The
+  planners do not see a host limit yet (issue 44 item 1 adds ``max_host_activation_mb``;
+  TODO(lead): pass it here instead), so the benchmark enforces it: where the plan moves
+  more than 128 GiB, the first ``k`` layers are checkpointed (recompute where the host
+  binds), ``k`` the least that brings the moved bytes within it.
+
+A row's ``longest_seq`` is the longest sequence of ``--grid`` that fits (the grid is
+walked upwards and a mode stops at its first miss); ``stall_share`` is its predicted
+stall over its predicted compute (recomputation included). Runtime: about 40 s per
+estimate on 2 loaded cores without the recompute search and up to ~3 min with it; the
+whole table (both links, the default grid) took the time its last line reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import hyper_offload  # noqa: E402
+from hyper_offload.passes.fx.cost_model import DeviceThroughput  # noqa: E402
+from llama_model import LLAMA3_8B, llama3_8b  # noqa: E402
+
+GIB = 1 << 30
+MIB = 1 << 20
+DEVICE_BYTES = 80 * GIB
+RANKS = 8
+HOST_BYTES = (1 << 40) // RANKS
+LAYERS = 32
+LOSS_CHUNKS = 16
+PRICES = DeviceThroughput(flops_per_s=400e12, bytes_per_s=2.6e12)
+"""An H100 at about 40% of its dense bf16 peak and 80% of its HBM bandwidth."""
+STALL_SHARE = 0.10
+GRID = (16384, 32768, 65536, 98304, 131072, 196608, 262144, 393216, 524288)
+MODES = ("plain", "full_ac", "offload", "default")
+
+
+def model_state_bytes() -> int:
+    """Device bytes per rank the model itself takes (module docstring)."""
+    model = llama3_8b(layers=1)
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    head = LLAMA3_8B.vocab * LLAMA3_8B.dim
+    total = block * LAYERS + sum(p.numel() for n, p in model.named_parameters()
+                                 if not n.startswith("layers."))
+    return 16 * total // RANKS + 2 * (2 * block + head)
+
+
+def _estimate(seq: int, link: float, budget_mb: float, *, checkpoint: int,
+              recompute: str) -> dict[str, Any]:
+    model = llama3_8b(LAYERS, LOSS_CHUNKS, checkpoint_layers=checkpoint,
+                      max_seq_len=max(seq, LLAMA3_8B.max_seq_len))
+    tokens = torch.empty(1, seq, dtype=torch.int64, device="meta")
+    started = time.perf_counter()
+    report = hyper_offload.estimate(
+        model, (tokens, tokens), budget=budget_mb, device="cpu", bandwidth=link,
+        throughput=PRICES, recompute=recompute,
+    )
+    step = report.step
+    assert step is not None
+    found = {
+        "seq": seq, "link_gbps": link, "checkpoint_layers": checkpoint, "recompute": recompute,
+        "peak_without_offload_bytes": step.peak_without_offload_bytes,
+        "floor_bytes": step.floor_peak_bytes, "peak_bytes": step.peak_bytes,
+        "fits_device": step.fits, "host_bytes": step.moved_bytes,
+        "stall_s": step.predicted_stall_s, "compute_s": report.step_compute_s,
+        "moved_per_invocation": [p.moved_bytes for p in step.invocations],
+        "layout": report.layout, "estimate_s": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps({k: v for k, v in found.items() if k != "moved_per_invocation"}),
+          file=sys.stderr, flush=True)
+    return found
+
+
+class Table:
+    """The estimates of one link, cached (plain and offload share one); ``shared``: the
+    full-checkpointing estimates, which move nothing where they fit, for every link."""
+
+    def __init__(self, link: float, budget_mb: float, shared: dict[Any, Any]) -> None:
+        self.link, self.budget_mb = link, budget_mb
+        self._cache: dict[tuple[int, int, str], dict[str, Any]] = {}
+        self._shared = shared
+
+    def at(self, seq: int, checkpoint: int = 0, recompute: str = "off") -> dict[str, Any]:
+        key = (seq, checkpoint, recompute)
+        if checkpoint == LAYERS and recompute == "off":
+            if key not in self._shared:
+                self._shared[key] = _estimate(seq, self.link, self.budget_mb,
+                                              checkpoint=checkpoint, recompute=recompute)
+            return self._shared[key]
+        if key not in self._cache:
+            self._cache[key] = _estimate(seq, self.link, self.budget_mb, checkpoint=checkpoint,
+                                         recompute=recompute)
+        return self._cache[key]
+
+    def probe(self, mode: str, seq: int) -> dict[str, Any] | None:
+        """The estimate of ``mode`` at ``seq`` if it fits, else None."""
+        budget = self.budget_mb * MIB
+        if mode in ("plain", "full_ac"):
+            found = self.at(seq, LAYERS if mode == "full_ac" else 0)
+            return found if found["peak_without_offload_bytes"] <= budget else None
+        if mode == "offload":
+            found = self.at(seq)
+            return found if found["fits_device"] and found["host_bytes"] <= HOST_BYTES else None
+        return self._default(seq)
+
+    def _default(self, seq: int) -> dict[str, Any] | None:
+        """Our default under both budgets: the least ``k`` checkpointed first layers
+        whose plan moves at most the host budget (module docstring)."""
+        checkpoint = 0
+        while True:
+            found = self.at(seq, checkpoint, "auto")
+            if not found["fits_device"]:
+                return None
+            excess = found["host_bytes"] - HOST_BYTES
+            if excess <= 0:
+                return found
+            if checkpoint == LAYERS:
+                return None
+            # Checkpointing a layer saves what its plan moved (its input still moves).
+            moved = sorted(found["moved_per_invocation"], reverse=True)
+            per_layer = max(moved[LAYERS // 2] if len(moved) > LAYERS // 2 else moved[0], 1)
+            checkpoint = min(LAYERS, checkpoint + max(1, math.ceil(excess / per_layer)))
+
+
+def _row(mode: str, link: float, table: Table, grid: tuple[int, ...]) -> dict[str, Any]:
+    best: dict[str, Any] | None = None
+    best_stall_ok: dict[str, Any] | None = None
+    for seq in grid:
+        found = table.probe(mode, seq)
+        if found is None:
+            break
+        best = found
+        if _share(found) <= STALL_SHARE:
+            best_stall_ok = found
+    row: dict[str, Any] = {
+        "benchmark": "long_context", "label": "predicted", "mode": mode, "link_gbps": link,
+        "device_gib": DEVICE_BYTES / GIB, "activation_budget_mib": table.budget_mb,
+        "host_gib_per_rank": HOST_BYTES / GIB, "longest_seq": best and best["seq"],
+        "longest_seq_within_stall_share": best_stall_ok and best_stall_ok["seq"],
+        "grid": list(grid),
+    }
+    if best is not None:
+        stall = best["stall_s"] if mode != "plain" and mode != "full_ac" else 0.0
+        row.update(
+            stall_s=stall, compute_s=best["compute_s"],
+            stall_share=round(stall / best["compute_s"], 4) if best["compute_s"] else None,
+            checkpoint_layers=best["checkpoint_layers"],
+            device_peak_bytes=(best["peak_without_offload_bytes"] if mode in ("plain", "full_ac")
+                               else best["peak_bytes"]),
+            host_bytes=0 if mode in ("plain", "full_ac") else best["host_bytes"],
+        )
+    return row
+
+
+def _share(found: dict[str, Any]) -> float:
+    return found["stall_s"] / found["compute_s"] if found["compute_s"] else math.inf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--links", type=float, nargs="+", default=[25.0, 50.0])
+    parser.add_argument("--grid", default=",".join(map(str, GRID)),
+                        help="sequence lengths to walk, ascending, comma-separated")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+    grid = tuple(int(s) for s in args.grid.split(","))
+    started = time.perf_counter()
+    state = model_state_bytes()
+    budget_mb = (DEVICE_BYTES - state) / MIB
+    shared: dict[Any, Any] = {}
+    for link in args.links:
+        table = Table(link, budget_mb, shared)
+        for mode in args.modes.split(","):
+            row = _row(mode, link, table, grid)
+            row["model_state_bytes_per_rank"] = state
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"benchmark": "long_context", "label": "measured",
+                      "runtime_s": round(time.perf_counter() - started)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
