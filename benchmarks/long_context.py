@@ -27,9 +27,10 @@ ops priced at :data:`PRICES`, blocks compiled per block: ``layout="auto"``):
   more than 128 GiB, the first ``k`` layers are checkpointed (recompute where the host
   binds), ``k`` the least that brings the moved bytes within it.
 
-A row's ``longest_seq`` is the longest sequence of ``--grid`` that fits (the grid is
-walked upwards and a mode stops at its first miss); ``stall_share`` is its predicted
-stall over its predicted compute (recomputation included). Runtime: about 40 s per
+A row's ``longest_seq`` is the longest sequence of ``--grid`` that fits (a binary
+search over the grid: fitting is monotone in the length), ``next_seq_in_grid`` the
+first that does not; ``stall_share`` is its predicted stall over its predicted compute
+(recomputation included), ``within_stall_share`` whether that is at most 10%. Runtime: about 40 s per
 estimate on 2 loaded cores without the recompute search and up to ~3 min with it; the
 whole table (both links, the default grid) took the time its last line reports.
 """
@@ -62,7 +63,8 @@ LOSS_CHUNKS = 16
 PRICES = DeviceThroughput(flops_per_s=400e12, bytes_per_s=2.6e12)
 """An H100 at about 40% of its dense bf16 peak and 80% of its HBM bandwidth."""
 STALL_SHARE = 0.10
-GRID = (16384, 32768, 65536, 98304, 131072, 196608, 262144, 393216, 524288)
+GRID = (8192, 16384, 32768, 49152, 65536, 98304, 114688, 131072, 163840, 196608, 229376,
+        262144, 393216, 524288)
 MODES = ("plain", "full_ac", "offload", "default")
 
 
@@ -99,11 +101,10 @@ def _estimate(seq: int, link: float, budget_mb: float, *, checkpoint: int,
         "floor_bytes": step.floor_peak_bytes, "peak_bytes": step.peak_bytes,
         "fits_device": step.fits, "host_bytes": step.moved_bytes,
         "stall_s": step.predicted_stall_s, "compute_s": report.step_compute_s,
-        "moved_per_invocation": [p.moved_bytes for p in step.invocations],
-        "layout": report.layout, "estimate_s": round(time.perf_counter() - started, 1),
+        "budget_mb": budget_mb, "layout": report.layout,
+        "estimate_s": round(time.perf_counter() - started, 1),
     }
-    print(json.dumps({k: v for k, v in found.items() if k != "moved_per_invocation"}),
-          file=sys.stderr, flush=True)
+    print(json.dumps(found), file=sys.stderr, flush=True)
     return found
 
 
@@ -111,22 +112,31 @@ class Table:
     """The estimates of one link, cached (plain and offload share one); ``shared``: the
     full-checkpointing estimates, which move nothing where they fit, for every link."""
 
-    def __init__(self, link: float, budget_mb: float, shared: dict[Any, Any]) -> None:
+    def __init__(self, link: float, budget_mb: float, shared: dict[Any, Any],
+                 saved: Path | None = None) -> None:
         self.link, self.budget_mb = link, budget_mb
         self._cache: dict[tuple[int, int, str], dict[str, Any]] = {}
         self._shared = shared
+        self._saved = saved
+        if saved is not None and saved.exists():  # --cache: resume an interrupted run
+            for line in saved.read_text().splitlines():
+                found = json.loads(line)
+                key = (found["seq"], found["checkpoint_layers"], found["recompute"])
+                if found["link_gbps"] == link and found["budget_mb"] == budget_mb:
+                    self._cache[key] = found
+                if key[1:] == (LAYERS, "off") and found["budget_mb"] == budget_mb:
+                    shared.setdefault(key, found)
 
     def at(self, seq: int, checkpoint: int = 0, recompute: str = "off") -> dict[str, Any]:
         key = (seq, checkpoint, recompute)
-        if checkpoint == LAYERS and recompute == "off":
-            if key not in self._shared:
-                self._shared[key] = _estimate(seq, self.link, self.budget_mb,
-                                              checkpoint=checkpoint, recompute=recompute)
-            return self._shared[key]
-        if key not in self._cache:
-            self._cache[key] = _estimate(seq, self.link, self.budget_mb, checkpoint=checkpoint,
-                                         recompute=recompute)
-        return self._cache[key]
+        cache = self._shared if checkpoint == LAYERS and recompute == "off" else self._cache
+        if key not in cache:
+            cache[key] = _estimate(seq, self.link, self.budget_mb, checkpoint=checkpoint,
+                                   recompute=recompute)
+            if self._saved is not None:
+                with self._saved.open("a") as out:
+                    out.write(json.dumps(cache[key]) + "\n")
+        return cache[key]
 
     def probe(self, mode: str, seq: int) -> dict[str, Any] | None:
         """The estimate of ``mode`` at ``seq`` if it fits, else None."""
@@ -140,9 +150,15 @@ class Table:
         return self._default(seq)
 
     def _default(self, seq: int) -> dict[str, Any] | None:
-        """Our default under both budgets: the least ``k`` checkpointed first layers
-        whose plan moves at most the host budget (module docstring)."""
-        checkpoint = 0
+        """Our default under both budgets: ``k`` checkpointed first layers, where its
+        plan would move more than the host budget (module docstring). ``k`` starts from
+        the offload-only plan's bytes per layer at ``seq`` (no search: cheap), and grows
+        until the default's own plan moves at most the host budget."""
+        offload = self.at(seq)
+        excess = offload["host_bytes"] - HOST_BYTES
+        per_layer = max(offload["host_bytes"] // LAYERS, 1)
+        # A checkpointed layer still moves its input: one more layer than the bytes say.
+        checkpoint = 0 if excess <= 0 else min(LAYERS, math.ceil(excess / per_layer) + 1)
         while True:
             found = self.at(seq, checkpoint, "auto")
             if not found["fits_device"]:
@@ -152,44 +168,42 @@ class Table:
                 return found
             if checkpoint == LAYERS:
                 return None
-            # Checkpointing a layer saves what its plan moved (its input still moves).
-            moved = sorted(found["moved_per_invocation"], reverse=True)
-            per_layer = max(moved[LAYERS // 2] if len(moved) > LAYERS // 2 else moved[0], 1)
+            per_layer = max(found["host_bytes"] // LAYERS, 1)
             checkpoint = min(LAYERS, checkpoint + max(1, math.ceil(excess / per_layer)))
 
 
-def _row(mode: str, link: float, table: Table, grid: tuple[int, ...]) -> dict[str, Any]:
+def _row(mode: str, link: float, table: Table, grid: tuple[int, ...],
+         start: int = 0) -> dict[str, Any]:
+    """The longest sequence of ``grid`` at which ``mode`` fits: a binary search over the
+    grid (fitting is monotone in the length: every byte grows with it) from index
+    ``start`` (a length known to fit)."""
     best: dict[str, Any] | None = None
-    best_stall_ok: dict[str, Any] | None = None
-    for seq in grid:
-        found = table.probe(mode, seq)
+    lo, hi = start, len(grid) - 1
+    while lo <= hi:
+        middle = (lo + hi) // 2
+        found = table.probe(mode, grid[middle])
         if found is None:
-            break
-        best = found
-        if _share(found) <= STALL_SHARE:
-            best_stall_ok = found
+            hi = middle - 1
+        else:
+            best, lo = found, middle + 1
     row: dict[str, Any] = {
         "benchmark": "long_context", "label": "predicted", "mode": mode, "link_gbps": link,
-        "device_gib": DEVICE_BYTES / GIB, "activation_budget_mib": table.budget_mb,
+        "device_gib": DEVICE_BYTES / GIB, "activation_budget_mib": round(table.budget_mb, 1),
         "host_gib_per_rank": HOST_BYTES / GIB, "longest_seq": best and best["seq"],
-        "longest_seq_within_stall_share": best_stall_ok and best_stall_ok["seq"],
-        "grid": list(grid),
+        "next_seq_in_grid": grid[lo] if lo < len(grid) else None, "grid": list(grid),
     }
     if best is not None:
-        stall = best["stall_s"] if mode != "plain" and mode != "full_ac" else 0.0
+        moves = mode not in ("plain", "full_ac")
+        stall = best["stall_s"] if moves else 0.0
         row.update(
-            stall_s=stall, compute_s=best["compute_s"],
+            stall_s=round(stall, 4), compute_s=round(best["compute_s"], 4),
             stall_share=round(stall / best["compute_s"], 4) if best["compute_s"] else None,
+            within_stall_share=bool(stall <= STALL_SHARE * best["compute_s"]),
             checkpoint_layers=best["checkpoint_layers"],
-            device_peak_bytes=(best["peak_without_offload_bytes"] if mode in ("plain", "full_ac")
-                               else best["peak_bytes"]),
-            host_bytes=0 if mode in ("plain", "full_ac") else best["host_bytes"],
+            device_peak_bytes=best["peak_bytes"] if moves else best["peak_without_offload_bytes"],
+            host_bytes=best["host_bytes"] if moves else 0,
         )
     return row
-
-
-def _share(found: dict[str, Any]) -> float:
-    return found["stall_s"] / found["compute_s"] if found["compute_s"] else math.inf
 
 
 def main() -> None:
@@ -198,6 +212,8 @@ def main() -> None:
     parser.add_argument("--grid", default=",".join(map(str, GRID)),
                         help="sequence lengths to walk, ascending, comma-separated")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="JSON lines of estimates to reuse and extend (resume a run)")
     args = parser.parse_args()
     grid = tuple(int(s) for s in args.grid.split(","))
     started = time.perf_counter()
@@ -205,9 +221,13 @@ def main() -> None:
     budget_mb = (DEVICE_BYTES - state) / MIB
     shared: dict[Any, Any] = {}
     for link in args.links:
-        table = Table(link, budget_mb, shared)
+        table = Table(link, budget_mb, shared, args.cache)
+        rows: dict[str, dict[str, Any]] = {}
         for mode in args.modes.split(","):
-            row = _row(mode, link, table, grid)
+            # Our default is offload plus recompute: it fits wherever offload alone does.
+            known = rows.get("offload", {}).get("longest_seq")
+            start = grid.index(known) if mode == "default" and known in grid else 0
+            row = rows[mode] = _row(mode, link, table, grid, start)
             row["model_state_bytes_per_rank"] = state
             print(json.dumps(row), flush=True)
     print(json.dumps({"benchmark": "long_context", "label": "measured",
