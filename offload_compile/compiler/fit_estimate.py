@@ -349,12 +349,7 @@ def estimate(
     Inputs may be real, meta or fake tensors; only their shapes, dtypes and strides are
     used. Nothing is allocated and the model is not modified.
     """
-    from .block_layout import LAYOUTS
-
-    if layout not in LAYOUTS:
-        raise ConfigurationError(
-            f"hyper_offload.estimate: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}"
-        )
+    _check_layout(layout)
     if budget is not None:
         if "max_resident_activation_mb" in options:
             raise ConfigurationError(
@@ -401,6 +396,15 @@ def estimate(
             latest_release_op=fx_trace.num_fw_ops - 1,
         ).stall_s,
     )
+
+
+def _check_layout(layout: str) -> None:
+    from .block_layout import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ConfigurationError(
+            f"hyper_offload.estimate: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}"
+        )
 
 
 def _capture_and_search(

@@ -118,3 +118,12 @@ def test_per_block_saves_what_the_whole_graph_saves_and_names_what_differs() -> 
     for name in ("peak_without_offload", "min_feasible_budget_bytes"):
         a, b = getattr(whole, name), getattr(blocks, name)
         assert abs(a - b) <= 0.15 * a, f"{name}: whole graph {a}, per block {b}"
+
+
+def test_an_unknown_layout_is_refused_naming_the_choices() -> None:
+    import pytest
+
+    from hyper_offload.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="layout must be one of auto, as_given, per_block"):
+        hyper_offload.estimate(Stack(layers=2), (batch(),), layout="blocks")
