@@ -83,10 +83,9 @@ def _estimate(seq: int, link: float, budget_mb: float, *, checkpoint: int,
     model = llama3_8b(LAYERS, LOSS_CHUNKS, checkpoint_layers=checkpoint,
                       max_seq_len=max(seq, LLAMA3_8B.max_seq_len))
     tokens = torch.empty(1, seq, dtype=torch.int64, device="meta")
-    # Each estimate as in a fresh process. Measured: without the reset, an 8B x 32K
-    # estimate made after a 16K one in the same process reports a floor of 60.4 GiB,
-    # not 7.6 (Dynamo keeps per-frame state across estimates; most likely automatic
-    # dynamic shapes compiling the block again with a symbolic sequence length).
+    # Each estimate as in a fresh process (the table was measured so; the estimate now
+    # compiles with static sizes, which fixed what made a later estimate in one process
+    # differ: an 8B x 32K floor of 60.4 GiB after a 16K estimate, instead of 7.6).
     torch._dynamo.reset()
     started = time.perf_counter()
     report = hyper_offload.estimate(

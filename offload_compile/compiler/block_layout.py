@@ -2,17 +2,18 @@
 
 A 32-layer decoder compiled whole is one Dynamo graph of 32 copies of the same block:
 tracing, partitioning and planning it costs 32 times one block's work (Llama-3-8B at
-32K: 89 s on 2 cores with CPU prices, 254 s with GPU prices and the recompute search).
+32K: 89 s on 2 cores with CPU prices, 258 s and 1.56 GiB with GPU prices and the
+recompute search).
 Compiled *per block* (``torch.compile(block)`` for each layer, the usual FSDP2 layout),
 the same step is one block region invoked once per layer plus the code around it:
 captured, partitioned and searched once, and priced on the step for every layer by the
 step plan (:mod:`.step_plan`), which is what "capture and plan one, price all" means.
 
-:func:`repeated_blocks` finds the run of identical blocks of a model (a ``ModuleList`` /
-``Sequential`` of at least :data:`MIN_REPEATS` children with the same structure:
-module types, parameter and buffer names, shapes, strides, dtypes, ``requires_grad``,
-the same plain attributes and the same other attribute objects, so that Dynamo has nothing to tell them apart by and
-compiles one region for all). :func:`compile_per_block` compiles each block on its own
+:func:`repeated_blocks` finds the run of identical blocks of a model (in a
+``ModuleList`` / ``Sequential``, at least :data:`MIN_REPEATS` children with the same
+structure: module types, parameter and buffer names, shapes, strides, dtypes,
+``requires_grad``, the same plain attributes and the same other attribute objects, so
+that Dynamo has nothing to tell them apart by and compiles one region per kind). :func:`compile_per_block` compiles each block on its own
 and the rest of the model as a whole. The outer frame breaks at each block call, and a
 graph break inside the loop over the blocks makes Dynamo run that frame eagerly: the
 functions and modules it calls (``self._head_and_loss(x)``, a norm, an embedding
@@ -21,8 +22,8 @@ that frame (an ``F.cross_entropy`` on the logits) runs uncompiled and, until the
 estimate counts eager code between regions, uncounted. ``examples/llama_model.py`` keeps
 its embedding and its head and loss in methods for this reason.
 
-What differs from the plan of the model compiled whole (stated, and measured in
-``benchmarks/long_context.py``'s notes): the block region's partition and its floor
+What differs from the plan of the model compiled whole (measured in
+docs/architecture.md, "Identical blocks"): the block region's partition and its floor
 lowering serve every layer (one compiled graph), so the step plan keeps slots per
 layer on the floor instead of scheduling each layer's copies on the whole step, and the
 recompute search picks one partition for all layers; a block's input and output are
