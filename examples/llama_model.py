@@ -49,6 +49,10 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope: str = "real"
     """``"real"`` (cos/sin halves) or ``"complex"`` (torchtitan's ``freqs_cis``)."""
+    checkpoint_layers: int = 0
+    """Run the first this many layers under ``torch.utils.checkpoint`` (non-reentrant):
+    each saves only its input and recomputes its forward in the backward. ``layers``:
+    full activation checkpointing; fewer: recompute where memory binds."""
     loss_chunks: int = 1
     """Compute the LM head and the cross-entropy in this many sequence chunks, each
     checkpointed: the logits of one chunk are alive at a time, in the forward and in the
@@ -65,6 +69,9 @@ class LlamaConfig:
             )
         if self.rope not in ("real", "complex"):
             raise ValueError(f"LlamaConfig: rope must be 'real' or 'complex', got {self.rope!r}")
+        if not 0 <= self.checkpoint_layers <= self.layers:
+            raise ValueError(f"LlamaConfig: checkpoint_layers must be in 0..{self.layers}, got "
+                             f"{self.checkpoint_layers}")
         if self.loss_chunks < 1:
             raise ValueError(f"LlamaConfig: loss_chunks must be >= 1, got {self.loss_chunks}")
 
@@ -149,14 +156,20 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, checkpointed: bool = False) -> None:
         super().__init__()
+        self.checkpointed = checkpointed
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, *table: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed:
+            return checkpoint(self._forward, x, *table, use_reentrant=False)
+        return self._forward(x, *table)
+
+    def _forward(self, x: torch.Tensor, *table: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), *table)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -168,7 +181,9 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.layers = nn.ModuleList(
+            Block(config, checkpointed=i < config.checkpoint_layers) for i in range(config.layers)
+        )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab, bias=False)
 
@@ -176,10 +191,19 @@ class Llama(nn.Module):
         t = tokens.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(f"Llama: sequence length {t} > max_seq_len {self.config.max_seq_len}")
-        table = rotary_tables(self.config, t, tokens.device)
-        x = self.tok_embeddings(tokens)
+        x, table = self._embed(tokens)
         for layer in self.layers:
             x = layer(x, *table)
+        return self._head_and_loss(x, targets)
+
+    # The code before and after the layers lives in methods: where the layers are compiled
+    # one by one inside a compiled model (hyper_offload.estimate's per-block layout), Dynamo
+    # skips this frame (a graph break in a loop) but still compiles the frames it calls.
+    def _embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return self.tok_embeddings(tokens), rotary_tables(self.config, tokens.shape[1],
+                                                          tokens.device)
+
+    def _head_and_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(x)
         if self.config.loss_chunks == 1:
             logits = self.output(hidden).float()
@@ -219,11 +243,16 @@ def llama_7b_2_layers(dtype: torch.dtype = torch.bfloat16) -> Llama:
     return _on_meta(replace(LLAMA_7B, layers=2), dtype)
 
 
-def llama3_8b(layers: int = 32, loss_chunks: int = 1,
-              dtype: torch.dtype = torch.bfloat16) -> Llama:
+def llama3_8b(layers: int = 32, loss_chunks: int = 1, dtype: torch.dtype = torch.bfloat16,
+              *, checkpoint_layers: int = 0, max_seq_len: int | None = None) -> Llama:
     """Llama-3-8B's shape on the meta device; ``loss_chunks`` > 1 chunks the LM head and
-    the loss (``LlamaConfig.loss_chunks``), which is what lowers the long-context floor."""
-    return _on_meta(replace(LLAMA3_8B, layers=layers, loss_chunks=loss_chunks), dtype)
+    the loss (``LlamaConfig.loss_chunks``), which is what lowers the long-context floor;
+    ``checkpoint_layers`` checkpoints the first layers; ``max_seq_len`` beyond 128K
+    for what-if estimates."""
+    config = replace(LLAMA3_8B, layers=layers, loss_chunks=loss_chunks,
+                     checkpoint_layers=checkpoint_layers,
+                     max_seq_len=max_seq_len or LLAMA3_8B.max_seq_len)
+    return _on_meta(config, dtype)
 
 
 def llama3_8b_chunked_loss(dtype: torch.dtype = torch.bfloat16) -> Llama:

@@ -72,6 +72,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "through the backend (the model's own compiled blocks stay so, graph "
                         "breaks split it) and report its step plan; region: the model as one "
                         "region under the whole budget")
+    parser.add_argument("--layout", choices=("auto", "as_given", "per_block"), default="auto",
+                        help="step scope: auto (default) estimates a model compiled whole that "
+                             "repeats one block 8 times or more with each block compiled on its "
+                             "own (one block planned, priced for every layer); as_given: as the "
+                             "model is compiled; per_block: per block from 2 identical blocks")
     parser.add_argument("--recompute", choices=("auto", "off"), default="auto",
                         help="auto (default, as the backend): where offload alone stalls, also "
                         "search partitions that recompute more; off: torch's default partition")
@@ -253,7 +258,7 @@ def _estimate(args: argparse.Namespace) -> Any:
         raise _BadInput(f"{args.target}() raised {type(error).__name__}: {error}") from None
     try:
         return estimate(model, inputs, device=args.device, bandwidth=args.bandwidth_gbps,
-                        throughput=throughput, **options)
+                        throughput=throughput, layout=args.layout, **options)
     except ValueError as error:  # our own validation (ConfigurationError): no backward, ...
         raise _BadInput(str(error)) from None
     except Exception as error:

@@ -242,7 +242,11 @@ def estimate_fake_mode() -> Any:
     # No scalar outputs: eager code reading a value (``.item()``) still raises torch's
     # DataDependentOutputException naming the op, rather than branching on a symbol.
     shape_env = ShapeEnv(allow_dynamic_output_shape_ops=True, allow_scalar_outputs=False)
-    return FakeTensorMode(allow_non_fake_inputs=False, shape_env=shape_env)
+    # Non-fake inputs allowed: torch's fake kernel of run_and_save_rng_state returns the
+    # real generator state, which a checkpointed random op (SDPA counts as one) hands to
+    # run_with_rng_state in the backward. Every parameter, buffer and input is made fake
+    # before the step (fake_module, fake_inputs), so nothing else real reaches an op.
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
 
 
 def fake_module(model: nn.Module, mode: Any, device: torch.device) -> nn.Module:

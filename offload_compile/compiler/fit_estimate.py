@@ -97,6 +97,13 @@ class EstimateReport:
     """Region scope: the op whose own need is ``min_feasible_budget_bytes``."""
     regions: tuple[RegionReport, ...] = ()
     """Step scope: the region reports of every region the step compiled (at the floor)."""
+    step_compute_s: float | None = None
+    """Step scope: the step's predicted compute (every op of every invocation,
+    recomputation included, at ``flops_per_s`` / ``memory_bytes_per_s``): what
+    ``exposed_transfer_s`` is a share of. None under the region scope."""
+    layout: str = "as given"
+    """How the step scope compiled the model: ``"as given"`` (as its owner did), or its
+    run of identical blocks compiled per block (:mod:`.block_layout`, ``layout=``)."""
 
     @property
     def region(self) -> RegionReport:
@@ -296,6 +303,8 @@ def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
         f"{report.model} on {report.device} ({report.inner_compiler} graphs, "
         f"{len(regions)} region(s), {len(step.invocations)} invocation(s) per step): "
         f"{verdict} in a budget of {_mib(report.budget_bytes)}",
+        f"compiled {report.layout}" + ("" if report.layout == "as given" else
+                                       " (layout='as_given' plans the model as one graph)"),
         f"peak activations: {_mib(report.peak_without_offload)} without offload -> "
         f"{_mib(report.peak_with_plan)} with the step plan",
         f"smallest feasible budget: {_mib(report.min_feasible_budget_bytes)} (the floor: "
@@ -360,6 +369,7 @@ def estimate(
     device: torch.device | str | None = None,
     bandwidth: TransferBandwidth | float | None = None,
     throughput: DeviceThroughput | None = None,
+    layout: str = "auto",
     **options: Any,
 ) -> EstimateReport:
     """Trace, plan and report one training step of ``model(*example_inputs)``.
@@ -376,10 +386,15 @@ def estimate(
     default the parameters' device, for a meta model the current accelerator or CPU.
     ``bandwidth`` (GB/s each way, or a :class:`TransferBandwidth`) prices the copies,
     default ``DEFAULT_TRANSFER_BANDWIDTH``; ``throughput`` prices the ops (default the
-    roofline of ``device``). Inputs may be real, meta or fake tensors; only their
-    shapes, dtypes and strides are used. Nothing is allocated and the model is not
-    modified.
+    roofline of ``device``). ``layout`` (step scope): ``"auto"`` (default) estimates a
+    model compiled whole that repeats one block at least 8 times with each block compiled
+    on its own (one block captured and planned, priced on the step for every layer:
+    :mod:`.block_layout` says what differs from the whole graph's plan);
+    ``"as_given"`` as its owner compiled it; ``"per_block"`` per block from 2 blocks.
+    Inputs may be real, meta or fake tensors; only their shapes, dtypes and strides are
+    used. Nothing is allocated and the model is not modified.
     """
+    _check_layout(layout)
     if budget is not None:
         if "max_resident_activation_mb" in options:
             raise ConfigurationError(
@@ -401,11 +416,12 @@ def estimate(
 
         found = estimate_step(
             model, example_inputs, device=target, options=parsed, link=link,
-            throughput=throughput,
+            throughput=throughput, layout=layout,
         )
         return EstimateReport(
             **common, region_report=None, min_feasible_budget_bytes=found.step.floor_peak_bytes,
             trace_seconds=found.seconds, step=found.step, regions=found.regions,
+            layout=found.layout, step_compute_s=found.compute_s,
         )
     choice, plan_seconds, trace_seconds = _capture_and_search(
         model, example_inputs, target, parsed, link, prices
@@ -431,6 +447,15 @@ def estimate(
             latest_release_op=fx_trace.num_fw_ops - 1,
         ).stall_s,
     )
+
+
+def _check_layout(layout: str) -> None:
+    from .block_layout import LAYOUTS
+
+    if layout not in LAYOUTS:
+        raise ConfigurationError(
+            f"hyper_offload.estimate: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}"
+        )
 
 
 def _capture_and_search(

@@ -42,6 +42,7 @@ from hyper_offload.errors import ConfigurationError, DynamicShapeError, HyperOff
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
+from .block_layout import AUTO_MIN_REPEATS, BlockRun, compile_per_block, repeated_blocks
 from .dynamo_backend import HyperOffloadBackend
 from .eager_between import EagerMeter
 from .fake_capture import estimate_fake_mode, fake_inputs, fake_module
@@ -49,15 +50,20 @@ from .options import BackendOptions
 from .region_report import RegionReport
 from .step_report import StepReport
 
-__all__ = ["StepEstimate", "compile_as_given", "estimate_step"]
+__all__ = ["StepEstimate", "block_run_for", "compile_as_given", "estimate_step"]
 
 
 class StepEstimate(NamedTuple):
-    """The step plan of one fake step, the regions it ran, and the seconds it took."""
+    """The step plan of one fake step, the regions it ran, the seconds it took, and how
+    the model was compiled for it (``"as given"``, or :meth:`.BlockRun.describe`)."""
 
     step: StepReport
     regions: tuple[RegionReport, ...]
     seconds: float
+    layout: str = "as given"
+    compute_s: float = 0.0
+    """The step's predicted compute: every op of every invocation (recomputation
+    included) as its region's lowering in force traced and priced it."""
 
 
 def estimate_step(
@@ -69,12 +75,13 @@ def estimate_step(
     link: TransferBandwidth,
     throughput: DeviceThroughput | None,
     measure_eager: bool = True,
+    layout: str = "auto",
 ) -> StepEstimate:
     """Run one step of ``model(*example_inputs)`` on fake tensors on ``device`` through
     the backend in fake-steps mode, and return its step plan (module docstring).
     ``measure_eager``: count the eager code between regions (:mod:`.eager_between`);
     False plans what the regions hold only, as the compile door's real step does (tests
-    compare the two).
+    compare the two). ``layout``: :data:`.block_layout.LAYOUTS` (:func:`block_run_for`).
 
     Raises ``ConfigurationError`` when the step has no backward (nothing requires grad, or no
     compiled region's output reaches one)."""
@@ -85,7 +92,8 @@ def estimate_step(
     meter = EagerMeter(mode, device, fake.parameters()) if measure_eager else None
     backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True,
                                   observer=meter)
-    compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend))
+    run = block_run_for(fake, layout)
+    compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend), run)
     for _ in range(_MAX_STEPS):
         if meter is not None:
             meter.new_step()
@@ -111,7 +119,21 @@ def estimate_step(
             "saved activations to plan. Fix: estimate a training step (parameters with "
             "requires_grad=True)"
         )
-    return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started)
+    return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started,
+                        "as given" if run is None else run.describe(), _compute_s(backend))
+
+
+def _compute_s(backend: HyperOffloadBackend) -> float:
+    """:attr:`StepEstimate.compute_s` of the plan in force (0 when there is none)."""
+    from hyper_offload.passes.analysis.predicted_timeline import op_durations
+
+    plan = backend.step_plan
+    inputs = None if plan is None else backend._step_inputs(plan.timeline)
+    if inputs is None:
+        return 0.0
+    regions = inputs[0]
+    per_region = {r: sum(op_durations(t.trace)) for r, t in regions.items()}
+    return sum(per_region[i.region] for i in plan.timeline.invocations)
 
 
 _MAX_STEPS = 3
@@ -171,12 +193,31 @@ def _refusing_data_dependent_inputs(backend: HyperOffloadBackend) -> Any:
     return compile_region
 
 
-def compile_as_given(model: nn.Module, backend: Any) -> Any:
+def block_run_for(model: nn.Module, layout: str) -> BlockRun | None:
+    """The run of identical blocks ``layout`` compiles per block in ``model``
+    (:data:`.block_layout.LAYOUTS`), or None to compile it as given. A model its owner
+    compiled (whole or per block) is always compiled as given."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if layout == "as_given" or any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in model.modules()
+    ):
+        return None
+    run = repeated_blocks(model)
+    if run is None or (layout == "auto" and len(run.names) < AUTO_MIN_REPEATS):
+        return None
+    return run
+
+
+def compile_as_given(model: nn.Module, backend: Any, per_block: BlockRun | None = None) -> Any:
     """``model`` compiled with ``backend`` the way its owner compiled it: each submodule
     the owner compiled (``torch.compile(block)`` in its parent's place, or
     ``block.compile()``) is compiled again with ``backend`` and the rest runs eagerly, as
     in per-block training; a model compiled whole, or not compiled at all, is compiled
-    whole. ``model`` (a private copy) is changed in place.
+    whole, or with ``per_block`` (a run of its identical blocks) each of those blocks on
+    its own and the rest whole (:func:`.block_layout.compile_per_block`). ``model`` (a
+    private copy) is changed in place.
 
     One Dynamo context serves every submodule, with its own recompile bucket
     (``isolate_recompiles``): blocks share compiled regions as they do under one
@@ -184,7 +225,14 @@ def compile_as_given(model: nn.Module, backend: Any) -> Any:
     limit (each copy and backend is new, so they could never be reused anyway)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    optimize = torch._dynamo.optimize(backend=backend, isolate_recompiles=True)
+    # dynamic=False: sizes stay static however many estimates this process made before.
+    # Dynamo keeps per-code-object state: a frame (a block's forward) estimated at another
+    # sequence length earlier was compiled again with a symbolic length (automatic dynamic
+    # shapes) and planned at its bound: measured, Llama-3-8B x 32K after a 16K estimate
+    # reported a floor of 60.4 GiB instead of 7.6.
+    optimize = torch._dynamo.optimize(backend=backend, isolate_recompiles=True, dynamic=False)
+    if per_block is not None:
+        return compile_per_block(model, per_block, optimize)
     if isinstance(model, OptimizedModule):
         return optimize(model._orig_mod)
     recompiled = False
