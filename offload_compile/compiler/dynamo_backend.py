@@ -61,6 +61,7 @@ from . import region_cache
 from .backend_registry import BackendRegistry
 from .collectives import is_collective
 from .fake_capture import compile_graphs_only
+from .meta_graphs import compile_on_meta, on_meta
 from .options import BackendOptions, parse_backend_options
 from .recompute_search import Scorer, search_region
 from .region_plan import GraphPlan, PlannedRegion, lower_region, plan_with_schedule
@@ -614,8 +615,9 @@ class HyperOffloadBackend:
         return changed
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        if _on_meta(example_inputs):
-            return self._compile_on_meta(gm, example_inputs)
+        if on_meta(example_inputs):  # nothing to move: plain torch.compile, warned once
+            warn, self._meta_warned = not self._meta_warned, True
+            return compile_on_meta(gm, example_inputs, self.options, warn=warn)
         region = CompiledRegion(next(self._counter), gm, example_inputs, self.runtime)
         self.regions.append(region)
         plan_key = None
@@ -645,32 +647,6 @@ class HyperOffloadBackend:
             region.variants[None] = Lowering(compiled, region.planned, region.graphs)
         return _RegionForward(compiled, region, self)
 
-    def _compile_on_meta(
-        self, gm: fx.GraphModule, example_inputs: Sequence[Any]
-    ) -> Callable[..., Any]:
-        """A graph on the meta device, compiled as plain ``torch.compile`` with the inner
-        compiler: a meta tensor has no bytes, so there is nothing to move (and no host
-        copy a backward could reach). No region, report or step: ``estimate`` gives what
-        a real step would keep and move."""
-        if not self._meta_warned:
-            self._meta_warned = True
-            LOGGER.warning(
-                "hyper_offload: a region computes on the meta device, whose tensors hold no "
-                "bytes: nothing to move, so it is compiled as plain torch.compile with %s (no "
-                "region report). For what a real step would keep and move, use "
-                "hyper_offload.estimate(model, example_inputs, budget=...); to train, "
-                "materialize the model first (model.to_empty(device=...))",
-                self.options.inner_compiler,
-            )
-        if self.options.inner_compiler == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, example_inputs,
-                              config_patches=self.options.inductor_patches() or None)
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return aot_eager(gm, example_inputs)
-
     def _compile(
         self, region: CompiledRegion, gm: fx.GraphModule, example_inputs: Sequence[Any],
         plan_key: str | None, *, graphs_only: bool = False,
@@ -686,13 +662,6 @@ class HyperOffloadBackend:
                 self.options.inductor_patches(),
             )
         return _compile_inductor(gm, example_inputs, partitioner, self.options)
-
-
-def _on_meta(example_inputs: Sequence[Any]) -> bool:
-    """Whether a graph computes on the meta device (estimate's fake tensors are on the
-    device they model, never meta)."""
-    return any(isinstance(value, torch.Tensor) and value.device.type == "meta"
-               for value in example_inputs)
 
 
 def _timeline_key(timeline: StepTimeline) -> tuple[Any, ...]:

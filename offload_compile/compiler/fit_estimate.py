@@ -423,6 +423,16 @@ def estimate(
             trace_seconds=found.seconds, step=found.step, regions=found.regions,
             layout=found.layout, step_compute_s=found.compute_s,
         )
+    return _estimate_region(model, example_inputs, target, parsed, link, prices, common)
+
+
+def _estimate_region(
+    model: nn.Module, example_inputs: Sequence[Any], target: torch.device,
+    parsed: BackendOptions, link: TransferBandwidth, prices: DeviceThroughput,
+    common: dict[str, Any],
+) -> EstimateReport:
+    """``estimate`` under ``budget_scope="region"``: the whole step as one graph, its
+    region plan, and the op at its floor."""
     choice, plan_seconds, trace_seconds = _capture_and_search(
         model, example_inputs, target, parsed, link, prices
     )

@@ -185,8 +185,10 @@ def test_bad_input_is_one_line_and_exit_code_2(factories, capsys, target, extra,
 
 
 def test_host_budget_flag_reaches_the_step_plan(factories, capsys) -> None:
+    # 95% of the peak without offload (425,984 B) is over the floor (393,216 B, the last
+    # GELU's backward): the plan fits by moving bytes, when the host has room for them.
     base = ["estimate", f"{factories}:small", "--input-shape", "512,16", "--budget-fraction",
-            "0.9", "--inner-compiler", "aot_eager", "--recompute", "off"]
+            "0.95", "--inner-compiler", "aot_eager", "--recompute", "off"]
     assert main([*base, "--json", "--host-budget-mb", "1024"]) == 0
     roomy = json.loads(capsys.readouterr().out)["step"]
     assert roomy["binding"] == "device" and roomy["moved_bytes"] > 0

@@ -108,10 +108,11 @@ def assert_estimate_is_the_step_plan(
 
     real = backend.step_report
     link = backend.bandwidth(backend.regions[0].graphs[0])  # what the backend priced with
+    layout = options.pop("layout", "auto")  # estimate's, not a backend option
     estimate = estimate_step(
         model, inputs, device=resolve_trace_device(model, None),
         options=parse_backend_options(options), link=link, throughput=None,
-        measure_eager=False,
+        measure_eager=False, layout=layout,
     )
     assert real is not None
     for field in ("budget_bytes", "peak_bytes", "floor_peak_bytes",
