@@ -21,13 +21,12 @@ ops priced at :data:`PRICES`, blocks compiled per block: ``layout="auto"``):
   its forward in the backward), no offload: fits when its peak is within the budget;
 * ``offload``: offload only (``recompute="off"``): fits when the plan meets the device
   budget and moves at most the host budget;
-* ``default``: our default (offload + ``recompute="auto"``) under both budgets. The
-  host budget is enforced by the benchmark itself (written before the planners took
-  ``max_host_activation_mb``, and kept so the published rows stay reproducible): where
-  the plan moves more than 128 GiB, the first ``k`` layers are checkpointed (recompute
-  where the host binds), ``k`` the least that brings the moved bytes within it. Passing
-  ``max_host_activation_mb`` instead lets the step's own recompute search choose what to
-  recompute per region; that variant has not been run at this scale yet.
+* ``default``: our default (offload + ``recompute="auto"``) under both budgets. Every
+  estimate gets ``max_host_activation_mb`` = 128 GiB (the node's share, never the
+  running machine's node view), so the step plan keeps the host budget and its
+  recompute search recomputes where the host binds; where that is not enough (the plan
+  still keeps slots on the device past its budget because the host has no room), the
+  first ``k`` layers are checkpointed whole, ``k`` grown until the plan fits.
 
 A row's ``longest_seq`` is the longest sequence of ``--grid`` that fits (a binary
 search over the grid: fitting is monotone in the length), ``next_seq_in_grid`` the
@@ -93,6 +92,7 @@ def _estimate(seq: int, link: float, budget_mb: float, *, checkpoint: int,
     report = hyper_offload.estimate(
         model, (tokens, tokens), budget=budget_mb, device="cpu", bandwidth=link,
         throughput=PRICES, recompute=recompute,
+        max_host_activation_mb=HOST_BYTES / MIB,  # the node's share, not this machine's
     )
     step = report.step
     assert step is not None
@@ -100,7 +100,7 @@ def _estimate(seq: int, link: float, budget_mb: float, *, checkpoint: int,
         "seq": seq, "link_gbps": link, "checkpoint_layers": checkpoint, "recompute": recompute,
         "peak_without_offload_bytes": step.peak_without_offload_bytes,
         "floor_bytes": step.floor_peak_bytes, "peak_bytes": step.peak_bytes,
-        "fits_device": step.fits, "host_bytes": step.moved_bytes,
+        "fits_device": step.fits, "host_bytes": step.moved_bytes, "binding": step.binding,
         "stall_s": step.predicted_stall_s, "compute_s": report.step_compute_s,
         "budget_mb": budget_mb, "layout": report.layout,
         "estimate_s": round(time.perf_counter() - started, 1),
@@ -162,13 +162,15 @@ class Table:
         checkpoint = 0 if excess <= 0 else min(LAYERS, math.ceil(excess / per_layer) + 1)
         while True:
             found = self.at(seq, checkpoint, "auto")
-            if not found["fits_device"]:
-                return None
+            host_bound = found.get("binding") in ("host", "both")
+            if not found["fits_device"] and not host_bound:
+                return None  # the device alone: checkpointing more cannot help here
             excess = found["host_bytes"] - HOST_BYTES
-            if excess <= 0:
+            if found["fits_device"] and excess <= 0:
                 return found
             if checkpoint == LAYERS:
                 return None
+            excess = max(excess, per_layer)  # the host kept slots on the device: one more
             per_layer = max(found["host_bytes"] // LAYERS, 1)
             checkpoint = min(LAYERS, checkpoint + max(1, math.ceil(excess / per_layer)))
 
