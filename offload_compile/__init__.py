@@ -32,13 +32,13 @@ __version__ = "0.1.0"
 # The doors import torch; the CLI and the pure passes must not pay for it, so these
 # names are loaded on first access.
 _LAZY = {
-    "backend": ".compiler.dynamo_backend",
+    "backend": ".compiler.registry",
     "check": ".exactness.check",
     "estimate": ".compiler.fit_estimate",
     "OffloadSession": ".eager.session",
-    "register_backend": ".compiler.named_backends",
+    "register_backend": ".compiler.registry",
     "skip_offload": ".eager.skip",
-    "step_report": ".compiler.named_backends",
+    "step_report": ".compiler.registry",
 }
 
 __all__ = [

@@ -1,20 +1,22 @@
 """The compile door: ``torch.compile(model, backend="hyper_offload")``.
 
-* :mod:`.dynamo_backend` — the Dynamo backend (:class:`HyperOffloadBackend`, :func:`backend`);
+* :mod:`.registry` — how backends are found: ``backend="hyper_offload"`` (one shared
+  backend per option set, :func:`shared_backend`), :func:`backend` objects, and
+  :func:`register_backend` names with :func:`step_report`;
+* :mod:`.backend` — the Dynamo backend (:class:`HyperOffloadBackend`) and the callable
+  each region's forward runs;
 * :mod:`.options` — the ``options={...}`` the backend accepts;
-* :mod:`.backend_registry` — one backend per option set for ``backend="hyper_offload"``
-  (:func:`shared_backend` finds it);
-* :mod:`.named_backends` — :func:`register_backend`: those options under a name of
-  torch's backend registry, and :func:`step_report` by that name;
-* :mod:`.region_plan` / :mod:`.region_report` — plan one compiled region's graphs and
-  report it (:class:`RegionReport`);
-* :mod:`.step_model` / :mod:`.step_plan` / :mod:`.step_timeline` / :mod:`.step_report` —
-  one budget for the whole step (``budget_scope="step"``): learn the step's invocations,
-  choose what each keeps, price it on the timeline model, report it (:class:`StepReport`);
+* :mod:`.partitioner` / :mod:`.region` / :mod:`.region_plan` / :mod:`.region_report` —
+  one region: partitioned, planned, lowered, reported (:class:`RegionReport`);
+* :mod:`.step` — the step's lifecycle (:class:`~.step.controller.StepController`), how it
+  is learnt (recorder, eager meter) and the lowerings its plans want; planning itself is
+  the step model of :mod:`hyper_offload.passes.plan.step`; :mod:`.step_report` shows the
+  plan in force (:class:`StepReport`);
+* :mod:`.recompute_search` / :mod:`.recompute_splice` — keep, move or recompute;
 * :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
   autograd's graph (:func:`saved_device_bytes`);
-* :mod:`.fake_capture` / :mod:`.fit_estimate` — the same graphs on fake tensors, and
-  :func:`estimate` (does a step fit under a budget?) built on them.
+* :mod:`.fake_capture` / :mod:`.fit_estimate` / :mod:`.step_estimate` — the same graphs
+  on fake tensors, and :func:`estimate` (does a step fit under a budget?) built on them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from .._lazy import lazy_getattr
 
 # Inductor's imports take seconds; nothing loads until a name is used.
 _LAZY = {
-    "HyperOffloadBackend": ".dynamo_backend",
-    "backend": ".dynamo_backend",
-    "shared_backend": ".dynamo_backend",
-    "NamedBackend": ".named_backends",
-    "register_backend": ".named_backends",
-    "step_report": ".named_backends",
+    "HyperOffloadBackend": ".backend",
+    "backend": ".registry",
+    "shared_backend": ".registry",
+    "NamedBackend": ".registry",
+    "register_backend": ".registry",
+    "step_report": ".registry",
     "StepReport": ".step_report",
     "RegionReport": ".region_report",
     "EstimateReport": ".fit_estimate",

@@ -11,7 +11,7 @@ machine's memory. Two scopes, as the backend's ``budget_scope``:
   compile backend itself (:mod:`.step_estimate`): Dynamo splits it into the regions a
   real compile makes (graph breaks; blocks the model compiled on their own stay so, one
   compiled block invoked per layer), each region is planned at its floor, and the step
-  plan is :func:`~.step_plan.plan_step`'s. ``report.step`` is exactly the backend's
+  plan is :func:`hyper_offload.passes.plan.step.plan_step`'s. ``report.step`` is exactly the backend's
   ``step_report`` after a real first step, ``report.regions`` its region reports.
 * ``"region"``: the model as one region (:mod:`.fake_capture`: AOTAutograd on the whole
   module, no Dynamo, the stock min-cut partition the backend uses), planned, checked and
@@ -23,7 +23,7 @@ Figures are for saved activations and the temporaries of the step as the compile
 backend counts them (parameters, inputs, gradients and optimizer state excluded; see
 docs/architecture.md "Compile path", "What counts"), and under the step scope the eager
 code between compiled regions too (an LM head and loss outside per-block compiled
-blocks, :mod:`.eager_between`), which a real step does not measure. ``floor_op`` names
+blocks, :mod:`.step.meter`), which a real step measures the same way. ``floor_op`` names
 the op that sets the floor and ``floor_explained`` what lowers it.
 """
 
@@ -43,6 +43,7 @@ from hyper_offload.passes import required_bytes
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
 from hyper_offload.passes.fx.sizes import symbolic_sizes
+from hyper_offload.passes.plan.step import FloorOp
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
@@ -50,7 +51,6 @@ from .options import BackendOptions, parse_backend_options
 from .recompute_search import PartitionChoice, search_region
 from .region_plan import build_region_report
 from .region_report import RegionReport
-from .step_plan import FloorOp
 from .step_report import StepReport, explain_floor
 
 __all__ = ["EstimateReport", "estimate"]

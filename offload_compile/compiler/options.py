@@ -59,6 +59,7 @@ from hyper_offload.config import OffloadConfig
 
 __all__ = [
     "BUDGET_SCOPES",
+    "EAGER_ONLY",
     "INNER_COMPILERS",
     "RECOMPUTE_MODES",
     "BackendOptions",
@@ -70,9 +71,9 @@ RECOMPUTE_MODES = ("auto", "off")
 BUDGET_SCOPES = ("step", "region")
 _FRACTION = "max_resident_activation_fraction"
 _LINK = "transfer_bandwidth_gbps"
-_EAGER_ONLY = ("rewarm_on_mismatch",)
+EAGER_ONLY = ("rewarm_on_mismatch",)
 _CONFIG_KEYS = tuple(
-    f.name for f in dataclasses.fields(OffloadConfig) if f.name not in _EAGER_ONLY
+    f.name for f in dataclasses.fields(OffloadConfig) if f.name not in EAGER_ONLY
 )
 _KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK, "mode", "budget_scope",
          "move_only")
@@ -151,7 +152,7 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
     """Validate ``options`` (see the module docstring)."""
     options = dict(options or {})
     for key in options:
-        if key in _EAGER_ONLY:
+        if key in EAGER_ONLY:
             raise ConfigurationError(
                 f"hyper_offload options: {key!r} is an eager-session option (OffloadSession); "
                 "a compiled region re-plans when Dynamo recompiles it. Fix: remove it from "

@@ -133,7 +133,7 @@ class PlanScore(NamedTuple):
 
 Scorer = Callable[[GraphPlan], PlanScore]
 """The search's objective for a planned partition (:func:`region_score` by default; the
-step scope prices a region's partition on the whole step, :mod:`.step_recompute`)."""
+step scope prices a region's partition on the whole step, :mod:`.step.lowerings`)."""
 
 
 def region_score(plan: GraphPlan) -> PlanScore:
@@ -164,7 +164,7 @@ after one partition on every 4- and 32-layer Llama case)."""
 
 STEP_SEARCH_MIN_WORK = 8_000_000
 """The same for the default step scope's search, which runs once per region, after a
-step was seen to stall or miss the budget (:mod:`.step_recompute`): enough for the whole
+step was seen to stall or miss the budget  (:mod:`.step.lowerings`): enough for the whole
 grid and splice search of a 32-layer Llama-3-8B region at 32 K tokens (13 plans, 2.8 M
 accesses, one of them 2.0 M: ``benchmarks/peers.py --search``), so the default door
 finds what the region scope's unbounded search finds."""
@@ -522,7 +522,7 @@ def search_region(
     step scope's plan, each partition at its floor; without ``score``, torch's partition
     alone (the first lowering: nothing is known of the step yet, and the step plan later
     keeps what fits); with ``score`` (the step scope's re-lowering once the step is
-    known, :mod:`.step_recompute`) the ``recompute`` option's search, every partition
+    known, :mod:`.step.lowerings`) the ``recompute`` option's search, every partition
     ranked on the whole step."""
     plan = graph_planner(
         num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,

@@ -1,7 +1,7 @@
 """Trace, plan, lower and re-check one region's forward/backward graphs.
 
 The wiring between the pure passes; :mod:`.recompute_search` plans each candidate
-partition with :func:`plan_graphs`, and :mod:`.dynamo_backend` lowers the chosen one
+partition with :func:`plan_graphs`, and :mod:`.partitioner` lowers the chosen one
 with :func:`lower_region`. Planning is the shared pipeline of every
 door, :func:`hyper_offload.passes.plan_residency` (plan -> check -> place prefetches ->
 check -> delay releases -> check), with ``earliest_prefetch_op`` = the first backward
@@ -38,6 +38,7 @@ from hyper_offload.passes.fx.sizes import SymbolicSize, symbolic_sizes
 from hyper_offload.passes.plan.floor import FloorPlanner
 from hyper_offload.passes.plan.host_budget import host_curve
 from hyper_offload.passes.plan.planning import plan_residency
+from hyper_offload.passes.plan.summary import binding
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions
@@ -93,9 +94,10 @@ class GraphPlan(NamedTuple):
     def binding(self) -> str:
         """``"host"`` where the host budget kept bytes on the device past the budget,
         ``"device"`` where the device budget made it move bytes, else ``"none"``."""
-        if self.requested_budget_bytes is not None:
-            return "host"
-        return "device" if self.check.bytes_moved else "none"
+        return binding(budget_bytes=self.budget_bytes, floor_peak_bytes=0,
+                       peak_bytes=self.check.peak_resident_bytes,
+                       moved_bytes=self.check.bytes_moved,
+                       host_forced=self.requested_budget_bytes is not None)
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def plan_with_schedule(
     floor: GraphPlan, schedule: ResidencySchedule, budget_bytes: int, *, region: int
 ) -> GraphPlan:
     """``floor``'s region (number ``region``) planned with ``schedule`` (a cut of the
-    step's schedule, :mod:`.step_planner`) under ``budget_bytes``: checked on the region's own trace (a
+    step's schedule, :mod:`hyper_offload.passes.plan.step`) under ``budget_bytes``: checked on the region's own trace (a
     ``ScheduleError`` when ``check_schedule`` rejects it) and priced on its timeline."""
     trace = floor.fx_trace.trace.with_budget(budget_bytes)
     check = check_schedule(trace, schedule)

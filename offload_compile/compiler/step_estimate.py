@@ -2,7 +2,7 @@
 on fake tensors.
 
 A copy of the model whose parameters are fake twins (:func:`.fake_capture.fake_module`)
-is compiled with ``torch.compile`` and a :class:`~.dynamo_backend.HyperOffloadBackend`
+is compiled with ``torch.compile`` and a :class:`~.backend.HyperOffloadBackend`
 in *fake-steps* mode, and runs one step on fake inputs: one forward (Dynamo splits it
 into the regions a real compile makes: graph breaks, blocks compiled on their own,
 one compiled block invoked once per layer) and one backward of every output that
@@ -10,11 +10,10 @@ requires grad (gradients of ones, as AOTAutograd's tangents), and more steps whi
 the plan asks for regions to be lowered again (as a real run's next steps). Each region is
 partitioned, planned at its floor and lowered by the backend's own code; its graphs run
 as FX graphs on the fake tensors, so the backend's step recorder sees the step exactly
-as it sees a real first step, and :func:`~.step_plan.plan_step` plans it. Estimate and
-backend therefore agree by construction: same regions, same floor plans, same step plan
-(a test compares them), but for one thing the estimate adds: the eager code between
-regions (an LM head and loss outside the compiled blocks), which its fake step measures
-(:mod:`.eager_between`) and a real step does not (its report says so).
+as it sees a real first step, measures the eager code between regions as in a real
+step (:mod:`.step.meter`: an LM head and loss outside the compiled blocks), and the step
+model plans it. Estimate and backend therefore agree by construction: same regions, same
+floor plans, same eager bytes, same step plan (a test compares them).
 
 What a fake step cannot do: eager code between regions that reads tensor *values*
 (``if x.sum() > 0``, ``.item()``, ``.tolist()``) has no values to read; the error names
@@ -43,11 +42,11 @@ from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .block_layout import AUTO_MIN_REPEATS, BlockRun, compile_per_block, repeated_blocks
-from .dynamo_backend import HyperOffloadBackend
-from .eager_between import EagerMeter
+from .backend import HyperOffloadBackend
 from .fake_capture import estimate_fake_mode, fake_inputs, fake_module
 from .options import BackendOptions
 from .region_report import RegionReport
+from .step.controller import StepState
 from .step_report import StepReport
 
 __all__ = ["StepEstimate", "block_run_for", "compile_as_given", "estimate_step"]
@@ -74,14 +73,11 @@ def estimate_step(
     options: BackendOptions,
     link: TransferBandwidth,
     throughput: DeviceThroughput | None,
-    measure_eager: bool = True,
     layout: str = "auto",
 ) -> StepEstimate:
     """Run one step of ``model(*example_inputs)`` on fake tensors on ``device`` through
     the backend in fake-steps mode, and return its step plan (module docstring).
-    ``measure_eager``: count the eager code between regions (:mod:`.eager_between`);
-    False plans what the regions hold only, as the compile door's real step does (tests
-    compare the two). ``layout``: :data:`.block_layout.LAYOUTS` (:func:`block_run_for`).
+    ``layout``: :data:`.block_layout.LAYOUTS` (:func:`block_run_for`).
 
     Raises ``ConfigurationError`` when the step has no backward (nothing requires grad, or no
     compiled region's output reaches one)."""
@@ -89,17 +85,15 @@ def estimate_step(
     mode = estimate_fake_mode()
     fake = fake_module(model, mode, device)
     inputs = fake_inputs(mode, example_inputs, device)
-    meter = EagerMeter(mode, device, fake.parameters()) if measure_eager else None
     backend = HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=True,
-                                  observer=meter)
+                                  fake_mode=mode)
     run = block_run_for(fake, layout)
     compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend), run)
     for _ in range(_MAX_STEPS):
-        if meter is not None:
-            meter.new_step()
-        _fake_step(compiled, inputs, mode, meter)
-        if not any(r.relower_requested or r.lowering_requested is not None
-                   for r in backend.regions):
+        with backend.measuring():
+            _fake_step(compiled, inputs, mode, backend)
+        fake.zero_grad(set_to_none=True)  # as a training loop does between steps
+        if backend.controller.state is not StepState.RELOWERING:
             break
     report = backend.step_report
     if report is None and not backend.regions:
@@ -128,41 +122,44 @@ def _compute_s(backend: HyperOffloadBackend) -> float:
     from hyper_offload.passes.analysis.predicted_timeline import op_durations
 
     plan = backend.step_plan
-    inputs = None if plan is None else backend._step_inputs(plan.timeline)
-    if inputs is None:
+    if plan is None:
         return 0.0
-    regions = inputs[0]
+    regions = backend.lowerings.floors(plan.timeline)
     per_region = {r: sum(op_durations(t.trace)) for r, t in regions.items()}
-    return sum(per_region[i.region] for i in plan.timeline.invocations)
+    return sum(per_region.get(i.region, 0.0) for i in plan.timeline.invocations)
 
 
 _MAX_STEPS = 3
 """Fake steps an estimate runs at most: the first at the floor, and more while the step
-plan asks for regions to be lowered again (:mod:`.step_recompute`'s search, each region at
-most once; :mod:`.step_planner`'s schedules), as a real run's next steps: a lowering
+plan asks for regions to be lowered again (:mod:`.step.lowerings`: the recompute search,
+each region at most once, and schedules made for the step), as a real run's next steps: a lowering
 asked for at a step's end is made before the next step's first forward, and that step
 is planned again at its end."""
 
 
 def _fake_step(
-    compiled: Any, inputs: Sequence[Any], mode: Any, meter: EagerMeter | None
+    compiled: Any, inputs: Sequence[Any], mode: Any, backend: HyperOffloadBackend
 ) -> None:
-    """One forward and the backward of every output that requires grad (ones), the eager
-    code between regions measured by ``meter``. An error the backend raised on purpose
-    comes out as itself, not wrapped in Dynamo's ``BackendCompilerFailed``: the caller of
-    ``estimate`` compiled nothing."""
+    """One forward and the backward of every output that requires grad (ones), as a real
+    step runs them (the backend measures the eager code between its regions). An error
+    the backend raised on purpose comes out as itself, not wrapped in Dynamo's
+    ``BackendCompilerFailed``: the caller of ``estimate`` compiled nothing."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     try:
-        with mode, meter or contextlib.nullcontext(), torch.enable_grad():
+        with mode, torch.enable_grad():
             outputs = compiled(*inputs)
             leaves = [
                 t for t in tree_flatten(outputs)[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-            if leaves:  # the seeds are the estimate's, not the step's: not metered
+            if leaves:
+                # A scalar (a loss) is seeded by autograd, as loss.backward() seeds it in a
+                # real step (and measured alike); a seed of any other output is the
+                # estimate's own, not the step's: not measured.
+                meter = backend.controller.recorder.observer
                 with meter.region() if meter is not None else contextlib.nullcontext():
-                    seeds = [torch.ones_like(t) for t in leaves]
+                    seeds = [None if t.dim() == 0 else torch.ones_like(t) for t in leaves]
                 torch.autograd.backward(leaves, seeds)
     except BackendCompilerFailed as error:
         if isinstance(error.inner_exception, HyperOffloadError):

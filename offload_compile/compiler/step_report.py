@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .region_report import LOGGER
-from .step_plan import FloorOp, InvocationPlan, StepPlan
+from hyper_offload.passes.plan.step import FloorOp, InvocationPlan, StepPlan
 
 __all__ = ["StepReport", "build_step_report", "explain_floor", "log_step_plan"]
 
@@ -47,8 +47,9 @@ class StepReport:
     floor_op: FloorOp | None = None
     """The op at which the floor peaks: what sets ``floor_peak_bytes``."""
     eager_measured: bool = False
-    """Whether the eager code between regions was measured and counted
-    (``hyper_offload.estimate``); a real step counts only what its regions hold."""
+    """Whether the eager code between regions was measured and counted (a step of this
+    shape ran inside ``HyperOffloadBackend.measuring()``, as ``hyper_offload.estimate``'s
+    fake step does)."""
     regions_floor_bytes: int | None = None
     """Where the eager code was measured: the floor with it left out (what the regions
     alone need)."""
@@ -121,9 +122,9 @@ class StepReport:
             + f"; binding: {self.binding}",
             f"floor set by {self.floor_explained}",
             "eager code between compiled regions: " + (
-                "counted (measured on fake tensors)" if self.eager_measured else
-                "NOT counted (a real step measures only its regions; hyper_offload.estimate "
-                "measures the eager code, e.g. an LM head and loss left outside torch.compile)"),
+                "counted (measured in the step the plan was made from)" if self.eager_measured
+                else "not counted (run a training step inside `with backend.measuring():`, "
+                "or hyper_offload.estimate, to measure it)"),
             f"{'invocation':>10} {'kept MiB':>9} {'moved MiB':>9} {'retained MiB':>12}",
         ]
         lines += [

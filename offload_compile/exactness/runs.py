@@ -162,7 +162,7 @@ def offload_compile(inner_compiler: str, options: dict[str, Any],
                     move_only: frozenset[tuple[int, str]] | None = None) -> Door:
     """``backend=hyper_offload`` with everything movable moved (budget 0, the caller's
     other ``options`` kept), or only ``move_only``."""
-    from hyper_offload.compiler.dynamo_backend import backend as offload_backend
+    from hyper_offload.compiler.registry import backend as offload_backend
 
     settings = {**options, "inner_compiler": inner_compiler, "max_resident_activation_mb": 0}
     if move_only is not None:

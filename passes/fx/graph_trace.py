@@ -57,6 +57,7 @@ from torch import fx
 
 from ..analysis.liveness import resident_bytes_without_offload
 from ..ir.ops import TRANSFER_OPS
+from ..ir.schedule import ResidencySchedule
 from ..ir.trace import (
     BACKWARD_GRAPH,
     FORWARD_GRAPH,
@@ -67,6 +68,7 @@ from ..ir.trace import (
     TraceOp,
 )
 from .collectives import PendingCollectives, returns_work, wait_accesses
+from ..plan.step.model import RegionFloor
 from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput_for
 from .saved import SavedActivation, StorageBase, classify_saved
 
@@ -151,6 +153,23 @@ class FxTrace:
         """Offloadable storages and the saved tensors on each, in forward output order
         (all share one ``base``: one copy moves them all)."""
         return self._by_storage(offloadable=True)
+
+    def held(self) -> frozenset[StorageId]:
+        """The storages of the activation inputs: what a region's caller holds through
+        its whole forward."""
+        return frozenset(self.node_storage[key] for key in
+                         (f"{FORWARD_GRAPH}:{name}" for name in self.activation_inputs)
+                         if key in self.node_storage)
+
+    def region_floor(
+        self, schedule: ResidencySchedule, *, trace: ActivationTrace | None = None,
+        lowerable: bool = False,
+    ) -> RegionFloor:
+        """This region as the step model sees it, running ``schedule`` (``trace``: this
+        trace at other sizes, :meth:`at_sizes`; ``lowerable``: the step plan may lower
+        it again with a schedule of its own)."""
+        return RegionFloor(trace or self.trace, self.num_fw_ops, schedule,
+                           frozenset(self.movable()), self.held(), lowerable)
 
     def kept(self) -> dict[StorageId, tuple[SavedActivation, ...]]:
         """Activation storages that stay on the device and the saved tensors on each

@@ -41,7 +41,7 @@ because an inner compiler may lay out an intermediate differently from its fake 
 the host copy is still exactly what the fake kernel promised. Fake and real kernels share
 ``host_layout``, so traced and real layouts agree exactly. ``slot`` names the copied
 storage in its region's plan (the lowering passes the storage id, -1 for none): a step
-plan (:mod:`hyper_offload.compiler.step_plan`) may *keep* that slot of one invocation on
+plan (:mod:`hyper_offload.passes.plan.step`) may *keep* that slot of one invocation on
 the device, and then the real kernel makes a device copy instead of a host one, which
 every later op treats as the host copy (``copy_h2d`` hands it back without a transfer);
 the values are the same bits either way. No op mutates an input. ``wait_transfer`` returns its input, and says so with the alias

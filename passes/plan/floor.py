@@ -4,7 +4,7 @@ A schedule that offloads every gap of :func:`~..analysis.candidates.offload_cand
 keeps no storage on the device across a gap, so no schedule of the same gaps has fewer
 device bytes at any op: it is the trace's *floor*. A door that must fit a budget before
 it knows what else shares the device plans at the floor (the compile door's first step,
-when a step has several regions or invocations, :mod:`hyper_offload.compiler.step_plan`)
+when a step has several regions or invocations, :mod:`hyper_offload.passes.plan.step`)
 and later keeps on the device the gaps a wider view says it can afford. Placement
 (:func:`~.planning.plan_residency`) then hoists the reloads as far as the trace's budget
 allows, so a floor schedule is also as early as that budget permits.

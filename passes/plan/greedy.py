@@ -97,7 +97,7 @@ class GreedyResidencyPlanner:
     the time-ranked one to the pipeline, ``"bytes"`` the bytes choice only.
 
     Two keywords serve a trace that is more than one region (the compile door's step,
-    :mod:`hyper_offload.compiler.step_trace`): ``movable`` restricts the gaps to those
+    :mod:`hyper_offload.passes.plan.step.layout`): ``movable`` restricts the gaps to those
     storages' (None: every storage may move), and ``earliest_prefetch_op`` is where the
     time ranking assumes each storage's reload may start (one op or one per storage,
     :mod:`..ir.limits`; None: where the trace's ``bw:`` ops begin, ``backward_start``).

@@ -39,11 +39,12 @@ from ..analysis.predicted_timeline import predict_timeline
 from ..analysis.validator import Rule, ScheduleError, ScheduleReport, check_schedule
 from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
-from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace
+from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
 from .prefetch import PrefetchError, hoist_prefetches, prefetch_leads
 from .host_budget import host_curve
 from .protocol import ResidencyPlanner
 from .release_delay import delay_releases
+from .summary import binding
 
 __all__ = [
     "PlannedSchedule",
@@ -124,9 +125,10 @@ class PlannedSchedule:
         device past its budget), ``"device"`` (the device budget made it offload and the
         host had room), ``"none"`` (nothing had to move)."""
         requested = self.requested_budget_bytes
-        if requested is not None and self.trace.budget_bytes > requested:
-            return "host"
-        return "device" if self.check.bytes_moved else "none"
+        budget = self.trace.budget_bytes if requested is None else requested
+        return binding(budget_bytes=budget, floor_peak_bytes=0,
+                       peak_bytes=self.check.peak_resident_bytes, moved_bytes=self.check.bytes_moved,
+                       host_forced=self.trace.budget_bytes > budget)
 
 
 def plan_residency(
@@ -139,6 +141,7 @@ def plan_residency(
     latest_release_op: OpLimit | None = None,
     where: str = "hyper_offload",
     host_budget_bytes: int | None = None,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> PlannedSchedule:
     """Plan ``trace`` under its budget with ``planner`` and check; where a release waits
     for its D2H (``release_waits_for_d2h``: the compile lowering), hold each release until
@@ -157,6 +160,8 @@ def plan_residency(
     dropped (:mod:`.host_budget`; a planner that keeps none raises); a proposal the host
     budget kept over the device budget is checked under the device bytes it reaches
     (:attr:`PlannedSchedule.binding` ``"host"``).
+    ``fixed``: storages whose actions no placement stage moves (a lowering compiled
+    already: a step's regions invoked several times run their own schedule).
     Raises :class:`PlanningError` (a ``ScheduleError``) naming ``where`` and the stage
     when a stage's schedule breaks a rule; exceptions of ``planner.plan`` propagate.
     """
@@ -176,10 +181,12 @@ def plan_residency(
     # can cost time (it may leave a reload no room to start early): each proposal is also
     # placed as planned, as a door whose releases do not wait would place it, and the
     # timeline model judges both. So the door never stalls more than the plan undelayed.
-    variants = [True, False] if release_waits_for_d2h else [False]
+    # With every storage fixed nothing is placed: one variant is the other.
+    placeable = not fixed or not fixed.issuperset(trace.storage_sizes)
+    variants = [True, False] if release_waits_for_d2h and placeable else [release_waits_for_d2h]
     placed = [
         _place(trace, planned, planner, earliest_prefetch_op, default_op_duration_s,
-               latest_release_op, where, delayed=delayed)
+               latest_release_op, where, delayed=delayed, fixed=fixed)
         for planned in proposals
         for delayed in variants
     ]
@@ -270,6 +277,7 @@ def _place(
     where: str,
     *,
     delayed: bool,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> tuple[ResidencySchedule, ScheduleReport, ResidencySchedule, ScheduleReport]:
     """One proposal through the stages: ``(planned, its check, placed, its check)``.
     ``delayed``: releases are held until their D2H is predicted done and prefetches are
@@ -281,7 +289,7 @@ def _place(
     if delayed:
         schedule = delay_releases(
             trace, schedule, latest_op=latest_release_op,
-            default_op_duration_s=default_op_duration_s,
+            default_op_duration_s=default_op_duration_s, fixed=fixed,
         )
         check = check_schedule(trace, schedule)
         _require_ok(check, schedule, PlanningStage.DELAY_RELEASES, where, planner)
@@ -289,7 +297,7 @@ def _place(
         schedule = hoist_prefetches(
             trace, schedule, earliest_op=earliest_prefetch_op,
             default_op_duration_s=default_op_duration_s,
-            release_waits_for_d2h=delayed,
+            release_waits_for_d2h=delayed, fixed=fixed,
         )
     except PrefetchError as error:
         raise PlanningError(

@@ -63,8 +63,11 @@ def prefetch_slots(
     earliest_op: OpLimit = 0,
     default_op_duration_s: float | None = None,
     release_waits_for_d2h: bool = False,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> dict[tuple[StorageId, int], int]:
-    """``{(storage, wait_op): start_op}`` for every reload of ``schedule``, in wait order.
+    """``{(storage, wait_op): start_op}`` for every reload of ``schedule`` but those of
+    ``fixed`` storages (a lowering already compiled: they stay where they are), in wait
+    order.
 
     Two steps (module docstring): :func:`earliest_slots`, then each reload is issued as
     late as the timeline model says it can be without ending later than its wait or
@@ -72,7 +75,7 @@ def prefetch_slots(
     decrease in wait order. ``default_op_duration_s`` / ``release_waits_for_d2h``: the
     door's timeline, as :func:`.predicted_timeline.predict_timeline` takes them.
     """
-    earliest = earliest_slots(trace, schedule, earliest_op=earliest_op)
+    earliest = earliest_slots(trace, schedule, earliest_op=earliest_op, fixed=fixed)
     return _latest_without_stall(
         trace, schedule, earliest, default_op_duration_s, release_waits_for_d2h
     )
@@ -83,8 +86,10 @@ def earliest_slots(
     schedule: ResidencySchedule,
     *,
     earliest_op: OpLimit = 0,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> dict[tuple[StorageId, int], int]:
-    """The earliest op each reload may start at, in wait order: as far back as the budget
+    """The earliest op each reload (but those of ``fixed`` storages) may start at, in wait
+    order: as far back as the budget
     allows, never before ``earliest_op`` (the compile path cannot start a backward reload
     in the forward graph; per storage for a step of several regions,
     :mod:`~hyper_offload.passes.ir.limits`), nor before its wait if that is earlier, nor
@@ -104,6 +109,8 @@ def earliest_slots(
     slots = {}
     previous_start = 0
     for wait_op, storage, release_op in _reloads(schedule):
+        if storage in fixed:  # resident from where it is: the curve counts it already
+            continue
         size = trace.storage_sizes[storage]
         floor = min(wait_op, max(release_op + 1, op_limit(earliest_op, storage, 0), previous_start))
         start = wait_op
@@ -163,11 +170,11 @@ def _latest_without_stall(
     next_start = float("inf")  # start of the next copy on the stream
     latest_issue = trace.num_ops  # the reload after this one is issued at or before it
     for span in reversed(timeline.transfers):
-        if span.kind is not ActionKind.COPY_H2D:
-            next_start = min(next_start, span.start_s)
+        key = (span.storage, wait_of.get((span.storage, span.op_index), -1))
+        if span.kind is not ActionKind.COPY_H2D or key not in earliest:
+            next_start = min(next_start, span.start_s)  # a D2H, or a fixed reload
             continue
-        wait_op = wait_of[(span.storage, span.op_index)]
-        key = (span.storage, wait_op)
+        wait_op = key[1]
         start = span.start_s
         if key not in stalled:
             deadline = min(op_start[wait_op], next_start)
@@ -220,14 +227,19 @@ def hoist_prefetches(
     earliest_op: OpLimit = 0,
     default_op_duration_s: float | None = None,
     release_waits_for_d2h: bool = False,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> ResidencySchedule:
-    """``schedule`` with every COPY_H2D moved to its :func:`prefetch_slots` start.
+    """``schedule`` with every COPY_H2D but those of ``fixed`` storages moved to its
+    :func:`prefetch_slots` start.
 
     The result passes ``check_schedule`` whenever the input does, moves the same bytes,
     and never raises the resident bytes of an op above its allowance.
     """
+    if all(a.storage in fixed for _, _, a in schedule.actions()
+           if a.kind is ActionKind.COPY_H2D):
+        return schedule
     slots = prefetch_slots(
         trace, schedule, earliest_op=earliest_op, default_op_duration_s=default_op_duration_s,
-        release_waits_for_d2h=release_waits_for_d2h,
+        release_waits_for_d2h=release_waits_for_d2h, fixed=fixed,
     )
     return with_reload_starts(schedule, slots)

@@ -50,12 +50,14 @@ def release_slots(
     *,
     latest_op: OpLimit | None = None,
     default_op_duration_s: float | None = None,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> dict[tuple[StorageId, int], int]:
     """``{(storage, release op): new release op}`` for every release this pass holds back,
     in the order they are issued (a release held back and freed in its own slot maps to
     its own op: it moved behind that slot's other actions). ``schedule`` must pass
     ``check_schedule``; ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
     ``latest_op``: one op for every storage or one per storage (:mod:`..ir.limits`).
+    ``fixed``: storages whose releases stay where they are (a lowering already compiled).
     """
     report = check_schedule(trace, schedule)
     if report.violations:
@@ -67,7 +69,7 @@ def release_slots(
         max(trace.budget_bytes, need) - resident
         for need, resident in zip(required_bytes(trace), report.resident_bytes)
     ]
-    limits = _release_limits(schedule, latest_op, trace.num_ops - 1)
+    limits = _release_limits(schedule, latest_op, trace.num_ops - 1, fixed)
     simulator = TimelineSimulator(
         trace, default_op_duration_s=default_op_duration_s, release_waits_for_d2h=True
     )
@@ -90,15 +92,20 @@ def release_slots(
 
 
 def _release_limits(
-    schedule: ResidencySchedule, latest_op: OpLimit | None, final_op: int
+    schedule: ResidencySchedule, latest_op: OpLimit | None, final_op: int,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> dict[tuple[StorageId, int], int]:
     """``{(storage, release op): latest op it may move to}``: before the storage's next
     ``COPY_H2D`` (a reload needs the bytes freed first) and at most its ``latest_op``
-    (``final_op``, the trace's last op, where none is given)."""
+    (``final_op``, the trace's last op, where none is given); its own op for ``fixed``."""
     limits: dict[tuple[StorageId, int], int] = {}
     open_release: dict[StorageId, int] = {}
     for op, _where, action in schedule.actions():
         storage = action.storage
+        if storage in fixed:
+            if action.kind is ActionKind.RELEASE_DEVICE:
+                limits[(storage, op)] = op
+            continue
         if action.kind is ActionKind.RELEASE_DEVICE:
             last = min(op_limit(latest_op, storage, final_op), final_op)
             limits[(storage, op)] = max(op, last)
@@ -154,6 +161,7 @@ def delay_releases(
     *,
     latest_op: OpLimit | None = None,
     default_op_duration_s: float | None = None,
+    fixed: frozenset[StorageId] = frozenset(),
 ) -> ResidencySchedule:
     """``schedule`` with every :func:`release_slots` release moved to its new op.
 
@@ -161,9 +169,14 @@ def delay_releases(
     and never raises the resident bytes of an op above its allowance. Moved releases go
     last in their new ``post`` slot (after that slot's other actions), in the order
     :func:`release_slots` issued them: the order the timeline model ran them in.
+    ``fixed``: storages whose releases stay (with nothing else to hold, nothing runs).
     """
+    if all(a.storage in fixed for _, _, a in schedule.actions()
+           if a.kind is ActionKind.RELEASE_DEVICE):
+        return schedule
     slots = release_slots(
-        trace, schedule, latest_op=latest_op, default_op_duration_s=default_op_duration_s
+        trace, schedule, latest_op=latest_op, default_op_duration_s=default_op_duration_s,
+        fixed=fixed,
     )
     post = [list(actions) for actions in schedule.post]
     for (storage, op), _target in slots.items():

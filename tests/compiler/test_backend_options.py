@@ -112,7 +112,7 @@ def test_registered_as_a_dynamo_backend_without_importing_hyper_offload():
         "x = torch.randn(4, requires_grad=True)\n"
         "f(x).backward()\n"
         "assert torch.equal(x.grad, 2 * (2 * x).cos())\n"
-        "assert 'hyper_offload.compiler.dynamo_backend' in sys.modules\n"
+        "assert 'hyper_offload.compiler.registry' in sys.modules\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -147,7 +147,7 @@ def test_mode_applies_inductor_settings_without_cuda_graphs():
 
 
 def test_torch_compile_mode_reaches_the_backend_and_a_conflict_is_refused():
-    from hyper_offload.compiler.dynamo_backend import hyper_offload_backend
+    from hyper_offload.compiler.registry import hyper_offload_backend
 
     gm = torch.fx.symbolic_trace(torch.nn.Identity())
     with pytest.raises(ValueError, match="disagree"):

@@ -269,7 +269,7 @@ def test_exception_in_forward_leaves_nothing_in_flight():
     compiled = torch.compile(model, backend=backend)
     x, good = torch.randn(16, D), torch.tensor([0, 3])
     compiled(x, good).backward()
-    runtime = backend.regions[0].runtime
+    runtime = backend.runtime
     with pytest.raises(Exception, match="out of bounds|index"):
         compiled(x, torch.tensor([0, 99]))
     gc.collect()
@@ -333,7 +333,7 @@ def test_exception_inside_the_compiled_backward_leaves_nothing_in_flight():
             _step(compiled, x)
     finally:
         _FAIL["on"] = False
-    runtime = backend.regions[0].runtime
+    runtime = backend.runtime
     assert len(backend.reports) == 1 and backend.reports[0].offloaded  # one region, offloading
     gc.collect()
     assert runtime.transfers_pending == 0
@@ -360,7 +360,7 @@ def test_exception_in_backward_and_forward_without_backward_lose_no_host_buffer(
             raise RuntimeError("boom in backward")
 
     out = compiled(x)
-    runtime = backend.regions[0].runtime
+    runtime = backend.runtime
     assert runtime.pool.stats().buffers_in_use > 0  # the graph holds the host copies
     with pytest.raises(RuntimeError, match="boom"):
         Boom.apply(out).sum().backward()  # our region's backward never runs
@@ -379,7 +379,7 @@ def test_two_compiled_models_have_their_own_runtime():
     x = torch.randn(16, D)
     la = torch.compile(ma, backend=a)(x).sum()
     lb = torch.compile(mb, backend=b)(x).sum()
-    ra, rb = a.regions[0].runtime, b.regions[0].runtime
+    ra, rb = a.runtime, b.runtime
     assert ra is not rb
     assert ra.pool.stats().buffers_in_use == len(a.reports[0].offloaded)
     assert rb.pool.stats().buffers_in_use == len(b.reports[0].offloaded)

@@ -96,7 +96,7 @@ def test_several_optimizer_steps_equal_plain_compile(inner):
     assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
     assert all(torch.equal(a, b) for a, b in zip(state, want_state))
     assert backend.reports[0].offloaded
-    runtime = backend.regions[0].runtime
+    runtime = backend.runtime
     assert runtime.transfers_pending == 0
     stats = runtime.pool.stats()
     assert stats.buffers_in_use == 0  # every host copy went back after each step

@@ -4,8 +4,9 @@ With each block compiled on its own (the FSDP2 layout) and the LM head and loss 
 the estimate counted the eager code as holding nothing: per-block 4 layers x 128K
 Llama-3-8B "fit" 57,344 MiB with a floor of 33,552.5 MiB while the step needs
 192,384.5 MiB (the cross-entropy's backward over the vocabulary). The fake step now
-measures the eager code (:mod:`hyper_offload.compiler.eager_between`), the step plan lays
-it out between the regions, and the report names the op that sets the floor."""
+measures the eager code (:mod:`hyper_offload.compiler.step.meter`), the step plan lays
+it out between the regions, and the report names the op that sets the floor. A real step
+measures it the same way inside ``backend.measuring()``: the same floor, to the byte."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 
 import hyper_offload
 from examples.llama_model import Llama, LlamaConfig
-from hyper_offload.compiler.eager_between import between_regions
-from hyper_offload.compiler.step_model import Invocation, StepEvent, StepEventKind
+from hyper_offload.compiler.step.meter import between_regions
+from hyper_offload.passes.plan.step import Invocation, StepEvent, StepEventKind
 
 MIB = 1 << 20
 SEQ = 256
@@ -89,16 +90,29 @@ def test_a_chunked_loss_lowers_the_per_block_floor(floors) -> None:
     assert chunked.min_feasible_budget_bytes < unchunked / 2
 
 
-def test_a_real_step_says_the_eager_code_is_not_counted() -> None:
+def test_a_real_step_measures_the_eager_code_inside_measuring(floors) -> None:
     model = _llama(False)
-    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=64)
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=64,
+                                    recompute="off")
     torch._dynamo.reset()
     for index, layer in enumerate(model.layers):
         model.layers[index] = torch.compile(layer, backend=backend)
-    model(*_inputs()).backward()
+    model(*_inputs()).backward()  # not measured: what the regions hold
     report = backend.step_report
     assert not report.eager_measured and report.regions_floor_bytes is None
-    assert "eager code between compiled regions: NOT counted" in str(report)
+    assert "eager code between compiled regions: not counted" in str(report)
+    model.zero_grad(set_to_none=True)
+    with backend.measuring():
+        model(*_inputs()).backward()
+    report = backend.step_report
+    assert report.eager_measured and "counted (measured" in str(report)
+    # The estimate's fake step measures the same eager code: the same floor, to the byte.
+    assert report.floor_peak_bytes == floors["per_block"].min_feasible_budget_bytes
+    assert report.floor_op == floors["per_block"].floor_op
+    # Later steps of the shape reuse the measured figure.
+    model.zero_grad(set_to_none=True)
+    model(*_inputs()).backward()
+    assert backend.step_report.eager_measured
 
 
 def _event(kind: StepEventKind, ordinal: int) -> StepEvent:

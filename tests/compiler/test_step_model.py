@@ -9,13 +9,8 @@ import pytest
 import torch
 
 import hyper_offload
-from hyper_offload.compiler.step_model import (
-    Invocation,
-    StepEvent,
-    StepEventKind,
-    StepRecorder,
-    StepTimeline,
-)
+from hyper_offload.compiler.step.recorder import StepRecorder
+from hyper_offload.passes.plan.step import Invocation, StepEvent, StepEventKind, StepTimeline
 
 from .step_models import Stack, batch
 
@@ -40,8 +35,8 @@ def steps(compiled) -> list[StepTimeline]:
     """Install a fresh recorder; the steps it finishes."""
     backend, _ = compiled
     finished: list[StepTimeline] = []
-    backend.recorder = StepRecorder(finished.append)
-    backend.step_plan = None
+    backend.controller.recorder = StepRecorder(finished.append)
+    backend.controller.plan = None
     return finished
 
 
@@ -97,7 +92,7 @@ def test_a_graph_that_dies_unrun_leaves_the_step(compiled, steps):
     abandoned = model(_x())  # e.g. an evaluation forward with grad enabled
     del abandoned
     model(_x()).backward()  # its ordinals continue: the abandoned step ended silently
-    backend.recorder.poll()
+    backend.controller.recorder.poll()
     assert len(steps) == 1
     (r,) = steps[0].regions
     assert steps[0].events == _events((F, r, 0), (F, r, 1), (B, r, 1), (B, r, 0))
@@ -119,7 +114,7 @@ def test_a_retained_graphs_second_backward_belongs_to_no_step():
         loss.backward(retain_graph=True)
         first = x.grad.clone()
         loss.backward()
-    assert backend.recorder.steps == 1  # the second backward ended no step
+    assert backend.controller.recorder.steps == 1  # the second backward ended no step
     assert torch.equal(x.grad, 2 * first)  # and ran on what the first left in place
 
 
@@ -131,11 +126,11 @@ def test_autograd_grad_over_part_of_the_graph_ends_when_the_graph_dies(compiled,
     torch.autograd.grad(out, hidden)  # reaches the second layer's backward only
     assert steps == []
     del out, hidden
-    backend.recorder.poll()
+    backend.controller.recorder.poll()
     # Only the second layer's invocation ran its backward; the first one's left.
     assert len(steps) == 1 and [i.ordinal for i in steps[0].invocations] == [1]
 
 
 def backend_recorder_idle(compiled) -> bool:
     backend, _ = compiled
-    return backend.recorder.current_forwards() == ()
+    return backend.controller.recorder.current_forwards() == ()

@@ -18,14 +18,13 @@ import torch
 from hyper_offload.compiler.fake_capture import capture_graphs
 from hyper_offload.compiler.options import parse_backend_options
 from hyper_offload.compiler.region_plan import plan_graphs
-from hyper_offload.compiler.step_model import Invocation, StepEvent, StepEventKind, StepTimeline
-from hyper_offload.compiler.step_plan import plan_step
-from hyper_offload.compiler.step_planner import plan_step_schedules, region_floor_profile
-from hyper_offload.compiler.step_timeline import RegionFloor, predicted_step_stall
-from hyper_offload.compiler.step_trace import build_step_trace, region_trace
 from hyper_offload.passes import check_schedule, predict_timeline
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.ir.schedule import ActionKind
+from hyper_offload.passes.plan.step import (
+    BetweenRegions, Invocation, RegionFloor, StepEvent, StepEventKind, StepTimeline,
+    lay_out_step, plan_step,
+)
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 GPU = DeviceThroughput(flops_per_s=400e12, bytes_per_s=3e12)
@@ -57,6 +56,11 @@ def _plans(graphs, gbps: float, budget: int | None = None):
     return floor, region
 
 
+def _floor(plan, lowerable: bool = True) -> RegionFloor:
+    """The step model's view of a region planned at its floor."""
+    return plan.fx_trace.region_floor(plan.schedule, lowerable=lowerable)
+
+
 def _timeline(*events: tuple[StepEventKind, int, int]) -> StepTimeline:
     steps = tuple(StepEvent(kind, Invocation(region, ordinal)) for kind, region, ordinal in events)
     return StepTimeline(steps, {e.invocation: 0 for e in steps})
@@ -67,8 +71,8 @@ ONE = _timeline((F, 0, 0), (B, 0, 0))
 
 def test_a_step_of_one_region_is_that_regions_trace(graphs):
     floor, _ = _plans(graphs, 50.0)
-    region = region_trace(floor.fx_trace, floor.schedule)
-    step = build_step_trace(ONE, {0: region}, frozenset(ONE.invocations), 12345)
+    region = _floor(floor)
+    step = lay_out_step(ONE, {0: region}, tailored=frozenset(ONE.invocations), budget_bytes=12345)
     trace = floor.fx_trace.trace
     assert step.trace.ops == trace.ops
     assert step.trace.storage_sizes == trace.storage_sizes
@@ -76,6 +80,8 @@ def test_a_step_of_one_region_is_that_regions_trace(graphs):
     assert step.movable == region.movable
     assert set(step.earliest_reload.values()) == {floor.fx_trace.num_fw_ops}
     assert set(step.latest_release.values()) == {floor.fx_trace.num_fw_ops - 1}
+    # The floor laid out is the region's own schedule: the same bytes at every op.
+    assert check_schedule(step.trace, step.floor).resident_bytes == floor.check.resident_bytes
 
 
 @pytest.mark.parametrize("gbps", (50.0, 25.0))
@@ -85,8 +91,7 @@ def test_a_step_of_one_region_moves_and_stalls_no_more_than_the_region_scope(
     floor, _ = _plans(graphs, gbps)
     budget = int(fraction * floor.fx_trace.saved_bytes)
     _, region = _plans(graphs, gbps, budget)
-    plan = plan_step_schedules(ONE, {0: region_trace(floor.fx_trace, floor.schedule)},
-                               {0: floor.check.resident_bytes}, budget, tailor=frozenset({0}))
+    plan = plan_step(ONE, {0: _floor(floor)}, budget)
     timeline = predict_timeline(region.fx_trace.trace, region.schedule, release_waits_for_d2h=True)
     assert plan.moved_bytes <= region.check.bytes_d2h
     assert plan.predicted_stall_s <= timeline.exposed_transfer_s + 1e-12
@@ -97,45 +102,35 @@ def test_a_step_of_one_region_moves_and_stalls_no_more_than_the_region_scope(
 def test_below_the_floor_the_step_reaches_the_floor_peak_moving_less_than_everything(graphs):
     floor, _ = _plans(graphs, 25.0)
     budget = int(0.3 * floor.fx_trace.saved_bytes)
-    region = region_trace(floor.fx_trace, floor.schedule)
-    plan = plan_step_schedules(ONE, {0: region}, {0: floor.check.resident_bytes}, budget,
-                               tailor=frozenset({0}))
-    at_floor = plan_step(ONE, {0: region_floor_profile(0, region, floor.check.resident_bytes)},
-                         budget)
+    plan = plan_step(ONE, {0: _floor(floor)}, budget)
+    at_floor = plan_step(ONE, {0: _floor(floor, lowerable=False)}, budget)
     assert budget < at_floor.floor_peak_bytes  # below the floor: no plan meets the budget
     assert plan.peak_bytes == at_floor.floor_peak_bytes  # ... and this one reaches the floor
-    assert plan.moved_bytes < at_floor.moved_bytes  # moving less than everything movable
+    everything = sum(s.nbytes for s in _floor(floor).slots)
+    assert plan.moved_bytes < everything  # moving less than everything movable
 
 
 def test_without_a_region_to_lower_again_the_plan_keeps_on_the_floor(graphs):
     floor, _ = _plans(graphs, 50.0)
     budget = int(0.7 * floor.fx_trace.saved_bytes)
-    region = region_trace(floor.fx_trace, floor.schedule)
-    resident = floor.check.resident_bytes
-    plan = plan_step_schedules(ONE, {0: region}, {0: resident}, budget)
-    assert not plan.schedules
-    assert plan.keep_for(Invocation(0, 0)) == plan_step(
-        ONE, {0: region_floor_profile(0, region, resident)}, budget).keep_for(Invocation(0, 0))
+    plan = plan_step(ONE, {0: _floor(floor, lowerable=False)}, budget)
+    assert not plan.schedules and plan.proposal == "keep"
+    assert plan.kept_bytes > 0 and plan.peak_bytes <= budget
 
 
 def test_a_region_invoked_per_layer_keeps_its_floor_and_the_others_are_cut_around_it(graphs):
     """Region 1 runs twice (one compiled block per layer), region 0 once around them: only
     region 0 gets a schedule of its own, its reloads in its backward and its releases in
-    its forward, and the step holds the budget on the profiles the backend lays out."""
+    its forward, and the step holds the budget."""
     floor, _ = _plans(graphs, 25.0)
-    region = region_trace(floor.fx_trace, floor.schedule)
-    resident = floor.check.resident_bytes
     timeline = _timeline((F, 0, 0), (F, 1, 0), (F, 1, 1), (B, 1, 1), (B, 1, 0), (B, 0, 0))
     budget = int(1.5 * floor.fx_trace.saved_bytes)
-    plan = plan_step_schedules(timeline, {0: region, 1: region}, {0: resident, 1: resident},
-                               budget, tailor=frozenset({0, 1}))
+    plan = plan_step(timeline, {0: _floor(floor), 1: _floor(floor)}, budget)
     assert set(plan.schedules) == {0}
-    baseline = plan_step(timeline, {r: region_floor_profile(r, region, resident) for r in (0, 1)},
-                         budget)
+    baseline = plan_step(timeline, {r: _floor(floor, lowerable=False) for r in (0, 1)}, budget)
     assert plan.peak_bytes <= max(budget, baseline.floor_peak_bytes)
-    floors = {r: RegionFloor(region.trace, region.floor, region.num_fw_ops) for r in (0, 1)}
     # chosen because it stalls less than keeping on the floor (predicted)
-    assert plan.predicted_stall_s < predicted_step_stall(timeline, floors, baseline.keep_for)
+    assert plan.predicted_stall_s < baseline.predicted_stall_s
     for schedule in plan.schedules.values():
         assert check_schedule(floor.fx_trace.trace.with_budget(budget), schedule).ok
         num_fw = floor.fx_trace.num_fw_ops
@@ -148,39 +143,34 @@ def test_a_region_invoked_per_layer_keeps_its_floor_and_the_others_are_cut_aroun
 
 def test_the_plan_is_the_same_on_every_call(graphs):
     floor, _ = _plans(graphs, 25.0)
-    region = region_trace(floor.fx_trace, floor.schedule)
     budget = int(0.5 * floor.fx_trace.saved_bytes)
-    plans = [plan_step_schedules(ONE, {0: region}, {0: floor.check.resident_bytes}, budget,
-                                 tailor=frozenset({0})) for _ in range(2)]
+    plans = [plan_step(ONE, {0: _floor(floor)}, budget) for _ in range(2)]
     assert plans[0] == plans[1]
 
 
-def test_eager_code_between_regions_is_laid_out_as_the_step_plan_counts_it(graphs):
+def test_eager_code_between_regions_is_laid_out_as_one_op_and_one_storage(graphs):
     """Issue 44: a gap's eager peak is an op of the step trace, eager bytes held through
-    an event a storage over its ops; ``plan_step`` and the step trace count them alike,
-    and the step's schedule meets the budget there too."""
-    from hyper_offload.compiler.step_model import BetweenRegions
+    an event a storage over its ops; the floor and the plan count them, and the step's
+    schedule meets the budget there too."""
     from hyper_offload.passes import resident_bytes_without_offload
 
     floor, _ = _plans(graphs, 50.0)
-    region = region_trace(floor.fx_trace, floor.schedule)
     gap, held = 3 << 20, 1 << 20  # the loss's peak before the backward; bytes held through it
     timeline = replace(ONE, between=BetweenRegions((0, gap, 0), ("", "nll_loss_backward", ""),
                                                    (gap, 0, 0), (0, held)))
-    step = build_step_trace(timeline, {0: region}, frozenset(ONE.invocations), 12345)
+    step = lay_out_step(timeline, {0: _floor(floor)}, budget_bytes=12345)
     trace = floor.fx_trace.trace
+    num_fw = floor.fx_trace.num_fw_ops
     assert step.trace.num_ops == trace.num_ops + 1
-    eager = step.trace.ops[floor.fx_trace.num_fw_ops]
-    assert eager.name == "eager" and step.trace.operand_bytes(floor.fx_trace.num_fw_ops) == gap
+    eager = step.trace.ops[num_fw]
+    assert eager.name == "eager" and step.trace.operand_bytes(num_fw) == gap
     plain = resident_bytes_without_offload(step.trace)
     before = resident_bytes_without_offload(trace)
-    assert plain[floor.fx_trace.num_fw_ops + 1:] == [b + held for b in before[floor.fx_trace.num_fw_ops:]]
-    profiles = {0: region_floor_profile(0, region, floor.check.resident_bytes)}
-    plan = plan_step(timeline, profiles, None)
-    alone = plan_step(ONE, profiles, None)
+    assert plain[num_fw + 1:] == [b + held for b in before[num_fw:]]
+    plan = plan_step(timeline, {0: _floor(floor, lowerable=False)}, None)
+    alone = plan_step(ONE, {0: _floor(floor, lowerable=False)}, None)
     assert plan.floor_op.region is None and plan.floor_op.op == "nll_loss_backward"
     assert plan.regions_floor_bytes == alone.floor_peak_bytes < plan.floor_peak_bytes
     budget = plan.floor_peak_bytes + (1 << 20)
-    made = plan_step_schedules(timeline, {0: region}, {0: floor.check.resident_bytes}, budget,
-                               tailor=frozenset({0}))
+    made = plan_step(timeline, {0: _floor(floor)}, budget)
     assert made.fits and made.peak_bytes <= budget

@@ -57,9 +57,10 @@ def test_in_one_process_an_identical_region_is_served_with_its_plan() -> None:
             net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
             backend = hyper_offload.backend(max_resident_activation_fraction=0.5)
             torch.compile(net, backend=backend)(x).pow(2).mean().backward()
-            runs.append((backend.regions[0], [p.grad for p in net.parameters()]))
-    (first, first_grads), (second, second_grads) = runs
+            runs.append((backend, [p.grad for p in net.parameters()]))
+    (first_backend, first_grads), (second_backend, second_grads) = runs
+    first, second = first_backend.regions[0], second_backend.regions[0]
     assert second.from_cache and second.graphs is None  # no partitioner ran
     assert second.planned.report == first.planned.report and second.planned.report.offloaded
     assert all(map(torch.equal, first_grads, second_grads))
-    assert second.runtime.pool.stats().buffers_in_use == 0
+    assert second_backend.runtime.pool.stats().buffers_in_use == 0

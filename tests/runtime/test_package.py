@@ -114,6 +114,6 @@ def test_importing_ops_registers_the_real_kernels_without_warnings() -> None:
 
 
 def test_the_compile_backend_registers_the_real_kernels() -> None:
-    backend = "import hyper_offload.compiler.dynamo_backend"
+    backend = "import hyper_offload.compiler.backend"
     found = fresh_json(_ROUND_TRIP_AFTER.format(load=backend))
     assert found == {"exact": True, "barriers": True, "ops": True}

@@ -3,7 +3,7 @@
 * ``compile``: ``torch.compile(module, backend="aot_eager")`` is the reference;
   ``backend="hyper_offload"`` with :data:`COMPILE_OPTIONS` (budget 0: everything
   movable moves) must give the same loss and gradients at every step. What moved is read
-  from the backend (:func:`hyper_offload.compiler.dynamo_backend.shared_backend`): the
+  from the backend (:func:`hyper_offload.compiler.registry.shared_backend`): the
   bytes its transfer runtime copied to the host and the saved tensors its region
   reports offload.
 * ``eager``: plain eager is the reference; an ``OffloadSession`` at budget 0 runs the
@@ -240,7 +240,7 @@ def _compiled_steps(
 
 
 def _run_compile(module: OpModule, steps: int, result: CaseResult) -> None:
-    from hyper_offload.compiler.dynamo_backend import shared_backend
+    from hyper_offload.compiler.registry import shared_backend
 
     try:
         reference, graphs, plain_fallbacks = _compiled_steps(module, steps, "aot_eager")

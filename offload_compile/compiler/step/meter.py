@@ -1,24 +1,32 @@
-"""Device bytes of the eager code between a step's compiled regions, measured on fake tensors.
+"""Device bytes of the eager code between a step's compiled regions, measured in the step.
 
 A model compiled block by block (the FSDP2 layout: ``torch.compile`` per block, the LM head
-and the loss eager) runs code no region plans: the embedding, the head, the cross-entropy
-and their backwards. At long context that code sets the step's floor (the logits and the
-loss backward over a 128K vocabulary). :class:`EagerMeter` measures it in
-``hyper_offload.estimate``'s fake step: a ``TorchDispatchMode`` (it lets Dynamo compile
-under it: ``ignore_compile_internals``) that sees every op, counts only those run outside
-a region (the backend marks a region's forward, the step recorder its backward) on tensors
-of the step's own fake mode (Dynamo's compiles use theirs), and follows each new device
-storage an op makes until it dies (a weak reference). It writes a log; :func:`between_regions`
-reads it back against the step's events as :class:`~.step_model.BetweenRegions`.
+and the loss eager) runs code no region plans: the head, the cross-entropy and their
+backwards. At long context that code sets the step's floor (the logits and the loss
+backward over a 128K vocabulary). :class:`EagerMeter` measures it while the compile door
+learns a step, in ``hyper_offload.estimate``'s fake step as in a real step run inside
+``HyperOffloadBackend.measuring()``, with the same code: a ``TorchDispatchMode`` that lets Dynamo compile and run compiled code under it
+(``ignore_compile_internals``: nothing recompiles, compiled regions run their own code),
+counts only the ops run outside a region (the backend marks a region's forward, the step
+recorder its backward) on tensors of the step's device (and, in a fake step, of the step's
+own fake mode: Dynamo's compiles use theirs), and follows each new storage an op makes
+until it dies (a weak reference). It writes a log; :func:`between_regions` reads it back
+against the step's events as :class:`~hyper_offload.passes.plan.step.BetweenRegions`.
 
 What is counted, as a region's trace counts it: every device storage eager code makes,
-from the op that makes it to its death (saved for an eager backward or not), and each
-op's own operands at that op. Not counted: storages that end the step as a parameter's
-``.grad`` (the optimizer's memory; a region's trace counts gradients 0 bytes too), a
-storage from the moment it is handed to a region as an input (the region counts it: a
-block's input), and what regions make (their own traces count it). The step is planned
-when its last region's backward ends: eager code after that (an embedding's backward) is
-not in the plan.
+from the op that makes it to its death, and each op's own operands at that op. Not
+counted: what autograd's engine made and the step leaves alive (gradients: the
+optimizer's memory; a region's trace counts gradients 0 bytes too), a storage from the
+moment it is handed to a region as an input (the region counts it: a block's input), and
+what regions make (their traces count it). The step ends with the last region's
+backward: eager code after that (an embedding's backward) is not in the plan.
+
+Where it is pushed matters: Dynamo restores the dispatch keys a compiled call was
+entered with when it returns (``torch._C._ForceDispatchKeyGuard`` in ``eval_frame``), so
+a mode pushed from inside a compiled region stops seeing ops once that call returns. The
+meter is therefore pushed by whoever runs the step, outside compiled code:
+``hyper_offload.estimate``'s fake step, ``HyperOffloadBackend.measuring()`` around a real
+one (and the trainer integrations, which run the step).
 """
 
 from __future__ import annotations
@@ -33,8 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hyper_offload.passes.fx.sizes import planning_size
-
-from .step_model import BetweenRegions, StepEvent
+from hyper_offload.passes.plan.step.model import BetweenRegions, StepEvent
 
 __all__ = ["EagerMeter", "between_regions"]
 
@@ -46,26 +53,45 @@ _Entry = tuple[Any, ...]
 class EagerMeter(TorchDispatchMode):
     """Logs the device storages eager ops make and free (module docstring).
 
-    ``mode``: the step's fake mode (only its tensors count); ``device``: the device
-    planned (host tensors never count); ``parameters``: whose ``.grad`` is not counted.
-    The log is a list appended to in program order (autograd's device threads run one
-    node at a time)."""
+    ``device``: the device planned (host tensors never count); ``fake_mode``: in a fake
+    step, the step's fake mode (only its tensors count); None: real tensors. The log is a
+    list appended to in program order (autograd's device threads run one node at a time)."""
 
-    def __init__(self, mode: Any, device: torch.device, parameters: Iterable[torch.Tensor]) -> None:
+    def __init__(self, device: torch.device, fake_mode: Any = None) -> None:
         super().__init__()
-        self._mode = mode
+        self._fake_mode = fake_mode
         self._device = device
-        self._parameters = tuple(parameters)
         self._inside = 0
         self._ids: dict[int, int] = {}
         """Live storages: address -> the id it was logged under (an address is reused
         once its storage dies; an id never is)."""
         self._next_id = 0
+        self._in_backward: set[int] = set()
+        """Storages made while autograd's engine ran (a backward)."""
+        self._counting = False
         self.log: list[_Entry] = []
+
+    def __repr__(self) -> str:
+        state = "counting" if self._counting else "idle"
+        return f"EagerMeter({self._device}, {state}, {len(self.log)} entries)"
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        return True  # Dynamo compiles under this mode (it only reads)
+        return True  # Dynamo compiles, and compiled code runs, under this mode (it only reads)
+
+    # ------------------------------------------------------------------ step boundaries
+
+    def start(self) -> None:
+        """Push the meter and count from here (a new log)."""
+        self.log, self._ids, self._in_backward = [], {}, set()
+        self.__enter__()
+        self._counting = True
+
+    def stop(self) -> None:
+        """Stop counting and pop the meter (its log stays: a step that ends later is
+        laid against it)."""
+        self._counting = False
+        self.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def region(self, args: Sequence[Any] = ()) -> Iterator[None]:
@@ -89,24 +115,26 @@ class EagerMeter(TorchDispatchMode):
             if isinstance(value, torch.Tensor) and _address(value) in self._ids:
                 self.log.append(("free", self._ids[_address(value)]))
 
-    def new_step(self) -> None:
-        """Forget the log: a step starts (storages alive now are no step's)."""
-        self.log = []
-
     def between(self, events: tuple[StepEvent, ...]) -> BetweenRegions:
         """The eager bytes of the step so far against its ``events``."""
-        grads = frozenset(self._ids[_address(p.grad)] for p in self._parameters
-                          if p.grad is not None and _address(p.grad) in self._ids)
-        return between_regions(self.log, events, grads)
+        return between_regions(self.log, events, self._gradients())
 
     def event(self, event: StepEvent, *, done: bool = False) -> None:
         """The step recorded ``event`` (a forward after it ran, a backward as it starts;
         ``done``: it finished)."""
-        self.log.append(("done" if done else "event", event))
+        if self._counting:
+            self.log.append(("done" if done else "event", event))
+
+    def _gradients(self) -> frozenset[int]:
+        """Storages autograd's engine made that are still alive: the step's gradients."""
+        alive = set(self._ids.values())
+        return frozenset(key for key in self._in_backward if key in alive)
+
+    # ------------------------------------------------------------------ counting
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self._inside:
+        if self._inside or not self._counting:
             return out
         outputs = [t for t in tree_flatten(out)[0] if self._counts(t)]
         if not outputs:
@@ -116,6 +144,7 @@ class EagerMeter(TorchDispatchMode):
         own = {_address(t): _nbytes(t)
                for t in (*(t for t in inputs if self._counts(t)), *outputs)}
         made = []
+        backward = torch._C._current_graph_task_id() >= 0
         for tensor in outputs:
             address = _address(tensor)
             if address in self._ids or address in read:
@@ -124,6 +153,8 @@ class EagerMeter(TorchDispatchMode):
             key = self._ids[address] = self._next_id
             self._next_id += 1
             made.append((key, _nbytes(tensor)))
+            if backward:
+                self._in_backward.add(key)
             weakref.finalize(storage, self._freed, address, key)
         if made:
             self.log.append(("op", str(func.overloadpacket.__name__), tuple(made),
@@ -131,7 +162,9 @@ class EagerMeter(TorchDispatchMode):
         return out
 
     def _counts(self, value: Any) -> bool:
-        if not isinstance(value, torch.Tensor) or getattr(value, "fake_mode", None) is not self._mode:
+        if not isinstance(value, torch.Tensor) or value.is_sparse:
+            return False
+        if getattr(value, "fake_mode", None) is not self._fake_mode:
             return False
         device = value.device  # "cuda" names the current one: a tensor says "cuda:0"
         return device.type == self._device.type and self._device.index in (None, device.index)
@@ -159,7 +192,7 @@ def between_regions(
 ) -> BetweenRegions:
     """The eager bytes of ``log`` laid against ``events`` (the step's, in order; an event
     of the log that is not among them belongs to the gap it falls in). ``excluded``:
-    storage keys not counted (those that ended as a parameter's ``.grad``)."""
+    storage keys not counted (gradients)."""
     wanted = {event: index for index, event in enumerate(events)}
     gaps = [0] * (len(events) + 1)
     ops = [""] * (len(events) + 1)

@@ -1,10 +1,8 @@
-"""What a training step is, as the compile backend sees it: invocations of its regions.
+"""How the compile door learns a step: invocations of its regions, from the calls themselves.
 
-A step is rarely one compiled region run once. torchtitan compiles each block on its own
-and runs that one compiled graph for every layer; FSDP2, DDP and any graph break cut a
-model into several regions. Every *invocation* (one call of a region's forward with
-autograd recording) saves activations that live until *its* backward, and all of them
-share the device. :class:`StepRecorder` learns the step from the calls themselves:
+Every *invocation* (one call of a region's forward with autograd recording) saves
+activations that live until *its* backward, and all of them share the device.
+:class:`StepRecorder` learns the step (:class:`~hyper_offload.passes.plan.step.StepTimeline`):
 
 * each forward of a region with grad enabled whose outputs carry its
   ``CompiledFunctionBackward`` node is an invocation ``r<region>#<ordinal>`` (the
@@ -14,13 +12,13 @@ share the device. :class:`StepRecorder` learns the step from the calls themselve
 * a pre-hook on that node records when its backward starts, a post-hook when it is done;
 * a step ends when no invocation is outstanding any more (each one's backward ran, or
   its graph died unrun: a step that raised, an evaluation forward with grad enabled).
-  Then the recorder hands a :class:`StepTimeline` to its callback. Plain training is
-  forwards then backwards in reverse; gradient accumulation makes one step per
-  micro-batch (their activations never coexist); a pipeline stage's micro-batches
-  (several forwards before their backwards) are one step, so invocations may come in
-  any order. A retained graph's second backward belongs to no step (its invocation
-  was already done), nor does ``autograd.grad`` over part of a graph change anything
-  (the invocations it does not reach end when their graph dies).
+  Then the recorder hands the timeline to its callback. Plain training is forwards then
+  backwards in reverse; gradient accumulation makes one step per micro-batch (their
+  activations never coexist); a pipeline stage's micro-batches (several forwards before
+  their backwards) are one step, so invocations may come in any order. A retained
+  graph's second backward belongs to no step (its invocation was already done), nor
+  does ``autograd.grad`` over part of a graph change anything (the invocations it does
+  not reach end when their graph dies).
 
 Invariants: a timeline holds each of its invocations' forward exactly once, and a
 backward only after that invocation's forward; every invocation of a timeline that has a
@@ -33,111 +31,22 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = [
-    "BetweenRegions", "Invocation", "StepEvent", "StepEventKind", "StepObserver", "StepRecorder",
-    "StepTimeline",
-]
+from hyper_offload.passes.plan.step.model import (
+    BetweenRegions,
+    Invocation,
+    SizeBucket,
+    StepEvent,
+    StepEventKind,
+    StepTimeline,
+)
 
-
-class StepEventKind(str, Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-    def __repr__(self) -> str:
-        return self.value
-
-
-class Invocation(NamedTuple):
-    """The ``ordinal``-th forward of compiled region ``region`` in a step."""
-
-    region: int
-    ordinal: int
-
-    def __repr__(self) -> str:
-        return f"r{self.region}#{self.ordinal}"
-
-
-class StepEvent(NamedTuple):
-    kind: StepEventKind
-    invocation: Invocation
-
-    def __repr__(self) -> str:
-        return f"{'F' if self.kind is StepEventKind.FORWARD else 'B'}({self.invocation!r})"
-
-
-@dataclass(frozen=True)
-class BetweenRegions:
-    """Device bytes of the eager code between a step's compiled regions (measured on fake
-    tensors, :mod:`.eager_between`), against the step's events.
-
-    ``gap_bytes[k]``: the most bytes eager code held at any moment of the gap before event
-    ``k`` (``k == len(events)``: after the last event), its operands included;
-    ``gap_ops[k]`` the op at that moment ("" for none) and ``gap_op_bytes[k]`` its own
-    operands' bytes. ``during_bytes[k]``: bytes eager code holds while event ``k`` runs
-    (made before it, alive after it). Invariant: ``len(gap_bytes) == len(during_bytes) + 1``.
-    """
-
-    gap_bytes: tuple[int, ...]
-    gap_ops: tuple[str, ...]
-    gap_op_bytes: tuple[int, ...]
-    during_bytes: tuple[int, ...]
-
-    def gap(self, k: int) -> int:
-        return self.gap_bytes[k] if k < len(self.gap_bytes) else 0
-
-    def during(self, k: int) -> int:
-        return self.during_bytes[k] if k < len(self.during_bytes) else 0
-
-
-@dataclass(frozen=True)
-class StepTimeline:
-    """One observed step: forwards and backwards of its invocations, in the order they ran.
-
-    ``retained_bytes[i]``: device bytes invocation ``i``'s backward held at the end of its
-    forward that no plan can move: saved activations the region keeps and saved
-    activation inputs (a block's input), measured on the autograd graph; not the
-    parameters, buffers or leaf inputs, not host copies, not slots a step plan kept.
-    Only invocations whose backward ran are listed (the others left no activations).
-    """
-
-    events: tuple[StepEvent, ...]
-    retained_bytes: Mapping[Invocation, int] = field(default_factory=dict)
-    sizes: Mapping[Invocation, tuple[tuple[str, int], ...]] = field(default_factory=dict)
-    """Each invocation's sizes where its region has symbolic ones (``(symbol, value)``,
-    :mod:`.size_buckets`); absent for static sizes. Two steps of other sizes are two
-    timelines: each has its own plan."""
-    between: BetweenRegions | None = None
-    """The eager code between regions, where it was measured (``hyper_offload.estimate``'s
-    fake steps); None in a real step, whose plan counts only what regions hold."""
-
-    def __repr__(self) -> str:
-        return f"StepTimeline({' '.join(map(repr, self.events))})"
-
-    @property
-    def shape_key(self) -> tuple[Any, ...]:
-        """The step's events and sizes (not its bytes)."""
-        return (self.events, tuple(sorted(self.sizes.items())))
-
-    @property
-    def invocations(self) -> tuple[Invocation, ...]:
-        """Every invocation, in forward order."""
-        return tuple(e.invocation for e in self.events if e.kind is StepEventKind.FORWARD)
-
-    @property
-    def regions(self) -> frozenset[int]:
-        return frozenset(i.region for i in self.invocations)
-
-    def same_shape(self, other: StepTimeline) -> bool:
-        """Whether ``other`` ran the same events in the same order (bytes may differ)."""
-        return self.events == other.events
+__all__ = ["StepObserver", "StepRecorder", "compiled_backward_node"]
 
 
 class _Pending(NamedTuple):
@@ -145,11 +54,11 @@ class _Pending(NamedTuple):
 
     node: weakref.ref[Any]
     retained_bytes: int
-    sizes: tuple[tuple[str, int], ...] = ()
+    sizes: SizeBucket = ()
 
 
 class StepObserver(Protocol):
-    """What watches the step besides the recorder (:class:`~.eager_between.EagerMeter`):
+    """What watches the step besides the recorder (:class:`~.meter.EagerMeter`):
     told of each event as it is recorded, of a region's backward running, and asked for
     the eager code's bytes when a step ends."""
 
@@ -172,8 +81,8 @@ class StepRecorder:
 
     ``on_step`` receives each finished step that ran at least one backward, on the thread
     that finished it (a backward hook's, or the caller of :meth:`begin_forward`).
-    ``observer`` (estimate's fake steps) measures the eager code between regions: each
-    timeline then carries it (``StepTimeline.between``)."""
+    ``observer`` (:class:`~.meter.EagerMeter`, while a step is being learnt) measures the
+    eager code between regions: each timeline then carries it (``StepTimeline.between``)."""
 
     def __init__(
         self, on_step: Callable[[StepTimeline], None], observer: StepObserver | None = None
@@ -200,7 +109,12 @@ class StepRecorder:
         with self._lock:
             return tuple(e.invocation for e in self._events if e.kind is StepEventKind.FORWARD)
 
-    def current_sizes(self) -> dict[Invocation, tuple[tuple[str, int], ...]]:
+    def current_retained(self) -> int:
+        """Bytes the invocations of the step in progress retain (measured)."""
+        with self._lock:
+            return sum(p.retained_bytes for p in (*self._pending.values(), *self._done.values()))
+
+    def current_sizes(self) -> dict[Invocation, SizeBucket]:
         """The sizes each invocation of the step in progress ran with."""
         with self._lock:
             found = {**self._done, **self._pending}
@@ -215,7 +129,7 @@ class StepRecorder:
 
     def end_forward(
         self, invocation: Invocation, outputs: Any, retained_bytes: Callable[[Any], int],
-        sizes: tuple[tuple[str, int], ...] = (),
+        sizes: SizeBucket = (),
     ) -> bool:
         """Record ``invocation`` if ``outputs`` carry a compiled backward node; hook it.
         ``retained_bytes(node)`` measures what the node holds, ``sizes`` are the call's

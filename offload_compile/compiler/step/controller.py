@@ -1,0 +1,332 @@
+"""The compile door's step lifecycle: one object, named states, one transition per event.
+
+Under ``budget_scope="step"`` the backend's regions are lowered at their floor before
+anything is known of the step; :class:`StepController` learns the step, plans it with the
+step model (:func:`hyper_offload.passes.plan.step.plan_step`), puts the plan in force
+(what each invocation keeps, :meth:`StepController.keep_for`) and asks for the lowerings
+the plan wants. It owns everything that lasts across steps: the recorder, the meter, the
+plans made, the plan in force, the lowerings asked for.
+
+::
+
+           training forward          step done, nothing to lower
+    COLD ───────────────────▶ LEARNING ───────────────────────────▶ PLANNED ◀──┐
+                                 │                                     │  │    │ step done:
+           step done, the plan   │    ┌────────────────────────────────┘  │    │ its plan, a
+           wants lowerings       ▼    ▼  step done, the plan wants         └────┘ cached plan,
+                              RELOWERING    lowerings                             or a new one
+                                 │
+                                 └── next training forward: lower, plan again ──▶ PLANNED
+                                                      (or RELOWERING: the new partitions want more)
+
+Events and what they do (every other pair leaves the state as it is):
+
+* ``FORWARD`` with grad, beginning a step: COLD becomes LEARNING; in RELOWERING the
+  lowerings asked for are made first (compiled with grad enabled, whatever mode the
+  forward runs in), then the step is planned again on them.
+* ``FORWARD_NO_GRAD`` (``no_grad``, ``inference_mode``, evaluation): nothing. The region
+  runs the lowering in force keeping nothing; no plan is made, no lowering runs, the
+  plan in force stays as it was.
+* ``STEP_DONE`` (the last outstanding backward finished): the step is planned (or its
+  plan, or a cached plan of its shape and sizes, adopted) and the state moves as drawn.
+  The eager code between regions counts where a step of the shape was measured
+  (:meth:`StepController.measuring`); otherwise the plan counts what regions hold.
+* ``STEP_ABANDONED`` (a step's graphs died before their backward: it raised, was
+  interrupted, or evaluated with grad enabled): seen at the next forward, never planned;
+  its host buffers come back there (the runtime collects them); the state stays.
+* A recompilation (Dynamo hands over another region: other sizes, other ops, a branch)
+  is no event of its own: the step that runs it has another shape, planned when done.
+
+Thread-safety: forwards run on the user's thread; ``STEP_DONE`` may arrive on autograd's
+device thread, where it only records the plan; anything that compiles waits for the
+next training forward on the user's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from hyper_offload.passes.plan.step import BetweenRegions, Invocation, StepPlan, StepTimeline
+from hyper_offload.passes.plan.step.model import SizeBucket, Slot
+
+from .meter import EagerMeter
+from .recorder import StepRecorder
+
+__all__ = ["StepController", "StepEventName", "StepState", "StepLowering"]
+
+LOGGER = logging.getLogger("hyper_offload")
+
+
+class StepState(str, Enum):
+    """Where the compile door's step lifecycle is (module docstring)."""
+
+    COLD = "cold"
+    LEARNING = "learning"
+    PLANNED = "planned"
+    RELOWERING = "relowering"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+class StepEventName(str, Enum):
+    """What a training loop does that the lifecycle sees."""
+
+    FORWARD = "forward"
+    FORWARD_NO_GRAD = "forward without grad"
+    STEP_DONE = "step done"
+    STEP_ABANDONED = "step abandoned"
+
+    def __repr__(self) -> str:
+        return self.value
+
+
+class StepLowering(Protocol):
+    """What the controller asks of the backend: the step plan of a timeline on the
+    regions as lowered now, and the lowerings that plan wants, made."""
+
+    def plan(self, timeline: StepTimeline, budget: int | None, fraction: float | None
+             ) -> tuple[StepPlan, bool]:
+        """The plan of ``timeline`` and whether every region runs the lowering it wants."""
+        ...
+
+    def plan_in_force(self, timeline: StepTimeline, budget: int | None,
+                      fraction: float | None) -> StepPlan:
+        """Keeping slots on the lowerings in force (what runs until the wanted ones exist)."""
+        ...
+
+    def lowered_as(self, plan: StepPlan) -> bool:
+        """Whether every region of ``plan``'s step runs the lowering it was made for."""
+        ...
+
+    def slots(self, region: int) -> tuple[Slot, ...]:
+        """The slots the lowering in force of ``region`` copies out (may be kept)."""
+        ...
+
+    def apply(self, plan: StepPlan, timeline: StepTimeline) -> bool:
+        """Make the lowerings ``plan`` wants (and the recompute search it asks for);
+        whether any region changed."""
+        ...
+
+    def wants_search(self, plan: StepPlan) -> tuple[int, ...]:
+        """Regions the recompute search should re-lower for ``plan``."""
+        ...
+
+    def recomputes(self, plan: StepPlan) -> bool:
+        """Whether a region of ``plan``'s step runs a partition that recomputes more."""
+        ...
+
+
+class StepController:
+    """The step lifecycle of one backend (module docstring).
+
+    ``lowering``: the backend's side (:class:`StepLowering`); ``device`` and
+    ``fake_mode``: what the eager meter counts (a fake mode for ``estimate``'s fake
+    steps); ``fraction`` / ``budget_bytes``: the options' budget."""
+
+    def __init__(
+        self,
+        lowering: StepLowering,
+        *,
+        device: Callable[[], torch.device],
+        fake_mode: Any = None,
+        budget_bytes: int | None,
+        fraction: float | None,
+        recompute: bool,
+        on_step: Callable[[StepTimeline], None] = lambda timeline: None,
+    ) -> None:
+        self._lowering = lowering
+        self._device = device
+        self._fake_mode = fake_mode
+        self._budget = budget_bytes if fraction is None else None
+        self._fraction = fraction
+        self._recompute = recompute
+        self._on_step = on_step
+        self._lock = threading.RLock()
+        self.state = StepState.COLD
+        self.recorder = StepRecorder(self._step_done)
+        self.meter: EagerMeter | None = None
+        self.plan: StepPlan | None = None
+        """The plan in force (None before a step was planned)."""
+        self.wanted: StepPlan | None = None
+        """In RELOWERING: the plan whose lowerings the next training forward makes."""
+        self._relower_timeline: StepTimeline | None = None
+        self._plans: dict[tuple[Any, ...], StepPlan] = {}
+        self._between: dict[tuple[Any, ...], BetweenRegions] = {}
+        self.plain_peaks: dict[tuple[Any, ...], int] = {}
+        """Per step shape: its peak without offload on torch's partitions."""
+        self.replans = 0
+        """Plans put in force so far."""
+        self._kept_unplanned = 0
+        """Bytes kept so far by the step in progress, while no plan holds it."""
+        self.plans_made = 0
+        self.transitions: list[tuple[StepState, StepEventName, StepState]] = []
+        """Every state change, in order (for tests and debugging)."""
+
+    def __repr__(self) -> str:
+        return (f"StepController({self.state!r}, plans={self.plans_made}, "
+                f"in force={self.plan!r})")
+
+    @property
+    def steps(self) -> int:
+        return self.recorder.steps
+
+    # ------------------------------------------------------------------ events
+
+    def before_forward(self, grad: bool) -> None:
+        """A region's forward is about to run (``grad``: autograd records it)."""
+        self.recorder.poll()  # a step whose graphs died ends here (STEP_ABANDONED)
+        if not grad:
+            self._move(self.state, StepEventName.FORWARD_NO_GRAD)
+            return
+        if self.recorder.current_forwards():
+            return  # inside a step: nothing changes until it is done
+        if self.state is StepState.RELOWERING:
+            self._relower()
+        elif self.state is StepState.COLD:
+            self._move(StepState.LEARNING, StepEventName.FORWARD)
+
+    def keep_for(self, invocation: Invocation, bucket: SizeBucket) -> frozenset[int]:
+        """What a plan keeps for ``invocation`` (its sizes: ``bucket``): the plan in force,
+        else the latest plan made, while this step's forwards so far are that plan's (same
+        invocations, same sizes) and the regions run the lowerings it was made for; the
+        floor (nothing kept) where no plan is. A plan found this way is put in force."""
+        so_far = (*self.recorder.current_forwards(), invocation)
+        sizes = {**self.recorder.current_sizes(), invocation: bucket}
+        for plan in (self.plan, *reversed(self._plans.values())):
+            if plan is None or plan.timeline.invocations[: len(so_far)] != so_far:
+                continue
+            if any(plan.timeline.sizes.get(i, ()) != sizes[i] for i in so_far):
+                continue
+            if not self._lowering.lowered_as(plan):
+                continue
+            if plan is not self.plan:  # a size bucket seen before: its plan, as made
+                self._adopt(plan)
+            return plan.keep_for(invocation)
+        return self._keep_unplanned(invocation)
+
+    def _keep_unplanned(self, invocation: Invocation) -> frozenset[int]:
+        """A step no plan was made for keeps what an absolute budget holds, counted as
+        the saved bytes its invocations keep and retain so far (a budget above the step's
+        peak moves nothing from the first step on); with a fraction (of a peak not known
+        yet) it runs at the floor, keeping nothing."""
+        if self._budget is None:
+            return frozenset()
+        if len(self.recorder.current_forwards()) == 0:
+            self._kept_unplanned = 0  # a step begins
+        held = self._kept_unplanned + self.recorder.current_retained()
+        kept = []
+        for slot in sorted(self._lowering.slots(invocation.region), key=lambda s: -s.copy):
+            if held + slot.nbytes <= self._budget:
+                kept.append(slot.storage)
+                held += slot.nbytes
+                self._kept_unplanned += slot.nbytes
+        return frozenset(kept)
+
+    def _step_done(self, timeline: StepTimeline) -> None:
+        """STEP_DONE (module docstring); may run on autograd's device thread."""
+        with self._lock:
+            self._on_step(timeline)
+            timeline = self._with_between(timeline)
+            plan = self.plan
+            if plan is not None and plan.timeline == timeline and self.state is StepState.PLANNED:
+                return self._move(StepState.PLANNED, StepEventName.STEP_DONE)
+            cached = self._plans.get(timeline.plan_key)
+            if cached is not None and self._lowering.lowered_as(cached):
+                self._adopt(cached)
+                return self._move(self._after_plan(timeline), StepEventName.STEP_DONE)
+            self._plan(timeline)
+            self._move(self._after_plan(timeline), StepEventName.STEP_DONE)
+
+    # ------------------------------------------------------------------ planning
+
+    def _budget_args(self) -> tuple[int | None, float | None]:
+        """The budget in bytes once resolved (a fraction resolves once, on the step's first
+        plan on torch's partitions), else the options' fraction."""
+        return (self._budget, None) if self._budget is not None else (None, self._fraction)
+
+    def _plan(self, timeline: StepTimeline) -> None:
+        """Plan ``timeline``; put in force what the lowerings in force can run, and ask
+        for the lowerings (or the recompute search) the plan wants."""
+        target = self._plans.get(timeline.plan_key)
+        if target is None:
+            target, lowered = self._lowering.plan(timeline, *self._budget_args())
+            self.plans_made += 1
+            self._plans[timeline.plan_key] = target
+        else:
+            lowered = self._lowering.lowered_as(target)
+        search = self._lowering.wants_search(target) if self._recompute else ()
+        if lowered and not search:
+            self._adopt(target)
+            return
+        self._budget = target.budget_bytes
+        self._adopt(target if lowered else
+                    self._lowering.plan_in_force(timeline, target.budget_bytes, None))
+        self.wanted, self._relower_timeline = target, timeline
+        LOGGER.info("hyper_offload step plan %d: %s before the next step", self.replans,
+                    f"re-lowering region(s) {', '.join(map(str, search))} with the recompute "
+                    "search ranked on the step" if search else "lowering region(s) for the step")
+
+    def _after_plan(self, timeline: StepTimeline) -> StepState:
+        return StepState.RELOWERING if self.wanted is not None else StepState.PLANNED
+
+    def _relower(self) -> None:
+        """RELOWERING, at a training forward beginning a step: make the lowerings the plan
+        wants, then plan the step again on them (PLANNED, or RELOWERING again where the
+        new partitions want lowerings of their own)."""
+        wanted, timeline = self.wanted, self._relower_timeline
+        self.wanted = self._relower_timeline = None
+        assert wanted is not None and timeline is not None
+        if self._lowering.apply(wanted, timeline):
+            self._plans.clear()  # made on partitions no region runs any more
+        self._plan(timeline)
+        self._move(self._after_plan(timeline), StepEventName.FORWARD)
+
+    def _adopt(self, plan: StepPlan) -> None:
+        from ..step_report import log_step_plan
+
+        self.plan = plan
+        self.replans += 1
+        if not self._lowering.recomputes(plan):  # torch's partitions: the plain peak
+            self.plain_peaks.setdefault(plan.timeline.shape_key, plan.peak_without_offload_bytes)
+        log_step_plan(plan, self.replans, plan.predicted_stall_s)
+
+    # ------------------------------------------------------------------ eager meter
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Measure the eager code between regions in the steps run inside (module
+        docstring of :mod:`.meter`): the meter is pushed here, outside compiled code."""
+        if self.meter is None:
+            self.meter = EagerMeter(self._device(), self._fake_mode)
+        meter = self.meter
+        meter.start()
+        self.recorder.observer = meter
+        try:
+            yield
+        finally:
+            self.recorder.observer = None
+            meter.stop()
+
+    def _with_between(self, timeline: StepTimeline) -> StepTimeline:
+        """``timeline`` with the eager bytes measured for its shape (this step's, or an
+        earlier step's of the same shape)."""
+        if timeline.between is not None:
+            self._between[timeline.shape_key] = timeline.between
+            return timeline
+        between = self._between.get(timeline.shape_key)
+        return timeline if between is None else dataclasses.replace(timeline, between=between)
+
+    def _move(self, to: StepState, event: StepEventName) -> None:
+        if to is not self.state:
+            self.transitions.append((self.state, event, to))
+            self.state = to
+
