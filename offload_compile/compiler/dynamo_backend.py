@@ -246,6 +246,14 @@ class HyperOffloadBackend:
     def __repr__(self) -> str:
         return f"HyperOffloadBackend({self.options})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copy.deepcopy and pickle (Lightning's torch.compile wrapper deep-copies its
+        # arguments): a copy is a fresh backend with the same options and prices; the
+        # regions, step, runtime and pool (locks, streams) are this process's and stay.
+        # An observer is estimate's own meter of one run: a copy has none.
+        return (HyperOffloadBackend, (self.options,),
+                {"link": self.link, "throughput": self.throughput, "fake_steps": self.fake_steps})
+
     @property
     def verified_steps(self) -> int:
         """Steps whose transfers were checked (``verify``; counted under the step scope)."""
