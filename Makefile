@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,trainer]"
+	$(PY) -m pip install -q -e ".[test,hf,lightning]"
 	touch $@
 
 setup: $(VENV)/.ready

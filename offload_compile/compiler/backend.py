@@ -1,7 +1,7 @@
 """The ``hyper_offload`` torch.compile backend.
 
 ``torch.compile(model, backend="hyper_offload", options={...})`` (registered through the
-``torch_dynamo_backends`` entry point; one backend per option set, :mod:`.backend_registry`)
+``torch_dynamo_backends`` entry point; one backend per option set, :mod:`.registry`)
 or ``torch.compile(model, backend=hyper_offload.backend(config))``. For every region
 Dynamo hands over:
 
@@ -154,10 +154,10 @@ class HyperOffloadBackend:
         return f"HyperOffloadBackend({self.options})"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HyperOffloadBackend:
-        return HyperOffloadBackend(self.options, link=self.link, throughput=self.throughput)
+        return _fresh_backend(self.options, self.link, self.throughput, self.fake_steps)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_fresh_backend, (self.options, self.link, self.throughput))
+        return (_fresh_backend, (self.options, self.link, self.throughput, self.fake_steps))
 
     def measuring(self) -> Any:
         """``with backend.measuring(): loss = model(x); loss.backward()``: the step run
@@ -347,9 +347,11 @@ class HyperOffloadBackend:
 
 
 def _fresh_backend(options: BackendOptions, link: TransferBandwidth | None,
-                   throughput: DeviceThroughput | None) -> HyperOffloadBackend:
-    """A new backend with these options (how a copy or an unpickled backend is made)."""
-    return HyperOffloadBackend(options, link=link, throughput=throughput)
+                   throughput: DeviceThroughput | None, fake_steps: bool = False
+                   ) -> HyperOffloadBackend:
+    """A new backend with these options (how a copy or an unpickled backend is made: no
+    regions, no step, its own runtime and pool)."""
+    return HyperOffloadBackend(options, link=link, throughput=throughput, fake_steps=fake_steps)
 
 
 def _compile_inductor(

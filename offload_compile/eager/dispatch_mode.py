@@ -53,6 +53,14 @@ class ActivationDispatchMode(TorchDispatchMode):
             # on the fake mode below; returning NotImplemented would fail, as FakeTensor
             # defers to an active fake mode.
             return func(*args, **(kwargs or {}))
+        if func.namespace == "profiler":
+            # record_function's enter and exit (a handle, no tensor) annotate a step and
+            # come and go between steps of the same compute: Optimizer.zero_grad and
+            # Optimizer.step record one each, so under gradient accumulation only some
+            # micro-batches run them (Lightning calls zero_grad between forward and
+            # backward); a profiler schedule records its active steps only. No part of
+            # the step's trace.
+            return func(*args, **(kwargs or {}))
         for tensor_type in types:
             if tensor_type.__torch_dispatch__ is not _PLAIN_DISPATCH:
                 # A tensor subclass (DTensor, ShadowTensor) unwraps itself first; its
