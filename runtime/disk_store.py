@@ -25,8 +25,10 @@ the file (:mod:`hyper_offload.passes.ir.schedule`). This module moves those byte
   naming the file and the cause.
 * **Files never outlive their owner**: :meth:`DiskStore.clear` (the end of a step, a
   failed step, an interrupt: the doors call it) waits for every I/O and removes every
-  file; :meth:`DiskStore.close` also removes the directory; a ``weakref.finalize`` does
-  the same when the store is garbage collected or the process exits.
+  file; :meth:`DiskStore.discard` removes one from a finalizer (no lock, no wait: a
+  pending write of it skips or undoes itself); :meth:`DiskStore.close` also removes the
+  directory; a ``weakref.finalize`` does the same when the store is garbage collected or
+  the process exits.
 
 The files count against a budget (``budget_bytes``, raw bytes, from a write's request to
 its removal's): a write past it raises
@@ -45,6 +47,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -131,9 +134,27 @@ def _drop_cache(fd: int) -> None:
         advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _write(path: Path, view: memoryview, ready: Callable[[], object] | None) -> None:
+@dataclass(eq=False)
+class _File:
+    """One file of the store; ``dead`` once discarded (its write then skips or undoes
+    itself: a discard never leaves a file behind, whichever side runs first)."""
+
+    path: Path
+    nbytes: int
+    dead: bool = False
+
+
+def _write(file: _File, view: memoryview, ready: Callable[[], object] | None) -> None:
     if ready is not None:
         ready()
+    if file.dead:
+        return
+    _write_bytes(file.path, view)
+    if file.dead:  # discarded while it was being written
+        _unlink(file.path)
+
+
+def _write_bytes(path: Path, view: memoryview) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         done = 0
@@ -200,8 +221,11 @@ class DiskStore:
         self.budget_bytes = budget_bytes
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyper_offload_disk")
         self._lock = threading.Lock()
-        self._files: dict[Hashable, tuple[Path, int]] = {}
+        self._files: dict[Hashable, _File] = {}
         self._pending: list[DiskIO] = []
+        # Discarded (key, file) pairs, appended without the lock (finalizers), applied to
+        # the bookkeeping by every locked operation (_reap_locked).
+        self._discarded: deque[tuple[Hashable, _File]] = deque()
         self._held = self._peak = self._written = self._read = 0
         self._serial = 0
         self._busy = _Meter()
@@ -215,6 +239,7 @@ class DiskStore:
         after ``ready()`` returns (the copy that fills the buffer is done)."""
         view = host_bytes(buffer, nbytes)
         with self._lock:
+            self._reap_locked()
             if key in self._files:
                 raise ResidencyMisuseError(
                     f"DiskStore.write({key!r}): a file for it exists already; release it first")
@@ -225,19 +250,20 @@ class DiskStore:
                     "(OffloadConfig.max_disk_activation_mb): the plan was not made under this "
                     "budget. Plan through the door with the same config")
             self._serial += 1
-            path = self.path / f"{self._serial:08d}.bin"
-            self._files[key] = (path, nbytes)
+            file = _File(self.path / f"{self._serial:08d}.bin", nbytes)
+            self._files[key] = file
             self._held += nbytes
             self._peak = max(self._peak, self._held)
             self._written += nbytes
         # ``buffer`` rides along in the closure: alive until the bytes are on disk.
-        return self._submit("write", path, nbytes,
-                            lambda: (buffer, _write(path, view, ready)))
+        return self._submit("write", file.path, nbytes,
+                            lambda: (buffer, _write(file, view, ready)))
 
     def read(self, key: Hashable, buffer: torch.Tensor, nbytes: int | None = None) -> DiskIO:
         """Queue reading ``key``'s file into host ``buffer`` (all its bytes)."""
         with self._lock:
-            path, size = self._file(key, "read")
+            file = self._file(key, "read")
+            path, size = file.path, file.nbytes
             self._read += size
         if nbytes is not None and nbytes != size:
             raise ResidencyMisuseError(
@@ -248,13 +274,28 @@ class DiskStore:
     def remove(self, key: Hashable) -> DiskIO:
         """Queue removing ``key``'s file, after every I/O queued before (a read of it)."""
         with self._lock:
-            path, size = self._file(key, "remove")
+            file = self._file(key, "remove")
             del self._files[key]
-            self._held -= size
-        return self._submit("removal", path, 0, lambda: _unlink(path))
+            self._held -= file.nbytes
+        return self._submit("removal", file.path, 0, lambda: _unlink(file.path))
+
+    def discard(self, key: Hashable) -> None:
+        """Remove ``key``'s file now, from any context: no lock, never blocks, never
+        raises (a finalizer's call: the handle that named the file died). A pending write
+        of it skips or undoes itself; an unknown key is ignored."""
+        file = self._files.get(key)
+        if file is None:
+            return
+        file.dead = True
+        self._discarded.append((key, file))
+        try:
+            _unlink(file.path)
+        except OSError:  # pragma: no cover - clear() and close() remove it anyway
+            pass
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
+            self._reap_locked()
             return key in self._files
 
     # ------------------------------------------------------------------ lifetimes
@@ -270,8 +311,11 @@ class DiskStore:
         """Wait for every I/O (failures ignored: this is the cleanup path) and remove
         every file: the end of every step, successful or not."""
         with self._lock:
+            self._reap_locked()
             pending, self._pending = self._pending, []
-            files = [path for path, _ in self._files.values()]
+            files = [file.path for file in self._files.values()]
+            for file in self._files.values():
+                file.dead = True
             self._files.clear()
             self._held = 0
         for io in pending:
@@ -290,6 +334,7 @@ class DiskStore:
 
     def stats(self) -> DiskStats:
         with self._lock:
+            self._reap_locked()
             return DiskStats(len(self._files), self._held, self._peak, self._written,
                              self._read, self._busy.seconds)
 
@@ -300,8 +345,16 @@ class DiskStore:
 
     # ------------------------------------------------------------------ internals
 
-    def _file(self, key: Hashable, action: str) -> tuple[Path, int]:
+    def _reap_locked(self) -> None:
+        while self._discarded:
+            key, file = self._discarded.popleft()
+            if self._files.get(key) is file:
+                del self._files[key]
+                self._held -= file.nbytes
+
+    def _file(self, key: Hashable, action: str) -> _File:
         # Caller holds the lock.
+        self._reap_locked()
         found = self._files.get(key)
         if found is None:
             raise ResidencyMisuseError(
@@ -348,7 +401,7 @@ def profile_disk_bandwidth(directory: str | os.PathLike[str], *, probe_bytes: in
         write = read = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            _write(path, view, None)
+            _write_bytes(path, view)
             write = min(write, time.perf_counter() - start)
             start = time.perf_counter()
             _read(path, view)

@@ -132,3 +132,29 @@ def test_the_session_directory_goes_with_the_session(tmp_path: Path) -> None:
     del session
     gc.collect()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_config_validates_the_disk_tier(tmp_path: Path) -> None:
+    from hyper_offload.errors import ConfigurationError
+
+    assert OffloadConfig().disk_budget_bytes == 0  # off by default
+    assert OffloadConfig(max_disk_activation_mb=0).disk_budget_bytes == 0
+    on = OffloadConfig(max_disk_activation_mb=2, disk_dir=tmp_path / "new" / "dir")
+    assert on.disk_budget_bytes == 2 * MIB and not (tmp_path / "new").exists()  # not created
+    cases = {
+        "disk_dir is None": dict(max_disk_activation_mb=1),
+        "not a directory": dict(max_disk_activation_mb=1, disk_dir=tmp_path / "file"),
+        "no existing parent|not writable": dict(max_disk_activation_mb=1,
+                                                disk_dir=tmp_path / "file" / "below"),
+        "finite number of MiB": dict(max_disk_activation_mb=-1, disk_dir=tmp_path),
+        "GB/s > 0": dict(disk_bandwidth_gbps=0.0),
+    }
+    (tmp_path / "file").write_text("")
+    for message, kwargs in cases.items():
+        with pytest.raises(ConfigurationError, match=message):
+            OffloadConfig(**kwargs)
+    with pytest.raises(ConfigurationError, match="os.PathLike"):
+        OffloadConfig(max_disk_activation_mb=1, disk_dir=3)  # type: ignore[arg-type]
+    # The bandwidth: given, or measured once on the directory (a positive figure).
+    assert OffloadConfig(disk_bandwidth_gbps=3.5).disk_bandwidth() == 3.5
+    assert on.disk_bandwidth() > 0 and (tmp_path / "new" / "dir").is_dir()
