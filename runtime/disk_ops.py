@@ -8,6 +8,9 @@
     host2  = load_from_disk(handle, size, stride, dtype)   # backward: a fresh host copy
     release_disk(handle, after=host2)             # the file goes once read
     dev    = copy_h2d(host2, device)              # waits for the read first
+    ...
+    release_host(host2, after=dev)                # host2's buffer back to the pool now
+    hold([host2])                                 # the graph's end (forward: hold([host]))
 
 A *handle* is a one-element ``int64`` CPU tensor naming the file; the forward returns it
 in place of the host copy, so between forward and backward a spilled activation holds
@@ -16,6 +19,11 @@ the handle dies (a forward whose backward never ran, a backward that raised: the
 autograd graph that held it is gone), without blocking: see
 :meth:`~.disk_store.DiskStore.discard`. A handle's file is read once: a retained graph's
 second backward finds it released and says so.
+
+Both ``host`` (after its spill) and ``host2`` (after its ``release_host``) are tensors over
+pool memory that the pool may hand out again; the graphs hold them to their end so that
+the inner compiler, which reuses a buffer once its last reader ran, never writes into
+that memory (Inductor on a CPU model did: a reload differed from its D2H).
 
 A host copy the runtime kept on the device (a step plan's slot, or no host room:
 ``keep_on_device``) spills nothing: its handle stands for the device copy, and the load

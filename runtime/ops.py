@@ -120,6 +120,10 @@ def _release_disk_kernel(handle: torch.Tensor, after: torch.Tensor | None = None
     _disk("hyper_offload::release_disk", handle).release(handle)
 
 
+def _hold_kernel(tensors: list[torch.Tensor]) -> None:
+    return None  # its arguments lived until here: all it is for
+
+
 def _materialize_kernel(value: torch.Tensor) -> torch.Tensor:
     return value.clone()
 
@@ -141,6 +145,7 @@ _IMPL.impl("release_host", _release_host_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("spill_to_disk", _spill_to_disk_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("load_from_disk", _load_from_disk_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("release_disk", _release_disk_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("hold", _hold_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("materialize", _materialize_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("discard", _discard_kernel, REAL_KERNEL_KEY)
 

@@ -46,6 +46,9 @@ the backward reads it back into a host copy before its reload::
     host2 = hyper_offload.load_from_disk(act_1, size, stride, dtype)  # LOAD_FROM_DISK s
     hyper_offload.release_disk(act_1, after=host2)            # RELEASE_DISK s
     dev   = hyper_offload.copy_h2d(host2, device)             # as above, from host2
+    ...
+    hyper_offload.hold([host2, ...])                          # each graph's end (and the
+                                                              # forward's, for host)
 
 The schedule's COPY_D2H slot must not precede the storage's last forward write; the
 lowering then places the copy as above (never before that write), and the schedule
@@ -70,6 +73,7 @@ from ..analysis.liveness import storage_liveness
 from ..ir.ops import (
     COPY_D2H,
     COPY_H2D,
+    HOLD,
     LOAD_FROM_DISK,
     RELEASE_DISK,
     RELEASE_HOST,
@@ -372,6 +376,24 @@ def _rewire_outputs(g: _Graphs) -> None:
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for name, wait in replace.items():
         g.bw_nodes[name].meta["val"] = wait.meta["val"]
+    _hold_to_the_end(g.fw, [g.d2h[s] for s in g.spill])
+    _hold_to_the_end(g.bw, list(g.loaded.values()))
+
+
+def _hold_to_the_end(module: fx.GraphModule, hosts: list[fx.Node]) -> None:
+    """``hold(hosts + outputs)`` right before the output: a spilled or loaded host copy
+    gives its pool buffer back before the graph ends, and the inner compiler reuses a
+    buffer as scratch once its last reader ran (Inductor on a CPU model wrote into one
+    the pool had handed to the next copy). Reading every output too, the hold runs after
+    all compute, whatever order the inner compiler schedules: nothing can reuse them."""
+    if not hosts:
+        return
+    output = module.graph.find_nodes(op="output")[0]
+    outputs: list[fx.Node] = []
+    fx.node.map_arg(output.args, outputs.append)
+    held = [*hosts, *(n for n in outputs if isinstance(n.meta.get("val"), torch.Tensor))]
+    with module.graph.inserting_before(output):
+        module.graph.call_function(HOLD, (list(dict.fromkeys(held)),)).meta["val"] = None
 
 
 def _in_fake_mode(value: torch.Tensor) -> contextlib.AbstractContextManager[object]:

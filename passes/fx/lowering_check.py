@@ -36,6 +36,7 @@ from ..ir.ops import (
     COPY_D2H,
     COPY_H2D,
     DISK_OPS,
+    HOLD,
     LOAD_FROM_DISK,
     RELEASE_DISK,
     RELEASE_HOST,
@@ -88,8 +89,8 @@ def derive_schedule(
         for node in module.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
-            if is_rebuilt_view(node):
-                continue  # a saved view rebuilt on its reloaded base: not an op
+            if is_rebuilt_view(node) or node.target is HOLD:
+                continue  # a saved view rebuilt on its reloaded base, a hold: not ops
             target = node.target
             if target in (COPY_D2H, WAIT_TRANSFER, RELEASE_HOST, SPILL_TO_DISK) and cursor < 0 and (
                     prefix == "fw"):

@@ -2,7 +2,7 @@
 
 This is the vocabulary of lowered graphs, so it sits in the IR that every layer may
 import: the FX passes emit and trace these ops without loading anything that moves
-bytes, and :mod:`hyper_offload.runtime.ops` registers their real kernels. Nine ops:
+bytes, and :mod:`hyper_offload.runtime.ops` registers their real kernels. Ten ops:
 
 * the four **transfer ops** (``copy_d2h``, ``copy_h2d``, ``wait_transfer``,
   ``release_host``) that the FX lowering emits (below);
@@ -11,7 +11,10 @@ bytes, and :mod:`hyper_offload.runtime.ops` registers their real kernels. Nine o
   stride, ScalarType dtype) -> Tensor``, a fresh host copy that the next ``copy_h2d``
   of it waits to be read; ``release_disk(Tensor handle, Tensor? after=None) -> ()``),
   emitted where a schedule spills a host copy (:mod:`hyper_offload.runtime.disk_ops`
-  shows the IR);
+  shows the IR), and ``hold(Tensor[] tensors) -> ()``, a no-op at the end of a graph
+  whose arguments stay alive until there: a host copy whose pool buffer went back to the
+  pool early (spilled, or read back and released) must never become scratch memory of
+  the inner compiler, which reuses a buffer once its last reader ran;
 * the two **recompute barriers** of the spliced backward
   (:mod:`hyper_offload.compiler.recompute_splice`): ``materialize(Tensor value) ->
   Tensor``, a copy of ``value`` that Inductor runs as an extern kernel (stored rounded
@@ -74,7 +77,7 @@ identities; gradients go back with a plain synchronous copy.
 Invariant: this module imports torch and the standard library only, never anything of
 ``hyper_offload``, so the pure passes (:mod:`hyper_offload.passes`) can trace, lower and
 check graphs holding these ops without loading the runtime. Everything an op needs to be
-*traced* is here; what moves bytes is not. The real kernels of all nine live in
+*traced* is here; what moves bytes is not. The real kernels of all ten live in
 :mod:`hyper_offload.runtime.ops`, which registers them on ``REAL_KERNEL_KEY`` on import
 (the compile backend imports it). Until then that key holds placeholder kernels that raise
 an error naming the missing import, instead of the dispatcher's bare "could not run
@@ -99,6 +102,7 @@ __all__ = [
     "COPY_H2D",
     "DISCARD",
     "DISK_OPS",
+    "HOLD",
     "HOST_LABEL",
     "LOAD_FROM_DISK",
     "MATERIALIZE",
@@ -146,6 +150,7 @@ _LIB.define(
     tags=_FLEXIBLE,
 )
 _LIB.define("release_disk(Tensor handle, Tensor? after=None) -> ()", tags=_FLEXIBLE)
+_LIB.define("hold(Tensor[] tensors) -> ()", tags=_FLEXIBLE)
 # The recompute barriers: what torch.library.custom_op would define for them.
 _LIB.define("materialize(Tensor value) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define("discard(Tensor value) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
@@ -159,7 +164,8 @@ TRANSFER_OPS: tuple[torch._ops.OpOverload, ...] = (COPY_D2H, COPY_H2D, WAIT_TRAN
 SPILL_TO_DISK: torch._ops.OpOverload = torch.ops.hyper_offload.spill_to_disk.default
 LOAD_FROM_DISK: torch._ops.OpOverload = torch.ops.hyper_offload.load_from_disk.default
 RELEASE_DISK: torch._ops.OpOverload = torch.ops.hyper_offload.release_disk.default
-DISK_OPS: tuple[torch._ops.OpOverload, ...] = (SPILL_TO_DISK, LOAD_FROM_DISK, RELEASE_DISK)
+HOLD: torch._ops.OpOverload = torch.ops.hyper_offload.hold.default
+DISK_OPS: tuple[torch._ops.OpOverload, ...] = (SPILL_TO_DISK, LOAD_FROM_DISK, RELEASE_DISK, HOLD)
 """The disk tier's ops (the lowering emits them where a schedule spills)."""
 MATERIALIZE: torch._ops.OpOverload = torch.ops.hyper_offload.materialize.default
 DISCARD: torch._ops.OpOverload = torch.ops.hyper_offload.discard.default
@@ -328,6 +334,11 @@ def _load_from_disk_fake(
 
 @torch.library.register_fake(f"{NAMESPACE}::release_disk", lib=_LIB)
 def _release_disk_fake(handle: torch.Tensor, after: torch.Tensor | None = None) -> None:
+    return None
+
+
+@torch.library.register_fake(f"{NAMESPACE}::hold", lib=_LIB)
+def _hold_fake(tensors: list[torch.Tensor]) -> None:
     return None
 
 

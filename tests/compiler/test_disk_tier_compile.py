@@ -18,6 +18,7 @@ import torch
 
 import hyper_offload
 from hyper_offload.errors import ConfigurationError
+from hyper_offload.passes.ir import ops
 
 from .step_models import build, exact, train
 
@@ -75,6 +76,47 @@ def test_the_disk_tier_lets_the_device_budget_hold_exactly(reference, spilling) 
     model2, step2 = build("whole", plain)
     (held,) = train(model2, step2, 1)
     assert plain.reports[0].binding == "host" and held.saved_bytes > budget
+
+
+def test_the_lowered_graphs_hold_spilled_copies_past_all_compute(spilling) -> None:
+    """A spilled (forward) or released loaded (backward) host copy's pool buffer goes back
+    to the pool early; each graph's last op reads them and every output, so the inner
+    compiler cannot reuse them as scratch (Inductor did: test_inductor_is_exact...)."""
+    backend, _, _, _ = spilling
+    fw, bw = backend.regions[0].graphs
+    for graph, source in ((fw.graph, ops.SPILL_TO_DISK), (bw.graph, ops.LOAD_FROM_DISK)):
+        output = graph.find_nodes(op="output")[0]
+        hold = output.prev
+        assert hold.target is ops.HOLD
+        held = set(hold.args[0])
+        outputs = [n for n in output.args[0] if isinstance(n, torch.fx.Node)]
+        assert {n for n in outputs if isinstance(n.meta.get("val"), torch.Tensor)} <= held
+        copies = [n.args[0] if source is ops.SPILL_TO_DISK else n
+                  for n in graph.nodes if n.target is source]
+        assert copies and set(copies) <= held
+
+
+@pytest.mark.extended
+def test_inductor_is_exact_with_the_disk_tier(tmp_path: Path) -> None:
+    """Inductor (deterministic) reuses dead buffers as scratch: the holds keep it off the
+    host copies the disk tier gave back (without them ``verify`` caught a reload that
+    differed from its D2H). One verified step, equal to plain Inductor."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        torch._dynamo.reset()
+        model, step = build("whole", "inductor")
+        plain = train(model, step, 1)[0]
+        torch._dynamo.reset()
+        backend = hyper_offload.backend(
+            max_resident_activation_mb=plain.saved_bytes / 2 / (1 << 20),
+            max_host_activation_mb=HOST_MIB, recompute="off", budget_scope="region",
+            max_disk_activation_mb=64, disk_dir=tmp_path, disk_bandwidth_gbps=2.0, verify=True)
+        model, step = build("whole", backend)
+        (result,) = train(model, step, 1)
+        assert exact(result, plain) and backend.runtime.disk.bytes_to_disk > 0
+        assert result.saved_bytes <= plain.saved_bytes // 2
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_a_step_whose_backward_never_runs_or_fails_leaves_no_file(reference, spilling) -> None:

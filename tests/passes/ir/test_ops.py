@@ -60,7 +60,7 @@ def test_one_module_declares_every_op_of_the_namespace() -> None:
     declared = {op.name() for op in ops.ALL_OPS}
     assert declared == {f"hyper_offload::{name}" for name in (
         "copy_d2h", "copy_h2d", "wait_transfer", "release_host", "spill_to_disk",
-        "load_from_disk", "release_disk", "materialize", "discard")}
+        "load_from_disk", "release_disk", "hold", "materialize", "discard")}
     # Nothing else of the library defines an op in the namespace.
     for folder in ("offload_compile", "passes", "runtime"):
         for path in (Path(__file__).resolve().parents[3] / folder).rglob("*.py"):
