@@ -260,7 +260,7 @@ class PhysicalBuffer:
                 f"{self.state.value}); each RELEASE_DEVICE must follow a residency (bind or "
                 "copy_h2d)"
             )
-        if self._sent is not None and self.host_buffer is not None:
+        if self._sent is not None and (self.host_buffer is not None or self._disk is not None):
             self._check("write after copy", "the device bytes changed after their D2H was "
                         "issued, so the host copy holds older or torn bytes")
         # No host block on either path: the stream that reuses the bytes is ordered

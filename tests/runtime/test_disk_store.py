@@ -203,3 +203,18 @@ def test_without_a_disk_tier_a_spill_is_refused() -> None:
     with pytest.raises(ResidencyMisuseError, match="max_disk_activation_mb"):
         manager.spill_to_disk(0)
     manager.reset()
+
+
+def test_verify_still_catches_a_write_after_the_copy_of_a_spilled_storage(
+    disk_manager: ResidencyManager,
+) -> None:
+    from hyper_offload.errors import TransferIntegrityError
+
+    tensor = torch.ones(64)
+    disk_manager.bind(0, tensor)
+    disk_manager.copy_d2h(0)
+    disk_manager.spill_to_disk(0)
+    tensor.add_(1)  # a write the plan did not see: the file holds the old bytes
+    with pytest.raises(TransferIntegrityError, match="write after copy"):
+        disk_manager.release_device(0)
+    disk_manager.reset()
