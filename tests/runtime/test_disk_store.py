@@ -88,6 +88,23 @@ def test_a_failed_write_raises_at_its_sync_naming_the_file(tmp_path: Path) -> No
     assert _files(tmp_path) == []
 
 
+def test_a_discard_removes_the_file_whichever_side_runs_first(tmp_path: Path) -> None:
+    # What a dying handle does (a finalizer: no lock, no wait). Before its write ran:
+    store = DiskStore(tmp_path)
+    gate = threading.Event()
+    pending = store.write("early", torch.ones(64, dtype=torch.uint8), 64, ready=gate.wait)
+    store.discard("early")
+    gate.set()
+    pending.synchronize()
+    # ... and after it ran:
+    store.write("late", torch.ones(64, dtype=torch.uint8), 64).synchronize()
+    assert len(_files(tmp_path)) == 1
+    store.discard("late")
+    store.discard("unknown")  # ignored
+    assert _files(tmp_path) == [] and store.stats().files == 0 and store.stats().bytes_held == 0
+    store.close()
+
+
 def test_the_directory_goes_with_the_store_and_with_the_process(tmp_path: Path) -> None:
     store = DiskStore(tmp_path)
     store.write(0, torch.ones(16, dtype=torch.uint8), 16)
