@@ -76,6 +76,7 @@ def test_the_disk_ops_have_fake_kernels_and_effects() -> None:
         "hyper_offload::load_from_disk(Tensor handle, SymInt[] size, SymInt[] stride, "
         "ScalarType dtype) -> Tensor",
         "hyper_offload::release_disk(Tensor handle, Tensor? after=None) -> ()",
+        "hyper_offload::hold(Tensor[] tensors) -> ()",
     ]
 
     def round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,7 @@ def test_the_disk_ops_have_fake_kernels_and_effects() -> None:
         handle = ops.SPILL_TO_DISK(host)
         back = ops.LOAD_FROM_DISK(handle, [3, 4], [1, 3], torch.bfloat16)
         ops.RELEASE_DISK(handle, back)
+        ops.HOLD([host, back])
         return back
 
     gm = make_fx(round_trip, tracing_mode="fake")(torch.randn(4, 3, dtype=torch.bfloat16).t())
@@ -92,8 +94,8 @@ def test_the_disk_ops_have_fake_kernels_and_effects() -> None:
     assert (back.shape, back.stride(), back.dtype, back.device.type) == (
         (3, 4), (1, 3), torch.bfloat16, "cpu")
     assert getattr(back.untyped_storage(), ops.HOST_LABEL, False)  # a host copy
-    gm.graph.eliminate_dead_code()  # ordered effects: the release stays, unused as it is
-    assert any(n.target is ops.RELEASE_DISK for n in gm.graph.nodes)
+    gm.graph.eliminate_dead_code()  # ordered effects: release and hold stay, unused as they are
+    assert {ops.RELEASE_DISK, ops.HOLD} <= {n.target for n in gm.graph.nodes}
 
 
 def test_the_recompute_barriers_have_fake_kernels_and_no_effects() -> None:
