@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
 from hyper_offload.passes.plan.protocol import ResidencyPlanner
@@ -50,6 +52,27 @@ class OffloadConfig:
     ``pageable_fallback``'s explicit choice). Setting it warns and sets the host budget;
     setting both raises."""
 
+    max_disk_activation_mb: float | None = None
+    """The disk tier below host memory, in MiB per rank: where the host budget binds, the
+    planners move the host copies that wait longest to files in ``disk_dir`` instead of
+    keeping their bytes on the device (written asynchronously once their D2H is done, read
+    back before their reload; exact, bit for bit). ``None`` or ``0`` (default): no disk
+    tier. Costs disk bandwidth (``disk_bandwidth_gbps``), priced on the same timeline as
+    the copies; docs/disk-tier.md says when it pays."""
+
+    disk_dir: str | os.PathLike[str] | None = None
+    """The directory of the disk tier's files (required with ``max_disk_activation_mb``):
+    an existing writable directory, or one that can be created (its nearest existing
+    parent is a writable directory). Each session or compiled model writes into a
+    temporary subdirectory of its own and removes every file on every exit path (a step,
+    a failed step, an interrupt, garbage collection, process exit). A local NVMe drive,
+    not a network file system."""
+
+    disk_bandwidth_gbps: float | None = None
+    """The disk tier's write/read bandwidth in GB/s (10^9 bytes/s) the planners price
+    spills and loads at; ``None`` (default): measured once on ``disk_dir`` when a door
+    starts (:func:`hyper_offload.runtime.disk_store.profile_disk_bandwidth`)."""
+
     planner: ResidencyPlanner | None = None
     """Planner used to build the schedule; ``None`` means ``GreedyResidencyPlanner()``."""
 
@@ -78,7 +101,7 @@ class OffloadConfig:
 
         verify_steps(self.verify)
         for name in ("max_resident_activation_mb", "max_host_activation_mb",
-                     "max_offload_activation_mb"):
+                     "max_offload_activation_mb", "max_disk_activation_mb"):
             value = getattr(self, name)
             if value is None and name != "max_resident_activation_mb":
                 continue
@@ -116,6 +139,7 @@ class OffloadConfig:
                 f"OffloadConfig.pageable_fallback: expected True or False, got "
                 f"{self.pageable_fallback!r}"
             )
+        self._check_disk()
         if self.planner is not None and not callable(getattr(self.planner, "plan", None)):
             raise ConfigurationTypeError(
                 f"OffloadConfig.planner: {self.planner!r} has no plan(trace) method; pass an "
@@ -125,6 +149,41 @@ class OffloadConfig:
     @property
     def budget_bytes(self) -> int:
         return int(self.max_resident_activation_mb * MIB)
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        """``max_disk_activation_mb`` in bytes (0: no disk tier)."""
+        return int((self.max_disk_activation_mb or 0) * MIB)
+
+    def _check_disk(self) -> None:
+        """The disk tier's fields: a bandwidth > 0 if given; a usable ``disk_dir`` when
+        the tier is on (checked without creating anything: the door creates it)."""
+        gbps = self.disk_bandwidth_gbps
+        if gbps is not None and (isinstance(gbps, bool) or not isinstance(gbps, (int, float))
+                                 or not 0 < gbps < math.inf):
+            raise ConfigurationError(
+                f"OffloadConfig.disk_bandwidth_gbps: expected a finite number of GB/s > 0 (or "
+                f"None: measured on disk_dir), got {gbps!r}"
+            )
+        if not self.disk_budget_bytes:
+            return
+        if self.disk_dir is None:
+            raise ConfigurationError(
+                f"OffloadConfig.max_disk_activation_mb={self.max_disk_activation_mb!r} turns the "
+                "disk tier on, but disk_dir is None: pass disk_dir=<a directory on a local "
+                "drive> for its files (or max_disk_activation_mb=None for no disk tier)"
+            )
+        if not isinstance(self.disk_dir, (str, os.PathLike)):
+            raise ConfigurationTypeError(
+                f"OffloadConfig.disk_dir: expected a path (str or os.PathLike), got "
+                f"{type(self.disk_dir).__name__}"
+            )
+        problem = disk_dir_problem(Path(self.disk_dir))
+        if problem:
+            raise ConfigurationError(
+                f"OffloadConfig.disk_dir={os.fspath(self.disk_dir)!r}: {problem}; pass a "
+                "writable directory on a local drive (it is created if missing)"
+            )
 
     def _resolve_alias(self) -> None:
         old = self.max_offload_activation_mb
@@ -160,6 +219,19 @@ class OffloadConfig:
 
         return node_host_budget_bytes(self.local_world_size)
 
+    def disk_bandwidth(self) -> float:
+        """``disk_bandwidth_gbps``, or measured on ``disk_dir`` now when it is None (a
+        door calls it once, where it starts, and keeps the figure)."""
+        if self.disk_bandwidth_gbps is not None:
+            return float(self.disk_bandwidth_gbps)
+        if self.disk_dir is None:
+            raise ConfigurationError(
+                "OffloadConfig.disk_bandwidth(): no disk_dir to measure; set disk_dir, or "
+                "disk_bandwidth_gbps")
+        from hyper_offload.runtime.disk_store import profile_disk_bandwidth
+
+        return profile_disk_bandwidth(self.disk_dir).gbps
+
     def resolved_planner(self, host_budget_bytes: int | None = None) -> ResidencyPlanner:
         """The configured planner, else ``GreedyResidencyPlanner`` keeping
         ``host_budget_bytes`` (the door's resolved host budget; None: no host budget)."""
@@ -168,3 +240,21 @@ class OffloadConfig:
         from hyper_offload.passes import GreedyResidencyPlanner
 
         return GreedyResidencyPlanner(host_budget_bytes=host_budget_bytes)
+
+
+def disk_dir_problem(path: Path) -> str | None:
+    """What makes ``path`` unusable as the disk tier's directory, or None: an existing
+    path must be a writable directory; a missing one needs its nearest existing parent
+    to be a writable directory (then it can be created)."""
+    if path.exists():
+        if not path.is_dir():
+            return "exists and is not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return "is a directory this process cannot write"
+        return None
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        return "does not exist, and no existing parent directory holds it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"does not exist, and its parent {os.fspath(parent)!r} is not writable"
+    return None

@@ -8,8 +8,9 @@ shows the IR the lowering emits. This module adds what runs: one real kernel per
 into a :class:`~hyper_offload.runtime.transfer_context.TransferRuntime`, which owns
 engines, pool and every rule: ``copy_d2h`` uses the current runtime, the others the
 runtime that made their tensors (``runtime_of``), so a backward needs no runtime block.
-The recompute barriers need no runtime: ``materialize`` clones, ``discard`` returns an
-empty tensor.
+The disk tier's ops go to the runtime's :class:`~.disk_ops.DiskTransfers` (the handle's
+or the host copy's runtime). The recompute barriers need no runtime: ``materialize``
+clones, ``discard`` returns an empty tensor.
 
 Invariant: importing this module registers the real kernels (replacing the declarations'
 placeholders, which raise "import hyper_offload.runtime.ops") and does nothing else. Any
@@ -23,12 +24,17 @@ from __future__ import annotations
 import torch
 
 from hyper_offload.passes.ir import ops as declarations
+from hyper_offload.errors import TransferMisuseError
 from hyper_offload.passes.ir.ops import (
     COPY_D2H,
     COPY_H2D,
+    DISK_OPS,
+    LOAD_FROM_DISK,
     NAMESPACE,
     REAL_KERNEL_KEY,
+    RELEASE_DISK,
     RELEASE_HOST,
+    SPILL_TO_DISK,
     TRANSFER_OPS,
     WAIT_TRANSFER,
     dense_layout,
@@ -36,13 +42,18 @@ from hyper_offload.passes.ir.ops import (
     host_layout,
 )
 
+from .disk_ops import DiskTransfers
 from .transfer_context import current_keep, current_transfer_runtime, runtime_of
 
 __all__ = [
     "COPY_D2H",
     "COPY_H2D",
+    "DISK_OPS",
+    "LOAD_FROM_DISK",
     "NAMESPACE",
+    "RELEASE_DISK",
     "RELEASE_HOST",
+    "SPILL_TO_DISK",
     "TRANSFER_OPS",
     "WAIT_TRANSFER",
     "copy_d2h",
@@ -85,6 +96,34 @@ def _release_host_kernel(host: torch.Tensor, after: torch.Tensor | None = None) 
     runtime_of("hyper_offload::release_host", host).release_host(host)
 
 
+def _disk(op: str, tensor: torch.Tensor) -> DiskTransfers:
+    runtime = runtime_of(op, tensor)
+    if runtime.disk is None:
+        raise TransferMisuseError(
+            f"{op}: the TransferRuntime that made this tensor has no disk tier. Rule: a "
+            "graph that spills runs with a runtime made with disk=DiskStore(...). Fix: "
+            "compile with OffloadConfig.max_disk_activation_mb and disk_dir")
+    return runtime.disk
+
+
+def _spill_to_disk_kernel(host: torch.Tensor) -> torch.Tensor:
+    return _disk("hyper_offload::spill_to_disk", host).spill(host)
+
+
+def _load_from_disk_kernel(
+    handle: torch.Tensor, size: list[int], stride: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    return _disk("hyper_offload::load_from_disk", handle).load(handle, size, stride, dtype)
+
+
+def _release_disk_kernel(handle: torch.Tensor, after: torch.Tensor | None = None) -> None:
+    _disk("hyper_offload::release_disk", handle).release(handle)
+
+
+def _hold_kernel(tensors: list[torch.Tensor]) -> None:
+    return None  # its arguments lived until here: all it is for
+
+
 def _materialize_kernel(value: torch.Tensor) -> torch.Tensor:
     return value.clone()
 
@@ -103,6 +142,10 @@ _IMPL.impl("copy_d2h", _copy_d2h_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("copy_h2d", _copy_h2d_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("wait_transfer", _wait_transfer_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("release_host", _release_host_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("spill_to_disk", _spill_to_disk_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("load_from_disk", _load_from_disk_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("release_disk", _release_disk_kernel, REAL_KERNEL_KEY)
+_IMPL.impl("hold", _hold_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("materialize", _materialize_kernel, REAL_KERNEL_KEY)
 _IMPL.impl("discard", _discard_kernel, REAL_KERNEL_KEY)
 

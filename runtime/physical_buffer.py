@@ -38,6 +38,12 @@ Event rules (section 5.3 of the design), each enforced here:
 5. Failures roll back: a failed copy leaves no transfer in flight, returns any buffer it
    took, keeps the copy that is still valid, and raises :class:`TransferFailedError`
    saying which copy that is.
+6. The disk tier (:mod:`.disk_store`): :meth:`PhysicalBuffer.spill_to_disk` writes the
+   host copy to a file once its D2H is done and gives the host buffer back (reused only
+   once the write is done); :meth:`load_from_disk` reads it into a fresh pool buffer; an
+   H2D from that buffer first waits (the host blocks) for the read;
+   :meth:`release_disk` removes the file after the reads queued before it. An offloaded
+   storage whose copy is on disk is in state ``HOST`` (off the device, data kept).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import torch
 from hyper_offload.errors import DataLostError, ResidencyMisuseError, TransferFailedError
 
 from .device import Transfer, TransferEngine
+from .disk_store import DiskIO, DiskStore
 from .pinned_pool import PinnedMemoryPool
 from .verify import checksum, require_checksum
 
@@ -63,7 +70,8 @@ class BufferState(str, Enum):
     DEVICE_AND_HOST = "DEVICE_AND_HOST"
     """Bytes on the device and a host copy (in flight or complete)."""
     HOST = "HOST"
-    """Offloaded: the device storage is zero bytes, the host copy is the data."""
+    """Offloaded: the device storage is zero bytes, the host copy (or its disk copy) is
+    the data."""
     RELEASED = "RELEASED"
     """Neither copy exists any more (both released on purpose)."""
 
@@ -88,15 +96,21 @@ class TensorLayout:
 
 
 class AllDone:
-    """Completion event of a group of transfers, for the pool's pending list (a host
-    buffer released with it is reused only once every one of them completed)."""
+    """Completion event of a group of transfers (and disk writes), for the pool's
+    pending list (a host buffer released with it is reused only once every one of them
+    completed; the pool blocks on :meth:`synchronize` at its cap)."""
 
-    def __init__(self, transfers: Sequence[Transfer]) -> None:
+    def __init__(self, transfers: Sequence[Transfer | DiskIO]) -> None:
         self._transfers = list(transfers)
 
     def query(self) -> bool:
         self._transfers = [t for t in self._transfers if not t.query()]
         return not self._transfers
+
+    def synchronize(self) -> None:
+        for transfer in self._transfers:
+            transfer.synchronize()
+        self._transfers = []
 
 
 def byte_view(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
@@ -149,12 +163,14 @@ class PhysicalBuffer:
         (:mod:`.verify`)."""
         self._sent: torch.Tensor | None = None  # checksum of the bytes the last D2H read
         self._reload_unchecked = False
+        self._disk: tuple[DiskStore, object] | None = None  # (store, key) of the disk copy
+        self._disk_read: DiskIO | None = None  # the read filling host_buffer, if any
 
     # ------------------------------------------------------------------ state
 
     @property
     def state(self) -> BufferState:
-        has_host = self.host_buffer is not None
+        has_host = self.host_buffer is not None or self._disk is not None
         if self._on_device:
             return BufferState.DEVICE_AND_HOST if has_host else BufferState.DEVICE
         return BufferState.HOST if has_host else BufferState.RELEASED
@@ -173,6 +189,11 @@ class PhysicalBuffer:
     @property
     def has_host_copy(self) -> bool:
         return self.host_buffer is not None
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether a disk copy (a file of the disk tier) exists."""
+        return self._disk is not None
 
     def pending_transfers(self) -> list[Transfer]:
         """Transfers touching this buffer that have not completed, oldest first."""
@@ -239,7 +260,7 @@ class PhysicalBuffer:
                 f"{self.state.value}); each RELEASE_DEVICE must follow a residency (bind or "
                 "copy_h2d)"
             )
-        if self._sent is not None and self.host_buffer is not None:
+        if self._sent is not None and (self.host_buffer is not None or self._disk is not None):
             self._check("write after copy", "the device bytes changed after their D2H was "
                         "issued, so the host copy holds older or torn bytes")
         # No host block on either path: the stream that reuses the bytes is ordered
@@ -264,6 +285,7 @@ class PhysicalBuffer:
                 f"{self.state.value}: never copied to host, or its host copy was released); an "
                 "H2D must follow a COPY_D2H and precede the RELEASE_HOST"
             )
+        self._wait_for_read()
         try:
             self.storage.resize_(self.nbytes)
         except Exception as exc:
@@ -320,10 +342,81 @@ class PhysicalBuffer:
                 "never copied, copy failed, or released already); each RELEASE_HOST needs one "
                 "COPY_D2H"
             )
-        touching = (self.host_event, *self._host_readers)
+        touching = (self.host_event, *self._host_readers, self._disk_read)
         pending = [t for t in touching if t is not None and not t.query()]
         self._pool.release(self.host_buffer, AllDone(pending) if pending else None)
         self.host_buffer, self.host_event, self._host_readers = None, None, []
+        self._disk_read = None
+
+    # ------------------------------------------------------------------ the disk tier
+
+    def spill_to_disk(self, store: DiskStore, key: object) -> DiskIO:
+        """Write the host copy to a file of ``store`` once its D2H is done, and give the
+        host buffer back (the pool reuses it once the write and any H2D reading it are
+        done). The disk copy is then the data (with the device copy, if any)."""
+        if self.host_buffer is None or self._disk is not None:
+            raise ResidencyMisuseError(
+                f"spill_to_disk({self.label}): "
+                + ("there is no host copy to write (state " f"{self.state.value}); a "
+                   "SPILL_TO_DISK follows a COPY_D2H" if self.host_buffer is None else
+                   "a disk copy exists already; release_disk it first")
+            )
+        d2h = self.host_event
+        ready = None if d2h is None or d2h.event is None or d2h.query() else d2h.event.synchronize
+        write = store.write(key, self.host_buffer, self.nbytes, ready=ready)
+        readers = [t for t in (*self._host_readers, self._disk_read) if t is not None and not t.query()]
+        self._pool.release(self.host_buffer, AllDone([write, *readers]))
+        self.host_buffer, self.host_event, self._host_readers = None, None, []
+        self._disk_read = None
+        self._disk = (store, key)
+        return write
+
+    def load_from_disk(self) -> DiskIO:
+        """Take a host buffer from the pool and start reading the disk copy into it; the
+        next :meth:`start_h2d` waits for the read."""
+        if self._disk is None or self.host_buffer is not None:
+            raise ResidencyMisuseError(
+                f"load_from_disk({self.label}): "
+                + ("there is no disk copy (state " f"{self.state.value}); a LOAD_FROM_DISK "
+                   "follows a SPILL_TO_DISK" if self._disk is None else
+                   "the host copy is there already; drop the LOAD_FROM_DISK")
+            )
+        store, key = self._disk
+        host = self._pool.acquire(self.nbytes)
+        try:
+            read = store.read(key, host, self.nbytes)
+        except Exception:
+            self._pool.release(host)
+            raise
+        self.host_buffer, self.host_event, self._host_readers = host, None, []
+        self._disk_read = read
+        return read
+
+    def release_disk(self) -> None:
+        """Remove the disk copy's file (after the reads queued before it)."""
+        if self._disk is None:
+            raise ResidencyMisuseError(
+                f"release_disk({self.label}): there is no disk copy (state {self.state.value}); "
+                "each RELEASE_DISK needs one SPILL_TO_DISK"
+            )
+        store, key = self._disk
+        self._disk = None
+        store.remove(key)
+
+    def _wait_for_read(self) -> None:
+        """Block the host until the disk read filling the host buffer is done (the rule
+        that orders a load before its reload); a failed read gives the buffer back and
+        raises, the disk copy stays."""
+        read, self._disk_read = self._disk_read, None
+        if read is None:
+            return
+        try:
+            read.synchronize()
+        except TransferFailedError:
+            assert self.host_buffer is not None
+            self._pool.release(self.host_buffer)
+            self.host_buffer = None
+            raise
 
     def adopt_resize(self) -> None:
         """An op resized the device storage (an in-place op that grows its output,
@@ -350,12 +443,15 @@ class PhysicalBuffer:
         if self._on_device:
             self.wait_device()
             return self.storage
+        if self.host_buffer is None and self._disk is not None:
+            self.load_from_disk()
         if self.host_buffer is not None:
             self.start_h2d()
             self.wait_device()
             return self.storage
         raise DataLostError(
-            f"device_storage({self.label}): both the device and the host copy were released; "
+            f"device_storage({self.label}): both the device and the host copy were released "
+            "(and no disk copy exists); "
             "the schedule freed this storage before its last use (check it with check_schedule)"
         )
 
@@ -369,9 +465,12 @@ class PhysicalBuffer:
         )
 
     def synchronize(self) -> None:
-        """Block until every transfer touching this buffer has completed."""
+        """Block until every transfer touching this buffer has completed (and a disk
+        read into its host buffer: whether it failed is for the H2D to say)."""
         for transfer in self.pending_transfers():
             transfer.synchronize()
+        if self._disk_read is not None:
+            self._disk_read.wait()
 
     def _quiesce_engine(self) -> None:
         # After a failed enqueue we cannot know what reached the copy stream; draining it

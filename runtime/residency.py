@@ -3,7 +3,10 @@
 The manager is the runtime half of a :class:`~hyper_offload.passes.ir.schedule.ResidencySchedule`:
 each action kind maps to one method (``COPY_D2H`` → :meth:`copy_d2h`, ``RELEASE_DEVICE`` →
 :meth:`release_device`, ``COPY_H2D`` → :meth:`copy_h2d`, ``WAIT_H2D`` → :meth:`wait_h2d`,
-``RELEASE_HOST`` → :meth:`release_host`; :meth:`apply` dispatches a ``ResidencyAction``).
+``RELEASE_HOST`` → :meth:`release_host`, and the disk tier's ``SPILL_TO_DISK`` /
+``LOAD_FROM_DISK`` / ``RELEASE_DISK`` → :meth:`spill_to_disk` / :meth:`load_from_disk`
+/ :meth:`release_disk` on the manager's :class:`~.disk_store.DiskStore`; :meth:`apply`
+dispatches a ``ResidencyAction``).
 It never decides *what* to move; it does what it is told, or refuses with an error naming
 the storage, the broken rule and the fix.
 
@@ -21,7 +24,8 @@ Failure behaviour: misuse raises :class:`ResidencyMisuseError` before anything c
 failed copy raises :class:`TransferFailedError` after rolling back (no transfer in flight,
 no pool buffer leaked, the surviving copy named). :meth:`reset` is the exception-path
 cleanup: it drains every transfer, pages offloaded storages back so that no tensor is
-left pointing at missing bytes, and returns every host buffer to the pool.
+left pointing at missing bytes, returns every host buffer to the pool and removes every
+file of the disk tier.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
 
 from .device import Transfer, TransferEngine
+from .disk_store import DiskIO, DiskStore
 from .physical_buffer import BufferState, PhysicalBuffer
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
@@ -46,10 +51,13 @@ class ResidencyManager:
     """Physical residency of bound storages; see the module docstring."""
 
     def __init__(
-        self, engine: TransferEngine, pool: PinnedMemoryPool, *, verify: bool = False
+        self, engine: TransferEngine, pool: PinnedMemoryPool, *, verify: bool = False,
+        disk: DiskStore | None = None,
     ) -> None:
         self.engine = engine
         self.pool = pool
+        self.disk = disk
+        """The disk tier's files (None: no disk tier; a disk action then raises)."""
         self.verify = verify
         """Every storage bound from now on checks its copies (:mod:`.verify`)."""
         self._buffers: dict[StorageId, PhysicalBuffer] = {}
@@ -112,6 +120,8 @@ class ResidencyManager:
             )
         if buffer.has_host_copy:
             buffer.release_host()
+        if buffer.on_disk:
+            buffer.release_disk()
         del self._buffers[sid]
         del self._sid_of_storage[buffer.storage._cdata]
         self._prune_in_flight()
@@ -155,6 +165,26 @@ class ResidencyManager:
         transfer that touched it has completed)."""
         self.buffer(sid, action="release_host").release_host()
 
+    def spill_to_disk(self, sid: StorageId) -> DiskIO:
+        """``SPILL_TO_DISK``: write the host copy to a file, give the host buffer back."""
+        return self.buffer(sid, action="spill_to_disk").spill_to_disk(self._store(sid), sid)
+
+    def load_from_disk(self, sid: StorageId) -> DiskIO:
+        """``LOAD_FROM_DISK``: read the disk copy into a host buffer (its H2D waits)."""
+        return self.buffer(sid, action="load_from_disk").load_from_disk()
+
+    def release_disk(self, sid: StorageId) -> None:
+        """``RELEASE_DISK``: remove the disk copy's file."""
+        self.buffer(sid, action="release_disk").release_disk()
+
+    def _store(self, sid: StorageId) -> DiskStore:
+        if self.disk is None:
+            raise ResidencyMisuseError(
+                f"spill_to_disk({sid}): this manager has no disk tier; make the schedule "
+                "without one, or set OffloadConfig.max_disk_activation_mb and disk_dir"
+            )
+        return self.disk
+
     def apply(self, action: ResidencyAction) -> Transfer | None:
         """Run one schedule action; returns the transfer it started, if any."""
         kind, sid = action.kind, action.storage
@@ -168,6 +198,12 @@ class ResidencyManager:
             self.wait_h2d(sid)
         elif kind is ActionKind.RELEASE_HOST:
             self.release_host(sid)
+        elif kind is ActionKind.SPILL_TO_DISK:
+            self.spill_to_disk(sid)
+        elif kind is ActionKind.LOAD_FROM_DISK:
+            self.load_from_disk(sid)
+        elif kind is ActionKind.RELEASE_DISK:
+            self.release_disk(sid)
         else:  # pragma: no cover - ActionKind is closed; guards against a future kind
             raise ResidencyMisuseError(f"apply({action!r}): unknown action kind {kind!r}")
         return None
@@ -204,21 +240,29 @@ class ResidencyManager:
         paged back first, so no tensor is left pointing at missing bytes. Storages whose
         load fails are named in a :class:`DataLostError` raised *after* the cleanup
         finished. With ``restore_offloaded=False`` offloaded storages stay at zero bytes.
+        Every file of the disk tier is removed (after the storages on disk are paged back).
         Storages the schedule released on purpose (both copies gone: state ``RELEASED``,
         a dead activation after its last use) are not an error and also stay at zero
         bytes. Tensors over zero-byte storages must not be read again.
         """
         self.sync_all_transfers()
         lost: list[str] = []
-        for sid, buffer in self._buffers.items():
-            if restore_offloaded and buffer.state is BufferState.HOST:
-                try:
-                    buffer.device_storage()
-                except Exception as exc:  # keep cleaning up; report below
-                    lost.append(f"storage {sid}: {exc}")
-            buffer.synchronize()
-            if buffer.has_host_copy:
-                buffer.release_host()
+        try:
+            for sid, buffer in self._buffers.items():
+                if restore_offloaded and buffer.state is BufferState.HOST:
+                    try:
+                        buffer.device_storage()
+                    except Exception as exc:  # keep cleaning up; report below
+                        lost.append(f"storage {sid}: {exc}")
+                buffer.synchronize()
+                if buffer.has_host_copy:
+                    buffer.release_host()
+                if buffer.on_disk:
+                    buffer.release_disk()
+        finally:
+            # Every file goes, whatever failed above (an interrupt included).
+            if self.disk is not None:
+                self.disk.clear()
         self._buffers.clear()
         self._sid_of_storage.clear()
         self._in_flight.clear()
@@ -263,6 +307,9 @@ class ResidencyManager:
         """Bytes of bound storages currently on the device (by the manager's bookkeeping;
         tests prove real frees with storage sizes, not with this)."""
         return sum(b.nbytes for b in self._buffers.values() if b.is_resident)
+
+    def on_disk(self, sid: StorageId) -> bool:
+        return self.buffer(sid, action="on_disk").on_disk
 
     def host_bytes(self) -> int:
         """Bytes of bound storages that have a host copy."""

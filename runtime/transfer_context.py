@@ -67,8 +67,11 @@ import torch
 from hyper_offload.errors import TransferFailedError, TransferMisuseError
 from hyper_offload.passes.ir.properties import TensorProperties
 
-from .device import Transfer, TransferEngine, resolve_device
+from .device import Transfer, TransferDirection, TransferEngine, completed_transfer, resolve_device
+from .disk_ops import DiskTransfers
+from .disk_store import DiskStore
 from .memory_meter import label_host
+from .physical_buffer import AllDone
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
 from .verify import checksum, dense_bytes, require_checksum, require_properties
@@ -181,6 +184,16 @@ class _HostCopy:
     sent_properties: TensorProperties | None = None
     """``verify``: what left (its dtype, sizes and bits) in the host copy's layout: what
     a reload must be."""
+    holder: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    """The pool buffer, until the copy's death (or a spill, :meth:`TransferRuntime.
+    take_host_buffer`) gives it back: whoever pops it returns it, exactly once."""
+    read: Any = None
+    """A disk read filling the buffer (:mod:`.disk_ops`); the first H2D waits for it."""
+    readers: list[Transfer] = dataclasses.field(default_factory=list)
+    """The H2Ds started from this copy (a buffer given back waits for them)."""
+    loaded: bool = False
+    """Read back from disk: ``release_host`` gives its buffer back at once (no second
+    backward can read it: its file is gone)."""
 
 
 @dataclass(eq=False)
@@ -224,9 +237,11 @@ class TransferRuntime:
 
     def __init__(
         self, *, pool: PinnedMemoryPool, engines: Iterable[TransferEngine] = (),
-        verify: bool = False,
+        verify: bool = False, disk: DiskStore | None = None,
     ) -> None:
         self.pool = pool
+        self.disk = None if disk is None else DiskTransfers(self, disk)
+        """The disk tier's ops (:mod:`.disk_ops`; None: no disk tier)."""
         self.verify = verify
         """Checksum every ``copy_d2h`` from now on and check it (module docstring); the
         copies it checksummed stay checked after it is turned off."""
@@ -324,10 +339,11 @@ class TransferRuntime:
             self._collect_locked()
             scope = _CURRENT.get()
             origin = scope.origin(slot) if scope is not None else ""
+            holder = [buffer]
             self._hosts[key] = _HostCopy(
                 HostCopyState.FILLING, transfer,
-                weakref.ref(storage, self._on_host_death(key, buffer)), sent, origin,
-                sent_properties,
+                weakref.ref(storage, self._on_host_death(key, holder)), sent, origin,
+                sent_properties, holder,
             )
             self._pending[key] = self._new_pending(
                 "copy_d2h", transfer, src, host, key, keep=(src, host), expect=sent,
@@ -405,6 +421,9 @@ class TransferRuntime:
             # stream it ran on, so name the D2H explicitly (the engine skips it once done).
             after = [record.d2h]
             expect, origin, properties = record.sent, record.origin, record.sent_properties
+            read, record.read = record.read, None
+        if read is not None:
+            read.synchronize()  # a host copy read back from disk: its bytes first
         engine = self.engine(device)
         device_tensor = torch.empty_strided(shape, stride, dtype=host.dtype, device=device)
         try:
@@ -418,6 +437,7 @@ class TransferRuntime:
             ) from exc
         setattr(device_tensor.untyped_storage(), _RUNTIME_LINK, weakref.ref(self))
         with self._lock:
+            record.readers = [t for t in record.readers if not t.query()] + [transfer]
             self._pending[_key(device_tensor)] = self._new_pending(
                 "copy_h2d", transfer, host, device_tensor, host_key, expect=expect,
                 origin=origin, expect_properties=properties,
@@ -498,6 +518,9 @@ class TransferRuntime:
                     "waited. Fix: call wait_transfer(host, keepalive=source) first"
                 )
             record.state = HostCopyState.RELEASED
+            loaded = record.loaded
+        if loaded:
+            self.give_back_host_buffer(host)
 
     # ------------------------------------------------------------------ lifetimes
 
@@ -536,16 +559,65 @@ class TransferRuntime:
             if record is not None and lifetime is ref:
                 del table[key]
 
-    def _on_host_death(self, key: int, buffer: torch.Tensor) -> Callable[[Any], None]:
+    def _on_host_death(self, key: int, holder: list[torch.Tensor]) -> Callable[[Any], None]:
         pool, dead, hosts = self.pool, self._dead, self._hosts
 
         def died(ref: weakref.ref[torch.UntypedStorage]) -> None:
             # May run inside any code, also while this thread holds the pool's or this
-            # runtime's lock: only non-blocking calls here.
-            pool.release_soon(buffer)
+            # runtime's lock: only non-blocking calls here (list.pop is atomic).
+            if holder:
+                pool.release_soon(holder.pop())
             dead.append((hosts, key, ref))
 
         return died
+
+    # ------------------------------------------------------------------ the disk tier
+
+    def take_host_buffer(self, host: torch.Tensor) -> tuple[torch.Tensor, _HostCopy]:
+        """The pool buffer of host copy ``host``, taken from the copy (:mod:`.disk_ops`
+        writes it to disk and gives it back to the pool itself): the copy's death no
+        longer returns it. Nothing may read ``host`` afterwards."""
+        with self._lock:
+            self._collect_locked()
+            record = self._host_record("hyper_offload::spill_to_disk", host)
+            if not record.holder:
+                raise TransferMisuseError(
+                    f"hyper_offload::spill_to_disk: the host copy {_describe(host)} was "
+                    "spilled already. Rule: one spill per host copy. Fix: spill the copy_d2h "
+                    "result once")
+            return record.holder.pop(), record
+
+    def adopt_host_copy(
+        self, buffer: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
+        stride: tuple[int, ...], read: Any, like: _HostCopy,
+    ) -> torch.Tensor:
+        """A host copy over pool ``buffer`` that ``read`` (a disk read) fills: VALID, its
+        first ``copy_h2d`` waits for the read; checked by ``verify`` as ``like`` was."""
+        host = self._host_tensor(buffer, nbytes, dtype, shape, stride)
+        key, holder = _key(host), [buffer]
+        done = completed_transfer(TransferDirection.D2H, buffer.device, nbytes)
+        with self._lock:
+            self._collect_locked()
+            self._hosts[key] = _HostCopy(
+                HostCopyState.VALID, done,
+                weakref.ref(host.untyped_storage(), self._on_host_death(key, holder)),
+                like.sent, like.origin, like.sent_properties, holder, read, loaded=True,
+            )
+        setattr(host.untyped_storage(), _HOST_BUFFER, buffer)
+        return host
+
+    def give_back_host_buffer(self, host: torch.Tensor) -> None:
+        """A host copy read back from disk is done with (its ``release_host``): its buffer
+        returns to the pool once the copies reading it completed, not at its death (the
+        file is gone, so no second backward reads it again; nothing reads ``host`` after
+        its last reload)."""
+        with self._lock:
+            record = self._hosts.get(_key(host))
+            if record is None or not record.holder:
+                return
+            buffer = record.holder.pop()
+            readers = [t for t in record.readers if not t.query()]
+        self.pool.release(buffer, AllDone(readers) if readers else None)
 
     def _new_pending(
         self, op: str, transfer: Transfer, source: torch.Tensor, destination: torch.Tensor,

@@ -48,6 +48,7 @@ from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.sizes import planning_size
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
+from hyper_offload.runtime.disk_store import DiskStore
 from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.verify import VerifySteps
 
@@ -135,10 +136,13 @@ class HyperOffloadBackend:
         self.regions: list[CompiledRegion] = []
         self.planning_code = region_cache.source_digest(_PLANNING_CODE)
         self._verify = VerifySteps(options.config.verify)
+        config = options.config
         self.runtime = TransferRuntime(
             pool=PinnedMemoryPool(options.host_budget_bytes,
-                                  pageable_fallback=options.config.pageable_fallback),
+                                  pageable_fallback=config.pageable_fallback),
             verify=self._verify.next_step,
+            disk=DiskStore(config.disk_dir, budget_bytes=config.disk_budget_bytes)  # type: ignore[arg-type]
+            if config.disk_budget_bytes else None,
         )
         self._bandwidth: dict[torch.device, TransferBandwidth] = {}
         self._counter = itertools.count()

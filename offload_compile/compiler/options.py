@@ -32,6 +32,10 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
   waited); ``"first_steps:N"`` checks the first N steps (needs ``budget_scope="step"``,
   which is where the backend sees steps). It changes no graph: the checks run inside
   the transfer ops' kernels, and a change of ``verify`` recompiles nothing;
+* the disk tier (``max_disk_activation_mb``, ``disk_dir``, ``disk_bandwidth_gbps``:
+  :class:`~hyper_offload.OffloadConfig`) needs ``budget_scope="region"``: each region's
+  plan spills the host copies its host budget cannot hold (docs/disk-tier.md); a region
+  with dynamic sizes plans without it;
 * ``move_only``: the saved tensors that may move, as ``(region, saved name)`` pairs
   (names as a region's report lists them); every other saved activation stays on the
   device, and a storage moves only when every saved tensor on it may. For narrowing an
@@ -101,9 +105,16 @@ class BackendOptions:
     more host room than there is keeps those bytes on the device at run time
     (:func:`hyper_offload.runtime.ops` ``copy_d2h``), exactly."""
 
+    disk_bandwidth_gbps: float | None = dataclasses.field(default=None, compare=False)
+    """What plans price the disk tier at (``config.disk_bandwidth()``: given, or measured
+    once on ``disk_dir`` when the options are made); None without a disk tier. Not part of
+    equality nor of :meth:`cache_key`, as ``host_budget_bytes``."""
+
     def __post_init__(self) -> None:
         if self.host_budget_bytes is None:
             object.__setattr__(self, "host_budget_bytes", self.config.host_budget_bytes())
+        if self.disk_bandwidth_gbps is None and self.config.disk_budget_bytes:
+            object.__setattr__(self, "disk_bandwidth_gbps", self.config.disk_bandwidth())
 
     def may_move(self, region: int) -> frozenset[str] | None:
         """The saved tensors of ``region`` that may move (None: every movable one)."""
@@ -212,6 +223,12 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
             f"hyper_offload options: verify={config.verify!r} counts steps, and with "
             "budget_scope='region' the backend sees regions, not steps. Fix: use "
             "verify=True, or budget_scope='step' (the default)"
+        )
+    if config.disk_budget_bytes and scope != "region":
+        raise ConfigurationError(
+            "hyper_offload options: max_disk_activation_mb (the disk tier) is planned per "
+            "region so far: budget_scope='step' does not spill to disk yet. Fix: pass "
+            "budget_scope='region', or drop max_disk_activation_mb"
         )
     return BackendOptions(
         config=config, inner_compiler=inner,

@@ -190,6 +190,9 @@ def plan_graphs(
     elif budget_bytes is None:
         budget_bytes = options.budget_bytes(fx_trace.peak_without_offload)
     trace = fx_trace.trace.with_budget(budget_bytes)
+    if not floor and options.disk_bandwidth_gbps is not None and not fx_trace.storage_exprs:
+        # The disk tier (region scope; a load names its copy's sizes, so concrete ones).
+        trace = trace.with_disk(options.config.disk_budget_bytes, options.disk_bandwidth_gbps)
     fx_trace = dataclasses.replace(fx_trace, trace=trace)
     host = None if floor else options.host_budget_bytes
     planned = plan_residency(

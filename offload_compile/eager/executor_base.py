@@ -37,6 +37,7 @@ from hyper_offload.errors import (
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import PinnedMemoryPool, PoolStats, ResidencyManager
+from hyper_offload.runtime.disk_store import DiskStats
 from hyper_offload.runtime.physical_buffer import BufferState
 
 from .dispatch_mode import device_test, flat_tensors, owns_storage
@@ -89,6 +90,10 @@ class StepStats:
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     transfers: int = 0
+    bytes_to_disk: int = 0
+    """Bytes the disk tier wrote (``SPILL_TO_DISK``) this step."""
+    bytes_from_disk: int = 0
+    """Bytes the disk tier read back (``LOAD_FROM_DISK``) this step."""
     demand_loads: int = 0
     """Storages paged back synchronously because an op needed them before any planned
     prefetch (warmup: after an online eviction; replay: should stay 0)."""
@@ -108,6 +113,8 @@ class StepStats:
     planned around, never moved (:mod:`.region_saved`)."""
     pool: PoolStats | None = None
     """Host pool snapshot at the end of the step."""
+    disk: DiskStats | None = None
+    """The disk tier's snapshot at the end of the step (None: no disk tier)."""
 
 
 class BaseExecutor:
@@ -363,6 +370,9 @@ class BaseExecutor:
                     # Demand-paged earlier (a read the trace could not see, e.g. through a
                     # closure inside an opaque region): the bytes are already there.
                     continue
+                if kind is ActionKind.LOAD_FROM_DISK and (
+                        manager.is_resident(action.storage) or manager.has_host_copy(action.storage)):
+                    continue  # likewise, paged back from disk already
                 manager.apply(action)
                 if kind is ActionKind.RELEASE_DEVICE:
                     self._resident -= manager.buffer(action.storage).nbytes
@@ -374,6 +384,10 @@ class BaseExecutor:
                 elif kind is ActionKind.COPY_D2H:
                     stats.bytes_d2h += manager.buffer(action.storage).nbytes
                     stats.transfers += 1
+                elif kind is ActionKind.SPILL_TO_DISK:
+                    stats.bytes_to_disk += manager.buffer(action.storage).nbytes
+                elif kind is ActionKind.LOAD_FROM_DISK:
+                    stats.bytes_from_disk += manager.buffer(action.storage).nbytes
 
     def sample(self) -> None:
         """Record resident bytes right after an op ran (before its post actions)."""
@@ -385,5 +399,7 @@ class BaseExecutor:
     def close_stats(self, pool: PinnedMemoryPool) -> StepStats:
         self.stats.ops = self.index
         self.stats.pool = pool.stats()
+        disk = self.manager.disk
+        self.stats.disk = None if disk is None else disk.stats()
         return self.stats
 

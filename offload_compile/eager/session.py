@@ -15,13 +15,14 @@ mode first (so cleanup is never traced), then
 
 * on success: warmup builds and checks the plan (the session switches to replay);
   replay verifies the step ran every recorded op and restores what must survive;
-* on an exception: every transfer is synchronised, offloaded storages still in use are
-  paged back, every host buffer returns to the pool (``pool.stats()`` in-use bytes are
-  0 again), and the exception propagates unchanged. The plan is kept; ``reset()``
+* on an exception (a ``KeyboardInterrupt`` included): every transfer is synchronised,
+  offloaded storages still in use are paged back (from disk too), every host buffer
+  returns to the pool (``pool.stats()`` in-use bytes are 0 again), every file of the
+  disk tier is removed, and the exception propagates unchanged. The plan is kept; ``reset()``
   drops it to re-warm.
 
-Who holds what. The session owns one ``TransferEngine``, one ``PinnedMemoryPool`` and
-one ``ResidencyManager`` for its lifetime. During a step the manager holds the storage
+Who holds what. The session owns one ``TransferEngine``, one ``PinnedMemoryPool``, one
+``ResidencyManager`` and, with a disk tier, one ``DiskStore`` for its lifetime. During a step the manager holds the storage
 *objects* it manages (not extra copies of their bytes) and the host buffers; the
 executor holds only storage ids; autograd and the user hold ordinary tensors whose
 storages the manager shrinks and grows in place. Nothing is held across steps except
@@ -45,6 +46,7 @@ from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import ActivationTrace
 from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine, resolve_device
+from hyper_offload.runtime.disk_store import DiskStore
 from hyper_offload.runtime.verify import VerifySteps
 
 from .active import activate, current_session, deactivate
@@ -94,7 +96,17 @@ class OffloadSession:
         (``OffloadConfig.max_host_activation_mb``, or the node view when it is None)."""
         self.pool = PinnedMemoryPool(self.host_budget_bytes,
                                      pageable_fallback=self.config.pageable_fallback)
-        self.manager = ResidencyManager(self.engine, self.pool)
+        self.disk: DiskStore | None = None
+        """The disk tier's files (``OffloadConfig.max_disk_activation_mb``; None: none):
+        each step removes its own, and the session's directory goes when the session is
+        garbage collected or the process exits."""
+        self.disk_bandwidth_gbps: float | None = None
+        """What plans price the disk tier at (given, or measured once here)."""
+        if self.config.disk_budget_bytes:
+            self.disk = DiskStore(self.config.disk_dir,  # type: ignore[arg-type]
+                                  budget_bytes=self.config.disk_budget_bytes)
+            self.disk_bandwidth_gbps = self.config.disk_bandwidth()
+        self.manager = ResidencyManager(self.engine, self.pool, disk=self.disk)
         self._plan: WarmupResult | None = None
         self._executor: BaseExecutor | None = None
         self._mode: ActivationDispatchMode | None = None
@@ -285,6 +297,8 @@ class OffloadSession:
             budget_bytes=self.config.budget_bytes,
             planner=self.config.resolved_planner(self.host_budget_bytes),
             host_budget_bytes=self.host_budget_bytes,
+            disk=None if self.disk is None else (
+                self.config.disk_budget_bytes, self.disk_bandwidth_gbps),
         )
 
     def _take_over(self, reason: str) -> WarmupExecutor:

@@ -93,9 +93,11 @@ class SizeDrift:
         kind = action.kind
         if kind in (ActionKind.COPY_D2H, ActionKind.RELEASE_DEVICE, ActionKind.WAIT_H2D):
             return manager.is_resident(sid)  # evicted and not paged back: done, or moot
-        if kind is ActionKind.RELEASE_HOST:
+        if kind in (ActionKind.RELEASE_HOST, ActionKind.SPILL_TO_DISK):
             return manager.has_host_copy(sid)
-        return True  # COPY_H2D (the executor skips it when the bytes are resident)
+        if kind is ActionKind.RELEASE_DISK:
+            return manager.on_disk(sid)
+        return True  # COPY_H2D, LOAD_FROM_DISK (skipped when the bytes are there already)
 
 
 def grown_sizes(trace: ActivationTrace, observed: Mapping[StorageId, int]) -> dict[StorageId, int]:

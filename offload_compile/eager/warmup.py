@@ -121,8 +121,11 @@ class WarmupExecutor(BaseExecutor):
         planner: ResidencyPlanner,
         profile_bandwidth: bool = True,
         host_budget_bytes: int | None = None,
+        disk: tuple[int, float] | None = None,
     ) -> None:
         super().__init__(manager, device)
+        self.disk = disk
+        """The disk tier the plan may use: (budget bytes, bandwidth GB/s); None: none."""
         self.budget_bytes = budget_bytes
         self.planner = planner
         self.host_budget_bytes = host_budget_bytes
@@ -482,7 +485,7 @@ class WarmupExecutor(BaseExecutor):
             sizes.update(dict.fromkeys(self.foreign, 0))
             ops = _first_outputs_only(ops, self.foreign)
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
-        return ActivationTrace(
+        trace = ActivationTrace(
             ops=ops,
             storage_sizes=sizes,
             budget_bytes=self.budget_bytes,
@@ -494,6 +497,7 @@ class WarmupExecutor(BaseExecutor):
                       "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
             ),
         )
+        return trace if self.disk is None else trace.with_disk(*self.disk)
 
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""

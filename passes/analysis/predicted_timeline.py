@@ -25,13 +25,22 @@ The model is the runtime's (``runtime/device.py``, ``runtime/physical_buffer.py`
   RELEASE_HOST is deferred by events). With ``release_waits_for_d2h=True`` a
   RELEASE_DEVICE also stalls compute until that storage's D2H has finished: the compile
   lowering's ``wait_transfer`` sits there (passes/fx/lowering.py).
+* **One disk channel, serial** (the disk tier, ``trace.disk_bandwidth_gbps``): a
+  ``SPILL_TO_DISK`` starts when issued, the channel is free **and** the storage's latest
+  D2H has ended (it writes what that copy filled); a ``LOAD_FROM_DISK`` when issued, the
+  channel is free and the storage's latest spill has ended. Each lasts ``bytes /
+  disk bandwidth``. A ``COPY_H2D`` of a storage whose load has not ended **blocks
+  compute** until it has (the runtime's host thread waits for the read before it issues
+  the copy): that stall counts as exposed time, like a WAIT_H2D's. ``RELEASE_DISK`` takes
+  no time.
 * Actions of a slot run in slot order at the slot's time: ``pre[i]`` before op ``i``,
   ``post[i]`` after it.
 
 Invariants of the result: compute spans (ops and waits) never overlap and appear in
 execution order; transfer spans of one copy stream never overlap each other; every transfer starts at or
 after its issue time; each wait ends exactly when its H2D ends (and is only recorded
-when it stalls compute); ``compute_end_s`` = sum of op durations + exposed wait time.
+when it stalls compute); ``compute_end_s`` = sum of op durations + exposed wait time;
+disk spans never overlap each other and every H2D starts after its storage's load ended.
 """
 
 from __future__ import annotations
@@ -76,10 +85,11 @@ class OpSpan(NamedTuple):
 
 
 class TransferSpan(NamedTuple):
-    """A copy of ``nbytes`` of ``storage`` on the copy stream over ``[start_s, end_s)``,
-    issued at ``issue_s`` from slot ``slot`` (``"pre"``/``"post"``) of op ``op_index``."""
+    """A copy of ``nbytes`` of ``storage`` on the copy stream (the disk channel for the
+    disk tier's kinds) over ``[start_s, end_s)``, issued at ``issue_s`` from slot ``slot``
+    (``"pre"``/``"post"``) of op ``op_index``."""
 
-    kind: ActionKind  # COPY_D2H or COPY_H2D
+    kind: ActionKind  # COPY_D2H or COPY_H2D; SPILL_TO_DISK or LOAD_FROM_DISK on the disk
     storage: StorageId
     nbytes: int
     op_index: int
@@ -89,13 +99,17 @@ class TransferSpan(NamedTuple):
     end_s: float
 
     def __repr__(self) -> str:
-        direction = "D2H" if self.kind is ActionKind.COPY_D2H else "H2D"
-        return f"{direction} s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
+        return f"{_SHORT[self.kind]} s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
+
+
+_SHORT = {ActionKind.COPY_D2H: "D2H", ActionKind.COPY_H2D: "H2D",
+          ActionKind.SPILL_TO_DISK: "spill", ActionKind.LOAD_FROM_DISK: "load"}
 
 
 class WaitSpan(NamedTuple):
     """Compute stalled over ``[start_s, end_s)`` at op ``op_index``'s slot, waiting for
-    ``storage``'s copy (its H2D; its D2H only with ``release_waits_for_d2h``)."""
+    ``storage``'s copy (its H2D; its D2H only with ``release_waits_for_d2h``; its load
+    from disk at a COPY_H2D)."""
 
     storage: StorageId
     op_index: int
@@ -105,12 +119,11 @@ class WaitSpan(NamedTuple):
     kind: ActionKind = ActionKind.COPY_H2D  # the copy waited for
 
     def __repr__(self) -> str:
-        direction = "D2H" if self.kind is ActionKind.COPY_D2H else "H2D"
-        return f"wait {direction} s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
+        return f"wait {_SHORT[self.kind]} s{self.storage} [{self.start_s:.3g}, {self.end_s:.3g})"
 
 
 class InstantMark(NamedTuple):
-    """A RELEASE_DEVICE / RELEASE_HOST at ``time_s`` (takes no time on either stream)."""
+    """A RELEASE_DEVICE / RELEASE_HOST / RELEASE_DISK at ``time_s`` (takes no time)."""
 
     kind: ActionKind
     storage: StorageId
@@ -128,6 +141,8 @@ class PredictedTimeline:
     waits: tuple[WaitSpan, ...]
     releases: tuple[InstantMark, ...]
     default_op_duration_s: float
+    disk: tuple[TransferSpan, ...] = ()
+    """Spills and loads on the disk channel, in issue order (empty without a disk tier)."""
 
     @property
     def compute_end_s(self) -> float:
@@ -136,8 +151,8 @@ class PredictedTimeline:
 
     @property
     def end_s(self) -> float:
-        """When the step is done on the device: compute and every copy finished."""
-        last_copy = max((t.end_s for t in self.transfers), default=0.0)
+        """When the step is done: compute, every copy and every disk read or write finished."""
+        last_copy = max((t.end_s for t in (*self.transfers, *self.disk)), default=0.0)
         return max(self.compute_end_s, last_copy)
 
     @property
@@ -156,6 +171,7 @@ class PredictedTimeline:
             "exposed_transfer_s": self.exposed_transfer_s,
             "copy_stream_busy_s": sum(t.end_s - t.start_s for t in self.transfers),
             "num_transfers": len(self.transfers),
+            "disk_busy_s": sum(t.end_s - t.start_s for t in self.disk),
             "ops_with_default_duration": sum(op.estimated for op in self.ops),
         }
 
@@ -252,6 +268,10 @@ class TimelineSimulator:
         self.releases: list[InstantMark] = []
         self.last_h2d: dict[StorageId, TransferSpan] = {}
         self.pending_d2h: dict[StorageId, TransferSpan] = {}
+        self.disk: list[TransferSpan] = []
+        self.disk_free = 0.0
+        self.spill_end_s: dict[StorageId, float] = {}
+        self.loading: dict[StorageId, TransferSpan] = {}  # loads no H2D has waited for
 
     def run_op(self, index: int) -> None:
         """Op ``index`` runs on the compute stream (ops must come in trace order)."""
@@ -274,16 +294,23 @@ class TimelineSimulator:
     def timeline(self) -> PredictedTimeline:
         return PredictedTimeline(
             tuple(self.ops), tuple(self.transfers), tuple(self.waits), tuple(self.releases),
-            self.default_op_duration_s,
+            self.default_op_duration_s, tuple(self.disk),
         )
 
     def run_slot(self, actions: tuple, index: int, slot: str) -> None:  # noqa: ANN001
         for action in actions:
             kind, storage = action.kind, action.storage
             if kind in (ActionKind.COPY_D2H, ActionKind.COPY_H2D):
+                load = self.loading.pop(storage, None) if kind is ActionKind.COPY_H2D else None
+                if load is not None:
+                    self._stall_until(load, index, slot)  # the host waits for the read
                 self._issue(kind, storage, index, slot)
             elif kind is ActionKind.WAIT_H2D:
                 self._wait(storage, index, slot)
+            elif kind in (ActionKind.SPILL_TO_DISK, ActionKind.LOAD_FROM_DISK):
+                self._disk(kind, storage, index, slot)
+            elif kind is ActionKind.RELEASE_DISK:
+                self.releases.append(InstantMark(kind, storage, index, slot, self.clock))
             else:
                 d2h = self.pending_d2h.pop(storage, None)
                 if kind is ActionKind.RELEASE_DEVICE and d2h is not None and self.release_waits_for_d2h:
@@ -309,6 +336,21 @@ class TimelineSimulator:
         else:
             self.pending_d2h[storage] = span
             self.d2h_end_s[storage] = end
+
+    def _disk(self, kind: ActionKind, storage: StorageId, index: int, slot: str) -> None:
+        """A spill or a load on the serial disk channel (module docstring)."""
+        nbytes = self.trace.storage_sizes[storage]
+        after = (self.d2h_end_s if kind is ActionKind.SPILL_TO_DISK
+                 else self.spill_end_s).get(storage, 0.0)
+        start = max(self.clock, self.disk_free, after)
+        end = start + nbytes / (self.trace.disk_bandwidth_gbps * 1e9)
+        span = TransferSpan(kind, storage, nbytes, index, slot, self.clock, start, end)
+        self.disk_free = end
+        self.disk.append(span)
+        if kind is ActionKind.SPILL_TO_DISK:
+            self.spill_end_s[storage] = end
+        else:
+            self.loading[storage] = span
 
     def _wait(self, storage: StorageId, index: int, slot: str) -> None:
         h2d = self.last_h2d.get(storage)

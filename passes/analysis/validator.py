@@ -42,6 +42,15 @@ class Rule(str, Enum):
     DEVICE_NOT_RELEASED = "DEVICE_NOT_RELEASED"
     HOST_NOT_RELEASED = "HOST_NOT_RELEASED"
     H2D_NEVER_WAITED = "H2D_NEVER_WAITED"
+    SPILL_WITHOUT_HOST_COPY = "SPILL_WITHOUT_HOST_COPY"
+    SPILL_DURING_H2D = "SPILL_DURING_H2D"
+    SPILL_FILE_HELD = "SPILL_FILE_HELD"
+    LOAD_WITHOUT_DISK_COPY = "LOAD_WITHOUT_DISK_COPY"
+    LOAD_HOST_HELD = "LOAD_HOST_HELD"
+    DISK_RELEASE_WITHOUT_FILE = "DISK_RELEASE_WITHOUT_FILE"
+    DISK_RELEASE_STILL_NEEDED = "DISK_RELEASE_STILL_NEEDED"
+    DISK_OVER_BUDGET = "DISK_OVER_BUDGET"
+    DISK_NOT_RELEASED = "DISK_NOT_RELEASED"
 
     def __repr__(self) -> str:
         return self.value
@@ -67,7 +76,12 @@ class ScheduleReport:
     point, including inside a slot (a COPY_H2D that runs before a RELEASE_DEVICE of the
     same slot); it equals ``max(resident_bytes)`` when no slot peaks above its op.
     ``infeasible_ops`` are ops whose unavoidable bytes exceed the budget: being over
-    budget there, up to those bytes, is not a violation.
+    budget there, up to those bytes, is not a violation. ``peak_host_bytes`` counts a
+    host copy from its ``COPY_D2H`` (or ``LOAD_FROM_DISK``) to its ``RELEASE_HOST`` (or
+    ``SPILL_TO_DISK``): only while it holds bytes. ``peak_disk_bytes`` counts a disk copy
+    from its ``SPILL_TO_DISK`` to its ``RELEASE_DISK`` (never above
+    ``trace.disk_budget_bytes``: ``DISK_OVER_BUDGET``); ``bytes_to_disk`` and
+    ``bytes_from_disk`` are what the spills write and the loads read.
     """
 
     resident_bytes: tuple[int, ...]
@@ -79,6 +93,9 @@ class ScheduleReport:
     peak_host_bytes: int
     violations: tuple[Violation, ...]
     infeasible_ops: tuple[InfeasibleOp, ...] = field(default=())
+    peak_disk_bytes: int = 0
+    bytes_to_disk: int = 0
+    bytes_from_disk: int = 0
 
     @property
     def ok(self) -> bool:
@@ -114,6 +131,9 @@ class ScheduleReport:
             "bytes_h2d": self.bytes_h2d,
             "num_transfers": self.num_transfers,
             "peak_host_bytes": self.peak_host_bytes,
+            "peak_disk_bytes": self.peak_disk_bytes,
+            "bytes_to_disk": self.bytes_to_disk,
+            "bytes_from_disk": self.bytes_from_disk,
             "ops_over_budget": len(self.ops_over_budget()),
             "infeasible_ops": [op._asdict() for op in self.infeasible_ops],
             "violations": [
@@ -134,6 +154,13 @@ class _StorageState:
     host_allocated: bool = False
     host_valid: bool = False
     copied_since_write: bool = False
+    disk_allocated: bool = False
+    disk_valid: bool = False
+
+    @property
+    def has_copy(self) -> bool:
+        """Whether a valid copy off the device exists (host or disk)."""
+        return self.host_valid or self.disk_valid
 
 
 class _Simulation:
@@ -151,6 +178,10 @@ class _Simulation:
         self.bytes_d2h = 0
         self.bytes_h2d = 0
         self.transfers = 0
+        self.disk_bytes = 0
+        self.peak_disk = 0
+        self.bytes_to_disk = 0
+        self.bytes_from_disk = 0
         self.violations: list[Violation] = []
         # Device bytes may peak between two ops, inside post[i - 1] + pre[i] (a COPY_H2D
         # that runs before a RELEASE_DEVICE). The highest point of the current stretch
@@ -181,6 +212,9 @@ class _Simulation:
             ActionKind.COPY_H2D: self._copy_h2d,
             ActionKind.WAIT_H2D: self._wait_h2d,
             ActionKind.RELEASE_HOST: self._release_host,
+            ActionKind.SPILL_TO_DISK: self._spill,
+            ActionKind.LOAD_FROM_DISK: self._load,
+            ActionKind.RELEASE_DISK: self._release_disk,
         }[action.kind]
         handler(op, action.storage, state)
 
@@ -207,7 +241,7 @@ class _Simulation:
             self.flag(op, sid, Rule.RELEASE_RETAINED,
                       "RELEASE_DEVICE of a retained storage after its last access: it must stay "
                       "on the device past the step")
-        if needed_later and not st.host_valid:
+        if needed_later and not st.has_copy:
             rule, why = (
                 (Rule.RELEASE_STALE_HOST_COPY,
                  "its host copy predates a later write; issue COPY_D2H after the last write")
@@ -225,7 +259,9 @@ class _Simulation:
             return
         if not st.host_valid:
             self.flag(op, sid, Rule.H2D_WITHOUT_HOST_COPY,
-                      "COPY_H2D without a valid host copy (never copied, stale, or host released)")
+                      "COPY_H2D without a valid host copy (never copied, stale, or host released)"
+                      + ("; its copy is on disk: LOAD_FROM_DISK it before the COPY_H2D"
+                         if st.disk_valid else ""))
         st.on_device = st.h2d_pending = True
         self.device_bytes += st.size
         self.bytes_h2d += st.size
@@ -264,11 +300,70 @@ class _Simulation:
         if st.h2d_pending:
             self.flag(op, sid, Rule.HOST_RELEASE_DURING_H2D,
                       "RELEASE_HOST while an H2D from that buffer is in flight; WAIT_H2D first")
-        if not st.on_device and st.last_access >= self.cursor:
+        if not st.on_device and not st.disk_valid and st.last_access >= self.cursor:
             self.flag(op, sid, Rule.HOST_RELEASE_STILL_NEEDED,
                       f"RELEASE_HOST drops the only copy; op {st.last_access} still reads it")
         st.host_allocated = st.host_valid = False
         self.host_bytes -= st.size
+
+    # -- the disk tier ---------------------------------------------------------------
+
+    def _spill(self, op: int, sid: StorageId, st: _StorageState) -> None:
+        if not st.host_valid:
+            self.flag(op, sid, Rule.SPILL_WITHOUT_HOST_COPY,
+                      "SPILL_TO_DISK without a valid host copy to write (never copied, stale, or "
+                      "host released); put it after the COPY_D2H that follows the last write")
+            return
+        if st.disk_allocated:
+            self.flag(op, sid, Rule.SPILL_FILE_HELD,
+                      "SPILL_TO_DISK of a storage that still has a disk file; RELEASE_DISK the "
+                      "old file first, or RELEASE_HOST instead if the file is still valid")
+            return
+        if st.h2d_pending:
+            self.flag(op, sid, Rule.SPILL_DURING_H2D,
+                      "SPILL_TO_DISK frees the host buffer an H2D is still reading; WAIT_H2D first")
+        st.host_allocated = st.host_valid = False
+        self.host_bytes -= st.size
+        st.disk_allocated = st.disk_valid = True
+        self.disk_bytes += st.size
+        self.bytes_to_disk += st.size
+        self.peak_disk = max(self.peak_disk, self.disk_bytes)
+        budget = self.trace.disk_budget_bytes
+        if self.disk_bytes > budget:
+            self.flag(op, sid, Rule.DISK_OVER_BUDGET,
+                      f"SPILL_TO_DISK raises the disk tier's files to {self.disk_bytes} B, above "
+                      f"its budget of {budget} B"
+                      + (" (no disk tier: set OffloadConfig.max_disk_activation_mb)" if not budget
+                         else "; release files earlier, or spill less"))
+
+    def _load(self, op: int, sid: StorageId, st: _StorageState) -> None:
+        if not st.disk_valid:
+            self.flag(op, sid, Rule.LOAD_WITHOUT_DISK_COPY,
+                      "LOAD_FROM_DISK without a valid disk copy (never spilled, stale, or "
+                      "released); SPILL_TO_DISK after the COPY_D2H first, or drop the load")
+            return
+        if st.host_allocated:
+            self.flag(op, sid, Rule.LOAD_HOST_HELD,
+                      "LOAD_FROM_DISK while the storage still holds a host buffer; drop the load "
+                      "(the host copy is there) or RELEASE_HOST first")
+            return
+        st.host_allocated = st.host_valid = True
+        self.host_bytes += st.size
+        self.peak_host = max(self.peak_host, self.host_bytes)
+        self.bytes_from_disk += st.size
+
+    def _release_disk(self, op: int, sid: StorageId, st: _StorageState) -> None:
+        if not st.disk_allocated:
+            self.flag(op, sid, Rule.DISK_RELEASE_WITHOUT_FILE,
+                      "RELEASE_DISK of a storage with no disk file; drop it")
+            return
+        if st.disk_valid and not st.on_device and not st.host_valid and (
+                st.last_access >= self.cursor):
+            self.flag(op, sid, Rule.DISK_RELEASE_STILL_NEEDED,
+                      f"RELEASE_DISK drops the only copy; op {st.last_access} still reads it: "
+                      "LOAD_FROM_DISK it first, or release the file after its last reload")
+        st.disk_allocated = st.disk_valid = False
+        self.disk_bytes -= st.size
 
     def run_op(self, op: int) -> None:
         for storage, kind in self.trace.ops[op].accesses:
@@ -284,7 +379,7 @@ class _Simulation:
                 self.flag(op, storage, Rule.ACCESS_BEFORE_WAIT,
                           f"{kind.name} while its COPY_H2D is still in flight; add WAIT_H2D before this op")
             if kind is AccessKind.WRITE:
-                st.host_valid = False
+                st.host_valid = st.disk_valid = False
 
     def finish(self) -> None:
         end = self.trace.num_ops
@@ -301,6 +396,10 @@ class _Simulation:
             if st.host_allocated:
                 self.flag(end, sid, Rule.HOST_NOT_RELEASED,
                           "host buffer never released; add RELEASE_HOST after its last COPY_H2D")
+            if st.disk_allocated:
+                self.flag(end, sid, Rule.DISK_NOT_RELEASED,
+                          "disk file never released (a file left behind by the step); add "
+                          "RELEASE_DISK after its last LOAD_FROM_DISK")
 
 
 def check_schedule(trace: ActivationTrace, schedule: ResidencySchedule) -> ScheduleReport:
@@ -344,4 +443,7 @@ def check_schedule(trace: ActivationTrace, schedule: ResidencySchedule) -> Sched
         peak_host_bytes=sim.peak_host,
         violations=tuple(sim.violations),
         infeasible_ops=tuple(infeasible_ops(trace)),
+        peak_disk_bytes=sim.peak_disk,
+        bytes_to_disk=sim.bytes_to_disk,
+        bytes_from_disk=sim.bytes_from_disk,
     )

@@ -56,7 +56,7 @@ import torch
 from torch import fx
 
 from ..analysis.liveness import resident_bytes_without_offload
-from ..ir.ops import TRANSFER_OPS
+from ..ir.ops import DISK_OPS, TRANSFER_OPS
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import (
     BACKWARD_GRAPH,
@@ -98,7 +98,7 @@ RELOADED_AS_META = "hyper_offload_reloaded_as"
 now get (the reload's wait, or the last step of its rebuild): the saved names it stands
 for. :mod:`.lowering_check` requires its properties to equal the saved tensor's."""
 
-_TRANSFER_OPS = frozenset(TRANSFER_OPS)
+_TRANSFER_OPS = frozenset((*TRANSFER_OPS, *DISK_OPS))
 
 
 @dataclass(frozen=True)

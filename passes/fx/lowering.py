@@ -35,6 +35,21 @@ followed by ``_conj`` / ``_neg_view`` where the saved tensor carries those bits 
 preceded by a flat ``view(dtype)`` where it views the storage in another dtype):
 :func:`.saved.rebuild_steps`, so the readers get the saved tensor in every property.
 
+A host copy the schedule spills to disk (``SPILL_TO_DISK`` / ``LOAD_FROM_DISK`` /
+``RELEASE_DISK``, the disk tier) leaves the forward as the spill's handle instead, and
+the backward reads it back into a host copy before its reload::
+
+    host = hyper_offload.copy_d2h(base, dim_order, s)
+    handle = hyper_offload.spill_to_disk(host)                # post[..]: SPILL_TO_DISK s
+    return (..., handle, ...)                                 # for act_1 .. act_k
+    ...
+    host2 = hyper_offload.load_from_disk(act_1, size, stride, dtype)  # LOAD_FROM_DISK s
+    hyper_offload.release_disk(act_1, after=host2)            # RELEASE_DISK s
+    dev   = hyper_offload.copy_h2d(host2, device)             # as above, from host2
+    ...
+    hyper_offload.hold([host2, ...])                          # each graph's end (and the
+                                                              # forward's, for host)
+
 The schedule's COPY_D2H slot must not precede the storage's last forward write; the
 lowering then places the copy as above (never before that write), and the schedule
 re-derived from the lowered graphs is what ``check_schedule`` judges. Every other action
@@ -58,7 +73,11 @@ from ..analysis.liveness import storage_liveness
 from ..ir.ops import (
     COPY_D2H,
     COPY_H2D,
+    HOLD,
+    LOAD_FROM_DISK,
+    RELEASE_DISK,
     RELEASE_HOST,
+    SPILL_TO_DISK,
     WAIT_TRANSFER,
     dim_order_of,
     host_layout,
@@ -92,6 +111,13 @@ class _Graphs:
     fw_wait: dict[StorageId, fx.Node] = field(default_factory=dict)
     h2d: dict[StorageId, fx.Node] = field(default_factory=dict)
     bw_wait: dict[StorageId, fx.Node] = field(default_factory=dict)
+    spill: dict[StorageId, fx.Node] = field(default_factory=dict)
+    loaded: dict[StorageId, fx.Node] = field(default_factory=dict)
+    disk_released: set[StorageId] = field(default_factory=set)
+
+    def host(self, s: StorageId, group: Sequence[SavedActivation]) -> fx.Node:
+        """The backward's host copy of ``s``: its load from disk, else its placeholder."""
+        return self.loaded.get(s, self.bw_nodes[group[0].name])
 
     def node(self, op: int) -> fx.Node:
         graph, name = self.fx_trace.op_nodes[op].split(":", 1)
@@ -174,11 +200,14 @@ def _lower_action(
         _lower_forward_release(g, s, group, g.node(op))
     elif kind is ActionKind.RELEASE_DEVICE and s in g.bw_wait and op == last_access.get(s):
         return  # the reloaded copy's end of life
+    elif kind in _DISK_KINDS:
+        _lower_disk_action(g, op, slot, action, group)
     elif kind is ActionKind.COPY_H2D and not in_fw and slot == "pre" and s in g.fw_wait:
-        placeholder = g.bw_nodes[group[0].name]
+        if s in g.spill and s not in g.loaded:
+            raise _fail(op, action, g.fx_trace, "a reload of a spilled copy before its load")
         device = g.fw_nodes[group[0].base].meta["val"].device  # type: ignore[index]
         with g.bw.graph.inserting_before(g.node(op)):
-            node = g.bw.graph.call_function(COPY_H2D, (placeholder, device))
+            node = g.bw.graph.call_function(COPY_H2D, (g.host(s, group), device))
         node.meta["val"] = _device_value(g.d2h[s].meta["val"], device)
         g.h2d[s] = node
     elif kind is ActionKind.WAIT_H2D and not in_fw and slot == "pre" and s in g.h2d:
@@ -186,9 +215,54 @@ def _lower_action(
             raise _fail(op, action, g.fx_trace, "a second reload of one host copy")
         _lower_wait_h2d(g, s, group, g.node(op))
     elif kind is ActionKind.RELEASE_HOST and not in_fw and slot == "post" and s in g.bw_wait:
-        placeholder = g.bw_nodes[group[0].name]
-        node = g.insert_after(g.node(op), RELEASE_HOST, (placeholder, g.bw_wait[s]))
+        node = g.insert_after(g.node(op), RELEASE_HOST, (g.host(s, group), g.bw_wait[s]))
         node.meta["val"] = None
+    else:
+        raise _fail(op, action, g.fx_trace, f"no lowering for this action in the {slot} slot here")
+
+
+_DISK_KINDS = (ActionKind.SPILL_TO_DISK, ActionKind.LOAD_FROM_DISK, ActionKind.RELEASE_DISK)
+
+
+def _lower_disk_action(
+    g: _Graphs, op: int, slot: str, action: ResidencyAction, group: Sequence[SavedActivation]
+) -> None:
+    """The disk tier (:mod:`hyper_offload.runtime.disk_ops` shows the IR): the spill right
+    after the copy it writes (forward, the copy's slot), the load and the file's release
+    at the schedule's slot in the backward (before its op for ``pre``, after it for
+    ``post``); the forward then returns the spill's handle for every saved tensor."""
+    s, kind, in_fw = action.storage, action.kind, op < g.fx_trace.num_fw_ops
+    if kind is ActionKind.SPILL_TO_DISK and in_fw and slot == "post" and s in g.d2h:
+        if s in g.spill:
+            raise _fail(op, action, g.fx_trace, "a second spill of one host copy")
+        node = g.insert_after(g.d2h_anchor[s], SPILL_TO_DISK, (g.d2h[s],))
+        with _in_fake_mode(g.d2h[s].meta["val"]):
+            node.meta["val"] = SPILL_TO_DISK(g.d2h[s].meta["val"])  # its fake kernel
+        g.spill[s] = node
+    elif kind is ActionKind.LOAD_FROM_DISK and not in_fw and s in g.spill and s not in g.loaded:
+        host = g.d2h[s].meta["val"]
+        layout = (list(host.shape), list(host.stride()))
+        if not all(isinstance(n, int) for n in (*layout[0], *layout[1])):
+            raise _fail(op, action, g.fx_trace, "a spilled copy needs concrete sizes (its "
+                        "load names them); a region with dynamic sizes plans without the disk tier")
+        args = (g.bw_nodes[group[0].name], *layout, host.dtype)
+        if slot == "pre":
+            with g.bw.graph.inserting_before(g.node(op)):
+                node = g.bw.graph.call_function(LOAD_FROM_DISK, args)
+        else:
+            node = g.insert_after(g.node(op), LOAD_FROM_DISK, args)
+        with _in_fake_mode(host):
+            node.meta["val"] = LOAD_FROM_DISK(g.spill[s].meta["val"], *args[1:])
+        g.loaded[s] = node
+    elif kind is ActionKind.RELEASE_DISK and not in_fw and s in g.loaded and (
+            s not in g.disk_released):
+        load = g.loaded[s]
+        with g.bw.graph.inserting_after(load):
+            node = g.bw.graph.call_function(RELEASE_DISK, (g.bw_nodes[group[0].name], load))
+        node.meta["val"] = None
+        if slot == "post":
+            g.after_cursor[g.node(op)] = node  # later inserts of this slot follow it
+        g.disk_released.add(s)
     else:
         raise _fail(op, action, g.fx_trace, f"no lowering for this action in the {slot} slot here")
 
@@ -247,9 +321,9 @@ def _lower_wait_h2d(
     readers the reloaded base or, where the saved tensor differs from its base in any
     observable property, the saved tensor rebuilt on it (:func:`.saved.rebuild_steps`).
     The node each reader now gets carries the saved name in ``RELOADED_AS_META``."""
-    first, copy = g.bw_nodes[group[0].name], g.h2d[s]
+    copy = g.h2d[s]
     with g.bw.graph.inserting_before(reader):
-        wait = g.bw.graph.call_function(WAIT_TRANSFER, (copy, first))
+        wait = g.bw.graph.call_function(WAIT_TRANSFER, (copy, g.host(s, group)))
     wait.meta["val"] = copy.meta["val"]
     g.bw_wait[s] = wait
     base_value = g.fw_nodes[group[0].base].meta["val"]  # type: ignore[index]
@@ -265,13 +339,18 @@ def _lower_wait_h2d(
             cursor = source
         source.meta[RELOADED_AS_META] = (*source.meta.get(RELOADED_AS_META, ()), saved.name)
         for user in list(placeholder.users):
-            if user not in (copy, wait) and user.target is not RELEASE_HOST:
+            if user not in (copy, wait) and user.target not in _HOST_USERS:
                 user.replace_input_with(placeholder, source)
 
 
+_HOST_USERS = (RELEASE_HOST, LOAD_FROM_DISK, RELEASE_DISK)
+"""Ops that take a backward placeholder as the host copy (or the handle) itself."""
+
+
 def _rewire_outputs(g: _Graphs) -> None:
-    """The forward returns each offloaded storage's host copy in place of every saved
-    tensor on it; the backward placeholders of those names now hold the host copy."""
+    """The forward returns each offloaded storage's host copy (its spill's handle, if it
+    went to disk) in place of every saved tensor on it; the backward placeholders of those
+    names now hold that."""
     incomplete = set(g.d2h) ^ set(g.bw_wait)
     if incomplete or set(g.d2h) != set(g.fw_wait):
         raise LoweringError(
@@ -279,7 +358,14 @@ def _rewire_outputs(g: _Graphs) -> None:
             "lack part of COPY_D2H / RELEASE_DEVICE / COPY_H2D / WAIT_H2D; an offloaded "
             "saved activation needs all four"
         )
-    replace = {saved.name: g.fw_wait[s] for s in g.fw_wait for saved in g.movable[s]}
+    unloaded = set(g.spill) ^ set(g.loaded) | set(g.spill) ^ g.disk_released
+    if unloaded:
+        raise LoweringError(
+            f"lower_schedule: storages {sorted(unloaded)} lack part of SPILL_TO_DISK / "
+            "LOAD_FROM_DISK / RELEASE_DISK; a spilled host copy needs all three"
+        )
+    replace = {saved.name: g.spill.get(s, g.fw_wait[s]) for s in g.fw_wait
+               for saved in g.movable[s]}
     output = g.fw.graph.find_nodes(op="output")[0]
     names = saved_output_names(g.fw)
     outputs = [
@@ -290,6 +376,24 @@ def _rewire_outputs(g: _Graphs) -> None:
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     for name, wait in replace.items():
         g.bw_nodes[name].meta["val"] = wait.meta["val"]
+    _hold_to_the_end(g.fw, [g.d2h[s] for s in g.spill])
+    _hold_to_the_end(g.bw, list(g.loaded.values()))
+
+
+def _hold_to_the_end(module: fx.GraphModule, hosts: list[fx.Node]) -> None:
+    """``hold(hosts + outputs)`` right before the output: a spilled or loaded host copy
+    gives its pool buffer back before the graph ends, and the inner compiler reuses a
+    buffer as scratch once its last reader ran (Inductor on a CPU model wrote into one
+    the pool had handed to the next copy). Reading every output too, the hold runs after
+    all compute, whatever order the inner compiler schedules: nothing can reuse them."""
+    if not hosts:
+        return
+    output = module.graph.find_nodes(op="output")[0]
+    outputs: list[fx.Node] = []
+    fx.node.map_arg(output.args, outputs.append)
+    held = [*hosts, *(n for n in outputs if isinstance(n.meta.get("val"), torch.Tensor))]
+    with module.graph.inserting_before(output):
+        module.graph.call_function(HOLD, (list(dict.fromkeys(held)),)).meta["val"] = None
 
 
 def _in_fake_mode(value: torch.Tensor) -> contextlib.AbstractContextManager[object]:

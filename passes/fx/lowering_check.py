@@ -9,6 +9,9 @@ and turns their positions into actions on the region's trace::
     copy_h2d(p, device)              before op k  ->  pre[k]   COPY_H2D s(p)
     wait_transfer(<copy_h2d>, ...)   before op k  ->  pre[k]   WAIT_H2D s
     release_host(p, ...)             after op m   ->  post[m]  RELEASE_HOST s
+    spill_to_disk(<copy_d2h>)        after op i   ->  post[i]  SPILL_TO_DISK s
+    load_from_disk(p, ...)           before op k  ->  pre[k]   LOAD_FROM_DISK s
+    release_disk(p, ...)             before op k  ->  pre[k]   RELEASE_DISK s
     (every non-retained storage)                  ->  post[last access] RELEASE_DEVICE
 
 It also checks every reload hands its readers the saved tensor itself
@@ -29,7 +32,18 @@ from torch import fx
 
 from ..analysis.liveness import storage_liveness
 from ..analysis.validator import ScheduleReport, check_schedule
-from ..ir.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, TRANSFER_OPS, WAIT_TRANSFER
+from ..ir.ops import (
+    COPY_D2H,
+    COPY_H2D,
+    DISK_OPS,
+    HOLD,
+    LOAD_FROM_DISK,
+    RELEASE_DISK,
+    RELEASE_HOST,
+    SPILL_TO_DISK,
+    TRANSFER_OPS,
+    WAIT_TRANSFER,
+)
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from .graph_trace import RELOADED_AS_META, FxTrace, build_fx_trace, is_rebuilt_view
 from .lowering import LoweringError
@@ -37,7 +51,10 @@ from .saved import TensorProperties
 
 __all__ = ["check_lowering", "check_reloads", "derive_schedule"]
 
-_POST_PHASE = {ActionKind.RELEASE_HOST: 0, ActionKind.COPY_D2H: 1, ActionKind.RELEASE_DEVICE: 2}
+_POST_PHASE = {ActionKind.RELEASE_HOST: 0, ActionKind.COPY_D2H: 1, ActionKind.SPILL_TO_DISK: 2,
+               ActionKind.RELEASE_DEVICE: 3}
+_PENDING = {COPY_H2D: ActionKind.COPY_H2D, LOAD_FROM_DISK: ActionKind.LOAD_FROM_DISK,
+            RELEASE_DISK: ActionKind.RELEASE_DISK}
 
 
 def derive_schedule(
@@ -72,10 +89,11 @@ def derive_schedule(
         for node in module.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
-            if is_rebuilt_view(node):
-                continue  # a saved view rebuilt on its reloaded base: not an op
+            if is_rebuilt_view(node) or node.target is HOLD:
+                continue  # a saved view rebuilt on its reloaded base, a hold: not ops
             target = node.target
-            if target in (COPY_D2H, WAIT_TRANSFER, RELEASE_HOST) and cursor < 0 and prefix == "fw":
+            if target in (COPY_D2H, WAIT_TRANSFER, RELEASE_HOST, SPILL_TO_DISK) and cursor < 0 and (
+                    prefix == "fw"):
                 raise LoweringError(
                     f"derive_schedule: fw:{node.name} comes before the forward's first op; "
                     "a copy follows the op that produced its source"
@@ -86,8 +104,10 @@ def derive_schedule(
                 post[cursor].append(ResidencyAction(ActionKind.COPY_D2H, sid))
             elif target is WAIT_TRANSFER and node.args[0].target is COPY_D2H:
                 post[cursor].append(ResidencyAction(ActionKind.RELEASE_DEVICE, sid))
-            elif target is COPY_H2D:
-                pending.append(ResidencyAction(ActionKind.COPY_H2D, sid))
+            elif target is SPILL_TO_DISK:
+                post[cursor].append(ResidencyAction(ActionKind.SPILL_TO_DISK, sid))
+            elif target in _PENDING:
+                pending.append(ResidencyAction(_PENDING[target], sid))
             elif target is WAIT_TRANSFER and node.args[0].target is COPY_H2D:
                 pending.append(ResidencyAction(ActionKind.WAIT_H2D, sid))
             elif target is RELEASE_HOST:
@@ -125,12 +145,14 @@ def check_reloads(bw: fx.GraphModule, fx_trace: FxTrace) -> None:
     }
     moved = {
         saved.storage for saved in fx_trace.saved if saved.name in placeholders
-        and any(user.target is COPY_H2D for user in placeholders[saved.name].users)
+        and any(user.target in (COPY_H2D, LOAD_FROM_DISK)
+                for user in placeholders[saved.name].users)
     }
     for saved in fx_trace.saved:
         if saved.storage not in moved or saved.storage is None:
             continue
-        stray = [u.name for u in placeholders[saved.name].users if u.target not in TRANSFER_OPS]
+        stray = [u.name for u in placeholders[saved.name].users
+                 if u.target not in TRANSFER_OPS and u.target not in DISK_OPS]
         node = reloaded.get(saved.name)
         if stray or node is None or saved.properties is None:
             raise LoweringError(

@@ -2,10 +2,19 @@
 
 This is the vocabulary of lowered graphs, so it sits in the IR that every layer may
 import: the FX passes emit and trace these ops without loading anything that moves
-bytes, and :mod:`hyper_offload.runtime.ops` registers their real kernels. Six ops:
+bytes, and :mod:`hyper_offload.runtime.ops` registers their real kernels. Ten ops:
 
 * the four **transfer ops** (``copy_d2h``, ``copy_h2d``, ``wait_transfer``,
   ``release_host``) that the FX lowering emits (below);
+* the three **disk tier ops** (``spill_to_disk(Tensor host) -> Tensor``, a one-element
+  int64 handle naming the file; ``load_from_disk(Tensor handle, SymInt[] size, SymInt[]
+  stride, ScalarType dtype) -> Tensor``, a fresh host copy that the next ``copy_h2d``
+  of it waits to be read; ``release_disk(Tensor handle, Tensor? after=None) -> ()``),
+  emitted where a schedule spills a host copy (:mod:`hyper_offload.runtime.disk_ops`
+  shows the IR), and ``hold(Tensor[] tensors) -> ()``, a no-op at the end of a graph
+  whose arguments stay alive until there: a host copy whose pool buffer went back to the
+  pool early (spilled, or read back and released) must never become scratch memory of
+  the inner compiler, which reuses a buffer once its last reader ran;
 * the two **recompute barriers** of the spliced backward
   (:mod:`hyper_offload.compiler.recompute_splice`): ``materialize(Tensor value) ->
   Tensor``, a copy of ``value`` that Inductor runs as an extern kernel (stored rounded
@@ -68,7 +77,7 @@ identities; gradients go back with a plain synchronous copy.
 Invariant: this module imports torch and the standard library only, never anything of
 ``hyper_offload``, so the pure passes (:mod:`hyper_offload.passes`) can trace, lower and
 check graphs holding these ops without loading the runtime. Everything an op needs to be
-*traced* is here; what moves bytes is not. The real kernels of all six live in
+*traced* is here; what moves bytes is not. The real kernels of all ten live in
 :mod:`hyper_offload.runtime.ops`, which registers them on ``REAL_KERNEL_KEY`` on import
 (the compile backend imports it). Until then that key holds placeholder kernels that raise
 an error naming the missing import, instead of the dispatcher's bare "could not run
@@ -92,11 +101,16 @@ __all__ = [
     "COPY_D2H",
     "COPY_H2D",
     "DISCARD",
+    "DISK_OPS",
+    "HOLD",
     "HOST_LABEL",
+    "LOAD_FROM_DISK",
     "MATERIALIZE",
     "NAMESPACE",
     "REAL_KERNEL_KEY",
+    "RELEASE_DISK",
     "RELEASE_HOST",
+    "SPILL_TO_DISK",
     "TRANSFER_OPS",
     "WAIT_TRANSFER",
     "dense_layout",
@@ -129,6 +143,14 @@ _LIB.define(
     "wait_transfer(Tensor(a) tensor, Tensor? keepalive=None) -> Tensor(a)", tags=_FLEXIBLE
 )
 _LIB.define("release_host(Tensor host, Tensor? after=None) -> ()", tags=_FLEXIBLE)
+# The disk tier (hyper_offload.runtime.disk_ops): a host copy to a file and back.
+_LIB.define("spill_to_disk(Tensor host) -> Tensor", tags=_FLEXIBLE)
+_LIB.define(
+    "load_from_disk(Tensor handle, SymInt[] size, SymInt[] stride, ScalarType dtype) -> Tensor",
+    tags=_FLEXIBLE,
+)
+_LIB.define("release_disk(Tensor handle, Tensor? after=None) -> ()", tags=_FLEXIBLE)
+_LIB.define("hold(Tensor[] tensors) -> ()", tags=_FLEXIBLE)
 # The recompute barriers: what torch.library.custom_op would define for them.
 _LIB.define("materialize(Tensor value) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define("discard(Tensor value) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
@@ -139,9 +161,15 @@ WAIT_TRANSFER: torch._ops.OpOverload = torch.ops.hyper_offload.wait_transfer.def
 RELEASE_HOST: torch._ops.OpOverload = torch.ops.hyper_offload.release_host.default
 TRANSFER_OPS: tuple[torch._ops.OpOverload, ...] = (COPY_D2H, COPY_H2D, WAIT_TRANSFER, RELEASE_HOST)
 """Every transfer op (the lowering's vocabulary)."""
+SPILL_TO_DISK: torch._ops.OpOverload = torch.ops.hyper_offload.spill_to_disk.default
+LOAD_FROM_DISK: torch._ops.OpOverload = torch.ops.hyper_offload.load_from_disk.default
+RELEASE_DISK: torch._ops.OpOverload = torch.ops.hyper_offload.release_disk.default
+HOLD: torch._ops.OpOverload = torch.ops.hyper_offload.hold.default
+DISK_OPS: tuple[torch._ops.OpOverload, ...] = (SPILL_TO_DISK, LOAD_FROM_DISK, RELEASE_DISK, HOLD)
+"""The disk tier's ops (the lowering emits them where a schedule spills)."""
 MATERIALIZE: torch._ops.OpOverload = torch.ops.hyper_offload.materialize.default
 DISCARD: torch._ops.OpOverload = torch.ops.hyper_offload.discard.default
-ALL_OPS: tuple[torch._ops.OpOverload, ...] = (*TRANSFER_OPS, MATERIALIZE, DISCARD)
+ALL_OPS: tuple[torch._ops.OpOverload, ...] = (*TRANSFER_OPS, *DISK_OPS, MATERIALIZE, DISCARD)
 """Every op of the namespace: each has a fake kernel here and a real one in the runtime."""
 
 REAL_KERNEL_KEY = "CompositeExplicitAutograd"
@@ -290,6 +318,30 @@ def _release_host_fake(host: torch.Tensor, after: torch.Tensor | None = None) ->
     return None
 
 
+@torch.library.register_fake(f"{NAMESPACE}::spill_to_disk", lib=_LIB)
+def _spill_to_disk_fake(host: torch.Tensor) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64, device="cpu")  # the handle: the file's key
+
+
+@torch.library.register_fake(f"{NAMESPACE}::load_from_disk", lib=_LIB)
+def _load_from_disk_fake(
+    handle: torch.Tensor, size: list[int], stride: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    host = torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+    setattr(host.untyped_storage(), HOST_LABEL, True)  # a host copy, as copy_d2h's
+    return host
+
+
+@torch.library.register_fake(f"{NAMESPACE}::release_disk", lib=_LIB)
+def _release_disk_fake(handle: torch.Tensor, after: torch.Tensor | None = None) -> None:
+    return None
+
+
+@torch.library.register_fake(f"{NAMESPACE}::hold", lib=_LIB)
+def _hold_fake(tensors: list[torch.Tensor]) -> None:
+    return None
+
+
 @torch.library.register_fake(f"{NAMESPACE}::materialize", lib=_LIB)
 def _materialize_fake(value: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(value)
@@ -382,5 +434,5 @@ def _mark_ordered_side_effects(op: torch._ops.OpOverload) -> None:
     register(op, EffectType.ORDERED, lib=_LIB)
 
 
-for _op in TRANSFER_OPS:
+for _op in (*TRANSFER_OPS, *DISK_OPS):
     _mark_ordered_side_effects(_op)

@@ -15,6 +15,14 @@ Action semantics (the validator simulates exactly these):
 * ``WAIT_H2D s``       make compute wait for the pending H2D of ``s``; an op may read ``s``
   only after this.
 * ``RELEASE_HOST s``   return the host buffer of ``s`` to the pool.
+* ``SPILL_TO_DISK s``  start writing the valid host copy of ``s`` to a file of the disk
+  tier (once the D2H that fills it has completed) and give its host buffer back (the
+  runtime returns it once the write completes). The disk copy is valid until ``s`` is
+  written again; the host holds no bytes of ``s`` from here on.
+* ``LOAD_FROM_DISK s`` take a host buffer and start reading ``s``'s disk copy into it; a
+  ``COPY_H2D s`` after it first waits for that read (the rule that orders a load before
+  its reload: no wait action of its own). The file stays until ``RELEASE_DISK``.
+* ``RELEASE_DISK s``   remove the disk copy of ``s`` (after the read of a load from it).
 
 ``pre[i]`` runs before op ``i``; ``post[i]`` after it.
 
@@ -51,6 +59,9 @@ class ActionKind(str, Enum):
     COPY_H2D = "COPY_H2D"
     WAIT_H2D = "WAIT_H2D"
     RELEASE_HOST = "RELEASE_HOST"
+    SPILL_TO_DISK = "SPILL_TO_DISK"
+    LOAD_FROM_DISK = "LOAD_FROM_DISK"
+    RELEASE_DISK = "RELEASE_DISK"
 
     def __repr__(self) -> str:
         return self.value
@@ -81,6 +92,10 @@ class ResidencyAction(NamedTuple):
 
 
 Actions = tuple[ResidencyAction, ...]
+
+DISK_ACTIONS = frozenset({ActionKind.SPILL_TO_DISK, ActionKind.LOAD_FROM_DISK,
+                          ActionKind.RELEASE_DISK})
+"""The actions of the disk tier (a schedule without them never touches a disk)."""
 
 
 @dataclass(frozen=True)

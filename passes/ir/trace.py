@@ -24,7 +24,10 @@ JSON format (``to_json`` / ``from_json``), version 1::
              {"name": "relu", "accesses": {"0": "R", "1": "W"}}]}
 
 ``outputs`` (storage per output tensor leaf, in leaf order) and ``duration_s`` are
-optional per op. ``from_json`` rejects, with a message naming the field and op index,
+optional per op. ``disk_budget_bytes`` and ``disk_bandwidth_gbps`` (the disk tier below
+host memory: how many bytes its files may hold at once, and how fast it writes and
+reads) are optional and written only when they differ from their defaults (0: no disk
+tier; :data:`DEFAULT_DISK_BANDWIDTH_GBPS`). ``from_json`` rejects, with a message naming the field and op index,
 unknown fields (a misspelt ``retained`` must not vanish silently), a storage named twice
 by one op or in ``storage_sizes`` (``"1"`` and ``"01"``), and non-finite numbers. Bandwidths are in GB/s (10^9 bytes per second); the ``_gbps`` names and
 the 16 default follow the design document, which means bytes, not bits.
@@ -32,6 +35,7 @@ the 16 default follow the design document, which means bytes, not bits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -45,6 +49,10 @@ from hyper_offload.errors import TraceFormatError
 TRACE_FORMAT = "hyper-offload.trace"
 TRACE_VERSION = 1
 DEFAULT_BANDWIDTH_GBPS = 16.0
+DEFAULT_DISK_BANDWIDTH_GBPS = 2.0
+"""The disk tier's bandwidth when none was measured or given: a conservative NVMe SSD
+(sequential writes of a few GB/s; the doors measure the real directory once,
+``runtime.disk_bandwidth``)."""
 
 FORWARD_GRAPH, BACKWARD_GRAPH = "fw", "bw"
 """Graph tags of a compile-path trace: :mod:`.graph_trace` names each op ``"<tag>:<node>"``
@@ -118,7 +126,8 @@ class ActivationTrace:
 
     Invariants (checked on construction): every accessed storage has a size >= 0;
     every retained storage is accessed by some op; bandwidths are positive;
-    ``budget_bytes`` >= 0.
+    ``budget_bytes`` >= 0; ``disk_budget_bytes`` >= 0 (0: no disk tier, the schedule may
+    not spill).
     """
 
     ops: tuple[TraceOp, ...]
@@ -127,6 +136,10 @@ class ActivationTrace:
     retained: frozenset[StorageId] = frozenset()
     d2h_bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
     h2d_bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
+    disk_budget_bytes: int = 0
+    """Bytes the disk tier's files may hold at once (raw storage bytes; 0: no disk tier)."""
+    disk_bandwidth_gbps: float = DEFAULT_DISK_BANDWIDTH_GBPS
+    """The disk tier's write and read bandwidth (one serial channel, GB/s)."""
     _accesses_by_storage: Mapping[StorageId, tuple[tuple[int, AccessKind], ...]] = field(
         init=False, repr=False, compare=False
     )
@@ -182,6 +195,17 @@ class ActivationTrace:
             retained=self.retained,
             d2h_bandwidth_gbps=self.d2h_bandwidth_gbps,
             h2d_bandwidth_gbps=self.h2d_bandwidth_gbps,
+            disk_budget_bytes=self.disk_budget_bytes,
+            disk_bandwidth_gbps=self.disk_bandwidth_gbps,
+        )
+
+    def with_disk(self, budget_bytes: int, bandwidth_gbps: float | None = None) -> ActivationTrace:
+        """The same trace with a disk tier of ``budget_bytes`` (0: none) at
+        ``bandwidth_gbps`` (None: the trace's own)."""
+        return dataclasses.replace(
+            self, disk_budget_bytes=budget_bytes,
+            disk_bandwidth_gbps=self.disk_bandwidth_gbps if bandwidth_gbps is None
+            else bandwidth_gbps,
         )
 
     # -- construction from plain data ------------------------------------------------
@@ -235,10 +259,21 @@ class ActivationTrace:
             "budget_bytes": self.budget_bytes,
             "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
             "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
+            **self._disk_fields(),
             "storage_sizes": {str(s): n for s, n in sorted(self.storage_sizes.items())},
             "retained": sorted(self.retained),
             "ops": ops,
         }
+
+    def _disk_fields(self) -> dict[str, Any]:
+        """The disk tier's fields where they differ from their defaults (a trace without a
+        disk tier writes the JSON it always wrote)."""
+        fields: dict[str, Any] = {}
+        if self.disk_budget_bytes:
+            fields["disk_budget_bytes"] = self.disk_budget_bytes
+        if self.disk_bandwidth_gbps != DEFAULT_DISK_BANDWIDTH_GBPS:
+            fields["disk_bandwidth_gbps"] = self.disk_bandwidth_gbps
+        return fields
 
     def to_json(self, *, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -275,6 +310,10 @@ class ActivationTrace:
             retained=_parse_retained(retained, "trace.retained"),
             d2h_bandwidth_gbps=_parse_bandwidth(data, "d2h_bandwidth_gbps"),
             h2d_bandwidth_gbps=_parse_bandwidth(data, "h2d_bandwidth_gbps"),
+            disk_budget_bytes=_parse_size(data.get("disk_budget_bytes", 0),
+                                          "trace.disk_budget_bytes"),
+            disk_bandwidth_gbps=_parse_bandwidth(data, "disk_bandwidth_gbps",
+                                                 DEFAULT_DISK_BANDWIDTH_GBPS),
         )
 
     @classmethod
@@ -336,8 +375,10 @@ def _parse_size(value: Any, where: str) -> int:
     return value
 
 
-def _parse_bandwidth(data: Mapping[str, Any], key: str) -> float:
-    value = data.get(key, DEFAULT_BANDWIDTH_GBPS)
+def _parse_bandwidth(
+    data: Mapping[str, Any], key: str, default: float = DEFAULT_BANDWIDTH_GBPS
+) -> float:
+    value = data.get(key, default)
     if not _is_number(value) or not 0 < value < math.inf:
         raise TraceFormatError(f"trace.{key}: expected a positive finite number, got {value!r}")
     return float(value)
@@ -345,7 +386,7 @@ def _parse_bandwidth(data: Mapping[str, Any], key: str) -> float:
 
 _TRACE_FIELDS = frozenset(
     {"format", "version", "budget_bytes", "d2h_bandwidth_gbps", "h2d_bandwidth_gbps",
-     "storage_sizes", "retained", "ops"}
+     "disk_budget_bytes", "disk_bandwidth_gbps", "storage_sizes", "retained", "ops"}
 )
 _OP_FIELDS = frozenset({"name", "accesses", "outputs", "duration_s"})
 
@@ -426,7 +467,13 @@ def _validate(trace: ActivationTrace) -> None:
         raise TraceFormatError(
             f"trace.budget_bytes: must be >= 0, got {trace.budget_bytes}"
         )
-    for key in ("d2h_bandwidth_gbps", "h2d_bandwidth_gbps"):
+    if isinstance(trace.disk_budget_bytes, bool) or not isinstance(trace.disk_budget_bytes, int) \
+            or trace.disk_budget_bytes < 0:
+        raise TraceFormatError(
+            f"trace.disk_budget_bytes: expected an integer >= 0 (0: no disk tier), got "
+            f"{trace.disk_budget_bytes!r}"
+        )
+    for key in ("d2h_bandwidth_gbps", "h2d_bandwidth_gbps", "disk_bandwidth_gbps"):
         value = getattr(trace, key)
         if not _is_number(value) or not 0 < value < math.inf:
             raise TraceFormatError(f"trace.{key}: must be positive and finite, got {value!r}")

@@ -130,6 +130,14 @@ class GreedyResidencyPlanner:
         HostLedger(0, host_budget_bytes)  # validates it
         self.host_budget_bytes = host_budget_bytes
 
+    def with_host_budget(self, host_budget_bytes: int | None) -> GreedyResidencyPlanner:
+        """This planner keeping another host budget (the disk stage of
+        :func:`~.planning.plan_residency` plans with the room its disk tier adds)."""
+        return GreedyResidencyPlanner(
+            self.refine, self.objective, movable=self.movable,
+            earliest_prefetch_op=self.earliest_prefetch_op, host_budget_bytes=host_budget_bytes,
+        )
+
     def __repr__(self) -> str:
         extra = "" if self.movable is None else f", movable={len(self.movable)} storages"
         if self.host_budget_bytes is not None:

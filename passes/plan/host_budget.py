@@ -48,10 +48,18 @@ class HostCurve(NamedTuple):
     peak: int
 
 
+_ACQUIRE = (ActionKind.COPY_D2H, ActionKind.LOAD_FROM_DISK)
+_GIVE_BACK = (ActionKind.RELEASE_HOST, ActionKind.SPILL_TO_DISK)
+
+
 def host_curve(trace: ActivationTrace, schedule: ResidencySchedule) -> HostCurve:
-    """Simulate the host side of ``schedule``: a ``COPY_D2H`` of a storage with no host
-    buffer acquires one bucket, ``RELEASE_HOST`` gives it back (the rules of
-    ``check_schedule``, which judges everything else)."""
+    """Simulate the host side of ``schedule``: a ``COPY_D2H`` (or ``LOAD_FROM_DISK``) of
+    a storage with no host buffer acquires one bucket, ``RELEASE_HOST`` (or
+    ``SPILL_TO_DISK``) gives it back: a buffer counts only while it holds bytes (the rules
+    of ``check_schedule``, which judges everything else). The runtime returns a spilled
+    buffer once its write completes and waits for pending writes before it takes the pool
+    past its cap (:mod:`hyper_offload.runtime.disk_store`), so this curve bounds the
+    pool's high-water."""
     held: dict[StorageId, int] = {}
     total = peak = 0
     values = []
@@ -59,12 +67,12 @@ def host_curve(trace: ActivationTrace, schedule: ResidencySchedule) -> HostCurve
     def run(actions: Sequence) -> None:
         nonlocal total, peak
         for action in actions:
-            if action.kind is ActionKind.COPY_D2H and action.storage not in held:
+            if action.kind in _ACQUIRE and action.storage not in held:
                 size = host_bucket_bytes(trace.storage_sizes.get(action.storage, 0))
                 held[action.storage] = size
                 total += size
                 peak = max(peak, total)
-            elif action.kind is ActionKind.RELEASE_HOST and action.storage in held:
+            elif action.kind in _GIVE_BACK and action.storage in held:
                 total -= held.pop(action.storage)
 
     for op in range(schedule.num_ops):

@@ -14,6 +14,11 @@ trace, planner and ``earliest_prefetch_op`` give the same schedule whichever doo
       predict_timeline(...)                      the one timeline model
       (doors whose releases wait: the proposal also undelayed, placed as elsewhere)
     keep the least predicted stall, then the fewest bytes moved, then the first
+    where the host budget binds and the trace has a disk tier:
+      the same with more host room, then
+      spill_to_disk(...)                         stage "spill_to_disk" (host copies
+        └─ check_schedule                        that wait longest go to files)
+      keep the lowest device peak, then the least stall
 
 Placement (:func:`~.prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier:
 as late as the timeline model says its copy still arrives in time, never earlier than
@@ -30,6 +35,7 @@ the trace's op names say (:func:`backward_start`). Pure: no torch, no device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
@@ -40,8 +46,9 @@ from ..analysis.validator import Rule, ScheduleError, ScheduleReport, check_sche
 from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
-from .prefetch import PrefetchError, hoist_prefetches, prefetch_leads
+from .disk_tier import spill_to_disk
 from .host_budget import host_curve
+from .prefetch import PrefetchError, hoist_prefetches, prefetch_leads
 from .protocol import ResidencyPlanner
 from .release_delay import delay_releases
 from .summary import binding
@@ -62,6 +69,7 @@ class PlanningStage(str, Enum):
     PLAN = "plan"
     DELAY_RELEASES = "delay_releases"
     PLACE_PREFETCHES = "place_prefetches"
+    SPILL_TO_DISK = "spill_to_disk"
 
     def __repr__(self) -> str:
         return self.value
@@ -75,12 +83,14 @@ _DESCRIPTIONS = {
     PlanningStage.PLAN: "the planner's schedule",
     PlanningStage.PLACE_PREFETCHES: "the hoisted schedule",
     PlanningStage.DELAY_RELEASES: "the schedule with delayed releases",
+    PlanningStage.SPILL_TO_DISK: "the schedule with host copies spilled to disk",
 }
 
 
 _PASSES = {
     PlanningStage.PLACE_PREFETCHES: "prefetch.hoist_prefetches",
     PlanningStage.DELAY_RELEASES: "release_delay.delay_releases",
+    PlanningStage.SPILL_TO_DISK: "disk_tier.spill_to_disk",
 }
 
 
@@ -92,9 +102,11 @@ class PlannedSchedule:
     ``planned_check == check_schedule(trace, planned)`` and ``planned_check.ok``;
     ``schedule`` differs from ``planned`` only in where ``COPY_H2D`` actions sit and, for
     a door whose releases wait for their D2H, where ``RELEASE_DEVICE`` of an offloaded
-    storage sits (later, never at or past its reload nor past ``latest_release_op``):
-    same actions, same bytes moved, every ``WAIT_H2D`` in place; a reload that placement
-    moved starts at op ``earliest_prefetch_op`` or later.
+    storage sits (later, never at or past its reload nor past ``latest_release_op``),
+    and in the disk tier's actions (``SPILL_TO_DISK`` / ``LOAD_FROM_DISK`` /
+    ``RELEASE_DISK``, the disk stage's): same device actions, same bytes moved, every
+    ``WAIT_H2D`` in place; a reload that placement moved starts at op
+    ``earliest_prefetch_op`` or later, and so does a load from disk.
     """
 
     trace: ActivationTrace
@@ -159,7 +171,11 @@ def plan_residency(
     one): proposals holding more bucketed host bytes at once are
     dropped (:mod:`.host_budget`; a planner that keeps none raises); a proposal the host
     budget kept over the device budget is checked under the device bytes it reaches
-    (:attr:`PlannedSchedule.binding` ``"host"``).
+    (:attr:`PlannedSchedule.binding` ``"host"``). Where the host budget binds and
+    ``trace`` has a disk tier (``trace.disk_budget_bytes``), the disk stage
+    (:func:`_with_disk_tier`) plans again with more host room and spills what does not
+    fit to disk (:mod:`.disk_tier`), keeping whichever plan reaches the lowest device
+    peak (then stalls least).
     ``fixed``: storages whose actions no placement stage moves (a lowering compiled
     already: a step's regions invoked several times run their own schedule).
     Raises :class:`PlanningError` (a ``ScheduleError``) naming ``where`` and the stage
@@ -170,41 +186,132 @@ def plan_residency(
             f"{where}: plan_residency(earliest_prefetch_op={earliest_prefetch_op}): must be >= 0 "
             "(0: reloads may start anywhere on the step's timeline)"
         )
-    proposals = _proposals(planner, trace)
-    requested = trace.budget_bytes
     if host_budget_bytes is None:
         host_budget_bytes = getattr(planner, "host_budget_bytes", None)
+    door = _Door(earliest_prefetch_op, default_op_duration_s, release_waits_for_d2h,
+                 latest_release_op, where, fixed)
+    planned = _plan_once(trace, planner, door, host_budget_bytes)
+    if host_budget_bytes is not None and trace.disk_budget_bytes > 0 and (
+            planned.binding == "host"):
+        planned = _with_disk_tier(trace, planned, planner, door, host_budget_bytes)
+    return planned
+
+
+@dataclass(frozen=True)
+class _Door:
+    """The door's knobs of :func:`plan_residency`, passed to every stage."""
+
+    earliest_prefetch_op: OpLimit
+    default_op_duration_s: float | None
+    release_waits_for_d2h: bool
+    latest_release_op: OpLimit | None
+    where: str
+    fixed: frozenset[StorageId] = frozenset()
+
+    def stall(self, trace: ActivationTrace, schedule: ResidencySchedule) -> float:
+        return predict_timeline(
+            trace, schedule, default_op_duration_s=self.default_op_duration_s,
+            release_waits_for_d2h=self.release_waits_for_d2h,
+        ).exposed_transfer_s
+
+
+def _plan_once(
+    trace: ActivationTrace, planner: ResidencyPlanner, door: _Door, host_budget_bytes: int | None
+) -> PlannedSchedule:
+    """Plan, check, hold releases, place prefetches, check; the least stalling proposal."""
+    proposals = _proposals(planner, trace)
+    requested = trace.budget_bytes
     if host_budget_bytes is not None:
-        proposals = _within_host(trace, proposals, host_budget_bytes, planner, where)
+        proposals = _within_host(trace, proposals, host_budget_bytes, planner, door.where)
         trace, proposals = _reached_budget(trace, proposals)
     # Where releases wait for their D2H, holding them (release_delay) is a heuristic that
     # can cost time (it may leave a reload no room to start early): each proposal is also
     # placed as planned, as a door whose releases do not wait would place it, and the
     # timeline model judges both. So the door never stalls more than the plan undelayed.
     # With every storage fixed nothing is placed: one variant is the other.
-    placeable = not fixed or not fixed.issuperset(trace.storage_sizes)
-    variants = [True, False] if release_waits_for_d2h and placeable else [release_waits_for_d2h]
+    fixed = door.fixed
+    placeable = not fixed.issuperset(trace.storage_sizes)
+    variants = ([True, False] if door.release_waits_for_d2h and placeable
+                else [door.release_waits_for_d2h])
     placed = [
-        _place(trace, planned, planner, earliest_prefetch_op, default_op_duration_s,
-               latest_release_op, where, delayed=delayed, fixed=fixed)
+        _place(trace, planned, planner, door.earliest_prefetch_op, door.default_op_duration_s,
+               door.latest_release_op, door.where, delayed=delayed, fixed=fixed)
         for planned in proposals
         for delayed in variants
     ]
-    stalls = [
-        predict_timeline(
-            trace, schedule, default_op_duration_s=default_op_duration_s,
-            release_waits_for_d2h=release_waits_for_d2h,
-        ).exposed_transfer_s
-        for _, _, schedule, _ in placed
-    ]
+    stalls = [door.stall(trace, schedule) for _, _, schedule, _ in placed]
     best = min(range(len(placed)), key=lambda i: (stalls[i], placed[i][3].bytes_moved, i))
     planned, planned_check, schedule, check = placed[best]
     return PlannedSchedule(
         trace=trace, schedule=schedule, check=check, planned=planned,
-        planned_check=planned_check, earliest_prefetch_op=earliest_prefetch_op,
+        planned_check=planned_check, earliest_prefetch_op=door.earliest_prefetch_op,
         predicted_stall_s=stalls[best], proposals=len(proposals),
         host_budget_bytes=host_budget_bytes, peak_host_bytes=host_curve(trace, schedule).peak,
         requested_budget_bytes=requested,
+    )
+
+
+_DISK_TRIES = 4
+"""Host budgets the disk stage plans with at most (a bisection from host + disk)."""
+
+
+def _with_disk_tier(
+    trace: ActivationTrace, base: PlannedSchedule, planner: ResidencyPlanner, door: _Door,
+    host_budget_bytes: int,
+) -> PlannedSchedule:
+    """The host budget binds ``base``: plan again as if the host had up to the disk
+    budget more room (``planner.with_host_budget``), spill what that holds past the real
+    host budget to disk (:func:`.disk_tier.spill_to_disk`, stage ``"spill_to_disk"``,
+    checked), and keep the plan with the lowest device peak (no lower than the budget
+    asked for), then the least predicted stall, then the fewest bytes spilled; ``base``
+    among them. Host budgets tried: ``host + disk`` first, then a bisection down to
+    ``host`` (the most room whose spilled plan keeps the host budget)."""
+    rebudget = getattr(planner, "with_host_budget", None)
+    if rebudget is None:
+        return base  # a planner that cannot be asked for another host budget
+    requested = trace.budget_bytes
+
+    def key(plan: PlannedSchedule) -> tuple[int, float, int]:
+        return (max(plan.check.peak_resident_bytes, requested), plan.predicted_stall_s,
+                plan.check.bytes_to_disk)
+
+    best, low, high = base, host_budget_bytes, host_budget_bytes + trace.disk_budget_bytes
+    room = high
+    for _ in range(_DISK_TRIES):
+        spilled = _spilled(trace, rebudget(room), door, room, host_budget_bytes)
+        if spilled is None:
+            high = room
+        else:
+            low = room
+            best = min(best, spilled, key=key)
+            if room == host_budget_bytes + trace.disk_budget_bytes:
+                break  # the most room there is, and it fits
+        room = (low + high) // 2
+        if room <= low:
+            break
+    return best
+
+
+def _spilled(
+    trace: ActivationTrace, planner: ResidencyPlanner, door: _Door, room: int, host: int
+) -> PlannedSchedule | None:
+    """``trace`` planned with ``room`` host bytes, then spilled to disk down to ``host``;
+    None when the spills cannot bring it there."""
+    planned = _plan_once(trace, planner, door, room)
+    schedule = spill_to_disk(
+        planned.trace, planned.schedule, host_budget_bytes=host,
+        earliest_load_op=door.earliest_prefetch_op,
+        default_op_duration_s=door.default_op_duration_s,
+        release_waits_for_d2h=door.release_waits_for_d2h,
+    )
+    peak = host_curve(planned.trace, schedule).peak
+    if peak > host:
+        return None
+    check = check_schedule(planned.trace, schedule)
+    _require_ok(check, schedule, PlanningStage.SPILL_TO_DISK, door.where, planner)
+    return dataclasses.replace(
+        planned, schedule=schedule, check=check, host_budget_bytes=host,
+        peak_host_bytes=peak, predicted_stall_s=door.stall(planned.trace, schedule),
     )
 
 

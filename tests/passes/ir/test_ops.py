@@ -59,7 +59,8 @@ def test_the_declarations_import_nothing_of_the_library_but_its_errors() -> None
 def test_one_module_declares_every_op_of_the_namespace() -> None:
     declared = {op.name() for op in ops.ALL_OPS}
     assert declared == {f"hyper_offload::{name}" for name in (
-        "copy_d2h", "copy_h2d", "wait_transfer", "release_host", "materialize", "discard")}
+        "copy_d2h", "copy_h2d", "wait_transfer", "release_host", "spill_to_disk",
+        "load_from_disk", "release_disk", "hold", "materialize", "discard")}
     # Nothing else of the library defines an op in the namespace.
     for folder in ("offload_compile", "passes", "runtime"):
         for path in (Path(__file__).resolve().parents[3] / folder).rglob("*.py"):
@@ -67,6 +68,34 @@ def test_one_module_declares_every_op_of_the_namespace() -> None:
                 continue
             text = path.read_text()
             assert "custom_op(" not in text and ".define(" not in text, path
+
+
+def test_the_disk_ops_have_fake_kernels_and_effects() -> None:
+    assert [str(op._schema) for op in ops.DISK_OPS] == [
+        "hyper_offload::spill_to_disk(Tensor host) -> Tensor",
+        "hyper_offload::load_from_disk(Tensor handle, SymInt[] size, SymInt[] stride, "
+        "ScalarType dtype) -> Tensor",
+        "hyper_offload::release_disk(Tensor handle, Tensor? after=None) -> ()",
+        "hyper_offload::hold(Tensor[] tensors) -> ()",
+    ]
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        host = ops.COPY_D2H(x)
+        handle = ops.SPILL_TO_DISK(host)
+        back = ops.LOAD_FROM_DISK(handle, [3, 4], [1, 3], torch.bfloat16)
+        ops.RELEASE_DISK(handle, back)
+        ops.HOLD([host, back])
+        return back
+
+    gm = make_fx(round_trip, tracing_mode="fake")(torch.randn(4, 3, dtype=torch.bfloat16).t())
+    vals = {str(n.target): n.meta.get("val") for n in gm.graph.nodes if n.op == "call_function"}
+    handle, back = vals["hyper_offload.spill_to_disk.default"], vals["hyper_offload.load_from_disk.default"]
+    assert (handle.shape, handle.dtype, handle.device.type) == ((1,), torch.int64, "cpu")
+    assert (back.shape, back.stride(), back.dtype, back.device.type) == (
+        (3, 4), (1, 3), torch.bfloat16, "cpu")
+    assert getattr(back.untyped_storage(), ops.HOST_LABEL, False)  # a host copy
+    gm.graph.eliminate_dead_code()  # ordered effects: release and hold stay, unused as they are
+    assert {ops.RELEASE_DISK, ops.HOLD} <= {n.target for n in gm.graph.nodes}
 
 
 def test_the_recompute_barriers_have_fake_kernels_and_no_effects() -> None:
