@@ -235,9 +235,9 @@ def hoist_prefetches(
     The result passes ``check_schedule`` whenever the input does, moves the same bytes,
     and never raises the resident bytes of an op above its allowance.
     """
-    if all(a.storage in fixed for _, _, a in schedule.actions()
-           if a.kind is ActionKind.COPY_H2D):
-        return schedule
+    if fixed and all(a.storage in fixed for _, _, a in schedule.actions()
+                     if a.kind is ActionKind.COPY_H2D):
+        return schedule  # nothing to place
     slots = prefetch_slots(
         trace, schedule, earliest_op=earliest_op, default_op_duration_s=default_op_duration_s,
         release_waits_for_d2h=release_waits_for_d2h, fixed=fixed,

@@ -171,9 +171,9 @@ def delay_releases(
     :func:`release_slots` issued them: the order the timeline model ran them in.
     ``fixed``: storages whose releases stay (with nothing else to hold, nothing runs).
     """
-    if all(a.storage in fixed for _, _, a in schedule.actions()
-           if a.kind is ActionKind.RELEASE_DEVICE):
-        return schedule
+    if fixed and all(a.storage in fixed for _, _, a in schedule.actions()
+                     if a.kind is ActionKind.RELEASE_DEVICE):
+        return schedule  # nothing to place
     slots = release_slots(
         trace, schedule, latest_op=latest_op, default_op_duration_s=default_op_duration_s,
         fixed=fixed,
