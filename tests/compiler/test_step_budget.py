@@ -300,4 +300,10 @@ def test_a_failing_step_search_keeps_the_floor_graphs_and_stays_exact(plain, cap
     assert all(exact(r, reference) and r.saved_bytes <= budget + SLACK for r in results)
     assert any("recompute search failed (RuntimeError: planted)" in r.getMessage()
                for r in caplog.records)
+    # The plan made next says what it keeps and whether the budget holds (issue 49 case 7).
+    after = [r.getMessage() for r in caplog.records
+             if "after the recompute search failed" in r.getMessage()]
+    report = backend.step_report
+    assert after and f"budget of {report.budget_bytes / _MIB:.2f} MiB" in after[-1]
+    assert ("the budget holds" in after[-1]) == report.fits
     assert backend.step_report.relowered == () and all(r.relowered for r in backend.regions)

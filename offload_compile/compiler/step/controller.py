@@ -124,6 +124,11 @@ class StepLowering(Protocol):
         """Whether a region of ``plan``'s step runs a partition that recomputes more."""
         ...
 
+    @property
+    def failed_searches(self) -> list[int]:
+        """Regions whose recompute search raised so far."""
+        ...
+
 
 class StepController:
     """The step lifecycle of one backend (module docstring).
@@ -285,10 +290,23 @@ class StepController:
         wanted, timeline = self.wanted, self._relower_timeline
         self.wanted = self._relower_timeline = None
         assert wanted is not None and timeline is not None
+        failed = len(self._lowering.failed_searches)
         if self._lowering.apply(wanted, timeline):
             self._plans.clear()  # made on partitions no region runs any more
         self._plan(timeline)
         self._move(self._after_plan(timeline), StepEventName.FORWARD)
+        if len(self._lowering.failed_searches) > failed and self.plan is not None:
+            plan = self.plan
+            LOGGER.warning(
+                "hyper_offload step plan %d, after the recompute search failed for region(s) "
+                "%s: they keep their floor partition; the plan keeps %.2f MiB on the device "
+                "and moves %.2f MiB, predicted peak %.2f MiB for the budget of %.2f MiB "
+                "(floor %.2f MiB): %s", self.replans,
+                ", ".join(map(str, self._lowering.failed_searches[failed:])),
+                plan.kept_bytes / 2**20, plan.moved_bytes / 2**20, plan.peak_bytes / 2**20,
+                plan.budget_bytes / 2**20, plan.floor_peak_bytes / 2**20,
+                "the budget holds" if plan.fits else
+                "over the budget where the floor is (only recompute or a larger budget helps)")
 
     def _adopt(self, plan: StepPlan) -> None:
         from ..step_report import log_step_plan

@@ -53,6 +53,8 @@ class RegionLowerings:
 
     def __init__(self, backend: HyperOffloadBackend) -> None:
         self._backend = backend
+        self.failed_searches: list[int] = []
+        """Regions whose recompute search raised (each region is searched once)."""
 
     def __repr__(self) -> str:
         return f"RegionLowerings({len(self._backend.regions)} region(s))"
@@ -188,9 +190,12 @@ class RegionLowerings:
         except Exception as error:  # an optimisation failed: the floor's graphs still run
             LOGGER.warning(
                 "hyper_offload region %d: the step's recompute search failed (%s: %s); the "
-                "region keeps its floor graphs, exact as before. Fix: report it, or pass "
-                "recompute='off'", region.index, type(error).__name__, error,
+                "region keeps its floor graphs, exact as before (the step plan made next "
+                "says what it keeps and whether the budget holds). Fix: report it, or pass "
+                "recompute='off'", region.index, type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "",
             )
+            self.failed_searches.append(region.index)
             return False
         LOGGER.info("hyper_offload region %d searched on the step: %s", region.index,
                     report.describe("") if report is not None else "no search")
