@@ -107,8 +107,9 @@ class StepLowering(Protocol):
         """Whether every region of ``plan``'s step runs the lowering it was made for."""
         ...
 
-    def slots(self, region: int) -> tuple[Slot, ...]:
-        """The slots the lowering in force of ``region`` copies out (may be kept)."""
+    def slots(self, region: int) -> tuple[tuple[Slot, ...], int]:
+        """The slots the lowering in force of ``region`` copies out (may be kept), and the
+        most bytes it holds at any of its ops, moving them all."""
         ...
 
     def apply(self, plan: StepPlan, timeline: StepTimeline) -> bool:
@@ -219,20 +220,22 @@ class StepController:
         return self._keep_unplanned(invocation)
 
     def _keep_unplanned(self, invocation: Invocation) -> frozenset[int]:
-        """A step no plan was made for keeps what an absolute budget holds, counted as
-        the saved bytes its invocations keep and retain so far (a budget above the step's
-        peak moves nothing from the first step on); with a fraction (of a peak not known
-        yet) it runs at the floor, keeping nothing."""
+        """A step no plan was made for keeps what an absolute budget surely holds: room
+        left once the invocations so far keep and retain their bytes and this one peaks as
+        its lowering in force does, moving everything (a budget above the step's peak
+        moves nothing from the first step on); with a fraction (of a peak not known yet)
+        it runs at the floor, keeping nothing."""
         if self._budget is None:
             return frozenset()
         if len(self.recorder.current_forwards()) == 0:
             self._kept_unplanned = 0  # a step begins
-        held = self._kept_unplanned + self.recorder.current_retained()
+        slots, peak = self._lowering.slots(invocation.region)
+        room = self._budget - self._kept_unplanned - self.recorder.current_retained() - peak
         kept = []
-        for slot in sorted(self._lowering.slots(invocation.region), key=lambda s: -s.copy):
-            if held + slot.nbytes <= self._budget:
+        for slot in sorted(slots, key=lambda s: -s.copy):
+            if slot.nbytes <= room:
                 kept.append(slot.storage)
-                held += slot.nbytes
+                room -= slot.nbytes
                 self._kept_unplanned += slot.nbytes
         return frozenset(kept)
 

@@ -94,9 +94,9 @@ class RegionLowerings:
         lowered = {r.index: r.step_schedule for r in self._regions if r.step_schedule is not None}
         return dataclasses.replace(plan, schedules=lowered)
 
-    def slots(self, region: int) -> tuple[Slot, ...]:
+    def slots(self, region: int) -> tuple[tuple[Slot, ...], int]:
         floor = self._regions[region].step_floor(in_force=True)
-        return () if floor is None else floor.slots
+        return ((), 0) if floor is None else (floor.slots, max(floor.resident, default=0))
 
     def lowered_as(self, plan: StepPlan) -> bool:
         return all(r.step_schedule == plan.schedules.get(r.index) for r in self._regions
