@@ -440,7 +440,8 @@ def build_fx_trace(
     exprs = {sid: expr for sid, expr in builder.exprs.items() if builder.sizes[sid]}
     return FxTrace(
         trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device,
-        num_fwd_outputs, frozenset(inputs), outputs_move, may_move=may_move, storage_exprs=exprs,
+        num_fwd_outputs, frozenset(inputs), outputs_move, may_move=may_move,
+        storage_exprs=exprs,
     )
 
 
