@@ -87,7 +87,8 @@ __all__ = [
 SAVED_NAMES_META = "hyper_offload_saved_names"
 """``node.meta`` key on a lowered forward's output node: per output, the name of the saved
 activation it stands for (the backward placeholder keeps that name), None for outputs the
-lowering left alone. Several saved views of one storage all stand for its host copy."""
+lowering left alone (every model output among them). Several saved views of one storage
+all stand for its host copy."""
 
 REBUILT_VIEW_META = "hyper_offload_rebuilt_view"
 """``node.meta`` key on a backward ``as_strided`` the lowering added: the saved view it
@@ -107,7 +108,8 @@ class FxTrace:
 
     Invariant: ``op_nodes[i]`` names the node of ``trace.ops[i]``; ops
     ``0 .. num_fw_ops - 1`` are the forward's. ``node_storage`` maps qualified node
-    names (``"fw:addmm"``) to the storage of their first tensor leaf.
+    names (``"fw:addmm"``) to the storage of their first tensor leaf. The forward's
+    first ``num_fwd_outputs`` outputs are the model's; the rest are saved tensors.
     """
 
     trace: ActivationTrace
@@ -116,6 +118,9 @@ class FxTrace:
     saved: tuple[SavedActivation, ...]
     node_storage: Mapping[str, StorageId]
     device: torch.device
+    num_fwd_outputs: int
+    """How many of the forward's outputs are model outputs (``build_fx_trace``); the
+    same node may also be a saved tensor, returned again among the rest."""
     activation_inputs: frozenset[str] = frozenset()
     """The forward placeholders traced as activations (``build_fx_trace``)."""
     outputs_move: bool = False
@@ -191,18 +196,19 @@ def fw_outputs(fw: fx.GraphModule) -> list[Any]:
     return list(fw.graph.find_nodes(op="output")[0].args[0])
 
 
-def saved_output_names(fw: fx.GraphModule) -> list[str | None]:
-    """Per forward output, the saved activation it stands for (its node name before
-    lowering; a lowered output records it in ``SAVED_NAMES_META``)."""
+def saved_output_names(fw: fx.GraphModule, num_fwd_outputs: int) -> list[str | None]:
+    """Per saved output (every forward output after the first ``num_fwd_outputs``, which
+    are the model's), the saved activation it stands for: its node name before lowering;
+    a lowered output records it in ``SAVED_NAMES_META``. A model output stands for no
+    saved tensor even where the same node is saved too (AOTAutograd then returns it
+    twice): the caller gets it as the plain graph returns it."""
     output = fw.graph.find_nodes(op="output")[0]
     recorded = output.meta.get(SAVED_NAMES_META)
     nodes = fw_outputs(fw)
-    if recorded is None:
-        return [n.name if isinstance(n, fx.Node) else None for n in nodes]
-    return [
-        name if name is not None else (n.name if isinstance(n, fx.Node) else None)
-        for name, n in zip(recorded, nodes)
-    ]
+    names = [n.name if isinstance(n, fx.Node) else None for n in nodes]
+    if recorded is not None:
+        names = [name if name is not None else n for name, n in zip(recorded, names)]
+    return names[num_fwd_outputs:]
 
 
 def is_rebuilt_view(node: fx.Node) -> bool:
@@ -453,7 +459,8 @@ def build_fx_trace(
     exprs = {sid: expr for sid, expr in builder.exprs.items() if builder.sizes[sid]}
     return FxTrace(
         trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device,
-        frozenset(inputs), outputs_move, may_move=may_move, storage_exprs=exprs,
+        num_fwd_outputs, frozenset(inputs), outputs_move, may_move=may_move,
+        storage_exprs=exprs,
     )
 
 
@@ -481,7 +488,7 @@ def _saved_nodes(
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     return [
         fw_nodes.get(name, node)
-        for name, node in zip(saved_output_names(fw)[num_fwd_outputs:], outputs[num_fwd_outputs:])
+        for name, node in zip(saved_output_names(fw, num_fwd_outputs), outputs[num_fwd_outputs:])
         if isinstance(node, fx.Node) and name in bw_placeholders
         and isinstance(node.meta.get("val"), torch.Tensor)
     ]

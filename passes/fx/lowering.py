@@ -3,7 +3,8 @@
 The unit that moves is a storage (:mod:`.saved`): its *base* tensor ``base`` and the
 saved activations on it, ``act_1 .. act_k`` (the base itself, or views of it). For a
 storage ``s`` that the schedule offloads, the forward gets, and returns the host copy in
-place of every ``act_i``::
+place of every ``act_i`` among its saved outputs (its model outputs stay as they were,
+even one that is the same node as an ``act_i``)::
 
     base = <producer>(...)
     act_1 = <view>(base)                                      # first saved tensor on s
@@ -350,7 +351,12 @@ _HOST_USERS = (RELEASE_HOST, LOAD_FROM_DISK, RELEASE_DISK)
 def _rewire_outputs(g: _Graphs) -> None:
     """The forward returns each offloaded storage's host copy (its spill's handle, if it
     went to disk) in place of every saved tensor on it; the backward placeholders of those
-    names now hold that."""
+    names now hold that. The model outputs stay what they were: a saved tensor that is
+    also a model output (one node, returned twice: HF's logits, saved for the loss's
+    backward) leaves the device only as the saved one, and the caller still gets the
+    device tensor (the wait there handed the caller a host copy of the storage's base:
+    logits of shape (32, 64), not (2, 16, 64), and autograd's tangent for them could not
+    be made)."""
     incomplete = set(g.d2h) ^ set(g.bw_wait)
     if incomplete or set(g.d2h) != set(g.fw_wait):
         raise LoweringError(
@@ -367,13 +373,13 @@ def _rewire_outputs(g: _Graphs) -> None:
     replace = {saved.name: g.spill.get(s, g.fw_wait[s]) for s in g.fw_wait
                for saved in g.movable[s]}
     output = g.fw.graph.find_nodes(op="output")[0]
-    names = saved_output_names(g.fw)
-    outputs = [
-        replace.get(name, n) if name is not None else n
-        for name, n in zip(names, output.args[0])
-    ]
-    output.meta[SAVED_NAMES_META] = tuple(names)
-    output.args = (tuple(outputs),) + tuple(output.args[1:])
+    num_model = g.fx_trace.num_fwd_outputs
+    nodes = list(output.args[0])
+    names = saved_output_names(g.fw, num_model)
+    saved = [replace.get(name, n) if name is not None else n
+             for name, n in zip(names, nodes[num_model:])]
+    output.meta[SAVED_NAMES_META] = (*[None] * num_model, *names)
+    output.args = ((*nodes[:num_model], *saved),) + tuple(output.args[1:])
     for name, wait in replace.items():
         g.bw_nodes[name].meta["val"] = wait.meta["val"]
     _hold_to_the_end(g.fw, [g.d2h[s] for s in g.spill])

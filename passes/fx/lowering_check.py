@@ -14,7 +14,9 @@ and turns their positions into actions on the region's trace::
     release_disk(p, ...)             before op k  ->  pre[k]   RELEASE_DISK s
     (every non-retained storage)                  ->  post[last access] RELEASE_DEVICE
 
-It also checks every reload hands its readers the saved tensor itself
+It also checks the model outputs are the plain graph's own values (:func:`check_outputs`:
+no transfer op's result reaches the caller), and every reload hands its readers the saved
+tensor itself
 (:func:`check_reloads`: dtype, sizes, strides, offset, conjugate and negative bits, read
 from the fake values the rebuild's own ops computed), and rebuilds the trace from the
 lowered graphs (transfer ops alias their source, so
@@ -45,11 +47,11 @@ from ..ir.ops import (
     WAIT_TRANSFER,
 )
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
-from .graph_trace import RELOADED_AS_META, FxTrace, build_fx_trace, is_rebuilt_view
+from .graph_trace import RELOADED_AS_META, FxTrace, build_fx_trace, fw_outputs, is_rebuilt_view
 from .lowering import LoweringError
 from .saved import TensorProperties
 
-__all__ = ["check_lowering", "check_reloads", "derive_schedule"]
+__all__ = ["check_lowering", "check_outputs", "check_reloads", "derive_schedule"]
 
 _POST_PHASE = {ActionKind.RELEASE_HOST: 0, ActionKind.COPY_D2H: 1, ActionKind.SPILL_TO_DISK: 2,
                ActionKind.RELEASE_DEVICE: 3}
@@ -172,11 +174,29 @@ def check_reloads(bw: fx.GraphModule, fx_trace: FxTrace) -> None:
             )
 
 
+def check_outputs(fw: fx.GraphModule, *, num_fwd_outputs: int) -> None:
+    """Raise :class:`LoweringError` if a model output of the lowered forward is a transfer
+    op's result. The trace cannot see it (a transfer op aliases its source, so the
+    rebuilt trace is the planned one), yet the caller would get a host copy of a whole
+    storage in place of its device tensor: with one node both a model output and a saved
+    view, the logits came back with their storage base's sizes."""
+    for index, node in enumerate(fw_outputs(fw)[:num_fwd_outputs]):
+        if isinstance(node, fx.Node) and node.target in TRANSFER_OPS:
+            raise LoweringError(
+                f"check_outputs: model output {index} of the lowered forward is "
+                f"fw:{node.name}, a {node.target}. Rule: the lowering rewires only saved "
+                "outputs; the caller gets every model output as the plain graph returns it. "
+                "Fix: report it; compile with budget_scope='region' until then"
+            )
+
+
 def check_lowering(
     fw: fx.GraphModule, bw: fx.GraphModule, fx_trace: FxTrace, *, num_fwd_outputs: int
 ) -> ScheduleReport:
     """``check_schedule`` of the schedule the lowered graphs execute, once
-    :func:`check_reloads` found every reload to be the saved tensor."""
+    :func:`check_outputs` found the model outputs untouched and :func:`check_reloads`
+    every reload to be the saved tensor."""
+    check_outputs(fw, num_fwd_outputs=num_fwd_outputs)
     check_reloads(bw, fx_trace)
     return check_schedule(
         fx_trace.trace, derive_schedule(fw, bw, fx_trace, num_fwd_outputs=num_fwd_outputs)

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import hyper_offload.runtime.ops  # noqa: F401  (real kernels of the transfer ops)
-from hyper_offload.passes import GreedyResidencyPlanner, check_schedule
+from hyper_offload.passes import GreedyResidencyPlanner, check_schedule, plan_residency
 from hyper_offload.errors import LoweringError
 from hyper_offload.passes.fx.graph_trace import (
     REBUILT_VIEW_META,
@@ -32,7 +32,8 @@ from hyper_offload.passes.fx.lowering import lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.memory_meter import is_host_labelled
-from hyper_offload.runtime.ops import COPY_D2H, COPY_H2D
+from hyper_offload.passes.plan.floor import FloorPlanner
+from hyper_offload.runtime.ops import COPY_D2H, COPY_H2D, WAIT_TRANSFER
 
 _GEN = torch.Generator().manual_seed(0)
 X, W = torch.randn(8, 16, generator=_GEN), torch.randn(16, 24, generator=_GEN)
@@ -349,3 +350,82 @@ def test_a_view_with_symbolic_strides_is_kept_under_dynamic_shapes() -> None:
     view, fresh = [s for s in fx_trace.saved if s.storage is not None]
     assert not view.offloadable and "symbolic sizes or strides" in view.reason, view
     assert fresh.offloadable and fresh.base == fresh.name  # its own base: nothing to rebuild
+
+
+def _logits_graphs(saved_view: str) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """HF's causal LM head after Inductor's decompositions: ``logits = view(mm, (2, 4,
+    24))`` is a model output, the loss reads its flattened view, and the backward takes
+    ``saved_view``: the logits node itself (returned twice: model output and saved) or
+    the flattened view (another node on the logits' storage)."""
+
+    def fw(x, w):
+        logits = (x @ w).view(2, 4, 24)
+        flat = logits.view(-1, 24)
+        loss = _tail(torch.logsumexp(flat, 1).sum())
+        return (loss, logits, logits if saved_view == "logits" else flat)
+
+    def bw(v, tangent, logits_tangent):
+        return ((v.reshape(-1, 24).softmax(1) * _tail(tangent) + logits_tangent.view(-1, 24)),)
+
+    fw_graph = make_fx(fw, tracing_mode="fake")(X, W)
+    outputs = fw_graph.graph.find_nodes(op="output")[0].args[0]
+    (saved,) = outputs[2:]
+    bw_graph = make_fx(bw, tracing_mode="fake")(
+        _example(saved.meta["val"]), torch.ones(()), torch.ones(2, 4, 24))
+    graph, val_map = fx.Graph(), {}
+    for node, name in zip(bw_graph.graph.find_nodes(op="placeholder"),
+                          (saved.name, "tangents_1", "tangents_2")):
+        val_map[node] = graph.placeholder(name)
+        val_map[node].meta = dict(node.meta)
+    graph.output(graph.graph_copy(bw_graph.graph, val_map))
+    return fw_graph, fx.GraphModule(bw_graph, graph)
+
+
+def _run_logits(fw: fx.GraphModule, bw: fx.GraphModule) -> tuple[torch.Tensor, ...]:
+    with TransferRuntime(pool=PinnedMemoryPool(1 << 24)):
+        loss, logits, saved = fw(X, W)
+        (grad,) = bw(saved, torch.ones(()), torch.full((2, 4, 24), 0.5))
+    return loss, logits, grad
+
+
+@pytest.mark.parametrize("saved_view", ["logits", "flat"])
+def test_a_saved_model_output_moves_and_the_caller_still_gets_the_model_output(
+    saved_view: str,
+) -> None:
+    """The step scope moves a saved tensor that is also a model output
+    (``outputs_move``). Where AOTAutograd returns one node as both (HF GPT-2's logits
+    under Inductor's decompositions), only the saved position may read the host copy:
+    the lowering gave it to the model output too, and the logits came back as the host
+    copy of their (32, 64) base, so the backward's tangent could not be made."""
+    want = _run_logits(*_logits_graphs(saved_view))
+    fw, bw = _logits_graphs(saved_view)
+    plain_outputs = [n.name for n in fw.graph.find_nodes(op="output")[0].args[0]]
+    fx_trace = build_fx_trace(fw, bw, num_fwd_outputs=2, outputs_move=True)
+    (group,) = fx_trace.movable().values()
+    assert [s.name for s in group] == [plain_outputs[2]] and group[0].base == "mm"
+    planner = FloorPlanner(fx_trace.num_fw_ops, frozenset(fx_trace.movable()))
+    schedule = plan_residency(fx_trace.trace, planner, earliest_prefetch_op=fx_trace.num_fw_ops,
+                              release_waits_for_d2h=True,
+                              latest_release_op=fx_trace.num_fw_ops - 1).schedule
+    lower_schedule(fw, bw, fx_trace, schedule)
+    assert check_lowering(fw, bw, fx_trace, num_fwd_outputs=2).ok
+    outputs = fw.graph.find_nodes(op="output")[0].args[0]
+    assert [n.name for n in outputs[:2]] == plain_outputs[:2]  # the model's, untouched
+    assert outputs[2].target is WAIT_TRANSFER and outputs[2].args[0].target is COPY_D2H
+    got = _run_logits(fw, bw)
+    assert got[1].shape == (2, 4, 24) and got[1].stride() == want[1].stride()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_model_output_that_reads_a_host_copy_is_a_lowering_error() -> None:
+    """check_lowering judges the model outputs without the lowering: the trace cannot
+    (a transfer op aliases its source), so the bug above passed every check."""
+    fw, bw = _logits_graphs("logits")
+    fx_trace = build_fx_trace(fw, bw, num_fwd_outputs=2, outputs_move=True)
+    planner = FloorPlanner(fx_trace.num_fw_ops, frozenset(fx_trace.movable()))
+    lower_schedule(fw, bw, fx_trace, planner.plan(fx_trace.trace))
+    output = fw.graph.find_nodes(op="output")[0]
+    loss, _, wait = output.args[0]
+    output.args = ((loss, wait, wait),)  # plant the bug: the caller gets the host copy
+    with pytest.raises(LoweringError, match=r"model output 1 of the lowered forward is fw:wait"):
+        check_lowering(fw, bw, fx_trace, num_fwd_outputs=2)
