@@ -183,6 +183,12 @@ class HyperOffloadBackend:
         return self._verify.verified
 
     @property
+    def plans_made(self) -> int:
+        """Step plans made so far (one per step shape and sizes seen; a cached one is
+        adopted, not made again)."""
+        return self.controller.plans_made
+
+    @property
     def step_plan(self) -> Any:
         """The step plan in force (None before a step was planned)."""
         return self.controller.plan

@@ -5,8 +5,9 @@ A copy of the model whose parameters are fake twins (:func:`.fake_capture.fake_m
 is compiled with ``torch.compile`` and a :class:`~.backend.HyperOffloadBackend`
 in *fake-steps* mode, and runs one step on fake inputs: one forward (Dynamo splits it
 into the regions a real compile makes: graph breaks, blocks compiled on their own,
-one compiled block invoked once per layer) and one backward of every output that
-requires grad (gradients of ones, as AOTAutograd's tangents), and more steps while
+one compiled block invoked once per layer) and the backward of its loss (a scalar output
+that requires grad; without one, of every output that requires grad, seeded with ones),
+and more steps while
 the plan asks for regions to be lowered again (as a real run's next steps). Each region is
 partitioned, planned at its floor and lowered by the backend's own code; its graphs run
 as FX graphs on the fake tensors, so the backend's step recorder sees the step exactly
@@ -140,8 +141,9 @@ is planned again at its end."""
 def _fake_step(
     compiled: Any, inputs: Sequence[Any], mode: Any, backend: HyperOffloadBackend
 ) -> None:
-    """One forward and the backward of every output that requires grad (ones), as a real
-    step runs them (the backend measures the eager code between its regions). An error
+    """One forward and the backward of its loss (or of every output that requires grad,
+    seeded with ones), as a real step runs them (the backend measures the eager code
+    between its regions). An error
     the backend raised on purpose comes out as itself, not wrapped in Dynamo's
     ``BackendCompilerFailed``: the caller of ``estimate`` compiled nothing."""
     from torch._dynamo.exc import BackendCompilerFailed
@@ -149,10 +151,7 @@ def _fake_step(
     try:
         with mode, torch.enable_grad():
             outputs = compiled(*inputs)
-            leaves = [
-                t for t in tree_flatten(outputs)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+            leaves = _backward_roots(outputs)
             if leaves:
                 # A scalar (a loss) is seeded by autograd, as loss.backward() seeds it in a
                 # real step (and measured alike); a seed of any other output is the
@@ -165,6 +164,15 @@ def _fake_step(
         if isinstance(error.inner_exception, HyperOffloadError):
             raise error.inner_exception from None
         raise
+
+
+def _backward_roots(outputs: Any) -> list[torch.Tensor]:
+    """What a training step calls backward on: its loss (a scalar that requires grad: an
+    HF model's ``.loss`` beside its logits), else every output that requires grad."""
+    leaves = [t for t in tree_flatten(outputs)[0]
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    losses = [t for t in leaves if t.dim() == 0]
+    return losses or leaves
 
 
 def _refusing_data_dependent_inputs(backend: HyperOffloadBackend) -> Any:

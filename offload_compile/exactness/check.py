@@ -172,26 +172,31 @@ def _narrow(units: list[Unit], fails: Callable[[Sequence[Unit]], bool]) -> tuple
 
 
 def _moved_units(backend: Any) -> list[Unit]:
-    """The storages the backend's regions moved (or meant to, where lowering raised),
-    each as the saved tensors on it."""
+    """The storages the backend's regions moved in any lowering they ran (or meant to,
+    where lowering raised), each as the saved tensors on it."""
     units: dict[tuple[int, int], set[tuple[int, str]]] = {}
     for region in backend.regions:
-        plan = region.attempted
-        if plan is None:
-            continue
-        movable = plan.fx_trace.movable()
-        for _, _, action in plan.schedule.actions():
-            if action.kind.value == "COPY_D2H" and action.storage in movable:
-                units[(region.index, action.storage)] = {
-                    (region.index, saved.name) for saved in movable[action.storage]}
+        for plan in _plans_of(region):
+            movable = plan.fx_trace.movable()
+            for _, _, action in plan.schedule.actions():
+                if action.kind.value == "COPY_D2H" and action.storage in movable:
+                    units.setdefault((region.index, action.storage), set()).update(
+                        (region.index, saved.name) for saved in movable[action.storage])
     return [frozenset(names) for _, names in sorted(units.items())]
+
+
+def _plans_of(region: Any) -> list[Any]:
+    """Every plan a region lowered (its floor, schedules made for the step) and the one
+    last handed to the lowering."""
+    plans = [lowering.planned for lowering in region.variants.values()]
+    return plans + ([region.attempted] if region.attempted is not None else [])
 
 
 def _saved_tensors(backend: Any) -> dict[tuple[int, str], Any]:
     return {
         (region.index, saved.name): saved
-        for region in backend.regions if region.attempted is not None
-        for saved in region.attempted.fx_trace.saved
+        for region in backend.regions for plan in _plans_of(region)
+        for saved in plan.fx_trace.saved
     }
 
 

@@ -256,8 +256,9 @@ def test_estimate_plans_the_routed_moe_as_the_backend_does_at_torchs_bound():
     backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=0.1,
                                     recompute="off")
     compiled = torch.compile(_small_moe(), backend=backend)
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        compiled(torch.randn(64, 32, generator=torch.Generator().manual_seed(0))).backward()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), backend.measuring():
+        compiled(x).backward()  # measured as the estimate measures its fake step
     (real,) = backend.reports
     assert [str(s) for s in real.sizes] == [str(s) for s in estimate.regions[0].sizes]
     # The same step plan (what each invocation keeps and moves); the bytes no plan moves

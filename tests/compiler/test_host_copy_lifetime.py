@@ -91,12 +91,11 @@ def test_host_copies_of_a_region_that_never_runs_again_come_back() -> None:
         F.mse_loss(compiled(torch.randn(16, 64)), torch.zeros(4, 64)).backward()
     assert len(backend.regions) == 2 and all(r.planned.report.offloaded for r in backend.regions)
     gc.collect()
-    in_use = [r.runtime.pool.stats().buffers_in_use for r in backend.regions]
-    assert in_use == [0, 0], f"host buffers still in use per region: {in_use}"
+    in_use = backend.runtime.pool.stats().buffers_in_use  # every region shares it
+    assert in_use == 0, f"host buffers still in use: {in_use}"
     for _ in range(3):
         F.mse_loss(compiled(torch.randn(32, 64)), torch.zeros(32, 64)).backward()
-        pinned = [r.runtime.pool.stats().pinned_bytes_in_use for r in backend.regions]
-        assert pinned == [0, 0]
+        assert backend.runtime.pool.stats().pinned_bytes_in_use == 0
 
 
 class _TwoRegions(torch.nn.Module):
@@ -130,7 +129,9 @@ def test_a_failed_step_that_compiled_a_region_holds_no_host_copy_nor_activation(
         raise RuntimeError("the user's loop fails between the forward and the backward")
     del loss
     gc.collect()  # a recompiling step's graph sits in a reference cycle (plain compile too)
-    assert len(backend.regions) == 4 and all(r.planned.report.offloaded for r in backend.regions)
+    # The two regions the failing step compiled run at their floor: they offloaded.
+    assert len(backend.regions) == 4
+    assert all(r.planned.report.offloaded for r in backend.regions[2:])
     assert body_outputs and body_outputs[-1]() is None, "an activation of the step is alive"
     assert backend.runtime.pool.stats().buffers_in_use == 0
     assert backend.runtime.host_copies == 0
