@@ -47,7 +47,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 # (the package itself loads lazily and registers nothing).
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload.errors import ConfigurationError, ConfigurationTypeError, OffloadRuntimeError
-from hyper_offload import passes
+from hyper_offload import passes, progress
 from hyper_offload.config import OffloadConfig
 from hyper_offload.passes import ResidencySchedule, ScheduleError, required_bytes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
@@ -141,6 +141,7 @@ class _OffloadPartitioner(CustomPartitionerFn):
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         started = time.perf_counter()
+        progress.note(f"region {region.index}: partitioning and planning")
         choice = search_region(
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=self._backend.bandwidth, region=region.index, floor=options.step_scoped,
@@ -453,6 +454,7 @@ class HyperOffloadBackend:
         key = _timeline_key(timeline)
         target = self._plans.get(key)
         if target is None or target.budget_bytes != (budget or target.budget_bytes):
+            progress.note(f"planning the step ({len(timeline.invocations)} invocation(s))")
             target = plan_step_schedules(timeline, regions, resident, budget,
                                          budget_fraction=fraction, tailor=lowerable,
                                          host_budget_bytes=self.options.host_budget_bytes)
@@ -576,6 +578,7 @@ class HyperOffloadBackend:
         and compiled forward follow; lowered with the schedule the step plan made for
         it, when it made one). Whether the region changed."""
         region.relower_requested, region.relowered = False, True
+        progress.note(f"region {region.index}: recompute search ranked on the step")
         before = (Lowering(region.compiled, region.planned, region.graphs), region.step_schedule,
                   region.floor_plan)
         gm, example_inputs = region.dynamo_graph

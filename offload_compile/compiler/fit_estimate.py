@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError, ReportScopeError
 from hyper_offload.passes import required_bytes
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
@@ -494,6 +495,7 @@ def _capture_and_search(
     from torch._inductor import config as inductor_config
 
     started = time.perf_counter()
+    progress.note("capturing the model as one region on fake tensors")
     with inductor_config.patch(options.inductor_patches()):  # the backend's Inductor mode
         capture_graphs(
             model, example_inputs, device=device, inner_compiler=options.inner_compiler,
