@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .region_report import LOGGER
+from .region_report import LOGGER, UNDER_FLOOR
 from .step_plan import FloorOp, InvocationPlan, StepPlan
 
 __all__ = ["StepReport", "build_step_report", "explain_floor", "log_step_plan"]
@@ -207,7 +207,7 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
             "step's regions are lowered again once with the recompute search, which may "
             "bring the floor down (a region's own working memory it cannot)"
         )
-        LOGGER.warning(message + over, *figures)
+        LOGGER.warning(message + over, *figures, extra={UNDER_FLOOR: True})
     elif plan.binding == "host":
         LOGGER.warning(message + _host_binds(plan), *figures)
     else:
