@@ -4,6 +4,7 @@ one-line errors. Runs in-process (the CLI's ``main``) to save the interpreter st
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 import threading
@@ -267,3 +268,27 @@ def test_no_torch_traceback_reaches_stderr_without_debug(factories) -> None:
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "a and b must have same reduction dim" in lines[0], done.stderr
+
+
+def _shape(line: str) -> str:
+    """A summary line up to its figures: numbers become N, an invocation row is its
+    shape, and the floor line keeps only what it names first."""
+    line = re.sub(r"\d[\d,]*(?:\.\d+)?", "N", " ".join(line.split()))
+    return "floor set by" if line.startswith("floor set by") else line
+
+
+def test_readme_sample_has_the_lines_the_command_prints_now(capsys) -> None:
+    """Issue 51: README's sample of ``hyper-offload estimate ... llama_7b`` showed one
+    region after the command began estimating the 32 blocks per block (3 regions, 34
+    invocations). The 7B run takes 30-70 s here, so the sample is pasted from a real run
+    and this test runs the same command on the 2-block Llama, also per block: every line
+    the command prints has the sample's shape, and the other way round."""
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    sample = next(block for block in re.findall(r"```text\n(.*?)```", readme, re.S)
+                  if block.startswith("$ .venv/bin/hyper-offload estimate "))
+    shown = {_shape(line) for line in sample.splitlines()[2:] if not line.startswith("[")}
+    assert main(["estimate", f"{EXAMPLES / 'llama_model.py'}:llama_tiny", "--input-shape",
+                 "1,64", "--input-shape", "1,64", "--input-dtype", "int64",
+                 "--budget-fraction", "0.6", "--layout", "per_block"]) == 0
+    printed = {_shape(line) for line in capsys.readouterr().out.splitlines()}
+    assert printed == shown, (sorted(printed - shown), sorted(shown - printed))
