@@ -286,6 +286,7 @@ class HyperOffloadBackend:
             plan, self.replans, self.recorder.steps, self.step_stall_s, relowered,
             plain_peak=self._plain_peaks.get(plan.timeline.shape_key),
             op_origin=lambda region, op: self.regions[region].op_origin(op),
+            op_operands=lambda region, op: self.regions[region].op_operands(op),
         )
 
     def run_invocation(

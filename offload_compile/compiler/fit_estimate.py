@@ -441,7 +441,8 @@ def _estimate_region(
     need = required_bytes(fx_trace.trace)
     at = max(range(len(need)), key=need.__getitem__, default=None)
     floor_op = None if at is None else FloorOp(
-        0, fx_trace.trace.ops[at].name, fx_trace.trace.operand_bytes(at), need[at])
+        0, fx_trace.trace.ops[at].name, fx_trace.trace.operand_bytes(at), need[at],
+        fx_trace.operands(at))
     report = build_region_report(
         fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report,
         sizes=symbolic_sizes(choice.fw, choice.bw),  # each symbol and the size planned at
