@@ -16,18 +16,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .estimate import (
-    _BadInput,
-    add_debug_flag,
-    describe_inputs,
-    load_factory,
-    parse_dtype,
-    parse_shape,
-    report_bad_input,
-)
 from hyper_offload.progress import note
 
-from .failure import describe, quiet_torch_tracebacks
+from .estimate import _BadInput, describe_inputs, load_factory, parse_dtype, parse_shape
+from .failure import add_debug_flag, describe, quiet_torch_tracebacks, report_bad_input
 from .progress_line import progress_line
 
 EXIT_PASS, EXIT_NOT_PASSED, EXIT_BAD_INPUT = 0, 1, 2

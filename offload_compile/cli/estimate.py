@@ -43,7 +43,7 @@ from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 
 from hyper_offload.progress import note
 
-from .failure import describe, print_traceback, quiet_torch_tracebacks
+from .failure import add_debug_flag, describe, quiet_torch_tracebacks, report_bad_input
 from .progress_line import progress_line
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
@@ -107,12 +107,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_debug_flag(parser)
     parser.set_defaults(run=run)
-
-
-def add_debug_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--debug", action="store_true",
-                        help="on an error, print the whole traceback (torch's too) before the "
-                        "one-line message")
 
 
 class _BadInput(Exception):
@@ -297,13 +291,6 @@ def describe_inputs(args: argparse.Namespace) -> str:
         return "its example inputs"
     shown = " ".join(f"--input-shape {shape}" for shape in args.input_shape)
     return f"{shown} ({', '.join(args.input_dtype or ['float32'])})"
-
-
-def report_bad_input(command: str, error: Exception, debug: bool) -> None:
-    """One line on stderr (``--debug``: the traceback of the cause first)."""
-    if debug and error.__cause__ is not None:
-        print_traceback(error.__cause__)
-    print(f"hyper-offload {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ the model where it broke, and leaves the traceback to ``--debug``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import sys
@@ -17,7 +18,8 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["describe", "print_traceback", "quiet_torch_tracebacks", "root_cause", "where"]
+__all__ = ["add_debug_flag", "describe", "quiet_torch_tracebacks", "report_bad_input",
+           "root_cause", "where"]
 
 _TORCH_LOGGERS = ("torch._subclasses.fake_tensor",)
 """Loggers that print a failing op's whole traceback before the exception reaches us."""
@@ -28,14 +30,18 @@ def root_cause(error: BaseException) -> BaseException:
     a ``BackendCompilerFailed``'s ``inner_exception``, and the context Dynamo's wrappers
     hide with ``from None`` (the op's own error); never the incidental context of other
     code (an error raised while handling another is its own cause)."""
-    seen = {id(error)}
-    while True:
+    return list(_chain(error))[-1]
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and its causes (:func:`root_cause`'s rule), outermost first."""
+    seen = set()
+    while isinstance(error, BaseException) and id(error) not in seen:
+        yield error
+        seen.add(id(error))
         inner = error.__cause__ or getattr(error, "inner_exception", None)
         if inner is None and type(error).__module__.startswith("torch._dynamo"):
             inner = error.__context__
-        if not isinstance(inner, BaseException) or id(inner) in seen:
-            return error
-        seen.add(id(inner))
         error = inner
 
 
@@ -44,9 +50,7 @@ def where(error: BaseException) -> str | None:
     user code it traced, else the traceback of the cause: the innermost frame of the
     user's own code, else of a torch module's forward (``torch/nn/modules``); None when
     neither is there."""
-    stack = getattr(error, "real_stack", None) or []
-    for inner in _chain(error):
-        stack = stack or getattr(inner, "real_stack", None) or []
+    stack = next((s for e in _chain(error) if (s := getattr(e, "real_stack", None))), [])
     if not stack:
         stack = traceback.extract_tb(root_cause(error).__traceback__)
     torch_dir, own_dir = _torch_dir(), str(Path(__file__).resolve().parents[1])
@@ -59,15 +63,6 @@ def where(error: BaseException) -> str | None:
     frame = (user or modules)[-1]
     code = (frame.line or "").strip()
     return f"{_short(frame.filename)}:{frame.lineno}" + (f": {code}" if code else "")
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    """``error`` and the exceptions :func:`root_cause` walks through, outermost first."""
-    yield error
-    cause = root_cause(error)
-    while error is not cause:
-        error = error.__cause__ or getattr(error, "inner_exception", None) or error.__context__
-        yield error
 
 
 def describe(error: BaseException) -> str:
@@ -100,9 +95,18 @@ def _below_error(record: logging.LogRecord) -> bool:
     return record.levelno < logging.ERROR
 
 
-def print_traceback(error: BaseException) -> None:
-    """The whole chain, as Python prints an uncaught exception (``--debug``)."""
-    traceback.print_exception(error, file=sys.stderr)
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print the whole traceback (torch's too) before the "
+                        "one-line message")
+
+
+def report_bad_input(command: str, error: BaseException, debug: bool) -> None:
+    """One line on stderr; with ``debug``, the whole chain of its cause first, as Python
+    prints an uncaught exception."""
+    if debug and error.__cause__ is not None:
+        traceback.print_exception(error.__cause__, file=sys.stderr)
+    print(f"hyper-offload {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
 
 
 def _torch_dir() -> str | None:
