@@ -16,9 +16,11 @@ $(VENV)/.ready: pyproject.toml
 setup: $(VENV)/.ready
 
 # Train a small GPT with the compile backend and the eager session against their
-# baselines; prints per-step lines and a table, writes out/train_gpt_memory.png.
+# baselines; prints per-step lines and a table, writes out/train_gpt_memory.png; then
+# writes the activation trace README's CLI examples plan (out/transformer_trace.json).
 demo: setup
 	$(PY) examples/train_gpt.py --mode both --plot out/train_gpt_memory.png
+	$(PY) examples/plan_transformer_trace.py
 
 # Plan a 24-layer decoder step's activation trace under 30% of its peak (no training).
 demo-plan: setup

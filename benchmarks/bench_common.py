@@ -1,7 +1,7 @@
 """Helpers shared by the benchmark scripts (not part of the library).
 
 * :func:`gpt_module` imports ``examples/gpt_model.py`` (the one GPT the examples and every
-  benchmark use), so that the benchmarks measure the model the README shows.
+  benchmark use), so that the benchmarks measure the model the README and docs show.
 * :func:`mark_all_partitioner` / :func:`torch_offload_backend`: torch's own AOTAutograd
   activation offloading (``torch._functorch.config.enable_activation_offloading``) with
   every joint node marked ``should_offload`` by a partitioner pass: what torch offers

@@ -9,16 +9,9 @@ gradients of the last optimizer step and the final weights are compared with
 device bytes the compiled backward holds after each forward; eager door: the session's
 peak of resident activation bytes) and the step report is printed.
 
-    python examples/hf_trainer.py                          # compile door, aot_eager inside
+    python examples/hf_trainer.py                          # compile door, Inductor inside
+    python examples/hf_trainer.py --inner-compiler aot_eager
     python examples/hf_trainer.py --door eager --budget-mb 0.55
-    python examples/hf_trainer.py --inner-compiler inductor   # fails today, see below
-
-``--inner-compiler inductor`` fails today in the run with the library: under the step
-scope (the default) Inductor's lowering returns the reload of the loss's flattened
-``(batch * seq, vocab)`` view of the logits as the ``logits`` output, and the backward
-raises ``The size of tensor a (16) must match the size of tensor b (32)``; a plain loop
-over ``torch.compile(model, backend=hyper_offload.backend(...))`` does the same, so it is
-the compile door's, reported to be fixed there (docs/integrations.md, "Known issues").
 
 Needs the ``hf`` extra (``pip install "hyper-offload[hf]"``). With Inductor the runs use
 ``torch.use_deterministic_algorithms(True)``: plain Inductor on CPU is not run-to-run
@@ -177,7 +170,7 @@ def deterministic(on: bool) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous)
 
 
-def compare(door: str, *, inner_compiler: str = "aot_eager", budget_mb: float | None = None,
+def compare(door: str, *, inner_compiler: str = "inductor", budget_mb: float | None = None,
             budget_fraction: float | None = None, steps: int = 2) -> Comparison:
     """Train plainly, then with the library; what both did."""
     offload = OffloadArguments(offload_door=door, inner_compiler=inner_compiler,
@@ -196,7 +189,7 @@ def compare(door: str, *, inner_compiler: str = "aot_eager", budget_mb: float | 
 def main(argv: Sequence[str] | None = None) -> Comparison:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--door", choices=("compile", "eager"), default="compile")
-    parser.add_argument("--inner-compiler", choices=("inductor", "aot_eager"), default="aot_eager")
+    parser.add_argument("--inner-compiler", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--budget-mb", type=float, default=None,
                         help="device budget in MiB (eager default 0.55)")
     parser.add_argument("--budget-fraction", type=float, default=None,

@@ -3,15 +3,17 @@
 Builds the activation trace of a decoder stack (forward saves activations per layer,
 backward reads them in reverse), plans it under a budget with the default planner,
 checks the schedule with the independent validator and prints what it moves. It also
-writes the trace as JSON so that you can run the CLI on it:
+writes the trace as JSON so that you can run the CLI on it (``make demo`` runs this
+script after the training demo; ``make setup`` puts the CLI in ``.venv/bin``):
 
-    python examples/plan_transformer_trace.py --layers 24 --budget-fraction 0.3
-    hyper-offload plan transformer_trace.json --budget-mb 600
+    .venv/bin/python examples/plan_transformer_trace.py --layers 24 --budget-fraction 0.3
+    .venv/bin/hyper-offload plan out/transformer_trace.json --budget-mb 600
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hyper_offload.passes import (
@@ -63,6 +65,18 @@ def decoder_step_trace(
     return ops, sizes
 
 
+def cli_command() -> str:
+    """How to call ``hyper-offload`` from here: the script installed beside this
+    interpreter (``.venv/bin/hyper-offload`` after ``make setup``), else the name alone."""
+    script = Path(sys.executable).parent / "hyper-offload"
+    if not script.exists():
+        return "hyper-offload"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:  # the interpreter lives outside the working directory
+        return str(script)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -92,7 +106,7 @@ def main() -> None:
           f"{'ok' if report.ok else 'violations'})")
     print(f"moved                : D2H {report.bytes_d2h / MIB:.1f} MiB, "
           f"H2D {report.bytes_h2d / MIB:.1f} MiB in {report.num_transfers} transfers")
-    print(f"try the CLI          : hyper-offload plan {args.out} "
+    print(f"try the CLI          : {cli_command()} plan {args.out} "
           f"--budget-mb {trace.budget_bytes / MIB:.0f}")
 
 

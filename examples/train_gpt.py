@@ -406,7 +406,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="compile mode: let the backend also recompute where offload alone stalls (default auto)")
     # The demo compiles the whole model: one region run once per step, where the region's
     # own plan (with the recompute search) is the step's plan. Per-block compile, graph
-    # breaks, DDP and FSDP2 need the backend's default, "step" (README "One budget for
+    # breaks, DDP and FSDP2 need the backend's default, "step" (docs/compile.md, "One budget for
     # the whole step").
     p.add_argument("--budget-scope", choices=("region", "step"), default="region",
                    help="compile mode: the budget's scope (default region: the demo is one region)")

@@ -6,7 +6,7 @@ input, ``RuntimeError`` for a state or run-time failure, ``ImportError`` for a m
 extra), so existing ``except ValueError`` code keeps working. Warnings derive from
 :class:`HyperOffloadWarning` (and ``UserWarning`` or ``RuntimeWarning``), so
 ``warnings.filterwarnings("error", category=hyper_offload.HyperOffloadWarning)`` turns
-them all into errors. README's table "Errors and warnings" says when each is raised and
+them all into errors. The table in docs/errors.md says when each is raised and
 what to do.
 
 Messages name where it broke, which rule was violated and how to fix it; the classes

@@ -14,10 +14,13 @@ one line on stderr.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from .estimate import _BadInput, load_factory, parse_dtype, parse_shape
+from hyper_offload.progress import note
+
+from .estimate import _BadInput, describe_inputs, load_factory, parse_dtype, parse_shape
+from .failure import add_debug_flag, describe, quiet_torch_tracebacks, report_bad_input
+from .progress_line import progress_line
 
 EXIT_PASS, EXIT_NOT_PASSED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -46,6 +49,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     parser.add_argument("--inner-compiler", choices=("aot_eager", "inductor"),
                         default="aot_eager", help="the compile door's inner compiler")
+    add_debug_flag(parser)
     parser.set_defaults(run=run)
 
 
@@ -76,7 +80,7 @@ def _problem(args: argparse.Namespace) -> tuple[Any, tuple[Any, ...]]:
     try:
         built = factory()
     except Exception as error:
-        raise _BadInput(f"{args.target}() raised {type(error).__name__}: {error}") from None
+        raise _BadInput(f"{args.target}() raised {describe(error)}") from error
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
         return built[0], tuple(built[1])
     if isinstance(built, nn.Module):
@@ -85,21 +89,33 @@ def _problem(args: argparse.Namespace) -> tuple[Any, tuple[Any, ...]]:
                     "or (module, example_inputs)")
 
 
+def _check(args: argparse.Namespace, check: Any) -> Any:
+    """``check`` on the problem; the model failing without the library is bad input."""
+    from hyper_offload.errors import CheckUsageError
+
+    note(f"building {args.target}()")
+    model, inputs = _problem(args)
+    try:
+        return check(model, inputs, door=args.door, steps=args.steps,
+                     inner_compiler=args.inner_compiler)
+    except CheckUsageError:
+        raise
+    except Exception as error:  # the model itself fails without the library
+        raise _BadInput(f"training {args.target} on {describe_inputs(args)} without "
+                        f"hyper-offload fails: {describe(error)}") from error
+
+
 def run(args: argparse.Namespace) -> int:
     from hyper_offload.errors import CheckUsageError
-    from hyper_offload.exactness.check import check
 
     try:
-        model, inputs = _problem(args)
-        report = check(model, inputs, door=args.door, steps=args.steps,
-                       inner_compiler=args.inner_compiler)
+        with quiet_torch_tracebacks(args.debug), progress_line("hyper-offload check"):
+            note("loading torch and the library")
+            from hyper_offload.exactness.check import check
+
+            report = _check(args, check)
     except (_BadInput, CheckUsageError) as error:
-        print(f"hyper-offload check: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as error:  # the model itself fails without the library
-        first = (str(error).strip().splitlines() or [""])[0]
-        print(f"hyper-offload check: error: training {args.target} without hyper-offload "
-              f"raised {type(error).__name__}: {first}", file=sys.stderr)
+        report_bad_input("check", error, args.debug)
         return EXIT_BAD_INPUT
     print(report)
     return EXIT_PASS if report.passed else EXIT_NOT_PASSED

@@ -17,8 +17,14 @@ Exit codes (as ``plan``): 0 the plan fits the budget; 1 the budget is infeasible
 op's own live activations exceed it, or under the step scope the floor does: everything
 movable moved; the report says the smallest feasible budget);
 2 bad input (an unloadable target, a factory or forward that raises, a malformed shape
-or dtype, a bad budget) with one line on stderr, never a traceback; 3 the planner
-produced a schedule the validator rejects (a bug: please report it).
+or dtype, a bad budget) with one line on stderr naming the cause (for a model that fails
+on the inputs, the error of the op that failed and the model's line), the traceback only
+with ``--debug``; 3 the planner produced a schedule the validator rejects (a bug: please
+report it).
+
+On a terminal, a progress line on stderr says what the estimate is doing (capturing,
+partitioning region k, planning the step, the recompute search's partitions, pricing),
+rewritten in place and erased at the end; piped or redirected, nothing but the report.
 """
 
 from __future__ import annotations
@@ -34,6 +40,11 @@ from typing import Any
 
 # The trace IR's default link speed (torch-free), which the runtime's default bandwidth uses.
 from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
+
+from hyper_offload.progress import note
+
+from .failure import add_debug_flag, describe, quiet_torch_tracebacks, report_bad_input
+from .progress_line import progress_line
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
 
@@ -94,6 +105,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--memory-gbps", type=float, default=None,
                         help="price ops at this memory bandwidth in GB/s, with --compute-tflops")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_debug_flag(parser)
     parser.set_defaults(run=run)
 
 
@@ -112,7 +124,7 @@ def load_factory(target: str) -> Any:
         try:
             module = importlib.import_module(module_part)
         except Exception as error:
-            raise _BadInput(f"cannot import {module_part}: {type(error).__name__}: {error}") from None
+            raise _BadInput(f"cannot import {module_part}: {describe(error)}") from error
     factory = getattr(module, name, None)
     if not callable(factory):
         raise _BadInput(f"{module_part} has no callable {name!r}")
@@ -132,7 +144,7 @@ def _load_file(path: Path) -> Any:
     try:
         spec.loader.exec_module(module)
     except Exception as error:
-        raise _BadInput(f"cannot load {path}: {type(error).__name__}: {error}") from None
+        raise _BadInput(f"cannot load {path}: {describe(error)}") from error
     finally:
         sys.path.remove(folder)
         sys.modules.pop(spec.name, None)
@@ -235,6 +247,7 @@ def _check_device(text: str) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> Any:
+    note("loading torch and the compile door")
     from hyper_offload.compiler.fit_estimate import estimate
 
     _check_flags(args)
@@ -251,33 +264,43 @@ def _estimate(args: argparse.Namespace) -> Any:
         options["local_world_size"] = args.local_world_size
     inputs = _inputs(args)
     throughput = _throughput(args)
+    note(f"building {args.target}()")
     factory = load_factory(args.target)
     try:
         model = factory()
     except Exception as error:
-        raise _BadInput(f"{args.target}() raised {type(error).__name__}: {error}") from None
+        raise _BadInput(f"{args.target}() raised {describe(error)}") from error
+    from hyper_offload.errors import HyperOffloadError
+    from hyper_offload.passes import ScheduleError
+
     try:
         return estimate(model, inputs, device=args.device, bandwidth=args.bandwidth_gbps,
                         throughput=throughput, layout=args.layout, **options)
-    except ValueError as error:  # our own validation (ConfigurationError): no backward, ...
-        raise _BadInput(str(error)) from None
-    except Exception as error:
-        from hyper_offload.passes import ScheduleError
+    except ScheduleError:  # a bug of the planner: exit 3
+        raise
+    except HyperOffloadError as error:  # our own refusal (ConfigurationError: no backward, ...)
+        raise _BadInput(str(error)) from error
+    except Exception as error:  # the model's own step fails on these inputs
+        raise _BadInput(f"one step of {args.target} fails on {describe_inputs(args)}: "
+                        f"{describe(error)}") from error
 
-        if isinstance(error, ScheduleError):
-            raise
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise _BadInput(f"tracing {args.target} on inputs {args.input_shape} failed: "
-                        f"{type(error).__name__}: {first}") from None
+
+def describe_inputs(args: argparse.Namespace) -> str:
+    """The inputs as the user gave them: ``--input-shape 4,63 (float32)``."""
+    if not args.input_shape:
+        return "its example inputs"
+    shown = " ".join(f"--input-shape {shape}" for shape in args.input_shape)
+    return f"{shown} ({', '.join(args.input_dtype or ['float32'])})"
 
 
 def run(args: argparse.Namespace) -> int:
     from hyper_offload.passes import ScheduleError
 
     try:
-        report = _estimate(args)
+        with quiet_torch_tracebacks(args.debug), progress_line("hyper-offload estimate"):
+            report = _estimate(args)
     except _BadInput as error:
-        print(f"hyper-offload estimate: error: {' '.join(str(error).split())}", file=sys.stderr)
+        report_bad_input("estimate", error, args.debug)
         return EXIT_BAD_INPUT
     except ScheduleError as error:
         print(f"hyper-offload estimate: error: the planner's schedule is invalid ({error}); "

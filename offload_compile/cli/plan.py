@@ -167,10 +167,14 @@ def _write_views(args: argparse.Namespace, trace: ActivationTrace, schedule: Res
             raise _BadInput(f"cannot write --chrome-trace {args.chrome_trace}: "
                             f"{error.strerror or error}") from None
         missing = sum(op.duration_s is None for op in trace.ops)
-        if missing:  # predicted times are only as good as the durations behind them
+        if missing == trace.num_ops:  # the times show the order of events, nothing more
+            print(f"hyper-offload plan: note: the trace is unpriced (no op has duration_s); "
+                  f"{document.name} draws every op at 1 µs: read its order, not its times",
+                  file=sys.stderr)
+        elif missing:  # predicted times are only as good as the durations behind them
             print(f"hyper-offload plan: note: {missing} of {trace.num_ops} ops have no "
-                  f"duration_s; {document.name} gives them the mean of the known durations "
-                  "(1 µs when none is known)", file=sys.stderr)
+                  f"duration_s; {document.name} gives them the mean of the known durations",
+                  file=sys.stderr)
     if args.plot is not None:
         from hyper_offload.viz.plan_plot import PlotDependencyError, plot_plan
 
@@ -220,10 +224,13 @@ def _timing(
 ) -> dict[str, Any]:
     """The schedule on the one timeline model, priced by the trace's ``duration_s`` and
     bandwidths, with the door's rules, and the lower bound no schedule under the budget
-    beats. None for a schedule the validator rejects: it has no timeline to speak of."""
-    if report.violations:
-        keys = ("compute_s", "predicted_stall_s", "stall_lower_bound_s", "ops_with_default_duration")
-        return dict.fromkeys(keys)
+    beats. None for a schedule the validator rejects (it has no timeline to speak of) and
+    for an unpriced trace (no op has ``duration_s``: every op would be priced at the same
+    default, so a stall against that "compute" means nothing)."""
+    keys = ("compute_s", "predicted_stall_s", "stall_lower_bound_s", "ops_with_default_duration")
+    priced = any(op.duration_s is not None for op in trace.ops)
+    if report.violations or not priced:
+        return {**dict.fromkeys(keys), "priced": priced}
     rules = _release_rules(trace)
     timeline = predict_timeline(
         trace, schedule, release_waits_for_d2h=rules["release_waits_for_d2h"]
@@ -234,6 +241,7 @@ def _timing(
         "predicted_stall_s": timeline.exposed_transfer_s,
         "stall_lower_bound_s": bound.stall_s,
         "ops_with_default_duration": sum(op.estimated for op in timeline.ops),
+        "priced": True,
     }
 
 
@@ -266,7 +274,10 @@ def _human(result: dict[str, Any], report: ScheduleReport) -> str:
         f"in {result['num_transfers']} transfers; peak host {_mib(result['peak_host_bytes'])}",
         f"ops over budget: {result['ops_over_budget']}",
     ]
-    if result["predicted_stall_s"] is not None:
+    if not result["priced"]:
+        lines.append("predicted stall: none predicted, the trace is unpriced (no op has "
+                     "duration_s; a trace from the compile or eager door has them)")
+    elif result["predicted_stall_s"] is not None:
         lines.append(
             f"predicted stall: {_ms(result['predicted_stall_s'])} over {_ms(result['compute_s'])} "
             f"of compute, no schedule under {_ms(result['stall_lower_bound_s'])}"

@@ -205,6 +205,7 @@ class HyperOffloadBackend:
             plan, controller.replans, controller.steps, plan.predicted_stall_s, relowered,
             plain_peak=controller.plain_peaks.get(plan.timeline.shape_key),
             op_origin=lambda region, op: self.regions[region].op_origin(op),
+            op_operands=lambda region, op: self.regions[region].op_operands(op),
         )
 
     # ------------------------------------------------------------------ runtime

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError, ReportScopeError
 from hyper_offload.passes import required_bytes
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
@@ -440,7 +441,8 @@ def _estimate_region(
     need = required_bytes(fx_trace.trace)
     at = max(range(len(need)), key=need.__getitem__, default=None)
     floor_op = None if at is None else FloorOp(
-        0, fx_trace.trace.ops[at].name, fx_trace.trace.operand_bytes(at), need[at])
+        0, fx_trace.trace.ops[at].name, fx_trace.trace.operand_bytes(at), need[at],
+        fx_trace.operands(at))
     report = build_region_report(
         fx_trace, schedule, check, parsed, 0, plan_seconds, choice.report,
         sizes=symbolic_sizes(choice.fw, choice.bw),  # each symbol and the size planned at
@@ -494,6 +496,7 @@ def _capture_and_search(
     from torch._inductor import config as inductor_config
 
     started = time.perf_counter()
+    progress.note("capturing the model as one region on fake tensors")
     with inductor_config.patch(options.inductor_patches()):  # the backend's Inductor mode
         capture_graphs(
             model, example_inputs, device=device, inner_compiler=options.inner_compiler,

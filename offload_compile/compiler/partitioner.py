@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from hyper_offload import progress
 from hyper_offload.passes import ResidencySchedule, ScheduleError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
@@ -89,6 +90,7 @@ class OffloadPartitioner(CustomPartitionerFn):
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         started = time.perf_counter()
+        progress.note(f"region {request.region}: partitioning and planning")
         choice = search_region(
             gm, partition, num_fwd_outputs=num_fwd_outputs, options=options,
             bandwidth=request.bandwidth, region=request.region, floor=request.floor,

@@ -67,6 +67,7 @@ import torch
 from torch import fx
 from torch._functorch import config as functorch_config
 
+from hyper_offload import progress
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
@@ -322,7 +323,8 @@ def _search(
     default_random = _random_nodes(default_recomputed, default.fw)
     seen = {_saved_signature(default.fw)}
     found = []
-    for memory_budget in budgets:
+    for number, memory_budget in enumerate(budgets, 1):
+        progress.note(f"recompute search: partition {number}/{len(budgets)}")
         if deadline is not None and not deadline.affords():
             break  # the work bound (choose_partition): keep what was found so far
         graph = copy_joint(pristine)

@@ -221,6 +221,14 @@ class CompiledRegion:
             return None
         return f"aten.{packet.__name__}"
 
+    def op_operands(self, op: str) -> tuple[tuple[str, int], ...]:
+        """What trace op ``op`` holds while it runs, by name and bytes (largest first),
+        on the floor's plan (the one the step's floor is laid out from); () unknown."""
+        plan = self.floor_plan or self.planned
+        if plan is None or op not in plan.fx_trace.op_nodes:
+            return ()
+        return plan.fx_trace.operands(plan.fx_trace.op_nodes.index(op))
+
     @contextlib.contextmanager
     def compiling_again(self) -> Iterator[None]:
         """The context every later lowering of :attr:`dynamo_graph` runs in: a tracing

@@ -14,8 +14,14 @@ from ..passes.fx.sizes import SymbolicSize
 
 LOGGER = logging.getLogger("hyper_offload")
 
+UNDER_FLOOR = "hyper_offload_under_floor"
+"""Set (True) on the log records that say the device budget is under the floor, so that a
+caller who chose such a budget on purpose (``hyper_offload.check``'s budget 0: everything
+movable moved) can filter them without reading their text."""
+
 __all__ = [
     "LOGGER",
+    "UNDER_FLOOR",
     "InfeasibleOpReport",
     "KeptSavedReport",
     "PartitionReport",
@@ -250,7 +256,7 @@ class RegionReport:
 def log_region_report(report: RegionReport) -> None:
     LOGGER.info("%s", report)
     if not report.feasible:
-        LOGGER.warning("%s", report.infeasible_message())
+        LOGGER.warning("%s", report.infeasible_message(), extra={UNDER_FLOOR: True})
     if report.binding == "host":
         LOGGER.warning(
             "hyper_offload region %d: the host budget of %d B (OffloadConfig."

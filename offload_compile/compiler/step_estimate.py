@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError, DynamicShapeError, HyperOffloadError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.bandwidth import TransferBandwidth
@@ -83,6 +84,7 @@ def estimate_step(
     Raises ``ConfigurationError`` when the step has no backward (nothing requires grad, or no
     compiled region's output reaches one)."""
     started = time.perf_counter()
+    progress.note("capturing the step on fake tensors")
     mode = estimate_fake_mode()
     fake = fake_module(model, mode, device)
     inputs = fake_inputs(mode, example_inputs, device)
@@ -90,7 +92,9 @@ def estimate_step(
                                   fake_mode=mode)
     run = block_run_for(fake, layout)
     compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend), run)
-    for _ in range(_MAX_STEPS):
+    for number in range(1, _MAX_STEPS + 1):
+        progress.note("running one step on fake tensors" if number == 1 else
+                      f"step {number}: regions lowered again for the step plan")
         with backend.measuring():
             _fake_step(compiled, inputs, mode, backend)
         fake.zero_grad(set_to_none=True)  # as a training loop does between steps
@@ -114,6 +118,7 @@ def estimate_step(
             "saved activations to plan. Fix: estimate a training step (parameters with "
             "requires_grad=True)"
         )
+    progress.note("pricing the step")
     return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started,
                         "as given" if run is None else run.describe(), _compute_s(backend))
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .region_report import LOGGER
 from hyper_offload.passes.plan.step import FloorOp, InvocationPlan, StepPlan
+
+from .region_report import LOGGER, UNDER_FLOOR
 
 __all__ = ["StepReport", "build_step_report", "explain_floor", "log_step_plan"]
 
@@ -139,15 +140,19 @@ def build_step_report(
     plan: StepPlan, replans: int, steps_seen: int, predicted_stall_s: float = 0.0,
     relowered: tuple[int, ...] = (), *, plain_peak: int | None = None,
     op_origin: Callable[[int, str], str | None] | None = None,
+    op_operands: Callable[[int, str], tuple[tuple[str, int], ...]] | None = None,
 ) -> StepReport:
     """The report of ``plan``. ``plain_peak``: the step's peak without offload on torch's
     partitions, where the plan's regions were re-lowered since; ``op_origin(region,
-    op)``: the aten op a decomposed node came from (named beside the floor's op)."""
+    op)``: the aten op a decomposed node came from (named beside the floor's op);
+    ``op_operands(region, op)``: what that op holds, by name (listed with it)."""
     floor_op = plan.floor_op
-    origin = (op_origin(floor_op.region, floor_op.op)
-              if floor_op is not None and floor_op.region is not None and op_origin else None)
-    if origin is not None:
-        floor_op = floor_op._replace(op=f"{floor_op.op} (of {origin})")
+    if floor_op is not None and floor_op.region is not None:
+        operands = op_operands(floor_op.region, floor_op.op) if op_operands else ()
+        origin = op_origin(floor_op.region, floor_op.op) if op_origin else None
+        floor_op = floor_op._replace(
+            op=floor_op.op if origin is None else f"{floor_op.op} (of {origin})",
+            operands=operands)
     return StepReport(
         budget_bytes=plan.budget_bytes, peak_bytes=plan.peak_bytes,
         floor_peak_bytes=plan.floor_peak_bytes,
@@ -208,7 +213,7 @@ def log_step_plan(plan: StepPlan, number: int, predicted_stall_s: float = 0.0) -
             "step's regions are lowered again once with the recompute search, which may "
             "bring the floor down (a region's own working memory it cannot)"
         )
-        LOGGER.warning(message + over, *figures)
+        LOGGER.warning(message + over, *figures, extra={UNDER_FLOOR: True})
     elif plan.binding == "host":
         LOGGER.warning(message + _host_binds(plan), *figures)
     else:

@@ -16,13 +16,16 @@ more runs for N moved storages.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from hyper_offload.errors import CheckUsageError
+from hyper_offload.errors import CheckUsageError, OffloadBudgetWarning
+from hyper_offload.progress import note
 
 from .report import CheckReport, Mismatch, SavedTensor, Verdict
 from .runs import (
@@ -80,7 +83,7 @@ def check(
         raise CheckUsageError(f"hyper_offload.check: steps must be an int >= 1, got {steps!r}")
     problem = Problem(model, tuple(example_inputs), loss_fn or weighted_sum_loss, steps)
     options = dict(options or {})
-    with _deterministic():
+    with _deterministic(), _quiet_about_its_own_budget():
         if door == "compile":
             options.setdefault("recompute", "off")
             return _check_compile(problem, inner_compiler, options, bisect)
@@ -99,8 +102,29 @@ def _deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
+@contextlib.contextmanager
+def _quiet_about_its_own_budget() -> Iterator[None]:
+    """``check`` runs the doors at budget 0 (everything movable moved), under every
+    model's floor on purpose: the doors' warnings that the budget is under the floor
+    (eager ``OffloadBudgetWarning``, the compile door's log records marked
+    ``UNDER_FLOOR``) are about that choice, not about the user's model or settings."""
+    from hyper_offload.compiler.region_report import LOGGER, UNDER_FLOOR
+
+    def not_under_floor(record: logging.LogRecord) -> bool:
+        return not getattr(record, UNDER_FLOOR, False)
+
+    LOGGER.addFilter(not_under_floor)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OffloadBudgetWarning)
+            yield
+    finally:
+        LOGGER.removeFilter(not_under_floor)
+
+
 def _baseline(problem: Problem, make: Callable[[], Door]) -> tuple[RunResult, CheckReport | None]:
     """The plain run, and a NOT_DETERMINISTIC report when a second one differs."""
+    note("training without the library, twice (is the model deterministic?)")
     want = train(problem, make())
     again = train(problem, make())
     mismatch = first_mismatch(want.steps, again.steps)
@@ -120,6 +144,7 @@ def _check_compile(
     want, undecided = _baseline(problem, lambda: plain_compile(inner))
     if undecided is not None:
         return undecided
+    note("training through the compile door, everything movable moved")
     door = offload_compile(inner, options)
     mismatch, error = _compare(problem, want, door)
     units = _moved_units(door.state)
@@ -132,6 +157,7 @@ def _check_compile(
         return CheckReport(verdict=Verdict.FAIL, mismatch=mismatch, runs=3, **report)
 
     def fails(subset: Sequence[Unit]) -> bool:
+        note(f"bisecting: moving {len(subset)} of {len(units)} storage(s) only")
         bad, raised = _compare(problem, want, offload_compile(inner, options,
                                                              frozenset().union(*subset)))
         return bad is not None or bool(raised)
@@ -223,6 +249,7 @@ def _check_eager(problem: Problem, config: dict[str, Any]) -> CheckReport:
     want, undecided = _baseline(problem, plain_eager)
     if undecided is not None:
         return undecided
+    note("training through the eager door, everything movable moved")
     door = offload_eager(config)
     got = train(problem, door)
     session = door.state

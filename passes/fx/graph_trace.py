@@ -191,6 +191,18 @@ class FxTrace:
     def op_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.op_nodes)}
 
+    def operands(self, op: int) -> tuple[tuple[str, int], ...]:
+        """What op ``op`` holds on the device while it runs (the storages it touches,
+        its span's included: nothing moves inside a graph), largest first: each storage
+        named by the first node that holds it (``"bw:mul_7"``, ``"fw:addmm"`` for a
+        saved activation), with its bytes."""
+        names: dict[StorageId, str] = {}
+        for name, sid in self.node_storage.items():
+            names.setdefault(sid, name)
+        sizes = self.trace.storage_sizes
+        found = [(names.get(sid, f"storage {sid}"), sizes[sid]) for sid in self.trace.ops[op].storages]
+        return tuple(sorted(found, key=lambda item: -item[1]))
+
 
 def fw_outputs(fw: fx.GraphModule) -> list[Any]:
     return list(fw.graph.find_nodes(op="output")[0].args[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,16 +16,30 @@ from hyper_offload.passes import ActionKind, ActivationTrace
 MIB = 1 << 20
 
 
-@pytest.fixture
-def trace_file(tmp_path: Path) -> Path:
+def _small_trace(duration_s: float | None) -> ActivationTrace:
     # s0 (2 MiB) lives across ops 1..3 without being used there; s1, s2 are 1 MiB each.
     trace = ActivationTrace.from_accesses(
         [{0: "W"}, {1: "W"}, {1: "R", 2: "W"}, {2: "R"}, {0: "R"}],
         {0: 2 * MIB, 1: MIB, 2: MIB},
         budget_bytes=0,
     )
+    ops = tuple(dataclasses.replace(op, duration_s=duration_s) for op in trace.ops)
+    return dataclasses.replace(trace, ops=ops)
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    """A priced trace: every op takes 50 µs."""
     path = tmp_path / "trace.json"
-    path.write_text(trace.to_json())
+    path.write_text(_small_trace(50e-6).to_json())
+    return path
+
+
+@pytest.fixture
+def unpriced_trace_file(tmp_path: Path) -> Path:
+    """The same trace without durations (as ``make demo-plan`` writes one)."""
+    path = tmp_path / "unpriced.json"
+    path.write_text(_small_trace(None).to_json())
     return path
 
 
@@ -49,6 +64,37 @@ def test_human_summary(trace_file: Path, capsys) -> None:
     assert "peak resident: 4.00 MiB without offload -> 2.00 MiB with the schedule" in out
     assert "D2H 2.00 MiB, H2D 2.00 MiB in 2 transfers" in out
     assert "predicted stall: " in out and "of compute, no schedule under " in out
+
+
+def test_an_unpriced_trace_gets_no_stall_figures(unpriced_trace_file: Path, capsys) -> None:
+    """Without op durations every op would be priced at the 1 µs default and the copies
+    at the link's speed: the demo's trace printed "549 ms stall over 0.147 ms of
+    compute" (issue 51). An unpriced trace says so instead, in both outputs."""
+    assert main(["plan", str(unpriced_trace_file), "--budget-mb", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the trace is unpriced" in out and " ms" not in out
+    assert main(["plan", str(unpriced_trace_file), "--budget-mb", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["priced"] is False and result["bytes_d2h"] == 2 * MIB
+    assert result["predicted_stall_s"] is result["compute_s"] is None
+
+
+def test_a_priced_trace_gets_its_stall_against_its_compute(trace_file: Path, capsys) -> None:
+    assert main(["plan", str(trace_file), "--budget-mb", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["priced"] is True and result["ops_with_default_duration"] == 0
+    assert result["compute_s"] == pytest.approx(5 * 50e-6)
+
+
+def test_chrome_trace_of_an_unpriced_trace_says_its_times_are_not_times(
+    unpriced_trace_file: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "plan.trace.json"
+    assert main(["plan", str(unpriced_trace_file), "--budget-mb", "2",
+                 "--chrome-trace", str(out)]) == 0
+    assert out.is_file()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the trace is unpriced" in err[0], err
 
 
 def test_infeasible_budget_lists_the_ops_and_exits_1(trace_file: Path, capsys) -> None:

@@ -84,7 +84,7 @@ def test_bad_options_through_torch_compile_name_the_key():
     compiled = torch.compile(lambda x: x * 2, backend="hyper_offload", options={"budget": 1})
     with pytest.raises(Exception, match="unknown key 'budget'") as raised:
         compiled(torch.randn(2, requires_grad=True))
-    # what README says: Dynamo's wrapper (the ValueError is its ``inner_exception``);
+    # what docs/compile.md says: Dynamo's wrapper (the ValueError is its ``inner_exception``);
     # backend() raises the ValueError itself, where it is built
     assert not isinstance(raised.value, ValueError)
     assert isinstance(raised.value.inner_exception, ValueError)

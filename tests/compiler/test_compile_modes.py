@@ -45,3 +45,34 @@ def test_aot_eager_refuses_a_mode_when_the_backend_is_made():
     with pytest.raises(ValueError, match="Inductor mode") as raised:
         hyper_offload.backend(inner_compiler="aot_eager", mode="max-autotune")
     assert "inner_compiler='inductor'" in str(raised.value)
+
+
+def _mlp_64x128() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 128))
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune"])
+def test_max_autotune_plans_the_tiny_mlp_as_mode_none_and_names_the_floors_operands(mode):
+    """Issue 51: Linear-GELU-Linear-GELU-Linear on 64 x 128 under mode="max-autotune" at
+    50% of its peak was reported to move nothing (floor = peak = 163,840 B). On Inductor's
+    graphs with the mode's settings (the estimate runs the backend's own partition on
+    fake tensors) both modes partition and plan alike: the floor is 163,840 B, over the
+    50% budget, so the plan reaches the floor, moving the 64 KiB that lower the peak to it.
+    The floor is the GELU backward as Inductor decomposes it: the saved pre-GELU output,
+    the incoming gradient and three pointwise results of the decomposition, five 32 KiB
+    storages, which the report now names."""
+    options = {} if mode is None else {"mode": mode}
+    report = hyper_offload.estimate(_mlp_64x128(), (torch.randn(64, 128),),
+                                    max_resident_activation_fraction=0.5, **options)
+    assert report.peak_without_offload == 229_376 and report.budget_bytes == 114_688
+    assert report.min_feasible_budget_bytes == report.peak_with_plan == 163_840
+    assert report.bytes_d2h == 65_536  # moved: the peak comes down to the floor
+    floor = report.floor_op
+    assert floor is not None and floor.op_bytes == floor.floor_bytes == 163_840
+    assert floor.op.endswith("(of aten.gelu_backward)")
+    assert sorted(nbytes for _, nbytes in floor.operands) == [32_768] * 5
+    assert sum(name.startswith("fw:") for name, _ in floor.operands) == 1  # the saved one
+    assert "160.0 KiB of the floor's 160.0 KiB (fw:addmm_1 32.0 KiB, " in report.floor_explained

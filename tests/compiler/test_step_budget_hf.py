@@ -45,13 +45,25 @@ def llama() -> tuple[torch.nn.Module, list[torch.nn.Module]]:
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {"gpt2": gpt2, "llama": llama}
 
 
+class _Loss(torch.nn.Module):
+    """The causal LM's training loss on its own input ids: one positional input, as
+    ``hyper_offload.estimate`` passes it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+
 def _per_layer(name: str, backend: Any) -> torch.nn.Module:
-    """The model (seeded), each decoder layer compiled on its own with ``backend``."""
+    """The model's loss (seeded), each decoder layer compiled on its own with ``backend``."""
     torch.manual_seed(0)
     model, layers = MODELS[name]()
     for i, layer in enumerate(layers):
         layers[i] = torch.compile(layer, backend=backend)
-    return model
+    return _Loss(model)
 
 
 def _ids() -> torch.Tensor:
@@ -66,7 +78,7 @@ def _train(name: str, backend: Any, steps: int) -> list[tuple[int, torch.Tensor,
     measure = getattr(backend, "measuring", None)  # the first step measures eager code
     for number in range(steps):
         with measure() if measure is not None and number == 0 else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(ids)
             saved = saved_device_bytes(loss, exclude=[*model.parameters(), ids])
             loss.backward()
         out.append((saved, loss.detach(), [p.grad.clone() for p in model.parameters()]))
@@ -95,8 +107,8 @@ def test_per_layer_compile_fits_every_step_and_is_exact(name, fraction, plain):
     report = backend.step_report
     assert report is not None and len(report.invocations) >= 3  # every layer
     assert report.peak_bytes <= max(budget, report.floor_peak_bytes)
-    # estimate (fake tensors; the loss's backward is the logits' here: the layers' regions
-    # and the step's order are the same) gives this step plan.
+    # estimate (fake tensors, the same loss, its eager code measured as the real step's
+    # first step was) gives this step plan.
     assert_estimate_is_the_step_plan(
         _per_layer(name, "aot_eager"), (_ids(),), backend, inner_compiler="aot_eager",
         max_resident_activation_mb=budget / _MIB,

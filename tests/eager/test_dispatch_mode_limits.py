@@ -7,7 +7,7 @@ ATen treats every tensor as subclass-like while a dispatch mode is on the stack
 branch. The eager door runs every op under its mode, so these ops differ from plain
 eager in the last bits (complex ``cumprod``'s backward with zeros) or more (``pinverse``,
 ``lstsq``, complex ``prod``), at any budget, with nothing moved. The op database sweep
-found 13 such cases (README, "Exactness over torch's op database"); the compile door
+found 13 such cases (docs/exactness.md, "Exactness over torch's op database"); the compile door
 is exact on them. This test pins the torch behaviour: if it ever fails, torch changed
 and the eager door's limitation may be gone.
 """

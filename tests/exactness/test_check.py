@@ -144,3 +144,47 @@ def test_the_command_line_check_passes_on_the_example_models(capsys):
     assert code == 0 and "compile door" in out and ": PASS" in out, out
     code = main(["check", f"{examples / 'fft_mixing_model.py'}:fft_mixer_tiny"])
     assert code == 2 and "--input-shape" in capsys.readouterr().err
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                               torch.nn.GELU(), torch.nn.Linear(64, 16))
+
+
+@pytest.mark.parametrize("door", ["compile", "eager"])
+def test_check_does_not_warn_about_the_budget_it_chose(door, caplog, recwarn):
+    """Issue 51: ``check`` runs the door at budget 0 (everything movable moved), under the
+    floor of every model, and then warned at length to raise that budget. The doors still
+    warn a user who sets such a budget (the first run below, outside ``check``)."""
+    from hyper_offload.exactness.runs import Problem, offload_compile, offload_eager, train
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    door_at_0 = offload_compile("aot_eager", {}) if door == "compile" else offload_eager({})
+    with caplog.at_level("WARNING", logger="hyper_offload"):
+        train(Problem(_mlp(), (x,), lambda out: out.pow(2).sum(), 1), door_at_0)
+    warned = [r for r in caplog.records if "budget" in r.getMessage()] + [
+        w for w in recwarn if issubclass(w.category, hyper_offload.OffloadBudgetWarning)]
+    assert warned, "the door at budget 0 no longer warns: this test proves nothing"
+    caplog.clear()
+    recwarn.clear()
+    with caplog.at_level("WARNING", logger="hyper_offload"):
+        report = hyper_offload.check(_mlp(), (x,), door=door)
+    assert report.verdict is Verdict.PASS
+    assert [r.getMessage() for r in caplog.records] == []
+    assert [str(w.message) for w in recwarn
+            if issubclass(w.category, hyper_offload.HyperOffloadWarning)] == []
+
+
+def test_the_command_line_check_names_a_model_that_fails_on_its_inputs(capsys, tmp_path):
+    """Issue 51: one line naming the op's own error (the shape mismatch), not Dynamo's
+    "RuntimeError when making fake tensor call"."""
+    from hyper_offload.cli.main import main
+
+    (tmp_path / "models.py").write_text(
+        "import torch\n\ndef mlp():\n    return torch.nn.Sequential(torch.nn.Linear(64, 8))\n")
+    assert main(["check", f"{tmp_path / 'models.py'}:mlp", "--input-shape", "4,63"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fake tensor call" not in err, err
+    assert "on --input-shape 4,63 (float32) without hyper-offload fails: RuntimeError: a and " \
+           "b must have same reduction dim, but got [4, 63] X [64, 8]" in err

@@ -138,7 +138,7 @@ def pipeline(ctx: Any, arg: tuple[str, int, dict[str, Any]]) -> dict[str, Any]:
         torch.manual_seed(ctx.rank)
         model = nn.Sequential(Block(), Block())
         inner = model
-        if schedule_name.startswith("swap-executor"):  # as README's pipeline section does
+        if schedule_name.startswith("swap-executor"):  # as docs/distributed.md's pipeline section does
             model = nn.Sequential(*(swap_wrapper(block) for block in model))
         stage = PipelineStage(model, ctx.rank, ctx.world_size, torch.device("cpu"))
         schedule = _schedule(schedule_name, stage)

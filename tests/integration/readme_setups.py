@@ -1,7 +1,8 @@
-"""What README's runnable snippets assume exists: tiny models, loaders and process groups.
+"""What the runnable Python snippets of README.md and docs/*.md assume exists: tiny
+models, loaders and process groups.
 
-README marks a ``python`` block runnable with an HTML comment right above it (rendered
-nowhere, visible in the source)::
+A document marks a ``python`` block runnable with an HTML comment right above it
+(rendered nowhere, visible in the source; the convention: :mod:`.doc_blocks`)::
 
     <!-- runnable setup=classifier
       ".cuda()" => ""

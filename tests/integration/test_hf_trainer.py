@@ -1,10 +1,10 @@
 """Hugging Face ``Trainer`` and a plain loop with gradient accumulation, on a GPT-2 built
 from a config (no weights downloaded), both exact against plain ``torch.compile``
-(issue 18, point 7; README "Hugging Face Trainer").
+(issue 18, point 7; docs/integrations.md, "Hugging Face Trainer").
 
 ``TrainingArguments(torch_compile_backend="hyper_offload")`` cannot work: accelerate
 accepts only its own list of backends, and Trainer passes no options. What works is
-handing Trainer a model compiled by the user; these tests run that README recipe.
+handing Trainer a model compiled by the user; these tests run that recipe.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_the_recompute_search_runs_on_tensor_parallel_graphs_and_never_recompute
 
 
 def test_the_example_spawns_its_ranks_and_reports_them_exact(capfd):
-    """``examples/train_tp.py --spawn`` (the README's command) end to end, eager door
+    """``examples/train_tp.py --spawn`` (the command docs/distributed.md names) end to end, eager door
     (the quickest): every rank prints its figures and an exact comparison."""
     import train_tp  # on sys.path through tp_worker
 

@@ -245,7 +245,8 @@ class StepController:
             self._on_step(timeline)
             timeline = self._with_between(timeline)
             plan = self.plan
-            if plan is not None and plan.timeline == timeline and self.state is StepState.PLANNED:
+            if (plan is not None and plan.timeline.plan_key == timeline.plan_key
+                    and self.state is StepState.PLANNED):
                 return self._move(StepState.PLANNED, StepEventName.STEP_DONE)
             cached = self._plans.get(timeline.plan_key)
             if cached is not None and self._lowering.lowered_as(cached):

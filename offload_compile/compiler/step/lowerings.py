@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyper_offload import progress
 from hyper_offload.passes import ResidencySchedule, required_bytes
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.plan.step import RegionFloor, StepPlan, StepTimeline, plan_step
@@ -82,6 +83,7 @@ class RegionLowerings:
 
     def plan(self, timeline: StepTimeline, budget: int | None, fraction: float | None
              ) -> tuple[StepPlan, bool]:
+        progress.note(f"planning the step ({len(timeline.invocations)} invocation(s))")
         plan = plan_step(timeline, self.floors(timeline), budget, budget_fraction=fraction,
                          host_budget_bytes=self._backend.options.host_budget_bytes)
         return plan, self.lowered_as(plan)
@@ -169,6 +171,7 @@ class RegionLowerings:
         """Search ``region``'s partitions again, ranked on the step; where the search
         chooses one other than torch's, compile the region with it. Whether it changed."""
         region.relowered = True
+        progress.note(f"region {region.index}: recompute search ranked on the step")
         backend = self._backend
         report = None
         try:

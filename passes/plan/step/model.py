@@ -119,9 +119,10 @@ class StepTimeline:
 
     @property
     def plan_key(self) -> tuple[Any, ...]:
-        """What a plan of this step depends on: events, retained bytes, sizes, eager bytes."""
-        return (self.events, tuple(sorted(self.retained_bytes.items())),
-                tuple(sorted(self.sizes.items())), self.between)
+        """What a plan of this step depends on: its events, sizes and eager bytes (regions
+        are planned from their traces; the measured retained bytes stand in only for a
+        region without one, and a change in them alone plans nothing again)."""
+        return (self.events, tuple(sorted(self.sizes.items())), self.between)
 
     @property
     def invocations(self) -> tuple[Invocation, ...]:

@@ -56,18 +56,34 @@ class InvocationPlan(NamedTuple):
 class FloorOp(NamedTuple):
     """The op at which the step's floor peaks: where it runs (``region`` index, or None
     for eager code between regions), its name, its own operands' bytes (what no plan
-    moves while it runs) and the floor's bytes there."""
+    moves while it runs) and the floor's bytes there; ``operands``: those operands by
+    name and bytes, largest first, where the door knows them (a region op:
+    ``FxTrace.operands``)."""
 
     region: int | None
     op: str
     op_bytes: int
     floor_bytes: int
+    operands: tuple[tuple[str, int], ...] = ()
 
     def describe(self) -> str:
         where = ("eager code between compiled regions" if self.region is None
                  else f"region {self.region}")
-        return (f"{self.op} ({where}): its own inputs and outputs {self.op_bytes / (1 << 20):,.1f}"
-                f" MiB of the floor's {self.floor_bytes / (1 << 20):,.1f} MiB")
+        text = (f"{self.op} ({where}): its own inputs and outputs {_size(self.op_bytes)} of "
+                f"the floor's {_size(self.floor_bytes)}")
+        if self.operands:
+            shown = ", ".join(f"{name} {_size(nbytes)}" for name, nbytes in self.operands[:6])
+            more = len(self.operands) - 6
+            text += f" ({shown}{f', {more} more' if more > 0 else ''})"
+        return text
+
+
+def _size(nbytes: int) -> str:
+    """MiB with one decimal from 1 MiB on (``192,384.5 MiB``), KiB or bytes below: a
+    tiny model's floor reads ``160.0 KiB``, not ``0.2 MiB``."""
+    if nbytes >= 1 << 20:
+        return f"{nbytes / (1 << 20):,.1f} MiB"
+    return f"{nbytes / 1024:,.1f} KiB" if nbytes >= 1024 else f"{nbytes} B"
 
 
 @dataclass(frozen=True)
