@@ -130,16 +130,17 @@ class RegionLowerings:
         """Make the lowerings ``plan`` wants; whether a region's partition changed (the
         plans made on the old one are then stale)."""
         searched = self.wants_search(plan) if self._backend.options.recompute == "auto" else ()
-        changed = False
-        for index in searched:
-            changed |= self._search(self._regions[index], timeline, plan.budget_bytes)
+        repartitioned = {index for index in searched
+                         if self._search(self._regions[index], timeline, plan.budget_bytes)}
         for region in self._regions:
-            if region.index in searched or region.index not in timeline.regions:
+            # A region the search gave another partition was lowered by the search; one
+            # that kept torch's partition is lowered as the plan wants, in the same pass.
+            if region.index in repartitioned or region.index not in timeline.regions:
                 continue
             wanted = plan.schedules.get(region.index)
             if region.lowerable and region.step_schedule != wanted:
                 self._lower(region, wanted, plan.schedule_budget_bytes)
-        return changed
+        return bool(repartitioned)
 
     def _lower(self, region: CompiledRegion, schedule: ResidencySchedule | None,
                budget: int) -> None:
