@@ -63,6 +63,10 @@ class EagerMeter(TorchDispatchMode):
         self._next_id = 0
         self.log: list[_Entry] = []
 
+    supports_higher_order_operators = True
+    """A checkpointed region's graph runs ``run_and_save_rng_state`` (a higher-order op)
+    on the step's fake tensors under this mode: without this, torch refuses the op."""
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True  # Dynamo compiles under this mode (it only reads)
@@ -126,7 +130,8 @@ class EagerMeter(TorchDispatchMode):
             made.append((key, _nbytes(tensor)))
             weakref.finalize(storage, self._freed, address, key)
         if made:
-            self.log.append(("op", str(func.overloadpacket.__name__), tuple(made),
+            name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+            self.log.append(("op", name, tuple(made),
                              sum(own.values())))
         return out
 
