@@ -68,12 +68,14 @@ from torch import fx
 from torch._functorch import config as functorch_config
 
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
+from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .collectives import is_collective, sizing_opaque_inputs, unsizable_inputs
 from .options import BackendOptions
 from .recompute_splice import (
     EXTERN_MATMULS,
+    held_options,
     inductor_uses_templates,
     recompute_order,
     splice,
@@ -209,6 +211,7 @@ def choose_partition(
     bounded: bool = True,
     min_work: int = SEARCH_MIN_WORK,
     score: Scorer = region_score,
+    reload_gbps: Callable[[fx.GraphModule], float] | None = None,
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
@@ -220,7 +223,9 @@ def choose_partition(
     compiles in about twice the time of an unsearched one (the issue-31 bound: HF RWKV at
     10% took 5.3x before it), and the same model gets the same plan on any machine.
     ``score`` is the objective every partition is ranked by (default: the region's own
-    plan, :func:`region_score`)."""
+    plan, :func:`region_score`). ``reload_gbps``: the link's host-to-device GB/s for a
+    forward graph (default: the 16 GB/s default link), which decides what a spliced
+    backward holds rather than recomputes twice (:func:`~.recompute_splice.held_options`)."""
     seconds = seconds or partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
     user_budget = float(functorch_config.activation_memory_budget)
     pristine = copy_joint(joint) if mode == "auto" else None
@@ -249,7 +254,8 @@ def choose_partition(
         ]
         if restriction is not None and (deadline is None or deadline.affords()):
             candidates += _splice_search(
-                pristine, partition, plan, default, user_budget, seconds, deadline, score
+                pristine, partition, plan, default, user_budget, seconds, deadline, score,
+                reload_gbps,
             )
     offload_only_s = default.report.step_s if default.report.feasible else None
     usable = [c for c in candidates if c.plan is not None]
@@ -441,6 +447,7 @@ def _splice_search(
     seconds: Callable[[fx.Node], float],
     deadline: _WorkBound | None = None,
     score: Scorer = region_score,
+    reload_gbps: Callable[[fx.GraphModule], float] | None = None,
 ) -> list[_Candidate]:
     """The default partition with its cheapest saved activations recomputed by the
     spliced backward (:mod:`.recompute_splice`, exact in low precision under Inductor):
@@ -457,12 +464,14 @@ def _splice_search(
         templates=inductor_uses_templates(),
     ))
     built: dict[int, _Candidate] = {}
+    held = held_options(options, DEFAULT_BANDWIDTH_GBPS if reload_gbps is None
+                        else reload_gbps(default.fw))
 
     def price(count: int) -> float:
         if deadline is not None and not deadline.affords():
             return math.inf  # past the work bound: not built, not a candidate
         chosen = options[:count]
-        fw, bw = splice(default.fw, default.bw, zero_bw, chosen)
+        fw, bw = splice(default.fw, default.bw, zero_bw, chosen, held)
         planned = plan(fw, bw, byte_budget)
         ops = tuple(sorted({name for option in chosen for name in option.chain}))
         report = dataclasses.replace(
@@ -540,6 +549,7 @@ def search_region(
         seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
         score=score or region_score,
         min_work=SEARCH_MIN_WORK if score is None else STEP_SEARCH_MIN_WORK,
+        reload_gbps=lambda fw: bandwidth(fw).h2d_gbps,
     )
 
 
