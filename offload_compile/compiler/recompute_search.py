@@ -463,21 +463,21 @@ def _splice_search(
         default.fw, default.bw, zero_bw, unrepeatable=_unrepeatable, seconds=seconds,
         templates=inductor_uses_templates(),
     ))
-    built: dict[int, _Candidate] = {}
+    built: dict[tuple[int, bool], _Candidate] = {}
     held = held_options(options, DEFAULT_BANDWIDTH_GBPS if reload_gbps is None
                         else reload_gbps(default.fw))
 
-    def price(count: int) -> float:
+    def price(count: int, holding: bool = True) -> float:
         if deadline is not None and not deadline.affords():
             return math.inf  # past the work bound: not built, not a candidate
         chosen = options[:count]
-        fw, bw = splice(default.fw, default.bw, zero_bw, chosen, held)
+        fw, bw = splice(default.fw, default.bw, zero_bw, chosen, held if holding else ())
         planned = plan(fw, bw, byte_budget)
         ops = tuple(sorted({name for option in chosen for name in option.chain}))
         report = dataclasses.replace(
             _partition_report(user_budget, planned, len(ops), score), spliced=count,
         )
-        built[count] = _Candidate(report, fw, bw, planned, ops)
+        built[count, holding] = _Candidate(report, fw, bw, planned, ops)
         if deadline is not None:
             deadline.record(plan_work(planned))
         return report.step_s if report.feasible else math.inf
@@ -486,7 +486,11 @@ def _splice_search(
     scores = {0: default.report.step_s if default.report.feasible else math.inf}
     scores |= {count: price(count) for count in share_counts([o.nbytes for o in options])}
     refine_count(scores, price, limit=SPLICE_REFINEMENTS)  # each count priced lands in built
-    return [built[count] for count in sorted(built)]
+    if held & {o.name for o in options} and all(math.isinf(v) for v in scores.values()):
+        # Nothing fits: the last resort holds nothing, recomputing even an attention again
+        # for its own readers (compute for memory: 8B x 256K fits so, 2.2 GB lower)
+        price(len(options), holding=False)
+    return [built[key] for key in sorted(built)]
 
 
 def graph_planner(

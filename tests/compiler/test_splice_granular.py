@@ -212,3 +212,44 @@ def test_a_tiny_llama_recomputed_op_by_op_is_bit_exact(inner):
     assert partitioner.private > 0  # a chain recomputed a value privately
     differ = [i for i, (a, b) in enumerate(zip(expected, got)) if not torch.equal(a, b)]
     assert not differ, f"{len(differ)} of {len(expected)} values differ (0 = the loss)"
+
+
+def test_where_nothing_fits_the_search_tries_holding_nothing():
+    """The last resort of the splice search (:func:`recompute_search._splice_search`):
+    when no candidate meets the budget, every option recomputed with nothing held, a
+    value a chain needs early recomputed again for its own readers (compute for memory).
+    Here every option counts as held (1 us per op, a few bytes), and only a backward
+    with a private copy "fits"."""
+    from types import SimpleNamespace
+
+    from hyper_offload.compiler import recompute_search as search
+
+    captured: dict[str, Any] = {}
+
+    def grab(joint: fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+        captured.update(joint=copy_joint(joint), inputs=inputs, kwargs=kwargs)
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    _run(grab)
+
+    def partition(joint: fx.GraphModule) -> Any:
+        return min_cut_rematerialization_partition(joint, captured["inputs"], **captured["kwargs"])
+
+    def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: Any) -> Any:
+        _, made = _roles(bw)
+        private = any(n.target is MATERIALIZE and all(u in made for u in n.users) for n in made)
+        return SimpleNamespace(feasible=private, budget_bytes=0, check=SimpleNamespace(bytes_d2h=0),
+                               fx_trace=SimpleNamespace(peak_without_offload=0))
+
+    def score(planned: Any) -> search.PlanScore:
+        return search.PlanScore(1.0, 0.0, planned.feasible, 0)
+
+    fw, bw = partition(copy_joint(captured["joint"]))
+    default_plan = plan(fw, bw, None)
+    default = search._Candidate(search._partition_report(1.0, default_plan, 0, score), fw, bw,
+                                default_plan)
+    found = search._splice_search(captured["joint"], partition, plan, default, 1.0,
+                                  seconds=lambda n: 1e-6, score=score, reload_gbps=lambda g: 16.0)
+    fits = [c for c in found if c.report.feasible]
+    assert len(found) > 1 and len(fits) == 1  # only the last resort: nothing held
+    assert fits[0].report.spliced == max(c.report.spliced for c in found)  # every option
