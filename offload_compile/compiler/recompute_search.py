@@ -389,7 +389,9 @@ class _WorkBound:
 
 SPLICE_SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
 """Shares of the splice options' bytes (cheapest recompute first) the search tries
-first: one spliced backward and one plan each."""
+first: one spliced backward and one plan each, the whole first: where even every option
+does not fit the budget, no share does (recomputing more keeps fewer bytes, op by op),
+and the search tries only the last resort (:func:`_splice_search`)."""
 
 SPLICE_REFINEMENTS = 6
 """Further spliced backwards the search may plan, bisecting the option count between
@@ -451,9 +453,12 @@ def _splice_search(
 ) -> list[_Candidate]:
     """The default partition with its cheapest saved activations recomputed by the
     spliced backward (:mod:`.recompute_splice`, exact in low precision under Inductor):
-    the counts covering each of :data:`SPLICE_SHARES`, then up to
-    :data:`SPLICE_REFINEMENTS` counts around the best of them, each planned under the
-    default partition's byte budget. The recompute chains come from torch's
+    the counts covering each of :data:`SPLICE_SHARES` (every option first: where that
+    does not fit, only the last resort follows), then up to :data:`SPLICE_REFINEMENTS`
+    counts around the best of them, each planned under the default partition's byte
+    budget. Values that cost more to recompute than to reload are held
+    (:func:`~.recompute_splice.held_options`); where no count fits, the last resort
+    recomputes every option holding nothing. The recompute chains come from torch's
     ``activation_memory_budget=0`` partition."""
     assert default.plan is not None
     byte_budget = default.plan.budget_bytes
@@ -484,11 +489,15 @@ def _splice_search(
 
     # count 0 is the default partition itself: priced already, a bound for the bisection
     scores = {0: default.report.step_s if default.report.feasible else math.inf}
-    scores |= {count: price(count) for count in share_counts([o.nbytes for o in options])}
-    refine_count(scores, price, limit=SPLICE_REFINEMENTS)  # each count priced lands in built
-    if held & {o.name for o in options} and all(math.isinf(v) for v in scores.values()):
+    counts = share_counts([o.nbytes for o in options])
+    if counts:  # every option first: where even that does not fit, no fewer will
+        scores[counts[-1]] = price(counts[-1])
+    if any(not math.isinf(v) for v in scores.values()):
+        scores |= {count: price(count) for count in counts[:-1]}
+        refine_count(scores, price, limit=SPLICE_REFINEMENTS)  # each priced lands in built
+    elif held & {o.name for o in options}:
         # Nothing fits: the last resort holds nothing, recomputing even an attention again
-        # for its own readers (compute for memory: 8B x 256K fits so, 2.2 GB lower)
+        # for each op that needs its output early (compute for memory: 8B x 256K, 2.2 GB)
         price(len(options), holding=False)
     return [built[key] for key in sorted(built)]
 
