@@ -458,7 +458,8 @@ def _splice_search(
     counts around the best of them, each planned under the default partition's byte
     budget. Values that cost more to recompute than to reload are held
     (:func:`~.recompute_splice.held_options`); where no count fits, the last resort
-    recomputes every option holding nothing. The recompute chains come from torch's
+    recomputes every option with a stage barrier at the op where that peaks (nothing
+    recomputed before it alive there). The recompute chains come from torch's
     ``activation_memory_budget=0`` partition."""
     assert default.plan is not None
     byte_budget = default.plan.budget_bytes
@@ -468,21 +469,22 @@ def _splice_search(
         default.fw, default.bw, zero_bw, unrepeatable=_unrepeatable, seconds=seconds,
         templates=inductor_uses_templates(),
     ))
-    built: dict[tuple[int, bool], _Candidate] = {}
+    built: dict[tuple[int, str], _Candidate] = {}
     held = held_options(options, DEFAULT_BANDWIDTH_GBPS if reload_gbps is None
                         else reload_gbps(default.fw))
 
-    def price(count: int, holding: bool = True) -> float:
+    def price(count: int, barrier: str | None = None) -> float:
         if deadline is not None and not deadline.affords():
             return math.inf  # past the work bound: not built, not a candidate
         chosen = options[:count]
-        fw, bw = splice(default.fw, default.bw, zero_bw, chosen, held if holding else ())
+        fw, bw = splice(default.fw, default.bw, zero_bw, chosen, held,
+                        barriers=None if barrier is None else {barrier})
         planned = plan(fw, bw, byte_budget)
         ops = tuple(sorted({name for option in chosen for name in option.chain}))
         report = dataclasses.replace(
             _partition_report(user_budget, planned, len(ops), score), spliced=count,
         )
-        built[count, holding] = _Candidate(report, fw, bw, planned, ops)
+        built[count, barrier or ""] = _Candidate(report, fw, bw, planned, ops)
         if deadline is not None:
             deadline.record(plan_work(planned))
         return report.step_s if report.feasible else math.inf
@@ -495,11 +497,22 @@ def _splice_search(
     if any(not math.isinf(v) for v in scores.values()):
         scores |= {count: price(count) for count in counts[:-1]}
         refine_count(scores, price, limit=SPLICE_REFINEMENTS)  # each priced lands in built
-    elif held & {o.name for o in options}:
-        # Nothing fits: the last resort holds nothing, recomputing even an attention again
-        # for each op that needs its output early (compute for memory: 8B x 256K, 2.2 GB)
-        price(len(options), holding=False)
+    elif (peak := _backward_peak(built.get((counts[-1], ""))) if counts else None):
+        # Nothing fits. The last resort: no recomputed value alive where every option
+        # recomputed peaks (a held attention output made early for the MLP's chains is
+        # recomputed once more after it: compute for memory; 8B x 256K fits so)
+        price(counts[-1], barrier=peak)
     return [built[key] for key in sorted(built)]
+
+
+def _backward_peak(candidate: _Candidate | None) -> str | None:
+    """The backward node at which ``candidate``'s plan peaks (None: none, or a forward
+    op)."""
+    if candidate is None or candidate.plan is None:
+        return None
+    resident = candidate.plan.check.resident_bytes
+    op = candidate.plan.fx_trace.op_nodes[max(range(len(resident)), key=resident.__getitem__)]
+    return op.removeprefix("bw:") if op.startswith("bw:") else None
 
 
 def graph_planner(

@@ -232,20 +232,24 @@ def splice(
     zero_bw: fx.GraphModule,
     recompute: Sequence[SpliceOption],
     held: Set[str] = frozenset(),
+    *,
+    barriers: Set[str] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The default partition with the ``recompute`` activations (from
     :func:`splice_options` on the same graphs) recomputed by the spliced backward
     (module docstring). Forward inputs the chains start from that the default partition
     does not save are saved first (a forward input costs no activation bytes).
     ``held``: recomputed values a chain may hold from before their first reader rather
-    than recompute twice (:func:`held_options`; :class:`_Recompute`)."""
+    than recompute twice (:func:`held_options`; :class:`_Recompute`); ``barriers``:
+    names of the default backward's ops that cut it into stages (None: every op)."""
     dropped = {o.name for o in recompute}
     zero = {n.name: n for n in zero_bw.graph.nodes}
     saved = {n.name for n in _saved_inputs(default_bw)}
     leaves = {leaf for o in recompute for leaf in _leaves([zero[n] for n in o.chain])}
     primals = sorted(leaf for leaf in leaves if leaf not in saved)
     fw = _forward(default_fw, dropped, primals, _saved_count(default_bw))
-    return fw, _spliced_backward(default_bw, zero, recompute, primals, frozenset(held))
+    return fw, _spliced_backward(default_bw, zero, recompute, primals, frozenset(held),
+                                 None if barriers is None else frozenset(barriers))
 
 
 def _saved_count(bw: fx.GraphModule) -> int:
@@ -327,6 +331,7 @@ def _spliced_backward(
     recompute: Sequence[SpliceOption],
     primals: list[str],
     held: Set[str],
+    barriers: Set[str] | None,
 ) -> fx.GraphModule:
     dropped = {o.name for o in recompute}
     chain = {name for o in recompute for name in o.chain}
@@ -347,8 +352,13 @@ def _spliced_backward(
     if first_tensor is None:
         for name in primals:
             inputs[name] = graph.node_copy(zero[name])
-    recompute = _Recompute(graph, zero, dropped, chain, inputs, _uses(default_bw, dropped),
-                           _siblings(recompute, held))
+    positions = {n.name: i for i, n in enumerate(
+        n for n in default_bw.graph.nodes if n.op != "placeholder")}
+    recompute = _Recompute(
+        graph, zero, dropped, chain, inputs, _uses(default_bw, dropped),
+        _siblings(recompute, held),
+        None if barriers is None else frozenset(positions[b] for b in barriers if b in positions),
+    )
     values: dict[str, fx.Node] = dict(inputs)  # what the default backward's nodes read
     for position, node in enumerate(n for n in default_bw.graph.nodes if n.op != "placeholder"):
         recompute.at(position)
@@ -400,22 +410,32 @@ class _Recompute:
     them (an attention output: recomputing it costs its attention again). A chain that
     needs one before its first reader materializes the shared copy there, which then
     lives on to its own readers; the held values whose chains share that op are
-    materialized with it (an attention's output and its log-sum-exp: one attention)."""
+    materialized with it (an attention's output and its log-sum-exp: one attention).
+
+    ``barriers`` (positions; None: every op) cut the backward into stages instead: a
+    private copy serves every chain of its stage, and no chain value or private copy made
+    before a barrier op is alive while it runs; a held value is held early only where no
+    barrier lies before its first reader, else recomputed privately, once per stage (a
+    value whose own readers lie on both sides of a barrier keeps its one copy). The
+    search puts one at the op where a plan peaks."""
 
     def __init__(
         self, graph: fx.Graph, zero: Mapping[str, fx.Node], dropped: Set[str],
         chain: Set[str], inputs: Mapping[str, fx.Node], uses: Mapping[str, tuple[int, int]],
-        held: Mapping[str, frozenset[str]],
+        held: Mapping[str, frozenset[str]], barriers: frozenset[int] | None = None,
     ) -> None:
         self.graph, self.zero, self.dropped, self.chain = graph, zero, dropped, chain
-        self.inputs, self.uses, self.held = inputs, uses, held
+        self.inputs, self.uses, self.held, self.barriers = inputs, uses, held, barriers
         self.shared: dict[str, fx.Node] = {}  # dropped value -> its materialized copy
         self.making: set[str] = set()  # shared copies being built (their chains run)
         self.position = -1
-        self.built: dict[str, fx.Node] = {}  # this op's chain nodes and private copies
+        self.built: dict[str, fx.Node] = {}  # this op's chain nodes
+        self.stage: dict[str, fx.Node] = {}  # this stage's private copies
 
     def at(self, position: int) -> None:
         """The backward op at ``position`` runs next: chains built before it are done."""
+        if self.barriers is None or position - 1 in self.barriers:
+            self.stage = {}
         self.position, self.built = position, {}
 
     def value(self, name: str) -> fx.Node:
@@ -432,18 +452,23 @@ class _Recompute:
             first, last = self.uses[name]
             if name in self.shared and first <= self.position <= last:
                 return self.shared[name]  # alive for its own readers anyway
-            if name in self.held and self.position < first:
+            if name in self.stage:
+                return self.stage[name]
+            if name in self.held and self.position < first and self._may_hold(first):
                 early = self.value(name)
                 for sibling in sorted(self.held[name] - self.making):
                     self.value(sibling)
                 return early
-            key = f"{name}/private"
-            if key not in self.built:
-                self.built[key] = self._materialize(name)
-            return self.built[key]
+            self.stage[name] = self._materialize(name)
+            return self.stage[name]
         if name in self.chain:
             return self._build(name)
         return self.inputs[name]  # a leaf: a kept saved value or a forward input
+
+    def _may_hold(self, first: int) -> bool:
+        """Whether a copy made now may live to the op at ``first``: no barrier between."""
+        return self.barriers is None or not any(
+            self.position <= b < first for b in self.barriers)
 
     def _build(self, name: str) -> fx.Node:
         if name not in self.built:

@@ -214,12 +214,13 @@ def test_a_tiny_llama_recomputed_op_by_op_is_bit_exact(inner):
     assert not differ, f"{len(differ)} of {len(expected)} values differ (0 = the loss)"
 
 
-def test_where_nothing_fits_the_search_tries_holding_nothing():
+def test_where_nothing_fits_the_search_cuts_the_backward_where_it_peaks():
     """The last resort of the splice search (:func:`recompute_search._splice_search`):
-    when no candidate meets the budget, every option recomputed with nothing held, a
-    value a chain needs early recomputed again for its own readers (compute for memory).
-    Here every option counts as held (1 us per op, a few bytes), and only a backward
-    with a private copy "fits"."""
+    when no candidate meets the budget, every option recomputed with a stage barrier at
+    the backward op where that plan peaks, so that no value recomputed before it is alive
+    there: a held value a chain needs early is recomputed privately instead. Here every
+    option counts as held (1 us per op, a few bytes), every plan "peaks" at the op whose
+    chain needs ``h`` early, and only a backward with a private copy "fits"."""
     from types import SimpleNamespace
 
     from hyper_offload.compiler import recompute_search as search
@@ -236,10 +237,14 @@ def test_where_nothing_fits_the_search_tries_holding_nothing():
         return min_cut_rematerialization_partition(joint, captured["inputs"], **captured["kwargs"])
 
     def plan(fw: fx.GraphModule, bw: fx.GraphModule, budget: Any) -> Any:
-        _, made = _roles(bw)
+        ops, made = _roles(bw)
         private = any(n.target is MATERIALIZE and all(u in made for u in n.users) for n in made)
-        return SimpleNamespace(feasible=private, budget_bytes=0, check=SimpleNamespace(bytes_d2h=0),
-                               fx_trace=SimpleNamespace(peak_without_offload=0))
+        names = [f"bw:{n.name}" for n in ops if n not in made]
+        resident = [int(name == "bw:mul_1") for name in names]  # m's reader: h needed early
+        return SimpleNamespace(
+            feasible=private, budget_bytes=0,
+            check=SimpleNamespace(bytes_d2h=0, resident_bytes=resident),
+            fx_trace=SimpleNamespace(peak_without_offload=0, op_nodes=names))
 
     def score(planned: Any) -> search.PlanScore:
         return search.PlanScore(1.0, 0.0, planned.feasible, 0)
@@ -250,6 +255,26 @@ def test_where_nothing_fits_the_search_tries_holding_nothing():
                                 default_plan)
     found = search._splice_search(captured["joint"], partition, plan, default, 1.0,
                                   seconds=lambda n: 1e-6, score=score, reload_gbps=lambda g: 16.0)
-    fits = [c for c in found if c.report.feasible]
-    assert len(found) > 1 and len(fits) == 1  # only the last resort: nothing held
-    assert fits[0].report.spliced == max(c.report.spliced for c in found)  # every option
+    assert [c.report.feasible for c in found] == [False, True]  # every option; the last resort
+    assert found[1].report.spliced == found[0].report.spliced  # both recompute every option
+
+
+def test_a_stage_barrier_keeps_early_copies_off_its_op(layer):
+    """No chain value or private copy made before the barrier op is alive while it runs,
+    and a held value a chain needs before the barrier is recomputed privately there
+    rather than held across it."""
+    (fw, bw), (_, zero_bw) = layer.graphs[1.0], layer.graphs[0.0]
+    options = rs.splice_options(fw, bw, zero_bw, unrepeatable=draws_random, seconds=lambda n: 1e-6)
+    every = frozenset(o.name for o in options)  # all held
+    _, cut = rs.splice(fw, bw, zero_bw, options, every, barriers={"mul_1"})
+    ops, made = _roles(cut)
+    index = {n: i for i, n in enumerate(ops)}
+    (barrier,) = [n for n in ops if n.name == "mul_1"]
+    for node in made:
+        shared = any(u not in made for u in node.users)  # a value's copy for its own readers
+        if index[node] < index[barrier] and not shared:
+            assert all(index[u] <= index[barrier] for u in node.users), node
+    _, whole = rs.splice(fw, bw, zero_bw, options, every)
+    private = [n for n in made if n.target is MATERIALIZE and all(u in made for u in n.users)]
+    assert private and not [n for n in _roles(whole)[1] if n.target is MATERIALIZE
+                            and all(u in _roles(whole)[1] for u in n.users)]
