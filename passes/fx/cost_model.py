@@ -8,7 +8,11 @@ fake-tensor metadata says. Fused attention is priced by :func:`attention_flops` 
 on (torch's registry has no formula for the CPU and "overrideable" kernels, which a
 CPU-traced long-context graph then priced at its bytes alone: 0.90 ms for a 128K-token
 layer that computes ~350 ms on a 400 TFLOP/s device), and a causal one at the fraction
-of the score matrix a flash kernel computes. Symbolic sizes take the value a plan assumes (:mod:`.sizes`:
+of the score matrix a flash kernel computes. A view costs nothing (no kernel runs), and
+an op a checkpointed region's random-state wrapper runs (``run_and_save_rng_state``,
+``run_with_rng_state``: SDPA under ``torch.utils.checkpoint``) is priced as that op
+(before, full checkpointing's recomputed attention was free: docs/long-context.md,
+"Pricing"). Symbolic sizes take the value a plan assumes (:mod:`.sizes`:
 the largest their guards allow, else their hint). This is an
 estimate for *placing* prefetches and *predicting* exposed copy time, never for
 correctness: every schedule is still judged by ``check_schedule``.
