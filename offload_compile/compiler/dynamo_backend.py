@@ -381,9 +381,8 @@ class HyperOffloadBackend:
         # (relower_requested), under the budget resolved here.
         self._budget_pin = plan.budget_bytes
         self._relower_step = timeline
-        for index in todo:
-            self.regions[index].relower_requested = True
-            self.regions[index].lowering_requested = None  # the search lowers it
+        for index in todo:  # a lowering the plan asked for stays asked: the search may
+            self.regions[index].relower_requested = True  # keep torch's partition
         LOGGER.info(
             "hyper_offload step plan %d %s: re-lowering region(s) %s with the recompute "
             "search ranked on the step", self.replans,
@@ -594,6 +593,7 @@ class HyperOffloadBackend:
                 assert region.planned is not None
                 region.variants = {}  # another partition: the earlier lowerings are not its
                 self._plans.clear()  # nor are the plans made on them
+                region.lowering_requested = None  # a schedule of torch's partition
                 region.adopt(Lowering(searched, region.planned, region.graphs),
                              region.step_schedule)
         except Exception as error:  # an optimisation failed: the floor's graphs still run
