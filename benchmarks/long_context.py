@@ -69,8 +69,8 @@ LOSS_CHUNK_TOKENS = 8192
 PRICES = DeviceThroughput(flops_per_s=400e12, bytes_per_s=2.6e12)
 """An H100 at about 40% of its dense bf16 peak and 80% of its HBM bandwidth."""
 STALL_SHARE = 0.10
-GRID = (8192, 16384, 32768, 65536, 98304, 131072, 163840, 196608, 229376, 262144, 327680,
-        393216, 524288, 786432, 1048576)
+GRID = (8192, 16384, 32768, 49152, 65536, 98304, 114688, 131072, 163840, 196608, 229376,
+        262144, 327680, 393216, 524288, 786432, 1048576)
 MODES = ("plain", "full_ac", "full_ac_offload", "offload", "default", "default_disk",
          "default_tiled")
 PUBLISHED = (
@@ -226,8 +226,8 @@ def _row(mode: str, link: float, table: Table, grid: tuple[int, ...],
     if lo < len(grid):  # what stops it at the next length (estimated by the search)
         stop = table.at(grid[lo], mode)
         row["stops_at"] = {k: stop[k] for k in (
-            "seq", "fits_device", "binding", "floor_bytes", "host_bytes", "stall_s",
-            "compute_s", "floor_op", "floor_detail")}
+            "seq", "peak_without_offload_bytes", "fits_device", "binding", "floor_bytes",
+            "host_bytes", "stall_s", "compute_s", "floor_op", "floor_detail")}
     return row
 
 
