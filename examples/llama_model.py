@@ -28,8 +28,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "LLAMA3_8B", "LLAMA_7B", "Llama", "LlamaConfig", "llama3_8b", "llama3_8b_chunked_loss",
-    "llama_7b", "llama_7b_2_layers", "llama_tiny", "llama_tiny_complex_rope",
+    "LLAMA3_8B", "LLAMA_7B", "LONG_SEQ_LEN", "Llama", "LlamaConfig", "llama3_8b",
+    "llama3_8b_chunked_loss", "llama3_8b_long", "llama3_8b_long_chunked_loss", "llama_7b",
+    "llama_7b_2_layers", "llama_tiny", "llama_tiny_complex_rope",
 ]
 
 
@@ -258,6 +259,25 @@ def llama3_8b(layers: int = 32, loss_chunks: int = 1, dtype: torch.dtype = torch
 def llama3_8b_chunked_loss(dtype: torch.dtype = torch.bfloat16) -> Llama:
     """``llama3_8b`` with its loss in 16 checkpointed chunks (for the CLI)."""
     return llama3_8b(loss_chunks=16, dtype=dtype)
+
+
+LONG_SEQ_LEN = 1 << 22
+"""Positions the ``llama3_8b_long`` factories allow (4M tokens): what-if estimates past
+the 128K Llama-3-8B was trained to (rotary tables are computed on the fly: a meta or
+fake step spends nothing on them)."""
+
+
+def llama3_8b_long(dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """``llama3_8b`` with positions up to :data:`LONG_SEQ_LEN` (for the CLI:
+    ``hyper-offload estimate examples/llama_model.py:llama3_8b_long --input-shape
+    1,524288 ...``)."""
+    return llama3_8b(dtype=dtype, max_seq_len=LONG_SEQ_LEN)
+
+
+def llama3_8b_long_chunked_loss(dtype: torch.dtype = torch.bfloat16) -> Llama:
+    """``llama3_8b_long`` with its loss in 64 checkpointed chunks (8K tokens each at
+    512K, as ``benchmarks/long_context.py`` chunks it)."""
+    return llama3_8b(loss_chunks=64, dtype=dtype, max_seq_len=LONG_SEQ_LEN)
 
 
 def llama_tiny(dtype: torch.dtype = torch.float32, rope: str = "real",

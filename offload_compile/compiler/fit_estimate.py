@@ -43,6 +43,7 @@ from hyper_offload.errors import ConfigurationError, ReportScopeError
 from hyper_offload.passes import required_bytes
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
+from hyper_offload.passes.fx.floor_detail import FloorDetail
 from hyper_offload.passes.fx.sizes import symbolic_sizes
 from hyper_offload.passes.plan.step import FloorOp
 from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
@@ -105,6 +106,10 @@ class EstimateReport:
     layout: str = "as given"
     """How the step scope compiled the model: ``"as given"`` (as its owner did), or its
     run of identical blocks compiled per block (:mod:`.block_layout`, ``layout=``)."""
+    floor_detail: FloorDetail | None = None
+    """Step scope, where a region's op sets the floor: that op's own operands and the
+    largest other values on the device there, each named and said how it got there
+    (:mod:`~hyper_offload.passes.fx.floor_detail`). None for eager code or no floor."""
 
     @property
     def region(self) -> RegionReport:
@@ -181,7 +186,7 @@ class EstimateReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items()
-                if k not in ("region_report", "step", "regions")}
+                if k not in ("region_report", "step", "regions", "floor_detail")}
         data.update(
             budget_scope=self.budget_scope,
             budget_bytes=self.budget_bytes,
@@ -194,6 +199,9 @@ class EstimateReport:
             floor_op=None if self.floor_op is None else self.floor_op.op,
             floor_op_bytes=None if self.floor_op is None else self.floor_op.op_bytes,
             floor_explained=self.floor_explained,
+            floor_detail=None if self.floor_detail is None else self.floor_detail.describe(),
+            floor_operand_bytes=None if self.floor_detail is None
+            else self.floor_detail.operand_bytes,
         )
         data.pop("region_floor_op", None)
         if self.step is not None:
@@ -319,6 +327,8 @@ def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
         f"traced and planned in {report.trace_seconds:.1f} s",
         *str(step).splitlines()[1:],
     ]
+    if report.floor_detail is not None:
+        lines.append(f"at the floor: {report.floor_detail.describe()}")
     if not report.fits:
         lines.append(
             f"raise the budget to at least {_mib(report.min_feasible_budget_bytes)}: with "
@@ -423,6 +433,7 @@ def estimate(
             **common, region_report=None, min_feasible_budget_bytes=found.step.floor_peak_bytes,
             trace_seconds=found.seconds, step=found.step, regions=found.regions,
             layout=found.layout, step_compute_s=found.compute_s,
+            floor_detail=found.floor_detail,
         )
     return _estimate_region(model, example_inputs, target, parsed, link, prices, common)
 

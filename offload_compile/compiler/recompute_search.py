@@ -69,12 +69,14 @@ from torch._functorch import config as functorch_config
 
 from hyper_offload import progress
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
+from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .collectives import is_collective, sizing_opaque_inputs, unsizable_inputs
 from .options import BackendOptions
 from .recompute_splice import (
     EXTERN_MATMULS,
+    held_options,
     inductor_uses_templates,
     recompute_order,
     splice,
@@ -210,6 +212,7 @@ def choose_partition(
     bounded: bool = True,
     min_work: int = SEARCH_MIN_WORK,
     score: Scorer = region_score,
+    reload_gbps: Callable[[fx.GraphModule], float] | None = None,
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
@@ -221,7 +224,9 @@ def choose_partition(
     compiles in about twice the time of an unsearched one (the issue-31 bound: HF RWKV at
     10% took 5.3x before it), and the same model gets the same plan on any machine.
     ``score`` is the objective every partition is ranked by (default: the region's own
-    plan, :func:`region_score`)."""
+    plan, :func:`region_score`). ``reload_gbps``: the link's host-to-device GB/s for a
+    forward graph (default: the 16 GB/s default link), which decides what a spliced
+    backward holds rather than recomputes twice (:func:`~.recompute_splice.held_options`)."""
     seconds = seconds or partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
     user_budget = float(functorch_config.activation_memory_budget)
     pristine = copy_joint(joint) if mode == "auto" else None
@@ -250,7 +255,8 @@ def choose_partition(
         ]
         if restriction is not None and (deadline is None or deadline.affords()):
             candidates += _splice_search(
-                pristine, partition, plan, default, user_budget, seconds, deadline, score
+                pristine, partition, plan, default, user_budget, seconds, deadline, score,
+                reload_gbps,
             )
     offload_only_s = default.report.step_s if default.report.feasible else None
     usable = [c for c in candidates if c.plan is not None]
@@ -385,7 +391,9 @@ class _WorkBound:
 
 SPLICE_SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
 """Shares of the splice options' bytes (cheapest recompute first) the search tries
-first: one spliced backward and one plan each."""
+first: one spliced backward and one plan each, the whole first: where even every option
+does not fit the budget, no share does (recomputing more keeps fewer bytes, op by op),
+and the search tries only the last resort (:func:`_splice_search`)."""
 
 SPLICE_REFINEMENTS = 6
 """Further spliced backwards the search may plan, bisecting the option count between
@@ -443,12 +451,17 @@ def _splice_search(
     seconds: Callable[[fx.Node], float],
     deadline: _WorkBound | None = None,
     score: Scorer = region_score,
+    reload_gbps: Callable[[fx.GraphModule], float] | None = None,
 ) -> list[_Candidate]:
     """The default partition with its cheapest saved activations recomputed by the
     spliced backward (:mod:`.recompute_splice`, exact in low precision under Inductor):
-    the counts covering each of :data:`SPLICE_SHARES`, then up to
-    :data:`SPLICE_REFINEMENTS` counts around the best of them, each planned under the
-    default partition's byte budget. The recompute chains come from torch's
+    the counts covering each of :data:`SPLICE_SHARES` (every option first: where that
+    does not fit, only the last resort follows), then up to :data:`SPLICE_REFINEMENTS`
+    counts around the best of them, each planned under the default partition's byte
+    budget. Values that cost more to recompute than to reload are held
+    (:func:`~.recompute_splice.held_options`); where no count fits, the last resort
+    recomputes every option with a stage barrier at the op where that peaks (nothing
+    recomputed before it alive there). The recompute chains come from torch's
     ``activation_memory_budget=0`` partition."""
     assert default.plan is not None
     byte_budget = default.plan.budget_bytes
@@ -458,28 +471,50 @@ def _splice_search(
         default.fw, default.bw, zero_bw, unrepeatable=_unrepeatable, seconds=seconds,
         templates=inductor_uses_templates(),
     ))
-    built: dict[int, _Candidate] = {}
+    built: dict[tuple[int, str], _Candidate] = {}
+    held = held_options(options, DEFAULT_BANDWIDTH_GBPS if reload_gbps is None
+                        else reload_gbps(default.fw))
 
-    def price(count: int) -> float:
+    def price(count: int, barrier: str | None = None) -> float:
         if deadline is not None and not deadline.affords():
             return math.inf  # past the work bound: not built, not a candidate
         chosen = options[:count]
-        fw, bw = splice(default.fw, default.bw, zero_bw, chosen)
+        fw, bw = splice(default.fw, default.bw, zero_bw, chosen, held,
+                        barriers=None if barrier is None else {barrier})
         planned = plan(fw, bw, byte_budget)
         ops = tuple(sorted({name for option in chosen for name in option.chain}))
         report = dataclasses.replace(
             _partition_report(user_budget, planned, len(ops), score), spliced=count,
         )
-        built[count] = _Candidate(report, fw, bw, planned, ops)
+        built[count, barrier or ""] = _Candidate(report, fw, bw, planned, ops)
         if deadline is not None:
             deadline.record(plan_work(planned))
         return report.step_s if report.feasible else math.inf
 
     # count 0 is the default partition itself: priced already, a bound for the bisection
     scores = {0: default.report.step_s if default.report.feasible else math.inf}
-    scores |= {count: price(count) for count in share_counts([o.nbytes for o in options])}
-    refine_count(scores, price, limit=SPLICE_REFINEMENTS)  # each count priced lands in built
-    return [built[count] for count in sorted(built)]
+    counts = share_counts([o.nbytes for o in options])
+    if counts:  # every option first: where even that does not fit, no fewer will
+        scores[counts[-1]] = price(counts[-1])
+    if any(not math.isinf(v) for v in scores.values()):
+        scores |= {count: price(count) for count in counts[:-1]}
+        refine_count(scores, price, limit=SPLICE_REFINEMENTS)  # each priced lands in built
+    elif (peak := _backward_peak(built.get((counts[-1], ""))) if counts else None):
+        # Nothing fits. The last resort: no recomputed value alive where every option
+        # recomputed peaks (a held attention output made early for the MLP's chains is
+        # recomputed once more after it: compute for memory; 8B x 256K fits so)
+        price(counts[-1], barrier=peak)
+    return [built[key] for key in sorted(built)]
+
+
+def _backward_peak(candidate: _Candidate | None) -> str | None:
+    """The backward node at which ``candidate``'s plan peaks (None: none, or a forward
+    op)."""
+    if candidate is None or candidate.plan is None:
+        return None
+    resident = candidate.plan.check.resident_bytes
+    op = candidate.plan.fx_trace.op_nodes[max(range(len(resident)), key=resident.__getitem__)]
+    return op.removeprefix("bw:") if op.startswith("bw:") else None
 
 
 def graph_planner(
@@ -542,6 +577,7 @@ def search_region(
         seconds=partial(node_seconds, throughput=throughput or throughput_for(device)),
         score=score or region_score,
         min_work=SEARCH_MIN_WORK if score is None else STEP_SEARCH_MIN_WORK,
+        reload_gbps=lambda fw: bandwidth(fw).h2d_gbps,
     )
 
 

@@ -56,8 +56,8 @@ from hyper_offload.passes.fx.cost_model import tensor_bytes
 from hyper_offload.passes.ir.ops import DISCARD, MATERIALIZE
 
 __all__ = [
-    "EXTERN_MATMULS", "SpliceOption", "inductor_uses_templates", "recompute_order", "splice",
-    "splice_options",
+    "EXTERN_MATMULS", "SpliceOption", "held_options", "inductor_uses_templates",
+    "recompute_order", "splice", "splice_options",
 ]
 
 
@@ -126,19 +126,38 @@ def _leaves(chain: Sequence[fx.Node]) -> set[str]:
     return {i.name for n in chain for i in n.all_input_nodes if i.name not in inside}
 
 
-def rounded_for_forward_users(node: fx.Node) -> bool:
+def rounded_for_forward_users(node: fx.Node, *, templates: bool = False) -> bool:
     """Whether Inductor rounds ``node`` to its dtype for its forward users because it is
     saved for backward (``emulate_precision_casts_on_saved_tensors``, on by default): a
     low-precision pointwise result that a forward op also reads. Not saving it would
-    drop that rounding and change the forward, so such a value is no splice option."""
+    drop that rounding and change the forward, so such a value is no splice option.
+
+    Not so when every forward reader is an op whose inputs Inductor stores before it
+    runs (``needs_realized_inputs``: a matmul, an attention kernel): that reader gets the
+    stored, rounded value whether or not the value is saved (a rotary-embedded query
+    read by attention alone). Under max-autotune (``templates``) a matmul template may
+    fuse its producer, so the rule stays whole there."""
     from torch._inductor import config as inductor_config
 
     value = node.meta.get("val")
+    readers = [user for user in node.users if user.op != "output"]
     return (
         bool(inductor_config.emulate_precision_casts_on_saved_tensors)
         and isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
         and torch.Tag.pointwise in getattr(node.target, "tags", ())
-        and any(user.op != "output" for user in node.users)
+        and bool(readers)
+        and (templates or not all(_reads_stored(user) for user in readers))
+    )
+
+
+def _reads_stored(node: fx.Node) -> bool:
+    """Whether Inductor stores every input of ``node`` before running it."""
+    from torch._inductor.lowering import needs_realized_inputs
+
+    target = node.target
+    return node.op == "call_function" and (
+        target in needs_realized_inputs
+        or getattr(target, "overloadpacket", None) in needs_realized_inputs
     )
 
 
@@ -176,7 +195,7 @@ def splice_options(
             continue  # saved at budget 0 too
         if not isinstance(value, torch.Tensor) or activation.name not in forward:
             continue
-        if rounded_for_forward_users(forward[activation.name]):
+        if rounded_for_forward_users(forward[activation.name], templates=templates):
             continue
         chain = _chain(zero, activation.name, kept)
         unsaved = {
@@ -193,6 +212,15 @@ def splice_options(
     return tuple(options)
 
 
+def held_options(options: Iterable[SpliceOption], reload_gbps: float) -> frozenset[str]:
+    """The options a chain holds from before their first reader rather than recompute a
+    second time (:class:`_Recompute`): those whose chain takes longer than copying their
+    bytes back from the host at ``reload_gbps`` (an attention's output: seconds for a few
+    GB). The others are recomputed again where a chain needs them early: that is faster
+    than any way of keeping them off the device."""
+    return frozenset(o.name for o in options if o.seconds * reload_gbps * 1e9 > o.nbytes)
+
+
 def recompute_order(options: Iterable[SpliceOption]) -> list[SpliceOption]:
     """Cheapest first: most bytes freed per second of recompute (ties: graph order)."""
     return sorted(options, key=lambda o: -o.nbytes / max(o.seconds, 1e-12))
@@ -203,19 +231,25 @@ def splice(
     default_bw: fx.GraphModule,
     zero_bw: fx.GraphModule,
     recompute: Sequence[SpliceOption],
+    held: Set[str] = frozenset(),
+    *,
+    barriers: Set[str] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The default partition with the ``recompute`` activations (from
     :func:`splice_options` on the same graphs) recomputed by the spliced backward
     (module docstring). Forward inputs the chains start from that the default partition
-    does not save are saved first (a forward input costs no activation bytes)."""
+    does not save are saved first (a forward input costs no activation bytes).
+    ``held``: recomputed values a chain may hold from before their first reader rather
+    than recompute twice (:func:`held_options`; :class:`_Recompute`); ``barriers``:
+    names of the default backward's ops that cut it into stages (None: every op)."""
     dropped = {o.name for o in recompute}
-    chain = {name for o in recompute for name in o.chain}
     zero = {n.name: n for n in zero_bw.graph.nodes}
     saved = {n.name for n in _saved_inputs(default_bw)}
     leaves = {leaf for o in recompute for leaf in _leaves([zero[n] for n in o.chain])}
     primals = sorted(leaf for leaf in leaves if leaf not in saved)
     fw = _forward(default_fw, dropped, primals, _saved_count(default_bw))
-    return fw, _spliced_backward(default_bw, zero, dropped, chain, primals)
+    return fw, _spliced_backward(default_bw, zero, recompute, primals, frozenset(held),
+                                 None if barriers is None else frozenset(barriers))
 
 
 def _saved_count(bw: fx.GraphModule) -> int:
@@ -294,44 +328,15 @@ def _output_meta(meta: Mapping[str, object], first_saved: int, added: int) -> di
 def _spliced_backward(
     default_bw: fx.GraphModule,
     zero: Mapping[str, fx.Node],
-    dropped: set[str],
-    chain: set[str],
+    recompute: Sequence[SpliceOption],
     primals: list[str],
+    held: Set[str],
+    barriers: Set[str] | None,
 ) -> fx.GraphModule:
+    dropped = {o.name for o in recompute}
+    chain = {name for o in recompute for name in o.chain}
     graph = fx.Graph()
     inputs: dict[str, fx.Node] = {}  # placeholders: the default backward's kept, new primals
-    built: dict[str, fx.Node] = {}  # recompute nodes, by name
-    values: dict[str, fx.Node] = {}  # what the default backward's nodes read, by name
-
-    def read(name: str) -> fx.Node:
-        """What a chain node reads for its input ``name``."""
-        if name in dropped:
-            return materialized(name)  # another recomputed value, rounded as stored
-        if name in chain:
-            return build(name)
-        return inputs[name]  # a leaf: a kept saved value or a forward input
-
-    def build(name: str) -> fx.Node:
-        if name not in built:
-            for arg in zero[name].all_input_nodes:
-                read(arg.name)
-            source = zero[name]
-            # a name of its own: the default backward's nodes keep theirs (it may
-            # recompute the same forward op under the same name for its own use)
-            built[name] = graph.create_node(
-                source.op, source.target, *fx.node.map_arg((source.args, source.kwargs), lambda a: read(a.name)),
-                name=f"{name}_recomputed",
-            )
-            built[name].meta = dict(source.meta)
-        return built[name]
-
-    def materialized(name: str) -> fx.Node:
-        if name not in values:
-            barrier = graph.call_function(MATERIALIZE, (build(name),))
-            barrier.meta = dict(zero[name].meta)
-            values[name] = barrier
-        return values[name]
-
     placeholders = default_bw.graph.find_nodes(op="placeholder")
     # saved SymInts come first, then saved tensors: the new ones lead those, as in the forward
     first_tensor = next((p for p in placeholders if _is_tensor(p)), None)
@@ -343,19 +348,143 @@ def _spliced_backward(
         if node.name in dropped:
             copied.meta["val"] = node.meta["val"].new_empty(0)  # the discard's stand-in
         else:
-            inputs[node.name] = values[node.name] = copied
+            inputs[node.name] = copied
     if first_tensor is None:
         for name in primals:
             inputs[name] = graph.node_copy(zero[name])
-    for node in default_bw.graph.nodes:
-        if node.op == "placeholder":
-            continue
+    positions = {n.name: i for i, n in enumerate(
+        n for n in default_bw.graph.nodes if n.op != "placeholder")}
+    recompute = _Recompute(
+        graph, zero, dropped, chain, inputs, _uses(default_bw, dropped),
+        _siblings(recompute, held),
+        None if barriers is None else frozenset(positions[b] for b in barriers if b in positions),
+    )
+    values: dict[str, fx.Node] = dict(inputs)  # what the default backward's nodes read
+    for position, node in enumerate(n for n in default_bw.graph.nodes if n.op != "placeholder"):
+        recompute.at(position)
         for arg in node.all_input_nodes:
             if arg.name in dropped:
-                materialized(arg.name)
+                values[arg.name] = recompute.value(arg.name)
         values[node.name] = graph.node_copy(node, lambda a: values[a.name])
     out = fx.GraphModule(default_bw, graph, class_name=type(default_bw).__name__)
     out.graph.lint()
     out.recompile()
     out.meta = dict(default_bw.meta)
     return out
+
+
+def _siblings(recompute: Sequence[SpliceOption], held: Set[str]) -> dict[str, frozenset[str]]:
+    """Each held value and the other held values whose chains share an op with its own."""
+    chains = {o.name: set(o.chain) for o in recompute if o.name in held}
+    return {
+        name: frozenset(o for o in chains if o != name and chains[o] & chains[name])
+        for name in chains
+    }
+
+
+def _uses(bw: fx.GraphModule, dropped: Set[str]) -> dict[str, tuple[int, int]]:
+    """Each dropped value's first and last reader among ``bw``'s ops (positions counted
+    without placeholders)."""
+    uses: dict[str, tuple[int, int]] = {}
+    for position, node in enumerate(n for n in bw.graph.nodes if n.op != "placeholder"):
+        for arg in node.all_input_nodes:
+            if arg.name in dropped:
+                first = uses.get(arg.name, (position, position))[0]
+                uses[arg.name] = (first, position)
+    return uses
+
+
+class _Recompute:
+    """The recompute chains of one spliced backward, op by op (module docstring).
+
+    Invariant (what makes the working set a single op's, not a layer's): every value a
+    chain makes is made right before the backward op that first needs it, and no value
+    lives past the last backward op that reads it. So chains are built afresh for each
+    backward op that needs a dropped value (``at``): nothing built for one op is reused
+    by a later one. A dropped value is materialized once, at its first reader, and that
+    copy serves its own readers up to its last; a chain that needs a dropped value
+    outside that range (before its first reader, or after its last) recomputes it
+    privately, a copy that dies with the chain, rather than making it live longer.
+
+    The exception is ``held``: dropped values whose recomputation costs more than keeping
+    them (an attention output: recomputing it costs its attention again). A chain that
+    needs one before its first reader materializes the shared copy there, which then
+    lives on to its own readers; the held values whose chains share that op are
+    materialized with it (an attention's output and its log-sum-exp: one attention).
+
+    ``barriers`` (positions; None: every op) cut the backward into stages instead: a
+    private copy serves every chain of its stage, and no chain value or private copy made
+    before a barrier op is alive while it runs; a held value is held early only where no
+    barrier lies before its first reader, else recomputed privately, once per stage (a
+    value whose own readers lie on both sides of a barrier keeps its one copy). The
+    search puts one at the op where a plan peaks."""
+
+    def __init__(
+        self, graph: fx.Graph, zero: Mapping[str, fx.Node], dropped: Set[str],
+        chain: Set[str], inputs: Mapping[str, fx.Node], uses: Mapping[str, tuple[int, int]],
+        held: Mapping[str, frozenset[str]], barriers: frozenset[int] | None = None,
+    ) -> None:
+        self.graph, self.zero, self.dropped, self.chain = graph, zero, dropped, chain
+        self.inputs, self.uses, self.held, self.barriers = inputs, uses, held, barriers
+        self.shared: dict[str, fx.Node] = {}  # dropped value -> its materialized copy
+        self.making: set[str] = set()  # shared copies being built (their chains run)
+        self.position = -1
+        self.built: dict[str, fx.Node] = {}  # this op's chain nodes
+        self.stage: dict[str, fx.Node] = {}  # this stage's private copies
+
+    def at(self, position: int) -> None:
+        """The backward op at ``position`` runs next: chains built before it are done."""
+        if self.barriers is None or position - 1 in self.barriers:
+            self.stage = {}
+        self.position, self.built = position, {}
+
+    def value(self, name: str) -> fx.Node:
+        """The dropped value ``name`` for its own reader at the current op."""
+        if name not in self.shared:
+            self.making.add(name)
+            self.shared[name] = self._materialize(name)
+            self.making.discard(name)
+        return self.shared[name]
+
+    def _read(self, name: str) -> fx.Node:
+        """What a chain node reads for its input ``name``."""
+        if name in self.dropped:
+            first, last = self.uses[name]
+            if name in self.shared and first <= self.position <= last:
+                return self.shared[name]  # alive for its own readers anyway
+            if name in self.stage:
+                return self.stage[name]
+            if name in self.held and self.position < first and self._may_hold(first):
+                early = self.value(name)
+                for sibling in sorted(self.held[name] - self.making):
+                    self.value(sibling)
+                return early
+            self.stage[name] = self._materialize(name)
+            return self.stage[name]
+        if name in self.chain:
+            return self._build(name)
+        return self.inputs[name]  # a leaf: a kept saved value or a forward input
+
+    def _may_hold(self, first: int) -> bool:
+        """Whether a copy made now may live to the op at ``first``: no barrier between."""
+        return self.barriers is None or not any(
+            self.position <= b < first for b in self.barriers)
+
+    def _build(self, name: str) -> fx.Node:
+        if name not in self.built:
+            source = self.zero[name]
+            args = fx.node.map_arg((source.args, source.kwargs), lambda a: self._read(a.name))
+            # a name of its own: the default backward's nodes keep theirs (it may
+            # recompute the same forward op under the same name for its own use)
+            node = self.graph.create_node(source.op, source.target, *args,
+                                          name=f"{name}_recomputed")
+            node.meta = dict(source.meta)
+            self.built[name] = node
+        return self.built[name]
+
+    def _materialize(self, name: str) -> fx.Node:
+        """``name``'s chain, then the opaque copy that stores it rounded (module
+        docstring); the chain's nodes die there."""
+        barrier = self.graph.call_function(MATERIALIZE, (self._build(name),))
+        barrier.meta = dict(self.zero[name].meta)
+        return barrier

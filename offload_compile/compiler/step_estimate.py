@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError, DynamicShapeError, HyperOffloadError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
+from hyper_offload.passes.fx.floor_detail import FloorDetail, floor_detail
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .block_layout import AUTO_MIN_REPEATS, BlockRun, compile_per_block, repeated_blocks
@@ -65,6 +66,8 @@ class StepEstimate(NamedTuple):
     compute_s: float = 0.0
     """The step's predicted compute: every op of every invocation (recomputation
     included) as its region's lowering in force traced and priced it."""
+    floor_detail: FloorDetail | None = None
+    """What is on the device at the floor's op, where a region's op sets it."""
 
 
 def estimate_step(
@@ -120,7 +123,26 @@ def estimate_step(
         )
     progress.note("pricing the step")
     return StepEstimate(report, tuple(backend.reports), time.perf_counter() - started,
-                        "as given" if run is None else run.describe(), _compute_s(backend))
+                        "as given" if run is None else run.describe(), _compute_s(backend),
+                        _floor_detail(backend, report))
+
+
+FLOOR_DETAIL_LEAST_BYTES = 1 << 20
+"""Values smaller than this are left out of an estimate's floor detail."""
+
+
+def _floor_detail(backend: HyperOffloadBackend, report: StepReport | None) -> FloorDetail | None:
+    """:func:`~hyper_offload.passes.fx.floor_detail.floor_detail` at the step floor's
+    op, on the lowering in force of its region (None: eager code, or no plan)."""
+    floor_op = None if report is None else report.floor_op
+    if floor_op is None or floor_op.region is None:
+        return None
+    region = backend.regions[floor_op.region]
+    op = floor_op.op.split(" (of ", 1)[0]  # the report names a decomposed op's origin
+    if region.planned is None or op not in region.planned.fx_trace.op_index():
+        return None
+    return floor_detail(region.planned.fx_trace, op, least_bytes=FLOOR_DETAIL_LEAST_BYTES,
+                        graphs=region.graphs)
 
 
 def _compute_s(backend: HyperOffloadBackend) -> float:

@@ -55,7 +55,12 @@ class InfeasibleOp(NamedTuple):
 
 
 def storage_liveness(trace: ActivationTrace) -> dict[StorageId, StorageLiveness]:
-    """The device lifetime of every accessed storage when nothing is offloaded."""
+    """The device lifetime of every accessed storage when nothing is offloaded (a new
+    dict each call; computed once per trace)."""
+    return dict(trace.memo("storage_liveness", lambda: _storage_liveness(trace)))
+
+
+def _storage_liveness(trace: ActivationTrace) -> dict[StorageId, StorageLiveness]:
     result = {}
     for storage in trace.accessed_storages():
         accesses = trace.accesses_of(storage)
@@ -96,15 +101,19 @@ def required_bytes(trace: ActivationTrace) -> list[int]:
 
     That is the op's own operands plus retained storages past their last access (they
     must still be on the device at the end of the step, and offload only happens in
-    gaps between accesses).
+    gaps between accesses). A new list each call; computed once per trace.
     """
+    return list(trace.memo("required_bytes", lambda: _required_bytes(trace)))
+
+
+def _required_bytes(trace: ActivationTrace) -> tuple[int, ...]:
     delta = [0] * (trace.num_ops + 1)
     for live in storage_liveness(trace).values():
         if live.retained and live.last + 1 < trace.num_ops:
             delta[live.last + 1] += live.size
             delta[trace.num_ops] -= live.size
     held = accumulate(delta[:-1])
-    return [trace.operand_bytes(i) + h for i, h in zip(range(trace.num_ops), held)]
+    return tuple(trace.operand_bytes(i) + h for i, h in zip(range(trace.num_ops), held))
 
 
 def infeasible_ops(trace: ActivationTrace) -> list[InfeasibleOp]:

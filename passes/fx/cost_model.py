@@ -8,7 +8,11 @@ fake-tensor metadata says. Fused attention is priced by :func:`attention_flops` 
 on (torch's registry has no formula for the CPU and "overrideable" kernels, which a
 CPU-traced long-context graph then priced at its bytes alone: 0.90 ms for a 128K-token
 layer that computes ~350 ms on a 400 TFLOP/s device), and a causal one at the fraction
-of the score matrix a flash kernel computes. Symbolic sizes take the value a plan assumes (:mod:`.sizes`:
+of the score matrix a flash kernel computes. A view costs nothing (no kernel runs), and
+an op a checkpointed region's random-state wrapper runs (``run_and_save_rng_state``,
+``run_with_rng_state``: SDPA under ``torch.utils.checkpoint``) is priced as that op
+(before, full checkpointing's recomputed attention was free: docs/long-context.md,
+"Pricing"). Symbolic sizes take the value a plan assumes (:mod:`.sizes`:
 the largest their guards allow, else their hint). This is an
 estimate for *placing* prefetches and *predicting* exposed copy time, never for
 correctness: every schedule is still judged by ``check_schedule``.
@@ -72,21 +76,24 @@ def tensor_bytes(tensor: torch.Tensor, where: str) -> int:
 
 
 def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
-    """Estimated run time of ``node`` (0 for anything that is not a call_function)."""
-    if node.op != "call_function":
+    """Estimated run time of ``node``: 0 for anything that is not a call_function and
+    for a view (an alias: no kernel runs, no byte moves); an op that a checkpointed
+    region's random-state wrapper runs (``run_and_save_rng_state(op, ...)``,
+    ``run_with_rng_state(state, op, ...)``: AOTAutograd wraps every op it treats as
+    random, SDPA included, in a checkpointed forward and its recomputation) is priced
+    as that op."""
+    if node.op != "call_function" or _is_view(node.target):
         return 0.0
-    out = node.meta.get("val")
-    args = tuple(
-        a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args
+    value = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
+    target, args, kwargs, out = _unwrapped(
+        node.target, tuple(map(value, node.args)),
+        {k: value(v) for k, v in node.kwargs.items()}, node.meta.get("val"),
     )
-    kwargs = {
-        k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()
-    }
     nbytes = sum(tensor_bytes(t, node.name) for t in _tensors((args, kwargs, out)))
-    flops = attention_flops(node.target, args, kwargs)
+    flops = attention_flops(target, args, kwargs)
     # An aten op's formula is registered by its packet, a higher-order op's (flex
     # attention) by the op itself.
-    packet = getattr(node.target, "overloadpacket", node.target)
+    packet = getattr(target, "overloadpacket", target)
     formula = flop_registry.get(packet)
     if flops is None and formula is not None:
         try:
@@ -95,6 +102,29 @@ def node_seconds(node: fx.Node, throughput: DeviceThroughput) -> float:
             flops = 0
     return max(planning_size(flops or 0, node.name) / throughput.flops_per_s,
                nbytes / throughput.bytes_per_s)
+
+
+def _is_view(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def _unwrapped(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+) -> tuple[Any, tuple[Any, ...], dict[str, Any], Any]:
+    """The op a random-state wrapper runs, with its own arguments and result (the
+    wrapper's state argument and state output are a few bytes and no work); any other
+    op as it is. Before this, a checkpointed layer's attention and its recomputation
+    were priced at 0 FLOPs: full checkpointing looked +10% over plain where its extra
+    forward costs about +20% (docs/long-context.md, "Pricing")."""
+    name = getattr(target, "__name__", "")
+    if name == "run_and_save_rng_state" and args:
+        inner = out[1] if isinstance(out, tuple) and len(out) == 2 else out
+        return args[0], args[1:], kwargs, inner
+    if name == "run_with_rng_state" and len(args) > 1:
+        return args[1], args[2:], kwargs, out
+    if name == "graphsafe_run_with_rng_state" and args:
+        return args[0], args[1:], {k: v for k, v in kwargs.items() if k != "rng_state"}, out
+    return target, args, kwargs, out
 
 
 def attention_flops(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -131,6 +131,10 @@ class FxTrace:
     """Bytes of each storage whose size is symbolic, as a sympy expression of the sizes'
     symbols (``trace.storage_sizes`` holds it at the values a plan assumes,
     :mod:`.sizes`): :meth:`at_sizes` evaluates it at a call's own sizes."""
+    own_operands: tuple[tuple[StorageId, ...], ...] = ()
+    """Each op's own operands: the storages its node reads and writes (``trace.ops[i]``
+    also reads every storage whose span inside a graph covers it: the module docstring's
+    filling), for reports of what an op itself needs (:mod:`.floor_detail`)."""
 
     def at_sizes(self, values: Mapping[str, int]) -> ActivationTrace:
         """The trace with every symbolic storage at ``values`` (symbol name -> size;
@@ -473,6 +477,7 @@ def build_fx_trace(
         trace, tuple(builder.names), num_fw_ops, tuple(saved), node_storage, device,
         num_fwd_outputs, frozenset(inputs), outputs_move, may_move=may_move,
         storage_exprs=exprs,
+        own_operands=tuple(tuple(sorted(accesses)) for accesses in builder.ops),
     )
 
 

@@ -39,7 +39,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -143,6 +143,9 @@ class ActivationTrace:
     _accesses_by_storage: Mapping[StorageId, tuple[tuple[int, AccessKind], ...]] = field(
         init=False, repr=False, compare=False
     )
+    _memo: dict[str, Any] = field(init=False, repr=False, compare=False)
+    """Figures derived from the (immutable) trace, each computed once: a plan's passes
+    ask for them many times (:meth:`memo`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -156,6 +159,7 @@ class ActivationTrace:
         object.__setattr__(
             self, "_accesses_by_storage", {s: tuple(v) for s, v in by_storage.items()}
         )
+        object.__setattr__(self, "_memo", {})
 
     def __repr__(self) -> str:
         return (
@@ -184,7 +188,17 @@ class ActivationTrace:
 
     def operand_bytes(self, op_index: int) -> int:
         """Bytes of the distinct storages op ``op_index`` touches."""
-        return sum(self.storage_sizes[s] for s in self.ops[op_index].storages)
+        every = self.memo("operand_bytes", lambda: tuple(
+            sum(self.storage_sizes[s] for s in op.storages) for op in self.ops))
+        return every[op_index]
+
+    def memo(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per trace and ``key``: a figure derived from the trace
+        alone (it never changes), which planning passes ask for many times (an 8B x 512K
+        estimate asked ``operand_bytes`` 2 M times). The caller must not mutate it."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def with_budget(self, budget_bytes: int) -> ActivationTrace:
         """The same trace under another budget."""

@@ -75,6 +75,10 @@ class EagerMeter(TorchDispatchMode):
         state = "counting" if self._counting else "idle"
         return f"EagerMeter({self._device}, {state}, {len(self.log)} entries)"
 
+    supports_higher_order_operators = True
+    """A checkpointed region's graph runs ``run_and_save_rng_state`` (a higher-order op)
+    on the step's fake tensors under this mode: without this, torch refuses the op."""
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True  # Dynamo compiles, and compiled code runs, under this mode (it only reads)
@@ -157,7 +161,8 @@ class EagerMeter(TorchDispatchMode):
                 self._in_backward.add(key)
             weakref.finalize(storage, self._freed, address, key)
         if made:
-            self.log.append(("op", str(func.overloadpacket.__name__), tuple(made),
+            name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+            self.log.append(("op", name, tuple(made),
                              sum(own.values())))
         return out
 

@@ -107,3 +107,37 @@ def test_flex_attention_is_priced_by_torchs_count():
     (node,) = [n for n in graph.graph.nodes if "flex_attention" in str(n.target)]
     count = torch.utils.flop_counter.sdpa_flop_count(q.shape, q.shape, q.shape)
     assert node_seconds(node, GPU) == pytest.approx(count / GPU.flops_per_s, rel=1e-9)
+
+
+def _checkpointed_attention_graph() -> torch.fx.GraphModule:
+    """A checkpointed attention's forward as AOTAutograd traces it: SDPA inside
+    ``run_and_save_rng_state`` (AOTAutograd treats SDPA as random under checkpoint)."""
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    with FakeTensorMode():
+        q = torch.empty(1, 8, 1024, 64, dtype=torch.bfloat16)
+        return make_fx(lambda q: run_and_save_rng_state(
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, q, q, q,
+            is_causal=True))(q)
+
+
+def test_a_random_state_wrapper_is_priced_as_the_op_it_runs():
+    """Before: 0 FLOPs, so a checkpointed layer's attention (and its recomputation,
+    ``run_with_rng_state``) was priced at its few bytes (docs/long-context.md)."""
+    graph = _checkpointed_attention_graph()
+    (wrapper,) = [n for n in graph.graph.nodes if "rng_state" in str(n.target)]
+    by_hand = 4 * 8 * 1024 ** 2 * 64 * 1025 // 2048  # causal: (s + 1) / 2s of the scores
+    assert node_seconds(wrapper, GPU) == pytest.approx(by_hand / GPU.flops_per_s, rel=1e-9)
+
+
+def test_a_view_costs_nothing():
+    """A view is an alias: no kernel runs and no byte moves (before, a permute of a
+    128K x 4096 bf16 tensor was priced as two passes over it)."""
+    with FakeTensorMode():
+        x = torch.empty(4096, 4096)
+        graph = make_fx(lambda x: (x.permute(1, 0).unsqueeze(0) * 2, x.t().contiguous()))(x)
+    priced = {str(n.target): node_seconds(n, GPU) for n in graph.graph.nodes
+              if n.op == "call_function"}
+    assert priced["aten.permute.default"] == priced["aten.unsqueeze.default"] == 0.0
+    assert priced["aten.t.default"] == 0.0
+    assert priced["aten.mul.Tensor"] == priced["aten.clone.default"] > 0  # a pass each

@@ -202,7 +202,9 @@ def test_recompute_is_asked_for_only_where_the_plan_cannot_fit_or_stalls() -> No
 @st.composite
 def regions(draw: st.DrawFn, index: int) -> RegionFloor:
     """A region as a compile door traces one: each storage accessed at every op of its
-    span in a graph (a forward span, and a backward one for a saved activation)."""
+    span in a graph (a forward span, and a backward one for a saved activation that may
+    move; one that may not is accessed from its write to its last backward read, the
+    invariant :mod:`~hyper_offload.passes.plan.floor` relies on)."""
     fw, bw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     accesses: list[dict[int, str]] = [{} for _ in range(fw + bw)]
     sizes, movable = {}, set()
@@ -214,10 +216,13 @@ def regions(draw: st.DrawFn, index: int) -> RegionFloor:
             accesses[op][storage] = "W" if op == start else "R"
         if draw(st.booleans()):  # saved for the backward
             lo = draw(st.integers(fw, fw + bw - 1))
-            for op in range(lo, draw(st.integers(lo, fw + bw - 1)) + 1):
-                accesses[op][storage] = "R"
+            hi = draw(st.integers(lo, fw + bw - 1))
             if draw(st.booleans()):
                 movable.add(storage)
+            else:  # a kept one is accessed at every op of its span, as graph_trace fills it
+                lo = start
+            for op in range(lo, hi + 1):
+                accesses[op][storage] = accesses[op].get(storage, "R")
     durations = draw(st.lists(st.floats(0, 1e-6), min_size=fw + bw, max_size=fw + bw))
     return region_of(accesses, sizes, fw, movable, durations=durations,
                      lowerable=draw(st.booleans()))
