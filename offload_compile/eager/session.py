@@ -44,7 +44,8 @@ from hyper_offload.errors import ConfigurationError, ConfigurationTypeError, Rep
 from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.trace import ActivationTrace
-from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine, resolve_device
+from hyper_offload.runtime import PinnedMemoryPool, ResidencyManager, TransferEngine
+from hyper_offload.runtime.device import require_usable
 from hyper_offload.runtime.verify import VerifySteps
 
 from .active import activate, current_session, deactivate
@@ -82,7 +83,8 @@ class OffloadSession:
                 f"OffloadSession: expected an OffloadConfig, got {type(self.config).__name__}; "
                 "pass OffloadConfig(max_resident_activation_mb=...)"
             )
-        self.device = _normalise(resolve_device(device if engine is None else engine.device))
+        self.device = _normalise(require_usable(
+            device if engine is None else engine.device, "OffloadSession"))
         if engine is not None and _normalise(engine.device) != self.device:
             raise ConfigurationError(
                 f"OffloadSession: engine moves bytes of {engine.device}, but the session manages "
