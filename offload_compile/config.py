@@ -106,8 +106,8 @@ class OffloadConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigurationTypeError(
-                    f"OffloadConfig.{name}: expected a number of MiB (int or float), got "
-                    f"{type(value).__name__} {value!r}"
+                    f"OffloadConfig.{name}: expected a finite number of MiB >= 0 (an int or a "
+                    f"float), got {type(value).__name__} {value!r}"
                 )
             # ``not 0 <= value < inf`` is also true for NaN, which int() would reject later.
             if not 0 <= value < math.inf:
