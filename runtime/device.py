@@ -227,6 +227,12 @@ class Transfer:
         self._until_wait: tuple[torch.Tensor, ...] | None = None if self._done else until_wait
         self._waited_streams: list[Any] = []
 
+    def references(self, storage_key: int) -> int:
+        """How many tensors over the storage whose ``_cdata`` is ``storage_key`` this
+        handle still keeps alive (0 once completion was observed)."""
+        held = (*(self._keepalive or ()), *(self._until_wait or ()))
+        return sum(1 for t in held if t.untyped_storage()._cdata == storage_key)
+
     def query(self) -> bool:
         """True once the copy has completed; never blocks."""
         if not self._done and self.event.query():

@@ -108,6 +108,12 @@ class StepStats:
     planned around, never moved (:mod:`.region_saved`)."""
     pool: PoolStats | None = None
     """Host pool snapshot at the end of the step."""
+    discarded: str | None = None
+    """Why this step was not used as a plan (an op raised inside it and the user went
+    on), if it was not."""
+    rescued: int = 0
+    """Storages a reference still held where the plan expected them freed (a step that
+    diverged from its warmup): kept (copied to the host) instead of dropped (replay)."""
 
 
 class BaseExecutor:
@@ -210,6 +216,10 @@ class BaseExecutor:
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def taint(self, reason: str) -> None:
+        """An op of the step raised (``reason``); the step goes on if the user caught it.
+        A warmup records on (its trace is discarded at the end)."""
 
     def guard_region_op(self, func: Any, tensors: list[torch.Tensor]) -> None:
         """An op inside an opaque region (not traced): only the residency guard."""
