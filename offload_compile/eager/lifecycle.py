@@ -3,18 +3,20 @@
 Everything an ``OffloadSession`` keeps from one step to the next (the plan, the counts,
 whether it settled) and the state of the step in progress live here; the session only
 asks this object what to run and reports what happened. The machine (states between
-steps in capitals, states during a step in lower case)::
+steps in capitals, states during a step in lower case; ``<began>``: back to the state
+the step began in)::
 
-                 RESET (any state between steps)
-      +------------------------------------------------------------+
-      v                                                            |
+     RESET (from COLD, SETTLING or SETTLED)
+     +---------------------------------------------------------------------------+
+     v                                                                           |
     COLD --ENTER--> warming --EXIT--> SETTLING --ENTER--> replaying --EXIT--> SETTLED
-      ^               ^  |               ^    ^              |                  |
-      |               |  |  (tainted)    |    |  OPS_CHANGED |  (may re-warm)   | ENTER
-      |               |  +--> back to the state the step began in               v
-      |               +---------------------------------------------------- replaying
-      |
-    any state between steps --ENTER_NO_GRAD--> passing --EXIT / RAISED--> the same state
+                     ^   |                                  |    ^               |
+                     |   +--RAISED, tainted EXIT--> <began> |    +----ENTER------+
+                     |                                      |
+                     +-------------OPS_CHANGED--------------+--RAISED, tainted EXIT--> <began>
+
+    COLD, SETTLING, SETTLED --ENTER_NO_GRAD--> passing --EXIT, RAISED--> <began>
+    warming, replaying, passing --OP_RAISED--> the same state (the step is tainted)
 
 * ``ENTER``: ``with session:`` with grad enabled. COLD warms up; SETTLING and SETTLED
   replay the plan. ``ENTER_NO_GRAD`` (under ``torch.no_grad()`` / ``inference_mode()``,
@@ -162,7 +164,8 @@ class StepLifecycle:
         self.plan: Any = None
         self.step: StepRecord | None = None
         self.steps = 0
-        """Steps that ended without an exception since construction or ``reset()``."""
+        """Steps that ended without an exception since construction or ``reset()`` (steps
+        without grad and discarded ones included)."""
         self.warmups = 0
         """Warmup steps whose trace became the plan (the first and each re-warm)."""
         self.rewarms = 0
@@ -227,8 +230,13 @@ class StepLifecycle:
         if step.tainted is not None:
             self.state = step.began_in
             self.discarded += 1
+            self.steps += 1
         else:
             warming = self.state is StepState.WARMING
+            if warming and plan is None:
+                raise OffloadSessionError(
+                    "OffloadSession: a warmup step ended without a plan (state warming, event "
+                    "EXIT); this is a bug in the session's bookkeeping, please report it")
             self._move(StepEvent.EXIT)
             if warming:
                 self.warmups += 1
