@@ -53,7 +53,7 @@ from hyper_offload.runtime.device import require_usable
 from hyper_offload.runtime.verify import VerifySteps
 
 from .active import activate, current_session, deactivate
-from .compiled_modules import install_compiled_module_hooks
+from .compiled_modules import close_open_regions, install_compiled_module_hooks
 from .dispatch_mode import ActivationDispatchMode
 from .executor_base import BaseExecutor, OffloadSessionError, StepStats
 from .lifecycle import StepKind, StepLifecycle, StepRecord, StepState
@@ -264,6 +264,8 @@ class OffloadSession:
         assert step is not None
         executor = step.executor
         try:
+            if executor is not None and exc is not None:
+                close_open_regions(executor)  # a BaseException skips their exit hooks
             if step.mode is not None:
                 step.mode.__exit__(exc_type, exc, tb)
         finally:

@@ -329,3 +329,29 @@ def test_replays_stay_within_their_warmup_where_gradients_dominate(case: str) ->
         assert all(p <= budget for p in peaks) and all(m <= budget for m in metered[1:])
     assert any(a.storage in session.trace.retained for _, _, a in session.schedule.actions()
                if a.kind.value == "COPY_D2H"), "no gradient moved: the case proves nothing"
+
+
+def test_a_keyboard_interrupt_inside_a_compiled_module_leaves_the_session_whole() -> None:
+    """Found by the lifecycle state machine: torch runs ``always_call`` forward hooks for
+    an ``Exception`` only, so a ``KeyboardInterrupt`` inside a compiled module skipped the
+    hook that ends its region: the dispatch modes stayed off and leaving the session
+    raised "trying to pop from empty mode stack" in place of the interrupt."""
+    torch.manual_seed(0)
+    block = torch.compile(nn.Sequential(nn.Linear(32, 32), nn.GELU()), backend="aot_eager")
+    x = torch.randn(8, 32)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=4096 / MIB))
+    for _ in range(2):
+        with session:
+            block(x).sum().backward()
+    handle = block._orig_mod[0].register_forward_hook(_interrupt)
+    meter = DeviceMemoryMeter("cpu")
+    with meter:
+        with pytest.raises(KeyboardInterrupt):
+            with session:
+                block(x).sum().backward()
+        assert torch._C._len_torch_dispatch_stack() == 1  # the meter is still entered
+    handle.remove()
+    assert session.pool.stats().buffers_in_use == 0 and not session.active
+    with session:
+        block(x).sum().backward()
+    assert session.last_stats.phase == "replay"
