@@ -74,7 +74,8 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     open_region, aliases = begin_region(
         executor, opaque_name(module), [args[i] for i in where], compiled=True
     )
-    stack: list[OpenRegion] = executor.__dict__.setdefault(_OPEN_ATTR, [])
+    owner = executor.current()  # the step's executor once the region began
+    stack: list[OpenRegion] = owner.__dict__.setdefault(_OPEN_ATTR, [])
     stack.append(open_region)
     new_args = list(args)
     for index, alias in zip(where, aliases):

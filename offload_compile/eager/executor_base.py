@@ -146,6 +146,17 @@ class BaseExecutor:
         """Set when the executor raised: later ops run untraced (see :meth:`dispatch`)."""
         self.op_error: tuple[int, BaseException] | None = None
         """The last op of the step whose kernel raised: (op index, error)."""
+        self.successor: BaseExecutor | None = None
+        """The executor that took the rest of the step over, if one did (a replay hands a
+        step whose ops changed to a warmup)."""
+
+    def current(self) -> BaseExecutor:
+        """The executor running the step now: this one, or whoever took it over (an
+        opaque region begun before a take-over ends its backward there)."""
+        executor = self
+        while executor.successor is not None:
+            executor = executor.successor
+        return executor
 
     # ------------------------------------------------------------------ template
 

@@ -21,7 +21,7 @@ reports (:meth:`read`): it hands the step to a warmup, before any kernel touches
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
@@ -29,7 +29,7 @@ from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
-__all__ = ["LastCopies", "Settled"]
+__all__ = ["LastCopies", "Settled", "drop_if_unreferenced"]
 
 
 class Settled(NamedTuple):
@@ -99,10 +99,14 @@ class LastCopies:
         self.pending.clear()
         return Settled(kept_on_device, copied, tuple(kept))
 
-    def read(self, sid: StorageId) -> int | None:
-        """The op after which the plan dropped ``sid``, if it was kept (a read of it is a
-        read after what its warmup recorded as its last use); else None."""
-        return self.kept.get(sid)
+    def first_read(self, sids: Iterable[StorageId | None]) -> tuple[StorageId, int] | None:
+        """The first of ``sids`` (an op's inputs) that was kept, with the op after which
+        its plan dropped it (a read of it is a read after what its warmup recorded as its
+        last use); None if none was."""
+        for sid in sids:
+            if sid is not None and sid in self.kept:
+                return sid, self.kept[sid]
+        return None
 
     def still_referenced(self) -> list[StorageId]:
         """Kept storages something still references (at the end of the step: the step
@@ -110,3 +114,12 @@ class LastCopies:
         manager = self.manager
         return [sid for sid in self.kept
                 if sid in manager and manager.buffer(sid).referenced()]
+
+
+def drop_if_unreferenced(manager: ResidencyManager, sid: StorageId) -> None:
+    """A storage moved off the device outside the plan (an online eviction, a kept last
+    copy) that nothing references any more: drop both copies (at the end of a step)."""
+    if sid in manager and not manager.is_resident(sid) and not manager.buffer(sid).referenced():
+        if manager.has_host_copy(sid):
+            manager.release_host(sid)
+        manager.unbind(sid)

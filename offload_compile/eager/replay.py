@@ -58,8 +58,8 @@ from hyper_offload.runtime.physical_buffer import BufferState
 
 from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_leaves
 from .executor_base import BaseExecutor, settle_communication
-from .last_copy import LastCopies
-from .op_guide import OpGuide
+from .last_copy import LastCopies, drop_if_unreferenced
+from .op_guide import OpGuide, mismatch_error
 from .size_drift import SizeDrift, grown_sizes
 from .plan_result import WarmupResult, replan
 from .warmup import WarmupExecutor, estimate_new_bytes
@@ -92,8 +92,12 @@ class ReplayExecutor(BaseExecutor):
         self.take_over = take_over
         self.rewarm = take_over if rewarm_allowed else None
         """Set when a step whose ops changed may re-warm (a warmup takes it over)."""
-        self.successor: WarmupExecutor | None = None
+        self.successor: WarmupExecutor | None = None  # type: ignore[assignment]
         """The warmup executor that took the step over after a mismatch, if any."""
+        self._region_holds = {plan.trace.accesses_of(sid)[0][0]: (sid, nbytes)
+                              for sid, nbytes in plan.virtual.items()}
+        """Op -> the virtual storage an opaque region's forward op there holds (.region_saved)."""
+        self._region_end: tuple[Any, ...] | None = None  # a region's forward end, until its op ends
         self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.guide = OpGuide.from_trace(plan.trace)
         self._entries = self.guide.entries
@@ -162,6 +166,7 @@ class ReplayExecutor(BaseExecutor):
         if self.successor is not None:  # handed over before the op ran
             return self.successor.on_op_end(result)
         if self.rewarm is None:
+            self._region_end = None
             return self._end_op(result)
         try:
             result = self._end_op(result)
@@ -169,7 +174,7 @@ class ReplayExecutor(BaseExecutor):
             if not self._can_hand_over() or self._call is None:
                 raise  # inside an opaque region: no safe point to hand the step over
             return self._hand_over(result, str(error))
-        self._call = None  # holds the op's arguments: never past the op
+        self._call = self._region_end = None  # hold the op's tensors: never past the op
         return result
 
     def _can_hand_over(self) -> bool:
@@ -188,6 +193,7 @@ class ReplayExecutor(BaseExecutor):
         stats = successor.stats  # the step's figures: the replayed ops', then the warmup's
         stats.demand_loads, stats.rescued = self.stats.demand_loads, self.stats.rescued
         stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.stats.peak_resident_bytes)
+        stats.region_bytes = max(stats.region_bytes, self.stats.region_bytes)
         stats.resident_curve[:0] = self.stats.resident_curve
         self.successor = successor
         self.closed = True
@@ -195,13 +201,23 @@ class ReplayExecutor(BaseExecutor):
 
     def _hand_over(self, result: Any, reason: str) -> Any:
         """Let a warmup executor record the rest of the step (re-warm on mismatch): the
-        op ran here, the warmup records it."""
+        op ran here, the warmup records it (a region's op with what the region keeps
+        for its backward)."""
         assert self._call is not None
         func, args, kwargs = self._call
-        self._call = None
+        region_end, self._call, self._region_end = self._region_end, None, None
         successor = self._successor(reason, True)
         successor.on_op_begin(func, args, kwargs)
+        if region_end is not None:
+            successor.region_forward_end(*region_end)
         return successor.on_op_end(result)
+
+    def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
+        """Name the virtual storage the plan holds for this region (released at its
+        backward by whoever runs the step then), and keep what a warmup taking the step
+        over at this op must record."""
+        region.held = self._region_holds.get(self.index)
+        self._region_end = (region, outputs, start)
 
     def _hand_over_before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An op raised earlier in the step and the user went on: a warmup records the
@@ -356,14 +372,13 @@ class ReplayExecutor(BaseExecutor):
         self.stats.rescued += len(settled.kept)
 
     def _note_kept_reads(self, keys: set[int], where: Any) -> None:
-        for key in keys:
-            sid = self.bound.get(key)
-            dropped_after = None if sid is None else self.last_copies.read(sid)
-            if dropped_after is not None and self._diverged is None:
-                self._diverged = (
-                    f"replay op {self.index} ({where}): reads storage {sid}, which its warmup "
-                    f"saw freed after op {dropped_after} (its last use); the step runs other "
-                    "ops than its warmup (another branch, a layer frozen or unfrozen)")
+        read = self.last_copies.first_read(self.bound.get(key) for key in keys)
+        if read is not None and self._diverged is None:
+            sid, dropped_after = read
+            self._diverged = (
+                f"replay op {self.index} ({where}): reads storage {sid}, which its warmup saw "
+                f"freed after op {dropped_after} (its last use); the step runs other ops than "
+                "its warmup (another branch, a layer frozen or unfrozen)")
 
     def _wait_for_early_reloads(self, tensors: tuple[torch.Tensor, ...]) -> None:
         loading = self._loading
@@ -406,22 +421,7 @@ class ReplayExecutor(BaseExecutor):
         return count
 
     def _raise_mismatch(self, func: Any, found_leaves: int) -> None:
-        i = self.index
-        name = func if isinstance(func, str) else str(func)
-        if i >= self._num_ops:
-            raise ReplayMismatchError(
-                f"replay op {i}: the warmup step recorded only {self._num_ops} ops, but the "
-                f"step ran {name} ({found_leaves} output leaves) as op {i}; the model must run "
-                "the same ops every step (wrap data-dependent code in @skip_offload, call "
-                "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True))"
-            )
-        entry = self._entries[i]
-        raise ReplayMismatchError(
-            f"replay op {i}: warmup recorded {entry.name} with {entry.output_leaf_count} output "
-            f"leaves, replay ran {name} with {found_leaves}; the step's op sequence changed "
-            "(another branch or shape). Wrap data-dependent code in @skip_offload, call "
-            "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
-        )
+        raise mismatch_error(self._entries[: self._num_ops], self.index, func, found_leaves)
 
     def _make_room(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A larger-than-planned step: evict online until op ``i``'s outputs fit the
@@ -471,7 +471,7 @@ class ReplayExecutor(BaseExecutor):
         self._run_step_end()
         with _disable_current_modes():
             for sid in (*self.drift.evicted, *self.last_copies.kept):
-                self._drop_if_dead(sid)
+                drop_if_unreferenced(manager, sid)
             manager.reset(restore_offloaded=True)
         self.bound.clear()
         self.stats.end_resident_bytes = self.plan.trace.retained_bytes
@@ -500,18 +500,8 @@ class ReplayExecutor(BaseExecutor):
         end = self._num_ops
         if end >= len(self._pre):
             return  # a plan without a step-end op (none the warmup makes today)
-        for actions in (self._pre[end],):
-            if actions:
-                self.apply_actions(actions)
+        if self._pre[end]:
+            self.apply_actions(self._pre[end])
         self.sample()
         if self._post[end]:
             self.apply_actions(self._post[end])
-
-    def _drop_if_dead(self, sid: StorageId) -> None:
-        """A storage moved off the device outside the plan (an online eviction, a kept
-        last copy) that nothing references any more: drop both copies."""
-        manager = self.manager
-        if sid in manager and not manager.is_resident(sid) and not manager.buffer(sid).referenced():
-            if manager.has_host_copy(sid):
-                manager.release_host(sid)
-            manager.unbind(sid)

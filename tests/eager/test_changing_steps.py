@@ -29,7 +29,7 @@ from torch import nn
 
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.config import MIB
-from hyper_offload.eager import ReplayMismatchError
+from hyper_offload.eager import ReplayMismatchError, skip_offload
 from hyper_offload.runtime import DeviceMemoryMeter
 
 from .models import TransformerBlock, assert_same_state
@@ -355,3 +355,54 @@ def test_a_keyboard_interrupt_inside_a_compiled_module_leaves_the_session_whole(
     with session:
         block(x).sum().backward()
     assert session.last_stats.phase == "replay"
+
+
+class RegionThenBranch(nn.Module):
+    """A ``skip_offload`` region (its own ops save bytes the plan counts), then a branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(32, 32), nn.Linear(32, 1)
+        self.branch = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = skip_offload(lambda t: torch.tanh(self.fc(t)) * 2)(x)
+        if self.branch:
+            h = h + x
+        return self.head(h).pow(2).mean()
+
+
+def test_a_re_warm_after_an_opaque_region_keeps_its_backward_op_and_bytes() -> None:
+    """Found by the lifecycle state machine: a warmup that took a step over after an
+    opaque region never saw the region's backward (the region ended it on the closed
+    replay) nor the bytes it keeps (measured on the replay), so the new plan lacked both
+    and the next step re-warmed again."""
+    torch.manual_seed(0)
+    model, x = RegionThenBranch(), torch.randn(16, 32)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=BUDGET_MB,
+                                           rewarm_on_mismatch=True))
+    assert _run_pair(model, x, session, lambda m, step: None, 1) == ["warmup"]
+    holds = list(session.region_holds.values())
+    assert holds and holds[0] >= 16 * 32 * 4  # tanh's output, saved for its backward
+    phases = _run_pair(model, x, session, lambda m, step: setattr(m, "branch", step >= 1), 4)
+    assert phases == ["replay", "warmup", "replay", "replay"]
+    names = [op.name for op in session.trace.ops]
+    assert sum(n.startswith("opaque:") and n.endswith(".backward") for n in names) == 1
+    assert list(session.region_holds.values()) == holds
+    assert session.rewarms == 1 and session.last_stats.region_bytes == holds[0]
+
+
+def test_a_deep_copy_of_a_compiled_module_replays_the_same_plan() -> None:
+    """A deep-copied ``OptimizedModule`` lost ``_torchdynamo_orig_callable``, so its
+    opaque op got another name and the copy's first step re-warmed (strict: raised)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.compile(nn.Linear(32, 32), backend="aot_eager"), nn.Tanh())
+    x = torch.randn(8, 32)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=BUDGET_MB, max_warmups=1))
+    for _ in range(2):
+        with session:
+            model(x).sum().backward()
+    model = copy.deepcopy(model)
+    with session:
+        model(x).sum().backward()
+    assert session.last_stats.phase == "replay" and session.rewarms == 0
