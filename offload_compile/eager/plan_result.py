@@ -107,8 +107,9 @@ def replan(
         planned = plan_step(trace, planner, where="eager re-plan")
     except PlanningError as error:
         raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
+    virtual = {sid: trace.storage_sizes[sid] for sid in plan.virtual}  # regions grow too
     return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
-                        plan.pins, plan.foreign, plan.virtual)
+                        plan.pins, plan.foreign, virtual)
 
 
 def _virtual_replay(

@@ -60,6 +60,7 @@ from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_le
 from .executor_base import BaseExecutor, settle_communication
 from .last_copy import LastCopies, drop_if_unreferenced
 from .op_guide import OpGuide, mismatch_error
+from .region_saved import region_saved_bytes
 from .size_drift import SizeDrift, grown_sizes
 from .plan_result import WarmupResult, replan
 from .warmup import WarmupExecutor, estimate_new_bytes
@@ -98,6 +99,7 @@ class ReplayExecutor(BaseExecutor):
                               for sid, nbytes in plan.virtual.items()}
         """Op -> the virtual storage an opaque region's forward op there holds (.region_saved)."""
         self._region_end: tuple[Any, ...] | None = None  # a region's forward end, until its op ends
+        self._region_extra: dict[int, int] = {}  # release op -> region bytes beyond the plan's
         self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.guide = OpGuide.from_trace(plan.trace)
         self._entries = self.guide.entries
@@ -214,10 +216,25 @@ class ReplayExecutor(BaseExecutor):
 
     def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
         """Name the virtual storage the plan holds for this region (released at its
-        backward by whoever runs the step then), and keep what a warmup taking the step
-        over at this op must record."""
-        region.held = self._region_holds.get(self.index)
+        backward by whoever runs the step then), keep what a warmup taking the step over
+        at this op must record, and count what the region keeps beyond the plan's bytes
+        (larger sizes, or a recompiled body that saves more: like a storage larger than
+        planned, :mod:`.size_drift`), so the step's count stays what the device holds."""
+        held = region.held = self._region_holds.get(self.index)
         self._region_end = (region, outputs, start)
+        if held is None:
+            return
+        sid, planned = held
+        measured = region_saved_bytes(outputs, start, self.device, region.input_keys,
+                                      self._is_bound)
+        if measured > planned:
+            self.drift.note(sid, measured)
+            release = self.plan.trace.accesses_of(sid)[-1][0]
+            self._region_extra[release] = self._region_extra.get(release, 0) + measured - planned
+            self._count_region_bytes(measured - planned, 0)
+
+    def _is_bound(self, tensor: torch.Tensor) -> bool:
+        return owns_storage(tensor) and tensor.untyped_storage()._cdata in self.bound
 
     def _hand_over_before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An op raised earlier in the step and the user went on: a warmup records the
@@ -273,7 +290,7 @@ class ReplayExecutor(BaseExecutor):
             self._count_region_bytes(virtual[0], 0)
         self.sample()
         if virtual is not None:
-            self._count_region_bytes(0, -virtual[1])
+            self._count_region_bytes(0, -virtual[1] - self._region_extra.pop(i, 0))
         post = self._post[i]
         if post:
             self.apply_actions(post)

@@ -378,9 +378,12 @@ class OffloadSession:
             executor.abort()
         finally:
             self._finish(self.lifecycle.exit(), executor)
-        LOGGER.warning("OffloadSession: %s inside `with session:` and the step went on; it ran "
-                       "exactly, and is not used as a plan (the session stays %s)",
-                       step.tainted, self.state.value)
+        # Once per session as a warning (a loop that probes a fast path every step would
+        # repeat it), then at INFO.
+        level = logging.WARNING if self.lifecycle.discarded == 1 else logging.INFO
+        LOGGER.log(level, "OffloadSession: %s inside `with session:` and the step went on; it "
+                   "ran exactly, and is not used as a plan (the session stays %s)",
+                   step.tainted, self.state.value)
 
     def _finish(self, step: StepRecord, executor: BaseExecutor | None = None) -> None:
         """Close the step's stats (``last_stats``)."""

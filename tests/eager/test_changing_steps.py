@@ -406,3 +406,25 @@ def test_a_deep_copy_of_a_compiled_module_replays_the_same_plan() -> None:
     with session:
         model(x).sum().backward()
     assert session.last_stats.phase == "replay" and session.rewarms == 0
+
+
+def test_a_region_that_keeps_more_than_planned_is_counted() -> None:
+    """Found by the lifecycle state machine: a replay on larger sizes counted an opaque
+    region's saved bytes at the plan's size (the region's body is untraced), so the step
+    ran above its budget unseen. The replay measures them at the region's end, counts
+    the difference and plans again for it."""
+    torch.manual_seed(0)
+    model = RegionThenBranch()
+    small, large = torch.randn(16, 32), torch.randn(48, 32)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=6 * 1024 / MIB))
+    with session:
+        model(small).backward()
+    (planned,) = session.region_holds.values()
+    meter = DeviceMemoryMeter("cpu")
+    with meter:
+        with session:
+            model(large).backward()
+    stats = session.last_stats
+    assert stats.phase == "replay" and stats.region_bytes >= 3 * 16 * 32 * 4 > planned
+    assert stats.peak_resident_bytes >= stats.region_bytes
+    assert session.replans == 1 and list(session.region_holds.values()) == [stats.region_bytes]

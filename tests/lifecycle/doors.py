@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.compiler import autograd_saved_device_bytes
@@ -56,7 +57,9 @@ class EagerDoor:
         return self.session  # type: ignore[return-value]
 
     def saved_bytes(self, loss: torch.Tensor, exclude: list[torch.Tensor]) -> int | None:
-        return autograd_saved_device_bytes(loss, exclude=exclude)
+        # Reading saved tensors may run ops (a saved output's detach): none of the step's.
+        with _disable_current_modes():
+            return autograd_saved_device_bytes(loss, exclude=exclude)
 
     def strict(self, ops_changed: bool) -> type[BaseException] | None:
         life = self.session.lifecycle
@@ -78,11 +81,12 @@ class EagerDoor:
         assert stats is not None and stats.pool is not None and stats.pool.buffers_in_use == 0
         if kind != StepKind.TRAIN or result.saved_bytes is None:
             return
-        if stats.phase == "replay":
+        if stats.phase == "replay" and not stats.evictions:
             plan = self._plan_at_start
             report = plan.report  # type: ignore[attr-defined]
             floor = self.budget if report.feasible else report.peak_resident_bytes
-        else:  # a warmup (the first, a re-warm, or one that finished a tainted step)
+        else:  # a warmup (the first, a re-warm, one that finished a tainted step), or a
+            # replay larger than its plan, which evicts online as a warmup does
             floor = max(self.budget, max(stats.resident_curve, default=0))
         assert result.saved_bytes <= floor, (
             f"eager door: {result.saved_bytes} B saved after the forward, above the budget "

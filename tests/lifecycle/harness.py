@@ -100,15 +100,12 @@ class Config:
 @dataclass
 class Knobs:
     """The state of the events that change a model's ops (identical on both models);
-    compared with the knobs the door's plan was made under."""
+    the machine compares the ones a door sees with those its plan was made under."""
 
     branch: bool = False
     frozen: frozenset[str] = frozenset()
     layers: int = 0
     eval: bool = False
-
-    def signature(self) -> tuple[object, ...]:
-        return (self.branch, self.frozen, self.layers, self.eval)
 
 
 @dataclass

@@ -73,8 +73,14 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ training steps
 
+    def _signature(self) -> tuple[object, ...]:
+        """The knobs that change the ops the door sees."""
+        knobs, prefix = self.pair.knobs, type(self.pair.model).OPAQUE_PREFIX
+        visible = frozenset(n for n in knobs.frozen if not n.startswith(prefix))
+        return (knobs.branch, visible, knobs.layers, knobs.eval)
+
     def _ops_changed(self) -> bool:
-        return self.plan_knobs is not None and self.pair.knobs.signature() != self.plan_knobs
+        return self.plan_knobs is not None and self._signature() != self.plan_knobs
 
     def _zero(self, how: str) -> None:
         for model in self.pair.both():
@@ -127,7 +133,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert_same(pair, loss, twin_loss, where)
         door.check_step(StepKind.TRAIN, StepResult(loss, saved), changed)
         if door.plan_token() is not before and not pair.model.probe:
-            self.plan_knobs = pair.knobs.signature()
+            self.plan_knobs = self._signature()
         if optimizer:
             for model in pair.both():
                 with torch.no_grad():

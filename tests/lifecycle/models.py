@@ -22,6 +22,10 @@ class Knobbed(nn.Module):
 
     EVAL_CHANGES_OPS = False
     """Whether ``eval()`` changes the ops a training step runs (dropout in eager code)."""
+    OPAQUE_PREFIX = "\0"
+    """Parameters under this prefix live in compiled blocks: freezing one changes what
+    the block runs, not the ops a session sees (one opaque op, whose backward
+    accumulates the block's gradients)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,6 +125,8 @@ class Block(nn.Module):
 class CompiledStack(Knobbed):
     """Blocks that are ``torch.compile``d (``aot_eager``): inside a session each runs as
     one opaque op with its compiled forward and backward."""
+
+    OPAQUE_PREFIX = "blocks."
 
     def __init__(self, depth: int = 2) -> None:
         super().__init__()
