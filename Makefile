@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo demo-plan test test-extended sweep bench bench-compile bench-anchors gpu-check mutation-check clean
+.PHONY: setup demo demo-plan test test-extended fuzz sweep bench bench-compile bench-anchors gpu-check mutation-check clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: setup
 # runs one representative (about 5 more minutes on 2 cores).
 test-extended: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m extended tests
+
+# The lifecycle state machine (tests/lifecycle/) run long: FUZZ_EXAMPLES random event
+# sequences per model and door against a plain twin (make test runs a short deterministic
+# subset); what ran goes to out/fuzz-<door>.jsonl. About 20 minutes at 500 on 2 cores.
+FUZZ_EXAMPLES ?= 500
+fuzz: setup
+	HYPER_OFFLOAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/lifecycle
 
 # Exactness over torch's op database: every autograd OpInfo sample (the first and last per op and
 # dtype) in float32/complex64/bfloat16 through both doors at budget 0, bit for bit against

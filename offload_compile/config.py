@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
 from hyper_offload.passes.plan.protocol import ResidencyPlanner
@@ -20,7 +22,27 @@ class OffloadConfig:
 
     Offloading never changes numerics: every option here trades memory for bandwidth,
     not accuracy.
+
+    Errors: a value of the wrong type raises :class:`ConfigurationTypeError` (also a
+    ``TypeError``), a value out of range :class:`ConfigurationError`, and a keyword that
+    is no field :class:`ConfigurationError` naming the closest field.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> OffloadConfig:
+        # Keywords are checked here, before the generated ``__init__`` sees them: the
+        # dataclass keeps its generated ``__init__`` (and ``replace``, ``repr``, pickling,
+        # which call ``__new__`` with the same keywords or none), and a misspelt field
+        # fails with the field it most likely meant instead of a bare TypeError.
+        if args:
+            raise ConfigurationTypeError(
+                f"OffloadConfig: takes keyword arguments only, got {len(args)} positional "
+                f"argument(s); write e.g. OffloadConfig(max_resident_activation_mb=512)"
+            )
+        names = [f.name for f in fields(cls) if f.init]
+        for key in kwargs:
+            if key not in names:
+                raise ConfigurationError(_unknown_field(key, names))
+        return super().__new__(cls)
 
     max_resident_activation_mb: float = 1024
     """Device budget in MiB for resident activation bytes (the planner's ``budget_bytes``)."""
@@ -105,10 +127,13 @@ class OffloadConfig:
             value = getattr(self, name)
             if value is None and name != "max_resident_activation_mb":
                 continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigurationTypeError(
+                    f"OffloadConfig.{name}: expected a finite number of MiB >= 0 (an int or a "
+                    f"float), got {type(value).__name__} {value!r}"
+                )
             # ``not 0 <= value < inf`` is also true for NaN, which int() would reject later.
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                0 <= value < math.inf
-            ):
+            if not 0 <= value < math.inf:
                 raise ConfigurationError(
                     f"OffloadConfig.{name}: expected a finite number of MiB >= 0, got {value!r}"
                 )
@@ -117,18 +142,16 @@ class OffloadConfig:
                 f"OffloadConfig.rewarm_on_mismatch: expected True or False, got "
                 f"{self.rewarm_on_mismatch!r}"
             )
-        if isinstance(self.max_warmups, bool) or not isinstance(self.max_warmups, int) or (
-            self.max_warmups < 1
-        ):
+        _require_int("max_warmups", self.max_warmups)
+        if self.max_warmups < 1:
             raise ConfigurationError(
                 f"OffloadConfig.max_warmups: expected a whole number of warmup steps >= 1, got "
                 f"{self.max_warmups!r}"
             )
         self._resolve_alias()
-        if self.local_world_size is not None and (
-            isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
-            or self.local_world_size < 1
-        ):
+        if self.local_world_size is not None:
+            _require_int("local_world_size", self.local_world_size)
+        if self.local_world_size is not None and self.local_world_size < 1:
             raise ConfigurationError(
                 f"OffloadConfig.local_world_size: expected a whole number of ranks >= 1 "
                 f"sharing this machine's host memory (or None: from torch.distributed), got "
@@ -258,3 +281,22 @@ def disk_dir_problem(path: Path) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"does not exist, and its parent {os.fspath(parent)!r} is not writable"
     return None
+
+
+def _require_int(name: str, value: Any) -> None:
+    """``value`` is a whole number (not a bool): else :class:`ConfigurationTypeError`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationTypeError(
+            f"OffloadConfig.{name}: expected a whole number (int), got {type(value).__name__} "
+            f"{value!r}"
+        )
+
+
+def _unknown_field(key: str, names: list[str]) -> str:
+    """The message for a keyword that is no ``OffloadConfig`` field: the closest field
+    (``difflib``), else every field."""
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    hint = (f"did you mean {close[0]!r}?" if close
+            else f"the fields are {', '.join(names)}")
+    return (f"OffloadConfig: unknown field {key!r}; {hint} (see help(OffloadConfig) for "
+            "what each field does)")

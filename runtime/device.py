@@ -70,6 +70,7 @@ __all__ = [
     "device_module",
     "is_accelerator",
     "pin_memory_available",
+    "require_usable",
     "resolve_device",
 ]
 
@@ -106,6 +107,42 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
     if is_accelerator(resolved) and resolved.index is None and torch.accelerator.is_available():
         return torch.device(resolved.type, torch.accelerator.current_device_index())
     return resolved
+
+
+def require_usable(device: DeviceLike, where: str) -> torch.device:
+    """``device`` resolved (:func:`resolve_device`), or :class:`ConfigurationError` naming
+    it, ``where`` it was asked for and the fix when this process cannot move bytes there
+    (``"cuda"`` on a machine, or a torch build, without CUDA; an index past the device
+    count; ``"meta"``, which has no memory)."""
+    if device is None:
+        return resolve_device(None)
+    try:
+        resolved = torch.device(device) if isinstance(device, str) else device
+    except RuntimeError as error:
+        raise ConfigurationError(f"{where}: device={device!r} is no torch device ({error}); "
+                                 "pass 'cpu', 'cuda', 'cuda:0', ...") from None
+    if not isinstance(resolved, int) and torch.device(resolved).type == "meta":
+        raise ConfigurationError(f"{where}: device='meta' has no memory to manage; pass the "
+                                 "device the model's activations live on ('cpu', 'cuda', ...)")
+    if is_accelerator(resolved):
+        kind = torch.device(resolved).type if not isinstance(resolved, int) else None
+        accelerator = _current_accelerator()
+        if accelerator is None or (kind is not None and accelerator.type != kind):
+            have = "none" if accelerator is None else f"{accelerator.type!r}"
+            raise ConfigurationError(
+                f"{where}: device={device!r}, but this process has no such accelerator "
+                f"(torch {torch.__version__}, torch.accelerator: {have}); pass device='cpu', "
+                "leave device unset (the current accelerator, else CPU), or install a torch "
+                "build for that device"
+            )
+        index = resolved if isinstance(resolved, int) else torch.device(resolved).index
+        count = torch.accelerator.device_count()
+        if index is not None and not 0 <= index < count:
+            raise ConfigurationError(
+                f"{where}: device={device!r}, but this process sees {count} {accelerator.type} "
+                f"device(s) (indices 0..{count - 1}); pass one of those"
+            )
+    return resolve_device(device)
 
 
 def _current_accelerator() -> torch.device | None:
@@ -189,6 +226,12 @@ class Transfer:
         self._keepalive: tuple[torch.Tensor, ...] | None = None if self._done else keepalive
         self._until_wait: tuple[torch.Tensor, ...] | None = None if self._done else until_wait
         self._waited_streams: list[Any] = []
+
+    def references(self, storage_key: int) -> int:
+        """How many tensors over the storage whose ``_cdata`` is ``storage_key`` this
+        handle still keeps alive (0 once completion was observed)."""
+        held = (*(self._keepalive or ()), *(self._until_wait or ()))
+        return sum(1 for t in held if t.untyped_storage()._cdata == storage_key)
 
     def query(self) -> bool:
         """True once the copy has completed; never blocks."""

@@ -195,6 +195,14 @@ class PhysicalBuffer:
         """Whether a disk copy (a file of the disk tier) exists."""
         return self._disk is not None
 
+    def referenced(self) -> bool:
+        """Whether anything but this buffer and its copies in flight holds the storage (a
+        tensor, a view, autograd's saved tensors): False means nothing can read the bytes
+        any more, so dropping the last copy of them loses nothing."""
+        key = self.storage._cdata
+        own = 1 + sum(t.references(key) for t in self.pending_transfers())
+        return torch._C._storage_Use_Count(key) > own
+
     def pending_transfers(self) -> list[Transfer]:
         """Transfers touching this buffer that have not completed, oldest first."""
         seen: list[Transfer] = []

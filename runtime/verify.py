@@ -143,6 +143,11 @@ def verify_steps(verify: bool | str) -> int | None:
         return 0
     if verify is True:
         return None
+    if not isinstance(verify, str):  # 1, 0, None: bool(...) would hide a typo in a flag
+        raise ConfigurationTypeError(
+            f"verify: expected True, False or 'first_steps:N' with N >= 1, got "
+            f"{type(verify).__name__} {verify!r}"
+        )
     if isinstance(verify, str) and verify.startswith("first_steps:"):
         count = verify.removeprefix("first_steps:")
         if count.isdigit() and int(count) > 0:

@@ -14,6 +14,12 @@ For every other module both hooks return at once; they are module-level function
 (stable identity), so Dynamo, which traces them when it inlines ``_orig_mod``, compiles
 once with and once without them and then never recompiles.
 
+torch calls ``always_call`` hooks for an ``Exception`` only: a ``KeyboardInterrupt``
+(any ``BaseException``) raised inside a compiled module skips the forward hook, which
+left the dispatch modes switched off and the session unable to leave its mode (found by
+the lifecycle state machine). The session closes such regions itself when the step
+ends (:func:`close_open_regions`).
+
 Limits: the global pre-hook sees positional arguments only, so a tensor passed to a
 compiled module *by keyword* is neither aliased nor paged in; pass tensors positionally
 or wrap the call in ``skip_offload``. ``module.compile()`` (in-place compilation) wraps
@@ -34,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from .active import active_executor
 from .opaque import OpenRegion, begin_region, end_region, opaque_name
 
-__all__ = ["install_compiled_module_hooks"]
+__all__ = ["close_open_regions", "install_compiled_module_hooks"]
 
 _OPEN_ATTR = "_hyper_offload_open_regions"
 
@@ -68,7 +74,8 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     open_region, aliases = begin_region(
         executor, opaque_name(module), [args[i] for i in where], compiled=True
     )
-    stack: list[OpenRegion] = executor.__dict__.setdefault(_OPEN_ATTR, [])
+    owner = executor.current()  # the step's executor once the region began
+    stack: list[OpenRegion] = owner.__dict__.setdefault(_OPEN_ATTR, [])
     stack.append(open_region)
     new_args = list(args)
     for index, alias in zip(where, aliases):
@@ -97,3 +104,11 @@ def install_compiled_module_hooks() -> tuple[RemovableHandle, ...]:
     pre = register_module_forward_pre_hook(_pre_hook)
     post = register_module_forward_hook(_post_hook, always_call=True)
     return pre, post
+
+
+def close_open_regions(executor: Any) -> None:
+    """End the compiled regions of ``executor`` whose forward hook never ran (innermost
+    first): restore the dispatch modes and the region depth. Only on the exception path."""
+    stack: list[OpenRegion] = executor.__dict__.get(_OPEN_ATTR) or []
+    while stack:
+        end_region(stack.pop(), None, failed=True)

@@ -9,7 +9,7 @@ kernel (and any mode entered *before* the session, such as a ``DeviceMemoryMeter
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -40,11 +40,19 @@ class OpDispatcher(Protocol):
 
 
 class ActivationDispatchMode(TorchDispatchMode):
-    """Forwards every op to ``executor.dispatch`` (design section 5.1)."""
+    """Forwards every op to ``executor.dispatch`` (design section 5.1).
 
-    def __init__(self, executor: OpDispatcher) -> None:
+    ``on_error(error, where)``: called when an op raised (its kernel, or the executor
+    around it), before the error propagates unchanged: whether or not the user catches
+    it, the step is then no trace to plan from (issue 49, case 3)."""
+
+    def __init__(
+        self, executor: OpDispatcher,
+        on_error: Callable[[BaseException, str], None] | None = None,
+    ) -> None:
         super().__init__()
         self.executor = executor
+        self.on_error = on_error
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _active_mode(_FAKE_MODE) is not None:
@@ -66,7 +74,12 @@ class ActivationDispatchMode(TorchDispatchMode):
                 # A tensor subclass (DTensor, ShadowTensor) unwraps itself first; its
                 # inner ops come back here with plain tensors.
                 return NotImplemented
-        return self.executor.dispatch(func, args, kwargs or {})
+        try:
+            return self.executor.dispatch(func, args, kwargs or {})
+        except BaseException as error:
+            if self.on_error is not None:
+                self.on_error(error, f"op {func}")
+            raise
 
 
 def owns_storage(tensor: torch.Tensor) -> bool:

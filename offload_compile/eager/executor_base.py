@@ -115,6 +115,12 @@ class StepStats:
     """Host pool snapshot at the end of the step."""
     disk: DiskStats | None = None
     """The disk tier's snapshot at the end of the step (None: no disk tier)."""
+    discarded: str | None = None
+    """Why this step was not used as a plan (an op raised inside it and the user went
+    on), if it was not."""
+    rescued: int = 0
+    """Storages a reference still held where the plan expected them freed (a step that
+    diverged from its warmup): kept (copied to the host) instead of dropped (replay)."""
 
 
 class BaseExecutor:
@@ -147,6 +153,17 @@ class BaseExecutor:
         """Set when the executor raised: later ops run untraced (see :meth:`dispatch`)."""
         self.op_error: tuple[int, BaseException] | None = None
         """The last op of the step whose kernel raised: (op index, error)."""
+        self.successor: BaseExecutor | None = None
+        """The executor that took the rest of the step over, if one did (a replay hands a
+        step whose ops changed to a warmup)."""
+
+    def current(self) -> BaseExecutor:
+        """The executor running the step now: this one, or whoever took it over (an
+        opaque region begun before a take-over ends its backward there)."""
+        executor = self
+        while executor.successor is not None:
+            executor = executor.successor
+        return executor
 
     # ------------------------------------------------------------------ template
 
@@ -217,6 +234,10 @@ class BaseExecutor:
 
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def taint(self, reason: str) -> None:
+        """An op of the step raised (``reason``); the step goes on if the user caught it.
+        A warmup records on (its trace is discarded at the end)."""
 
     def guard_region_op(self, func: Any, tensors: list[torch.Tensor]) -> None:
         """An op inside an opaque region (not traced): only the residency guard."""

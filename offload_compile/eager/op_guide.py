@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes.ir.trace import ActivationTrace, StorageId
@@ -68,3 +69,25 @@ class OpGuide:
 
     def leaf_storages(self) -> Sequence[tuple[StorageId, ...]]:
         return [e.leaf_storages for e in self.entries]
+
+
+def mismatch_error(
+    entries: Sequence[OpGuideEntry], index: int, func: Any, found_leaves: int
+) -> ReplayMismatchError:
+    """The error for replay op ``index`` running ``func`` with ``found_leaves`` output
+    leaves where the warmup recorded ``entries`` (the model's ops)."""
+    name = func if isinstance(func, str) else str(func)
+    fix = ("wrap data-dependent code in @skip_offload, call session.reset() to re-warm, or "
+           "set OffloadConfig(rewarm_on_mismatch=True)")
+    if index >= len(entries):
+        return ReplayMismatchError(
+            f"replay op {index}: the warmup step recorded only {len(entries)} ops, but the "
+            f"step ran {name} ({found_leaves} output leaves) as op {index}; the model must run "
+            f"the same ops every step ({fix})"
+        )
+    entry = entries[index]
+    return ReplayMismatchError(
+        f"replay op {index}: warmup recorded {entry.name} with {entry.output_leaf_count} output "
+        f"leaves, replay ran {name} with {found_leaves}; the step's op sequence changed "
+        f"(another branch or shape). {fix[0].upper()}{fix[1:]}"
+    )

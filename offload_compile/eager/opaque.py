@@ -55,7 +55,12 @@ __all__ = [
 
 
 def opaque_name(fn: Callable[..., Any]) -> str:
-    """The virtual op's name: stable across steps (module + qualified name)."""
+    """The virtual op's name: stable across steps (module + qualified name), and across
+    a ``copy.deepcopy`` of a compiled module (which drops ``_torchdynamo_orig_callable``:
+    its ``_orig_mod`` names it)."""
+    inner = getattr(fn, "_orig_mod", None)
+    if isinstance(inner, torch.nn.Module):
+        return f"opaque:{type(inner).__module__}.{type(inner).__qualname__}"
     inner = getattr(fn, "_torchdynamo_orig_callable", fn)
     if isinstance(inner, torch.nn.Module):
         return f"opaque:{type(inner).__module__}.{type(inner).__qualname__}"
@@ -79,7 +84,7 @@ class _Region:
         """The id and bytes the warmup counts for what the region keeps (.region_saved)."""
 
     def backward_begin(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-        executor = self.executor
+        executor = self.executor = self.executor.current()  # a warmup may have taken over
         if executor.closed or executor.opaque_depth or executor.failed:
             return  # backward outside the step (or nested, or unwinding): nothing to record
         if executor.grad_node is not None:
@@ -95,7 +100,7 @@ class _Region:
         executor.backward_regions.append(self)
 
     def backward_end(self, grad_inputs: Sequence[torch.Tensor | None]) -> None:
-        executor = self.executor
+        executor = self.executor = self.executor.current()
         if executor.closed or not executor.backward_regions or executor.backward_regions[-1] is not self:
             return
         executor.backward_regions.pop()
@@ -174,6 +179,7 @@ def begin_region(
     if executor.grad_node is not None:
         executor.end_accumulation()
     executor.on_op_begin(name, tuple(inputs), {})
+    executor = executor.current()  # a replay may hand the step to a warmup at this op
     region = _Region(executor, name, executor.storage_ids(inputs))
     region.input_keys = frozenset(
         t.untyped_storage()._cdata for t in inputs if t.layout is torch.strided)

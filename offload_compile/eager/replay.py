@@ -24,8 +24,18 @@ the trace could not see (a closure inside an opaque region) of a storage whose H
 still in flight first makes the compute stream wait for that H2D (:meth:`guard`), so
 no kernel reads half-copied bytes; the planned WAIT_H2D then costs nothing.
 
+Last copies. A planned drop of a storage's only copy waits until nothing references the
+storage (:mod:`.last_copy`); one still referenced where its warmup saw it die is kept,
+and a read of it is a step whose ops changed, reported before any kernel reads it.
+
+The end of the step is the plan's last op (:data:`~hyper_offload.passes.ir.step_end.STEP_END`):
+:meth:`ReplayExecutor.finish` runs its actions (reloads of retained storages the plan
+moved out in their last gap) and samples the resident bytes there.
+
 A structural mismatch raises :class:`~hyper_offload.passes.ReplayMismatchError` naming
-the op index, the expected and found op and their output leaf counts. The offending
+the op index, the expected and found op and their output leaf counts, unless the step
+may re-warm: then a warmup takes the step over (``take_over``). An op that raised inside
+the step (the user caught it) hands the rest of the step to a warmup too. The offending
 op has already run by then (its inputs were guarded, so it never read released bytes)
 so that its leaf count can be reported; no schedule action runs for it.
 """
@@ -47,12 +57,17 @@ from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
 from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_leaves
-from .executor_base import BaseExecutor, OffloadSessionError, settle_communication
-from .op_guide import OpGuide
+from .executor_base import BaseExecutor, settle_communication
+from .last_copy import LastCopies, drop_if_unreferenced
+from .op_guide import OpGuide, mismatch_error
+from .region_saved import region_saved_bytes
 from .size_drift import SizeDrift, grown_sizes
-from .warmup import WarmupExecutor, WarmupResult, estimate_new_bytes, replan
+from .plan_result import WarmupResult, replan
+from .warmup import WarmupExecutor, estimate_new_bytes
 
 __all__ = ["ReplayExecutor"]
+
+_RELEASES = (ActionKind.RELEASE_DEVICE, ActionKind.RELEASE_HOST)
 
 
 class ReplayExecutor(BaseExecutor):
@@ -64,18 +79,27 @@ class ReplayExecutor(BaseExecutor):
         device: torch.device,
         plan: WarmupResult,
         *,
-        rewarm: Callable[[str], WarmupExecutor] | None = None,
+        take_over: Callable[[str, bool], WarmupExecutor] | None = None,
+        rewarm_allowed: bool = False,
         planner: ResidencyPlanner | None = None,
     ) -> None:
-        """``rewarm(reason)``: on a structural mismatch, build a warmup executor that takes
-        the step over (the session settling, or ``OffloadConfig.rewarm_on_mismatch``);
-        ``None`` raises instead.
+        """``take_over(reason, ops_changed)``: build a warmup executor that takes the step
+        over, because its ops changed (``ops_changed``; only if ``rewarm_allowed``: the
+        session settling, or ``OffloadConfig.rewarm_on_mismatch``; else the mismatch
+        raises) or an op raised inside it (the user caught the error).
         ``planner``: remakes the plan after a step with larger sizes (:mod:`.size_drift`)."""
         super().__init__(manager, device)
         self.plan = plan
-        self.rewarm = rewarm
-        self.successor: WarmupExecutor | None = None
+        self.take_over = take_over
+        self.rewarm = take_over if rewarm_allowed else None
+        """Set when a step whose ops changed may re-warm (a warmup takes it over)."""
+        self.successor: WarmupExecutor | None = None  # type: ignore[assignment]
         """The warmup executor that took the step over after a mismatch, if any."""
+        self._region_holds = {plan.trace.accesses_of(sid)[0][0]: (sid, nbytes)
+                              for sid, nbytes in plan.virtual.items()}
+        """Op -> the virtual storage an opaque region's forward op there holds (.region_saved)."""
+        self._region_end: tuple[Any, ...] | None = None  # a region's forward end, until its op ends
+        self._region_extra: dict[int, int] = {}  # release op -> region bytes beyond the plan's
         self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
         self.guide = OpGuide.from_trace(plan.trace)
         self._entries = self.guide.entries
@@ -87,6 +111,10 @@ class ReplayExecutor(BaseExecutor):
         after the op): counted like the warmup counted them (.region_saved)."""
         self._held = 0
         self._num_ops = len(self._funcs)
+        """Ops of the model the plan replays (its trace also has the step-end op)."""
+        self.last_copies = LastCopies(manager)
+        self._diverged: str | None = None  # why this op is one the plan does not know
+        self._tainted: str | None = None  # an op raised and the user went on
         self._sizes = plan.trace.storage_sizes
         self._hand_back = plan.hand_back
         self._foreign = plan.foreign
@@ -104,8 +132,16 @@ class ReplayExecutor(BaseExecutor):
         """Reads of a storage with an H2D in flight that waited for it in :meth:`guard`
         (reads the trace did not record; 0 for a step that matches its trace)."""
 
+    def taint(self, reason: str) -> None:
+        self._tainted = reason
+
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._tainted is not None and self._can_hand_over():
+            self._hand_over_before(func, args, kwargs)
+            return
         i = self.index
+        if self.last_copies:
+            self._settle(flat_tensors(args, kwargs))
         if i >= self._num_ops or (func is not self._funcs[i] and func != self._funcs[i]):
             if self.op_error is not None:
                 # An op raised and its error is propagating (or was caught): ops of the
@@ -129,32 +165,89 @@ class ReplayExecutor(BaseExecutor):
             self._keys = self.live_inputs(inputs, self.device)
 
     def on_op_end(self, result: Any) -> Any:
+        if self.successor is not None:  # handed over before the op ran
+            return self.successor.on_op_end(result)
         if self.rewarm is None:
+            self._region_end = None
             return self._end_op(result)
         try:
             result = self._end_op(result)
         except ReplayMismatchError as error:
-            if self.opaque_depth or self.backward_regions or self._call is None:
+            if not self._can_hand_over() or self._call is None:
                 raise  # inside an opaque region: no safe point to hand the step over
             return self._hand_over(result, str(error))
-        self._call = None  # holds the op's arguments: never past the op
+        self._call = self._region_end = None  # hold the op's tensors: never past the op
         return result
 
-    def _hand_over(self, result: Any, reason: str) -> Any:
-        """Let a warmup executor record the rest of the step (re-warm on mismatch)."""
-        assert self.rewarm is not None and self._call is not None
-        successor = self.rewarm(reason)
+    def _can_hand_over(self) -> bool:
+        """Whether a warmup can take the step over here: outside opaque regions (their
+        inner ops are not traced) and outside an open accumulation op."""
+        return (self.take_over is not None and not self.opaque_depth
+                and not self.backward_regions and self.grad_node is None)
+
+    def _successor(self, reason: str, ops_changed: bool) -> WarmupExecutor:
+        """The warmup that records the rest of the step, from the current op on."""
+        assert self.take_over is not None
+        if self.last_copies:
+            self._settle(())
+        successor = self.take_over(reason, ops_changed)
         successor.continue_from(self.plan, self.index, self.bound)
-        successor.stats.demand_loads = self.stats.demand_loads
+        stats = successor.stats  # the step's figures: the replayed ops', then the warmup's
+        stats.demand_loads, stats.rescued = self.stats.demand_loads, self.stats.rescued
+        stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.stats.peak_resident_bytes)
+        stats.region_bytes = max(stats.region_bytes, self.stats.region_bytes)
+        stats.resident_curve[:0] = self.stats.resident_curve
         self.successor = successor
         self.closed = True
+        return successor
+
+    def _hand_over(self, result: Any, reason: str) -> Any:
+        """Let a warmup executor record the rest of the step (re-warm on mismatch): the
+        op ran here, the warmup records it (a region's op with what the region keeps
+        for its backward)."""
+        assert self._call is not None
         func, args, kwargs = self._call
-        self._call = None
+        region_end, self._call, self._region_end = self._region_end, None, None
+        successor = self._successor(reason, True)
         successor.on_op_begin(func, args, kwargs)
+        if region_end is not None:
+            successor.region_forward_end(*region_end)
         return successor.on_op_end(result)
+
+    def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
+        """Name the virtual storage the plan holds for this region (released at its
+        backward by whoever runs the step then), keep what a warmup taking the step over
+        at this op must record, and count what the region keeps beyond the plan's bytes
+        (larger sizes, or a recompiled body that saves more: like a storage larger than
+        planned, :mod:`.size_drift`), so the step's count stays what the device holds."""
+        held = region.held = self._region_holds.get(self.index)
+        self._region_end = (region, outputs, start)
+        if held is None:
+            return
+        sid, planned = held
+        measured = region_saved_bytes(outputs, start, self.device, region.input_keys,
+                                      self._is_bound)
+        if measured > planned:
+            self.drift.note(sid, measured)
+            release = self.plan.trace.accesses_of(sid)[-1][0]
+            self._region_extra[release] = self._region_extra.get(release, 0) + measured - planned
+            self._count_region_bytes(measured - planned, 0)
+
+    def _is_bound(self, tensor: torch.Tensor) -> bool:
+        return owns_storage(tensor) and tensor.untyped_storage()._cdata in self.bound
+
+    def _hand_over_before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An op raised earlier in the step and the user went on: a warmup records the
+        rest (its online eviction keeps the budget; the session discards its trace)."""
+        successor = self._successor(f"replay: {self._tainted}", False)
+        successor.on_op_begin(func, args, kwargs)
 
     def _end_op(self, result: Any) -> Any:
         i = self.index
+        if self._diverged is not None:
+            reason, self._diverged = self._diverged, None
+            self._mismatched = None
+            raise ReplayMismatchError(reason)
         if self._mismatched is not None:
             func, self._mismatched = self._mismatched, None
             self._raise_mismatch(func, self._count_leaves(result))
@@ -197,7 +290,7 @@ class ReplayExecutor(BaseExecutor):
             self._count_region_bytes(virtual[0], 0)
         self.sample()
         if virtual is not None:
-            self._count_region_bytes(0, -virtual[1])
+            self._count_region_bytes(0, -virtual[1] - self._region_extra.pop(i, 0))
         post = self._post[i]
         if post:
             self.apply_actions(post)
@@ -234,26 +327,75 @@ class ReplayExecutor(BaseExecutor):
     # ------------------------------------------------------------------ early reloads
 
     def apply_actions(self, actions: tuple[ResidencyAction, ...]) -> None:
-        """Run schedule actions and keep :attr:`_loading` (reloads in flight) current."""
+        """Run schedule actions and keep :attr:`_loading` (reloads in flight) current;
+        a drop of a storage's last copy waits until nothing references it
+        (:mod:`.last_copy`; counted as done, as the plan counts it)."""
         if self.drift.evicted:
             actions = tuple(a for a in actions if self.drift.applicable(self.manager, a))
-        super().apply_actions(actions)
-        for action in actions:
+        batch: list[ResidencyAction] = []
+        for action in actions:  # in order: a COPY_D2H before a release makes it no drop
+            if action.kind in _RELEASES:
+                self._apply_batch(batch)
+                if self.last_copies.is_last_copy(action):
+                    if action.kind is ActionKind.RELEASE_DEVICE:
+                        self._resident -= self.manager.buffer(action.storage).nbytes
+                        self._loading.pop(self.manager.buffer(action.storage).storage._cdata, None)
+                    self.last_copies.defer(action, self.index)
+                    continue
+            batch.append(action)
+        self._apply_batch(batch)
+
+    def _apply_batch(self, batch: list[ResidencyAction]) -> None:
+        """Run ``batch`` (and empty it), keeping :attr:`_loading` current."""
+        if not batch:
+            return
+        super().apply_actions(tuple(batch))
+        for action in batch:
             kind = action.kind
             if kind is ActionKind.COPY_H2D:
                 self._loading[self.manager.buffer(action.storage).storage._cdata] = action.storage
             elif self._loading and kind in (ActionKind.WAIT_H2D, ActionKind.RELEASE_DEVICE):
                 key = self.manager.buffer(action.storage).storage._cdata
                 self._loading.pop(key, None)
+        batch.clear()
 
     def guard(self, where: Any, tensors: Iterable[torch.Tensor]) -> set[int]:
-        """:meth:`BaseExecutor.guard`, after waiting for the in-flight H2D of any input
-        whose reload started early and was not waited for yet (a read the trace did not
-        record). Costs nothing while no reload is in flight."""
-        if self._loading:
+        """:meth:`BaseExecutor.guard`, after settling deferred last-copy drops and waiting
+        for the in-flight H2D of any input whose reload started early and was not waited
+        for yet (a read the trace did not record); then a read of a storage kept past its
+        plan's drop marks the op as one the plan does not know (:meth:`_end_op`). Costs
+        nothing while no drop is pending, no reload in flight and nothing was kept."""
+        if self._loading or self.last_copies or self.last_copies.kept:
             tensors = tuple(tensors)
-            self._wait_for_early_reloads(tensors)
-        return super().guard(where, tensors)
+            if self.last_copies:
+                self._settle(tensors)
+            if self._loading:
+                self._wait_for_early_reloads(tensors)
+        keys = super().guard(where, tensors)
+        if self.last_copies.kept:
+            self._note_kept_reads(keys, where)
+        return keys
+
+    def _settle(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Run the deferred last-copy drops (:meth:`LastCopies.settle`), counting what
+        was kept instead."""
+        reading = {t.untyped_storage()._cdata for t in tensors if t.layout is torch.strided}
+        with _disable_current_modes():
+            settled = self.last_copies.settle(reading)
+        self._resident += settled.kept_on_device
+        if settled.copied:
+            self.stats.bytes_d2h += settled.copied
+            self.stats.transfers += len(settled.kept)
+        self.stats.rescued += len(settled.kept)
+
+    def _note_kept_reads(self, keys: set[int], where: Any) -> None:
+        read = self.last_copies.first_read(self.bound.get(key) for key in keys)
+        if read is not None and self._diverged is None:
+            sid, dropped_after = read
+            self._diverged = (
+                f"replay op {self.index} ({where}): reads storage {sid}, which its warmup saw "
+                f"freed after op {dropped_after} (its last use); the step runs other ops than "
+                "its warmup (another branch, a layer frozen or unfrozen)")
 
     def _wait_for_early_reloads(self, tensors: tuple[torch.Tensor, ...]) -> None:
         loading = self._loading
@@ -296,22 +438,7 @@ class ReplayExecutor(BaseExecutor):
         return count
 
     def _raise_mismatch(self, func: Any, found_leaves: int) -> None:
-        i = self.index
-        name = func if isinstance(func, str) else str(func)
-        if i >= self._num_ops:
-            raise ReplayMismatchError(
-                f"replay op {i}: the warmup step recorded only {self._num_ops} ops, but the "
-                f"step ran {name} ({found_leaves} output leaves) as op {i}; the model must run "
-                "the same ops every step (wrap data-dependent code in @skip_offload, call "
-                "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True))"
-            )
-        entry = self._entries[i]
-        raise ReplayMismatchError(
-            f"replay op {i}: warmup recorded {entry.name} with {entry.output_leaf_count} output "
-            f"leaves, replay ran {name} with {found_leaves}; the step's op sequence changed "
-            "(another branch or shape). Wrap data-dependent code in @skip_offload, call "
-            "session.reset() to re-warm, or set OffloadConfig(rewarm_on_mismatch=True)"
-        )
+        raise mismatch_error(self._entries[: self._num_ops], self.index, func, found_leaves)
 
     def _make_room(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A larger-than-planned step: evict online until op ``i``'s outputs fit the
@@ -341,55 +468,57 @@ class ReplayExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ end of step
 
-    def _stranded(self, among: Iterable[int] | None = None) -> list[int]:
-        """Released storages (among ``among``, default all) a tensor still points at."""
-        manager = self.manager
-        return [
-            sid
-            for sid in (manager if among is None else (s for s in among if s in manager))
-            if manager.state(sid) is BufferState.RELEASED
-            and torch._C._storage_Use_Count(manager.buffer(sid).storage._cdata) > 1
-        ]
-
     def finish(self) -> Any:
         self.begin_finish("replayed")
         self.closed = True
-        if self.index != self._num_ops and self.rewarm is not None and not self.opaque_depth:
-            successor = self.rewarm(  # the step ran fewer ops: re-plan what it did run
-                f"replay: the step ended after {self.index} ops, the warmup recorded "
-                f"{self._num_ops}")
-            successor.continue_from(self.plan, self.index, self.bound)
-            self.successor = successor
-            return successor.finish()
         if self.index != self._num_ops:
-            raise ReplayMismatchError(
-                f"replay: the step ended after {self.index} ops, but the warmup step recorded "
-                f"{self._num_ops} (next expected: op {self.index}, {self._entries[self.index].name}); "
-                "run the same forward and backward every step, or call session.reset()"
-            )
+            return self._finish_short()
         manager = self.manager
         with _disable_current_modes():
             manager.wait_for_transfers()
-            settle_communication(lambda: bool(self._stranded(self.plan.comm_buffers)))
-            stranded = self._stranded()
-            for sid in self.drift.evicted:  # dead while evicted: drop both copies
-                buffer = manager.buffer(sid)
-                if not buffer.is_resident and torch._C._storage_Use_Count(buffer.storage._cdata) <= 1:
-                    if manager.has_host_copy(sid):
-                        manager.release_host(sid)
-                    manager.unbind(sid)
+            comm = self.plan.comm_buffers
+            settle_communication(lambda: any(  # a collective's thread may still hold one
+                s in comm and manager.buffer(s).referenced() for s in self.last_copies.pending))
+            if self.last_copies:
+                self._settle(())
+        kept = self.last_copies.still_referenced()
+        if kept and self.rewarm is not None:  # plan again, with what the step keeps retained
+            return self._successor(
+                f"replay: the step keeps storages {kept[:10]} its warmup saw freed", True).finish()
+        self._run_step_end()
+        with _disable_current_modes():
+            for sid in (*self.drift.evicted, *self.last_copies.kept):
+                drop_if_unreferenced(manager, sid)
             manager.reset(restore_offloaded=True)
         self.bound.clear()
         self.stats.end_resident_bytes = self.plan.trace.retained_bytes
-        if stranded:
-            shown = ", ".join(str(s) for s in stranded[:10])
-            raise OffloadSessionError(
-                f"replay: storages [{shown}] are still referenced after the step, but the "
-                "warmup step saw them freed, so the schedule released their bytes after their "
-                "last recorded use; do not read those tensors. Keep the same references in "
-                "every step (or call session.reset() to re-warm with the new ones)"
-            )
         if self.drift.needs_replan and self.planner is not None:  # for the largest sizes seen
             return replan(self.plan, grown_sizes(self.plan.trace, self.drift.observed),
                           self.planner)
         return None
+
+    def _finish_short(self) -> Any:
+        """The step ran fewer ops than its plan: a warmup re-plans what it did run (if
+        the step may re-warm), else the mismatch is reported."""
+        if self.rewarm is not None and not self.opaque_depth:
+            return self._successor(
+                f"replay: the step ended after {self.index} ops, the warmup recorded "
+                f"{self._num_ops}", True).finish()
+        raise ReplayMismatchError(
+            f"replay: the step ended after {self.index} ops, but the warmup step recorded "
+            f"{self._num_ops} (next expected: op {self.index}, {self._entries[self.index].name}); "
+            "run the same forward and backward every step, or call session.reset()"
+        )
+
+    def _run_step_end(self) -> None:
+        """The plan's step-end op: reload what it moved out of the device in a retained
+        storage's last gap, and sample the resident bytes there (what outlives the step
+        is on the device)."""
+        end = self._num_ops
+        if end >= len(self._pre):
+            return  # a plan without a step-end op (none the warmup makes today)
+        if self._pre[end]:
+            self.apply_actions(self._pre[end])
+        self.sample()
+        if self._post[end]:
+            self.apply_actions(self._post[end])

@@ -15,6 +15,12 @@ does not touch: the earliest-produced first, the larger first among one op's out
 evicted storage pages it back first (``BaseExecutor.guard``), after which the storage is
 unbound again so that its bytes are freed when its last tensor dies.
 
+Holds. The tracker reports when each storage dies; one that dies ops after its last
+access (a variable, autograd kept it) is *held* there (``ActivationTrace.held_until``):
+the plan frees its bytes only after that op, so a replay that finds it still referenced
+there knows the step changed (:mod:`.last_copy`). An offloaded storage (held by the
+manager, whose reference hides its death) is checked at every op.
+
 ``finish`` pages back what is still referenced, reads which storages survive the step
 (``retained``), profiles transfer bandwidth, builds the trace and plans it with the
 configured planner through the pipeline every door shares,
@@ -29,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +44,7 @@ from torch.utils._pytree import tree_map_only
 from hyper_offload.config import MIB
 from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.fx.collectives import PendingCollectives, returns_work, wait_accesses
-from hyper_offload.passes.ir.schedule import ResidencySchedule
+from hyper_offload.passes.ir.step_end import with_step_end
 from hyper_offload.passes.ir.trace import (
     AccessKind,
     ActivationTrace,
@@ -47,7 +52,7 @@ from hyper_offload.passes.ir.trace import (
     StorageId,
     TraceOp,
 )
-from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError, plan_residency
+from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError
 from hyper_offload.passes.plan.protocol import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.op_clock import OpClock
@@ -62,51 +67,11 @@ from .executor_base import (
     OffloadSessionError,
     settle_communication,
 )
+from .plan_result import WarmupResult, first_outputs_only, hand_back, plan_step, replan
 from .region_saved import region_saved_bytes
 from .tracker import ActivationTracker
 
 __all__ = ["WarmupExecutor", "WarmupResult", "estimate_new_bytes", "replan"]
-
-
-class WarmupResult:
-    """What a warmup step produced: the trace, the plan, its report, and the callables
-    of every op (identity-compared on replay's hot path).
-
-    ``schedule`` is :func:`~hyper_offload.passes.plan_residency`'s (prefetches placed,
-    earliest op 0) and ``report == check_schedule(trace, schedule)``, without violations.
-    """
-
-    def __init__(
-        self,
-        trace: ActivationTrace,
-        schedule: ResidencySchedule,
-        report: ScheduleReport,
-        funcs: list[Any],
-        comm_buffers: frozenset[StorageId] = frozenset(),
-        pins: Mapping[int, tuple[StorageId, ...]] | None = None,
-        foreign: frozenset[StorageId] = frozenset(),
-        virtual: Mapping[StorageId, int] | None = None,
-    ) -> None:
-        self.trace = trace
-        self.schedule = schedule
-        self.report = report
-        self.funcs = funcs
-        self.comm_buffers = comm_buffers
-        """Storages a functional collective read or wrote (tensor parallel)."""
-        self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
-        """Op index -> the storages a ``Work``-returning op pinned there (from that op to
-        the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
-        self.foreign = foreign
-        """FSDP's buffers (``fsdp::`` ops): 0 bytes in the trace, never bound."""
-        self.virtual: Mapping[StorageId, int] = virtual or {}
-        """What opaque regions keep for their backward (:mod:`.region_saved`): id ->
-        bytes. No storage: the replay counts them and runs no action on them."""
-        self.replay_pre, self.replay_post, self.virtual_delta = _virtual_replay(
-            trace, schedule, self.virtual)
-        self.hand_back = hand_back(trace.ops, set().union(*pins.values()) if pins else set())
-        """``ACCUMULATE_GRAD`` op index -> the incoming gradients it read for the last
-        time (retained: never released by the plan): the replay hands them back to
-        autograd there (unbinds them: ``.grad`` keeps one, or it dies)."""
 
 
 class WarmupExecutor(BaseExecutor):
@@ -157,6 +122,8 @@ class WarmupExecutor(BaseExecutor):
         """Every such virtual storage of the step."""
         self._region_work: set[int] = set()  # storage keys a Work op used in the open region
         self._region_ops: dict[Any, bool] = {}  # op inside a region -> whether it returns a Work
+        self.ends: dict[StorageId, int] = {}
+        """Storage -> the last op during which it was alive (recorded when it died)."""
         self.foreign: dict[StorageId, None] = {}
         """Storages an ``fsdp::`` op created or touched: FSDP's all-gather and
         reduce-scatter buffers, parameters' memory (:data:`PARAMETER_MEMORY`). Recorded at
@@ -168,6 +135,8 @@ class WarmupExecutor(BaseExecutor):
         name = func if isinstance(func, str) else str(func)
         if swap_step_running():
             _refuse_swap_step(name, self.index)
+        if self.bound:
+            self._reap_offloaded()
         if func in self._writes:
             writes = self._writes[func]
         else:  # the first call of this op in the step
@@ -344,6 +313,9 @@ class WarmupExecutor(BaseExecutor):
     # ------------------------------------------------------------------ eviction
 
     def _on_free(self, sid: StorageId) -> None:
+        # Inside an op (its kernel, an opaque region, an accumulation) the op is the last
+        # one it lived in; between ops, the one before.
+        self.ends.setdefault(sid, self.index if self._current is not None else self.index - 1)
         if sid in self._resident_sids:
             del self._resident_sids[sid]
             self._resident -= self.tracker.entry(sid).nbytes
@@ -389,6 +361,20 @@ class WarmupExecutor(BaseExecutor):
         self.stats.transfers += 1
         return nbytes
 
+    def _reap_offloaded(self) -> None:
+        """Offloaded storages whose last tensor died (between ops: the manager's own
+        reference hides it from the tracker) hold nothing any more: record where they
+        died and return their host buffers now."""
+        manager = self.manager
+        for key, sid in list(self.bound.items()):
+            buffer = manager.buffer(sid)
+            if buffer.state is BufferState.HOST and not buffer.referenced():
+                self.ends.setdefault(sid, self.index - 1)
+                with _disable_current_modes():
+                    manager.release_host(sid)
+                    manager.unbind(sid)
+                del self.bound[key]
+
     def after_page_in(self, sid: StorageId) -> None:
         # Unbind again: the manager would otherwise keep the storage (and its device
         # bytes) alive after its last tensor died.
@@ -407,8 +393,9 @@ class WarmupExecutor(BaseExecutor):
         id map).
 
         Resident storages become tracked activations; offloaded ones stay bound (an op
-        that needs one pages it back); storages the schedule released for good stay
-        bound too, so that a read of one raises instead of touching 0 bytes."""
+        that needs one pages it back); storages the schedule released for good are dead
+        (the replay drops a last copy only once nothing references it: :mod:`.last_copy`)
+        and keep the hold the plan recorded for them."""
         manager, trace = self.manager, plan.trace
         self.ops = list(trace.ops[:num_ops])
         self.funcs = list(plan.funcs[:num_ops])
@@ -431,15 +418,17 @@ class WarmupExecutor(BaseExecutor):
         for sid in seen:
             size = trace.storage_sizes[sid]
             producer = trace.accesses_of(sid)[0][0]
-            if sid not in manager:
+            if sid not in manager or manager.state(sid) is BufferState.RELEASED:
                 self.tracker.add_dead(sid, size, producer)
+                if sid in trace.held_until:  # dead where the plan has it, or earlier
+                    self.ends[sid] = min(trace.held_until[sid], num_ops - 1)
+                if sid in manager:  # nothing can read it: no tensor references it
+                    with _disable_current_modes():
+                        manager.unbind(sid)
                 continue
             buffer = manager.buffer(sid)
             storage, state = buffer.storage, buffer.state
-            if state is BufferState.RELEASED:
-                self.tracker.add_dead(sid, size, producer)
-                self.bound[bound_sids[sid]] = sid
-            elif state is BufferState.HOST:
+            if state is BufferState.HOST:
                 self.tracker.adopt_as(storage, sid, size, producer)
                 self.bound[bound_sids[sid]] = sid
             else:
@@ -483,20 +472,21 @@ class WarmupExecutor(BaseExecutor):
         ops = self._timed_ops()
         if self.foreign:
             sizes.update(dict.fromkeys(self.foreign, 0))
-            ops = _first_outputs_only(ops, self.foreign)
+            ops = first_outputs_only(ops, self.foreign)
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
-        trace = ActivationTrace(
+        trace = with_step_end(ActivationTrace(
             ops=ops,
             storage_sizes=sizes,
             budget_bytes=self.budget_bytes,
             retained=retained,
+            held_until=_holds(ops, self.ends, retained),
             **(
                 {}
                 if bandwidth is None
                 else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps,
                       "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
             ),
-        )
+        ))
         return trace if self.disk is None else trace.with_disk(*self.disk)
 
     def finish(self) -> WarmupResult:
@@ -504,35 +494,29 @@ class WarmupExecutor(BaseExecutor):
         self.begin_finish("traced")
         self.closed = True
         manager = self.manager
-        stranded = []
         tracker, comm = self.tracker, self.collectives.buffers
         settle_communication(lambda: any(tracker.referenced_elsewhere(sid) for sid in comm))
         with _disable_current_modes():
             manager.wait_for_transfers()
             for sid in list(manager):
-                if manager.state(sid) is BufferState.RELEASED:  # only after a re-warm
-                    if torch._C._storage_Use_Count(manager.buffer(sid).storage._cdata) > 1:
-                        stranded.append(sid)
+                buffer = manager.buffer(sid)
+                if buffer.state is BufferState.RELEASED:  # dropped by the replay: unreachable
                     manager.unbind(sid)
-                elif not self.tracker.referenced_elsewhere(sid):
-                    manager.release_host(sid)  # dead while offloaded: drop both copies
+                elif not buffer.referenced():  # dead while offloaded: drop both copies
+                    self.ends.setdefault(sid, self.index - 1)
+                    manager.release_host(sid)
                     manager.unbind(sid)
             manager.reset(restore_offloaded=True)
         self.bound.clear()
-        if stranded:
-            raise OffloadSessionError(
-                f"warmup (re-warmed after a mismatch): storages {stranded[:10]} are still "
-                "referenced after the step, but the previous plan released their bytes; do "
-                "not read those tensors, and call session.reset() before the next step"
-            )
         trace = self._build_trace()
         # What outlives the step is on the device now (paged back just above): that
         # moment is part of the step's peak, as it is of the trace's model.
         self.stats.end_resident_bytes = trace.retained_bytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, trace.retained_bytes)
         try:
-            planned = plan_residency(trace, self.planner, earliest_prefetch_op=0,
-                                     where="eager warmup", host_budget_bytes=self.host_budget_bytes)
+            planned = plan_step(trace, self.planner, where="eager warmup",
+                                host_budget_bytes=self.host_budget_bytes,
+                                measured_peak=self.stats.peak_resident_bytes)
         except PlanningError as error:
             raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
         if planned.binding == "host" or self.host_limited:
@@ -553,79 +537,17 @@ class WarmupExecutor(BaseExecutor):
         )
 
 
-def replan(
-    plan: WarmupResult, sizes: Mapping[StorageId, int], planner: ResidencyPlanner
-) -> WarmupResult:
-    """``plan``'s trace with other storage sizes, planned again (same ops and accesses:
-    no re-trace). The replay's answer to a step that ran the same ops with larger
-    sizes (:mod:`.size_drift`)."""
-    trace = dataclasses.replace(plan.trace, storage_sizes=dict(sizes))
-    try:
-        planned = plan_residency(trace, planner, earliest_prefetch_op=0, where="eager re-plan")
-    except PlanningError as error:
-        raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
-    return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
-                        plan.pins, plan.foreign, plan.virtual)
-
-
-def _virtual_replay(
-    trace: ActivationTrace, schedule: ResidencySchedule, virtual: Mapping[StorageId, int]
-) -> tuple[Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]], dict[int, tuple[int, int]]]:
-    """The schedule the replay runs (``pre``, ``post`` without actions on virtual
-    storages) and, per op, the virtual bytes it creates and releases (for the count)."""
-    if not virtual:
-        return schedule.pre, schedule.post, {}
-    delta: dict[int, list[int]] = {}
-    for sid, nbytes in virtual.items():
-        delta.setdefault(trace.accesses_of(sid)[0][0], [0, 0])[0] += nbytes
-    post = []
-    for index, actions in enumerate(schedule.post):
-        for action in actions:
-            if action.storage in virtual:
-                delta.setdefault(index, [0, 0])[1] += virtual[action.storage]
-        post.append(tuple(a for a in actions if a.storage not in virtual))
-    pre = [tuple(a for a in actions if a.storage not in virtual) for actions in schedule.pre]
-    return pre, post, {op: (made, freed) for op, (made, freed) in delta.items()}
-
-
-def _first_outputs_only(
-    ops: Sequence[TraceOp], foreign: Collection[StorageId]
-) -> tuple[TraceOp, ...]:
-    """``ops`` with each foreign storage an output of its creating op only: the replay
-    skips a foreign storage's views as it skips views of parameters."""
-    seen: set[StorageId] = set()
-    out = []
-    for op in ops:
-        outputs = []
-        for sid in op.outputs:
-            if sid in foreign:
-                if sid in seen:
-                    continue
-                seen.add(sid)
-            outputs.append(sid)
-        out.append(op if len(outputs) == len(op.outputs)
-                   else dataclasses.replace(op, outputs=tuple(outputs)))
-    return tuple(out)
-
-
-def hand_back(
-    ops: Sequence[TraceOp], pinned: Collection[StorageId]
-) -> dict[int, tuple[StorageId, ...]]:
-    """``ACCUMULATE_GRAD`` op index -> the storages it reads for the last time (the
-    incoming gradients; pinned ones stay the communication's). Creating a ``.grad``
-    keeps such a storage, accumulating into one frees it: the trace retains it either
-    way (counted to the end of the step, never released by the plan)."""
+def _holds(
+    ops: tuple[TraceOp, ...], ends: dict[StorageId, int], retained: frozenset[StorageId]
+) -> dict[StorageId, int]:
+    """``held_until`` of the step: storages that died ops after their last access (and
+    did not outlive the step)."""
     last: dict[StorageId, int] = {}
     for index, op in enumerate(ops):
-        for access in op.accesses:
-            last[access.storage] = index
-    handed: dict[int, tuple[StorageId, ...]] = {}
-    for index, op in enumerate(ops):
-        if op.name == ACCUMULATE_GRAD:
-            sids = tuple(s for s in op.storages if last[s] == index and s not in pinned)
-            if sids:
-                handed[index] = sids
-    return handed
+        for sid in op.storages:
+            last[sid] = index
+    return {sid: end for sid, end in ends.items()
+            if sid in last and sid not in retained and last[sid] < end < len(ops)}
 
 
 def _host_message(planned: PlannedSchedule, refused: int) -> str:

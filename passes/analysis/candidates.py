@@ -12,7 +12,12 @@ so the storage is off the device for ops ``start + 1 .. end - 1`` and nowhere el
 
 ``d2h_op`` is the last WRITE of the storage at or before ``start`` (a D2H placed there
 can never be made stale by a later write before the release), or the storage's first
-access when it is never written before the gap (the first access creates it). All gaps
+access when it is never written before the gap (the first access creates it).
+
+A *held* storage (``trace.held_until``) has one more gap, from its last access to the
+end of its hold: ``(storage, last, held_until + 1)``, a *hold gap*. Nothing reads it
+again, so its lowering has no reload: the host copy only keeps the bytes a reference
+can still reach, and is released after op ``held_until`` (:func:`is_hold_gap`). All gaps
 with the same ``(storage, d2h_op)`` form one *write epoch*: they share one host copy,
 so the D2H is paid once however many of them are offloaded.
 
@@ -82,7 +87,16 @@ def offload_candidates(
             if kind is write:
                 d2h_op = op
             previous = op
+        held = trace.held_until.get(storage)
+        if held is not None:  # the hold gap: previous is the last access, held > previous
+            candidates.append(OffloadCandidate(storage, previous, held + 1, size, d2h_op))
     return candidates
+
+
+def is_hold_gap(trace: ActivationTrace, candidate: OffloadCandidate) -> bool:
+    """Whether ``candidate`` is its storage's hold gap (it ends past the last access, at
+    the end of the hold: no op reads the storage there, so no reload)."""
+    return candidate.end == trace.held_until.get(candidate.storage, -2) + 1
 
 
 def design_rank_key(candidate: OffloadCandidate) -> tuple[int, int, int, int]:
@@ -118,7 +132,7 @@ def op_byte_profile(trace: ActivationTrace) -> tuple[list[int], list[int]]:
             resident_delta[num_ops] -= size
             held_delta[last + 1] += size  # past its last access it is held until the end
         else:
-            resident_delta[last + 1] -= size
+            resident_delta[trace.held_end(storage) + 1] -= size
     resident = list(accumulate(resident_delta))[:num_ops]
     held = accumulate(held_delta)
     return resident, [own + h for own, h in zip(operands, held)]

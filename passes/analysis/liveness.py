@@ -1,7 +1,9 @@
 """Liveness of a trace without any offload: per-storage intervals and the bytes curve.
 
 Under the residency model of :mod:`.trace`, a storage is on the device from its first
-access to its last access (inclusive), or to the end of the step when it is retained.
+access to its last access (inclusive), or to the end of the step when it is retained, or
+to the end of op ``held_until[s]`` when a reference holds it past its last access (then
+an offload of that last stretch needs no reload: see :mod:`.candidates`).
 Between two consecutive accesses lies a *gap*: the ops strictly between them are the
 ones an offload of that gap can relieve.
 """
@@ -17,7 +19,8 @@ from ..ir.trace import AccessKind, ActivationTrace, StorageId
 
 @dataclass(frozen=True)
 class StorageLiveness:
-    """Invariant: ``first <= last < end``; ``end`` is exclusive (``last + 1`` or num_ops)."""
+    """Invariant: ``first <= last < end``; ``end`` is exclusive (``last + 1``, ``held_until
+    + 1`` for a held storage, or num_ops for a retained one)."""
 
     storage: StorageId
     size: int
@@ -71,7 +74,7 @@ def _storage_liveness(trace: ActivationTrace) -> dict[StorageId, StorageLiveness
             size=trace.storage_sizes[storage],
             first=accesses[0][0],
             last=last,
-            end=trace.num_ops if retained else last + 1,
+            end=trace.num_ops if retained else trace.held_end(storage) + 1,
             retained=retained,
             accesses=accesses,
         )
@@ -101,7 +104,11 @@ def required_bytes(trace: ActivationTrace) -> list[int]:
 
     That is the op's own operands plus retained storages past their last access (they
     must still be on the device at the end of the step, and offload only happens in
-    gaps between accesses). A new list each call; computed once per trace.
+    gaps between accesses). A held storage past its last access is no part of it: its
+    last stretch may be offloaded without a reload. A door that can reload retained
+    storages at the end of its step lists them as read by a final op instead
+    (:func:`~..ir.step_end.with_step_end`), which frees them here too. A new list
+    each call; computed once per trace.
     """
     return list(trace.memo("required_bytes", lambda: _required_bytes(trace)))
 

@@ -148,6 +148,8 @@ class _StorageState:
     size: int
     last_access: int
     retained: bool
+    held_end: int
+    """The last op during which the bytes must exist (``trace.held_end``)."""
     created: bool = False
     on_device: bool = False
     h2d_pending: bool = False
@@ -169,7 +171,7 @@ class _Simulation:
     def __init__(self, trace: ActivationTrace) -> None:
         self.trace = trace
         self.states = {
-            s: _StorageState(live.size, live.last, live.retained)
+            s: _StorageState(live.size, live.last, live.retained, trace.held_end(s))
             for s, live in storage_liveness(trace).items()
         }
         self.device_bytes = 0
@@ -241,14 +243,17 @@ class _Simulation:
             self.flag(op, sid, Rule.RELEASE_RETAINED,
                       "RELEASE_DEVICE of a retained storage after its last access: it must stay "
                       "on the device past the step")
-        if needed_later and not st.has_copy:
+        held_later = st.held_end >= self.cursor  # a reference still reaches the bytes
+        if (needed_later or held_later) and not st.has_copy:
             rule, why = (
                 (Rule.RELEASE_STALE_HOST_COPY,
                  "its host copy predates a later write; issue COPY_D2H after the last write")
                 if st.host_allocated
                 else (Rule.RELEASE_WITHOUT_HOST_COPY, "it has no host copy; issue COPY_D2H first")
             )
-            self.flag(op, sid, rule, f"RELEASE_DEVICE loses data read again at op {st.last_access}: {why}")
+            what = (f"read again at op {st.last_access}" if needed_later
+                    else f"a reference holds until op {st.held_end}")
+            self.flag(op, sid, rule, f"RELEASE_DEVICE loses data {what}: {why}")
         st.on_device = st.h2d_pending = False
         self.device_bytes -= st.size
 
@@ -300,9 +305,11 @@ class _Simulation:
         if st.h2d_pending:
             self.flag(op, sid, Rule.HOST_RELEASE_DURING_H2D,
                       "RELEASE_HOST while an H2D from that buffer is in flight; WAIT_H2D first")
-        if not st.on_device and not st.disk_valid and st.last_access >= self.cursor:
+        if not st.on_device and not st.disk_valid and st.held_end >= self.cursor:
+            what = (f"op {st.last_access} still reads it" if st.last_access >= self.cursor
+                    else f"a reference holds it until op {st.held_end}")
             self.flag(op, sid, Rule.HOST_RELEASE_STILL_NEEDED,
-                      f"RELEASE_HOST drops the only copy; op {st.last_access} still reads it")
+                      f"RELEASE_HOST drops the only copy; {what}")
         st.host_allocated = st.host_valid = False
         self.host_bytes -= st.size
 
@@ -358,9 +365,11 @@ class _Simulation:
                       "RELEASE_DISK of a storage with no disk file; drop it")
             return
         if st.disk_valid and not st.on_device and not st.host_valid and (
-                st.last_access >= self.cursor):
+                st.held_end >= self.cursor):
+            what = (f"op {st.last_access} still reads it" if st.last_access >= self.cursor
+                    else f"a reference holds it until op {st.held_end}")
             self.flag(op, sid, Rule.DISK_RELEASE_STILL_NEEDED,
-                      f"RELEASE_DISK drops the only copy; op {st.last_access} still reads it: "
+                      f"RELEASE_DISK drops the only copy; {what}: "
                       "LOAD_FROM_DISK it first, or release the file after its last reload")
         st.disk_allocated = st.disk_valid = False
         self.disk_bytes -= st.size
@@ -391,8 +400,9 @@ class _Simulation:
                           "retained storage is not on the device at the end of the step")
             if not st.retained and st.on_device:
                 self.flag(end, sid, Rule.DEVICE_NOT_RELEASED,
-                          f"never released after its last access (op {st.last_access}); "
-                          "add RELEASE_DEVICE there")
+                          f"never released after its last access (op {st.last_access})"
+                          + (f" nor its hold (op {st.held_end})" if st.held_end > st.last_access
+                             else "") + "; add RELEASE_DEVICE there")
             if st.host_allocated:
                 self.flag(end, sid, Rule.HOST_NOT_RELEASED,
                           "host buffer never released; add RELEASE_HOST after its last COPY_H2D")

@@ -12,22 +12,26 @@ Residency model (shared by the planners, the validator and the lowerings):
 * An op that both reads and writes a storage (an in-place op) records ``WRITE``: the
   write is what matters, since it makes any host copy stale.
 * ``retained`` storages must be on the device after the last op (step outputs,
-  gradients); every other storage may be freed after its last access.
+  gradients); every other storage may be freed after its last access, or, when
+  ``held_until`` names it, once op ``held_until[s]`` ended: a reference (a variable,
+  autograd) still holds it that long though no op reads it. Its bytes must survive
+  until then, on the device or as a valid host copy, and need no reload.
 
 JSON format (``to_json`` / ``from_json``), version 1::
 
     {"format": "hyper-offload.trace", "version": 1,
      "budget_bytes": 1048576, "d2h_bandwidth_gbps": 16.0, "h2d_bandwidth_gbps": 16.0,
      "storage_sizes": {"0": 4096, "1": 512},
-     "retained": [1],
+     "retained": [1], "held_until": {"0": 1},
      "ops": [{"name": "mm", "accesses": {"0": "W"}, "outputs": [0], "duration_s": 1e-5},
              {"name": "relu", "accesses": {"0": "R", "1": "W"}}]}
 
 ``outputs`` (storage per output tensor leaf, in leaf order) and ``duration_s`` are
-optional per op. ``disk_budget_bytes`` and ``disk_bandwidth_gbps`` (the disk tier below
-host memory: how many bytes its files may hold at once, and how fast it writes and
-reads) are optional and written only when they differ from their defaults (0: no disk
-tier; :data:`DEFAULT_DISK_BANDWIDTH_GBPS`). ``from_json`` rejects, with a message naming the field and op index,
+optional per op; ``held_until`` is optional. ``disk_budget_bytes`` and
+``disk_bandwidth_gbps`` (the disk tier below host memory: how many bytes its files may
+hold at once, and how fast it writes and reads) are optional and written only when they
+differ from their defaults (0: no disk tier; :data:`DEFAULT_DISK_BANDWIDTH_GBPS`).
+``from_json`` rejects, with a message naming the field and op index,
 unknown fields (a misspelt ``retained`` must not vanish silently), a storage named twice
 by one op or in ``storage_sizes`` (``"1"`` and ``"01"``), and non-finite numbers. Bandwidths are in GB/s (10^9 bytes per second); the ``_gbps`` names and
 the 16 default follow the design document, which means bytes, not bits.
@@ -127,7 +131,8 @@ class ActivationTrace:
     Invariants (checked on construction): every accessed storage has a size >= 0;
     every retained storage is accessed by some op; bandwidths are positive;
     ``budget_bytes`` >= 0; ``disk_budget_bytes`` >= 0 (0: no disk tier, the schedule may
-    not spill).
+    not spill); ``held_until`` names accessed, non-retained storages, each with an op
+    index after its last access and before ``num_ops``.
     """
 
     ops: tuple[TraceOp, ...]
@@ -140,6 +145,10 @@ class ActivationTrace:
     """Bytes the disk tier's files may hold at once (raw storage bytes; 0: no disk tier)."""
     disk_bandwidth_gbps: float = DEFAULT_DISK_BANDWIDTH_GBPS
     """The disk tier's write and read bandwidth (one serial channel, GB/s)."""
+    held_until: Mapping[StorageId, int] = field(default_factory=dict)
+    """Storage -> the last op during which a reference still holds it, past its last
+    access (the eager warmup records where each storage died). Its bytes must survive
+    to the end of that op (device or host copy); no op reads them (module docstring)."""
     _accesses_by_storage: Mapping[StorageId, tuple[tuple[int, AccessKind], ...]] = field(
         init=False, repr=False, compare=False
     )
@@ -151,6 +160,7 @@ class ActivationTrace:
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "storage_sizes", dict(self.storage_sizes))
         object.__setattr__(self, "retained", frozenset(self.retained))
+        object.__setattr__(self, "held_until", dict(self.held_until))
         _validate(self)
         by_storage: dict[StorageId, list[tuple[int, AccessKind]]] = {}
         for index, op in enumerate(self.ops):
@@ -211,6 +221,7 @@ class ActivationTrace:
             h2d_bandwidth_gbps=self.h2d_bandwidth_gbps,
             disk_budget_bytes=self.disk_budget_bytes,
             disk_bandwidth_gbps=self.disk_bandwidth_gbps,
+            held_until=self.held_until,
         )
 
     def with_disk(self, budget_bytes: int, bandwidth_gbps: float | None = None) -> ActivationTrace:
@@ -221,6 +232,12 @@ class ActivationTrace:
             disk_bandwidth_gbps=self.disk_bandwidth_gbps if bandwidth_gbps is None
             else bandwidth_gbps,
         )
+
+    def held_end(self, storage: StorageId) -> int:
+        """The last op during which ``storage``'s bytes must exist: ``held_until`` where
+        given, else its last access."""
+        held = self.held_until.get(storage)
+        return self.accesses_of(storage)[-1][0] if held is None else held
 
     # -- construction from plain data ------------------------------------------------
 
@@ -276,6 +293,8 @@ class ActivationTrace:
             **self._disk_fields(),
             "storage_sizes": {str(s): n for s, n in sorted(self.storage_sizes.items())},
             "retained": sorted(self.retained),
+            **({"held_until": {str(s): op for s, op in sorted(self.held_until.items())}}
+               if self.held_until else {}),
             "ops": ops,
         }
 
@@ -328,6 +347,7 @@ class ActivationTrace:
                                           "trace.disk_budget_bytes"),
             disk_bandwidth_gbps=_parse_bandwidth(data, "disk_bandwidth_gbps",
                                                  DEFAULT_DISK_BANDWIDTH_GBPS),
+            held_until=_parse_sizes(data.get("held_until", {}), "trace.held_until"),
         )
 
     @classmethod
@@ -400,7 +420,8 @@ def _parse_bandwidth(
 
 _TRACE_FIELDS = frozenset(
     {"format", "version", "budget_bytes", "d2h_bandwidth_gbps", "h2d_bandwidth_gbps",
-     "disk_budget_bytes", "disk_bandwidth_gbps", "storage_sizes", "retained", "ops"}
+     "disk_budget_bytes", "disk_bandwidth_gbps", "storage_sizes", "retained", "held_until",
+     "ops"}
 )
 _OP_FIELDS = frozenset({"name", "accesses", "outputs", "duration_s"})
 
@@ -515,4 +536,24 @@ def _validate(trace: ActivationTrace) -> None:
         if storage not in accessed:
             raise TraceFormatError(
                 f"trace.retained: storage {storage} is retained but no op accesses it"
+            )
+    _validate_held(trace, accessed)
+
+
+def _validate_held(trace: ActivationTrace, accessed: set[StorageId]) -> None:
+    last: dict[StorageId, int] = {}
+    for index, op in enumerate(trace.ops):
+        for storage in op.storages:
+            last[storage] = index
+    for storage, op in sorted(trace.held_until.items()):
+        where = f"trace.held_until[{storage}]"
+        if storage not in accessed:
+            raise TraceFormatError(f"{where}: storage {storage} is held but no op accesses it")
+        if storage in trace.retained:
+            raise TraceFormatError(
+                f"{where}: storage {storage} is retained (held past the step); drop it here")
+        if isinstance(op, bool) or not isinstance(op, int) or not last[storage] < op < trace.num_ops:
+            raise TraceFormatError(
+                f"{where}: expected an op index after the storage's last access "
+                f"({last[storage]}) and before num_ops ({trace.num_ops}), got {op!r}"
             )

@@ -10,6 +10,11 @@ and the exact ILP planner all emit schedules the same way. For a chosen set of
     pre[end]            COPY_H2D s, WAIT_H2D s
     post[last reload]   RELEASE_HOST s    the epoch's host copy has no further use
     post[last access]   RELEASE_DEVICE s  for every storage that is not retained
+                                          (post[held_until] for a held one)
+
+A hold gap (:func:`~..analysis.candidates.is_hold_gap`: a held storage's last stretch,
+no op reads it again) has no reload: its RELEASE_DEVICE follows the last access, and its
+epoch's host copy is released after op ``held_until``, when the last reference is gone.
 
 Within a slot the order is fixed so that ``check_schedule`` accepts it and two planners
 that choose the same gaps emit identical schedules: ``post`` runs every RELEASE_HOST,
@@ -32,7 +37,7 @@ from collections.abc import Iterable
 from itertools import groupby
 from operator import itemgetter
 
-from ..analysis.candidates import OffloadCandidate
+from ..analysis.candidates import OffloadCandidate, is_hold_gap
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..ir.trace import ActivationTrace
 
@@ -52,21 +57,27 @@ def lower_offload_choice(
     pre: list[_Entry] = []
     post: list[_Entry] = []
     last_reload: dict[tuple[int, int], int] = {}
-    for storage, start, end, _, d2h_op in chosen:
+    held_off = set()  # storages whose hold gap is chosen: off the device when it ends
+    for cand in chosen:
+        storage, start, end, _, d2h_op = cand
         epoch = (storage, d2h_op)
+        post.append((start, _RELEASE_DEVICE, storage))
+        if is_hold_gap(trace, cand):
+            held_off.add(storage)
+            end -= 1  # no reload; the host copy lives to the end of op held_until
+        else:
+            pre.append((end, _COPY_H2D, storage))
+            pre.append((end, _WAIT_H2D, storage))
         if end > last_reload.get(epoch, -1):
             last_reload[epoch] = end
-        post.append((start, _RELEASE_DEVICE, storage))
-        pre.append((end, _COPY_H2D, storage))
-        pre.append((end, _WAIT_H2D, storage))
     for (storage, d2h_op), end in last_reload.items():
         post.append((d2h_op, _COPY_D2H, storage))
         post.append((end, _RELEASE_HOST, storage))
     retained = trace.retained
     post.extend(
-        (trace.accesses_of(storage)[-1][0], _RELEASE_DEVICE, storage)
+        (trace.held_end(storage), _RELEASE_DEVICE, storage)
         for storage in trace.accessed_storages()
-        if storage not in retained
+        if storage not in retained and storage not in held_off
     )
     return ResidencySchedule(
         pre=_slots(pre, _PRE_PHASES, trace.num_ops), post=_slots(post, _POST_PHASES, trace.num_ops)

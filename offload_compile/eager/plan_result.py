@@ -1,0 +1,172 @@
+"""``WarmupResult``: an eager plan (trace, schedule, report, op callables) and the pure
+helpers that make one: planning a warmup's trace (:func:`plan_step`), re-planning it for
+other sizes (:func:`replan`), and the per-op tables the replay reads on its hot path.
+
+Every eager plan's trace ends with the step-end op
+(:func:`~hyper_offload.passes.ir.step_end.with_step_end`): the replay runs its actions
+after the model's last op, so a retained storage may leave the device in its last gap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from hyper_offload.passes.analysis.validator import ScheduleReport
+from hyper_offload.passes.ir.schedule import ResidencySchedule
+from hyper_offload.passes.ir.step_end import has_step_end
+from hyper_offload.passes.ir.trace import ActivationTrace, StorageId, TraceOp
+from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError, plan_residency
+from hyper_offload.passes.plan.protocol import ResidencyPlanner
+
+from .executor_base import ACCUMULATE_GRAD, OffloadSessionError
+
+__all__ = ["WarmupResult", "first_outputs_only", "hand_back", "plan_step", "replan"]
+
+
+class WarmupResult:
+    """What a warmup step produced: the trace, the plan, its report, and the callables
+    of every op (identity-compared on replay's hot path).
+
+    ``schedule`` is :func:`~hyper_offload.passes.plan_residency`'s (prefetches placed,
+    earliest op 0) and ``report == check_schedule(trace, schedule)``, without violations.
+    """
+
+    def __init__(
+        self,
+        trace: ActivationTrace,
+        schedule: ResidencySchedule,
+        report: ScheduleReport,
+        funcs: list[Any],
+        comm_buffers: frozenset[StorageId] = frozenset(),
+        pins: Mapping[int, tuple[StorageId, ...]] | None = None,
+        foreign: frozenset[StorageId] = frozenset(),
+        virtual: Mapping[StorageId, int] | None = None,
+    ) -> None:
+        self.trace = trace
+        self.schedule = schedule
+        self.report = report
+        self.funcs = funcs
+        self.comm_buffers = comm_buffers
+        """Storages a functional collective read or wrote (tensor parallel)."""
+        self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
+        """Op index -> the storages a ``Work``-returning op pinned there (from that op to
+        the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
+        self.foreign = foreign
+        """FSDP's buffers (``fsdp::`` ops): 0 bytes in the trace, never bound."""
+        self.virtual: Mapping[StorageId, int] = virtual or {}
+        """What opaque regions keep for their backward (:mod:`.region_saved`): id ->
+        bytes. No storage: the replay counts them and runs no action on them."""
+        self.replay_pre, self.replay_post, self.virtual_delta = _virtual_replay(
+            trace, schedule, self.virtual)
+        ops = trace.ops[:-1] if has_step_end(trace) else trace.ops
+        self.hand_back = hand_back(ops, set().union(*pins.values()) if pins else set())
+        """``ACCUMULATE_GRAD`` op index -> the incoming gradients it read for the last
+        time (retained: never released by the plan): the replay hands them back to
+        autograd there (unbinds them: ``.grad`` keeps one, or it dies)."""
+
+
+
+def plan_step(
+    trace: ActivationTrace,
+    planner: ResidencyPlanner,
+    *,
+    where: str,
+    host_budget_bytes: int | None = None,
+    measured_peak: int | None = None,
+) -> PlannedSchedule:
+    """Plan an eager step's trace through the shared pipeline (reloads may start at op
+    0: the step is one timeline). ``measured_peak``: the most resident bytes the warmup
+    step itself reached; where the plan would peak above it (the warmup met a budget the
+    plan only just keeps, or stayed below it), the trace is planned again under that
+    peak, so a replay never runs above its warmup (no op needs more than the warmup
+    held: it read its operands there). Raises ``PlanningError`` as ``plan_residency``."""
+    planned = plan_residency(trace, planner, earliest_prefetch_op=0, where=where,
+                             host_budget_bytes=host_budget_bytes)
+    if measured_peak is None or planned.check.peak_resident_bytes <= measured_peak:
+        return planned
+    if planned.trace.budget_bytes > trace.budget_bytes:
+        return planned  # the host budget binds: the plan already keeps what it must
+    within = plan_residency(trace.with_budget(min(measured_peak, trace.budget_bytes)), planner,
+                            earliest_prefetch_op=0, where=where,
+                            host_budget_bytes=host_budget_bytes)
+    if within.check.peak_resident_bytes < planned.check.peak_resident_bytes:
+        return within
+    return planned
+
+
+def replan(
+    plan: WarmupResult, sizes: Mapping[StorageId, int], planner: ResidencyPlanner
+) -> WarmupResult:
+    """``plan``'s trace with other storage sizes, planned again (same ops and accesses:
+    no re-trace). The replay's answer to a step that ran the same ops with larger
+    sizes (:mod:`.size_drift`)."""
+    trace = dataclasses.replace(plan.trace, storage_sizes=dict(sizes))
+    try:
+        planned = plan_step(trace, planner, where="eager re-plan")
+    except PlanningError as error:
+        raise OffloadSessionError(f"{error}\nThe session keeps its previous plan.") from error
+    virtual = {sid: trace.storage_sizes[sid] for sid in plan.virtual}  # regions grow too
+    return WarmupResult(trace, planned.schedule, planned.check, plan.funcs, plan.comm_buffers,
+                        plan.pins, plan.foreign, virtual)
+
+
+def _virtual_replay(
+    trace: ActivationTrace, schedule: ResidencySchedule, virtual: Mapping[StorageId, int]
+) -> tuple[Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]], dict[int, tuple[int, int]]]:
+    """The schedule the replay runs (``pre``, ``post`` without actions on virtual
+    storages) and, per op, the virtual bytes it creates and releases (for the count)."""
+    if not virtual:
+        return schedule.pre, schedule.post, {}
+    delta: dict[int, list[int]] = {}
+    for sid, nbytes in virtual.items():
+        delta.setdefault(trace.accesses_of(sid)[0][0], [0, 0])[0] += nbytes
+    post = []
+    for index, actions in enumerate(schedule.post):
+        for action in actions:
+            if action.storage in virtual:
+                delta.setdefault(index, [0, 0])[1] += virtual[action.storage]
+        post.append(tuple(a for a in actions if a.storage not in virtual))
+    pre = [tuple(a for a in actions if a.storage not in virtual) for actions in schedule.pre]
+    return pre, post, {op: (made, freed) for op, (made, freed) in delta.items()}
+
+
+def first_outputs_only(
+    ops: Sequence[TraceOp], foreign: Collection[StorageId]
+) -> tuple[TraceOp, ...]:
+    """``ops`` with each foreign storage an output of its creating op only: the replay
+    skips a foreign storage's views as it skips views of parameters."""
+    seen: set[StorageId] = set()
+    out = []
+    for op in ops:
+        outputs = []
+        for sid in op.outputs:
+            if sid in foreign:
+                if sid in seen:
+                    continue
+                seen.add(sid)
+            outputs.append(sid)
+        out.append(op if len(outputs) == len(op.outputs)
+                   else dataclasses.replace(op, outputs=tuple(outputs)))
+    return tuple(out)
+
+
+def hand_back(
+    ops: Sequence[TraceOp], pinned: Collection[StorageId]
+) -> dict[int, tuple[StorageId, ...]]:
+    """``ACCUMULATE_GRAD`` op index -> the storages it reads for the last time (the
+    incoming gradients; pinned ones stay the communication's). Creating a ``.grad``
+    keeps such a storage, accumulating into one frees it: the trace retains it either
+    way (counted to the end of the step, never released by the plan)."""
+    last: dict[StorageId, int] = {}
+    for index, op in enumerate(ops):
+        for access in op.accesses:
+            last[access.storage] = index
+    handed: dict[int, tuple[StorageId, ...]] = {}
+    for index, op in enumerate(ops):
+        if op.name == ACCUMULATE_GRAD:
+            sids = tuple(s for s in op.storages if last[s] == index and s not in pinned)
+            if sids:
+                handed[index] = sids
+    return handed
