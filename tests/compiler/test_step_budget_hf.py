@@ -44,6 +44,13 @@ def llama() -> tuple[torch.nn.Module, list[torch.nn.Module]]:
 
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {"gpt2": gpt2, "llama": llama}
 
+COMPILE_STEP_BYTES = {"gpt2": 0, "llama": SEQ * 8}
+"""What torch holds to the end of the step that compiles the layers and of no later step:
+Llama's int64 ``cache_position`` (measured with plain aot_eager: the first step's eager
+code frees it only after the step, the second while its forward runs). The real step
+plan, made from that first step, counts it from the loss to the step's end; the fake
+step of ``estimate`` does not."""
+
 
 class _Loss(torch.nn.Module):
     """The causal LM's training loss on its own input ids: one positional input, as
@@ -111,5 +118,5 @@ def test_per_layer_compile_fits_every_step_and_is_exact(name, fraction, plain):
     # first step was) gives this step plan.
     assert_estimate_is_the_step_plan(
         _per_layer(name, "aot_eager"), (_ids(),), backend, inner_compiler="aot_eager",
-        max_resident_activation_mb=budget / _MIB,
+        max_resident_activation_mb=budget / _MIB, compile_step_bytes=COMPILE_STEP_BYTES[name],
     )
