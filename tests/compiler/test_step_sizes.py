@@ -65,9 +65,13 @@ def test_each_step_is_planned_at_its_own_sizes_once_per_bucket(dynamic):
         assert all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"])), number
         assert got["saved"] <= budget + SLACK, f"step {number}: {got['saved']} B > {budget} B"
     # Distinct buckets: each length with symbolic sizes, plus the static first compile
-    # of automatic dynamic. A length seen before reuses its plan.
+    # of automatic dynamic. A length seen before reuses its plan. A region the recompute
+    # search gave another partition has its step planned once more on it (the plans made
+    # on the old partition are dropped): under automatic dynamic the symbolic region is
+    # searched at 48 and re-partitioned (measured), so 4 buckets made 5 plans.
     buckets = len(set(LENGTHS)) + (dynamic is None)
-    assert 0 < backend.plans_made <= buckets
+    repartitioned = len(backend.step_report.relowered)
+    assert 0 < backend.plans_made <= buckets + repartitioned
     symbolic = [r for r in backend.regions if r.size_inputs]
     assert symbolic  # the sizes were symbolic, and read at each call
     assert backend.step_report is not None and backend.step_report.moved_bytes > 0

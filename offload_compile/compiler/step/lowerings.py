@@ -25,8 +25,8 @@ predicted step that fits wins; with none fitting, the lowest predicted peak.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -37,22 +37,38 @@ from hyper_offload.passes.plan.step import RegionFloor, StepPlan, StepTimeline, 
 from hyper_offload.passes.plan.step.model import Slot
 from hyper_offload.passes.plan.step.plan import regions_to_relower
 
+from ..options import BackendOptions
+from ..partitioner import PartitionRequest, PartitionResult
 from ..recompute_search import PlanScore
 from ..region import CompiledRegion, Lowering
 from ..region_plan import GraphPlan
 from ..region_report import LOGGER
 from ..size_buckets import merged_sizes
 
-if TYPE_CHECKING:
-    from ..backend import HyperOffloadBackend
+__all__ = ["RegionCompiler", "RegionLowerings", "StepScorer"]
 
-__all__ = ["RegionLowerings", "StepScorer"]
+
+class RegionCompiler(Protocol):
+    """What the lowerings need of a backend (:class:`~..backend.HyperOffloadBackend`): its
+    regions and options, and a compile of a region for a partition request. A protocol,
+    so the step lifecycle imports no door object (the backend imports this module)."""
+
+    regions: list[CompiledRegion]
+    options: BackendOptions
+    fake_steps: bool
+
+    def request(self, region: CompiledRegion, **asked: Any) -> PartitionRequest: ...
+
+    def compile(
+        self, region: CompiledRegion, request: PartitionRequest, *, graphs_only: bool = False,
+        example_inputs: Sequence[Any] | None = None,
+    ) -> tuple[Callable[..., Any], PartitionResult | None]: ...
 
 
 class RegionLowerings:
     """:class:`~.controller.StepLowering` over a backend's regions (module docstring)."""
 
-    def __init__(self, backend: HyperOffloadBackend) -> None:
+    def __init__(self, backend: RegionCompiler) -> None:
         self._backend = backend
         self.failed_searches: list[int] = []
         """Regions whose recompute search raised (each region is searched once)."""
