@@ -7,8 +7,8 @@ The state machine of the HyperOffload design::
 * ``device_buffer`` is the storage's own ``torch.UntypedStorage``. Releasing device memory
   *shrinks that storage to zero bytes* (``resize_(0)``) and reloading grows it back
   (``resize_(nbytes)``) and copies the bytes in. The storage *object* never changes, so
-  every tensor and view that points at it (autograd's saved tensors, a ShadowTensor's
-  resolved view, a compiled graph's keepalive) sees the data again after a reload, and
+  every tensor and view that points at it (autograd's saved tensors, a compiled
+  graph's keepalive) sees the data again after a reload, and
   nothing but that one storage ever holds the device bytes: after ``release_device`` the
   bytes are really returned to the allocator even while callers still hold tensors.
   The price: between release and reload those tensors have no bytes behind them and

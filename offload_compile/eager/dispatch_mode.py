@@ -71,7 +71,7 @@ class ActivationDispatchMode(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         for tensor_type in types:
             if tensor_type.__torch_dispatch__ is not _PLAIN_DISPATCH:
-                # A tensor subclass (DTensor, ShadowTensor) unwraps itself first; its
+                # A tensor subclass (DTensor, TwoTensor) unwraps itself first; its
                 # inner ops come back here with plain tensors.
                 return NotImplemented
         try:
@@ -86,7 +86,7 @@ def owns_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a strided tensor over a storage of its own bytes.
 
     False for sparse layouts, for wrapper subclasses (DTensor, the functional
-    collectives' ``AsyncCollectiveTensor``, ``ShadowTensor``): a wrapper's
+    collectives' ``AsyncCollectiveTensor``): a wrapper's
     ``untyped_storage()`` is a placeholder with no data, and its inner tensors reach the
     mode as plain tensors through the subclass's own dispatch, where they are tracked;
     and for an efficient zero tensor (``sgn``'s derivative of a real input, many a

@@ -51,7 +51,7 @@ from ..pinned_pool import PinnedMemoryPool
 from ..residency import ResidencyManager
 from ..verify import VerifySteps
 from .hooks import group_scope
-from .swap_group import GroupState, SwapGroup, SwapStateError, group_name, storage_keys
+from .swap_group import SwapGroup, SwapStateError, group_name, storage_keys
 
 __all__ = ["PipelineSwapSession"]
 
@@ -271,9 +271,6 @@ class PipelineSwapSession:
     def resident_bytes(self) -> int:
         """Device bytes held by the storages of every live group (real storage sizes)."""
         return sum(g.resident_bytes() for g in self._groups.values())
-
-    def offloaded_states(self) -> dict[str, GroupState]:
-        return {g.name: g.state for g in self._groups.values()}
 
     def _require_active(self, what: str) -> None:
         if not self._active:
