@@ -128,11 +128,6 @@ class OffloadDoor:
             self.session.__exit__(type(error), error, error.__traceback__)
 
     @property
-    def step_open(self) -> bool:
-        """Whether a step is in progress (eager door)."""
-        return self.session is not None and self.session.active
-
-    @property
     def report(self) -> StepReport | StepStats | None:
         """The compile door's ``step_report`` (predicted) or the eager door's last step's
         ``StepStats`` (measured); None before a step ended."""
