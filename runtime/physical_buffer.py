@@ -40,10 +40,11 @@ Event rules (section 5.3 of the design), each enforced here:
    saying which copy that is.
 6. The disk tier (:mod:`.disk_store`): :meth:`PhysicalBuffer.spill_to_disk` writes the
    host copy to a file once its D2H is done and gives the host buffer back (reused only
-   once the write is done); :meth:`load_from_disk` reads it into a fresh pool buffer; an
-   H2D from that buffer first waits (the host blocks) for the read;
-   :meth:`release_disk` removes the file after the reads queued before it. An offloaded
-   storage whose copy is on disk is in state ``HOST`` (off the device, data kept).
+   once the write is done); :meth:`~PhysicalBuffer.load_from_disk` reads it into a fresh
+   pool buffer; an H2D from that buffer first waits (the host blocks) for the read;
+   :meth:`~PhysicalBuffer.release_disk` removes the file after the reads queued before it.
+   An offloaded storage whose copy is on disk is in state ``HOST`` (off the device, data
+   kept).
 """
 
 from __future__ import annotations
