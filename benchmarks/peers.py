@@ -14,7 +14,7 @@ Per (model, budget, link) one JSON line with, for each peer, bytes moved (both w
 GiB), stall (ms and % of compute) and peak (GiB):
 
 * ``default``: ``budget_scope="step"``, the backend's own planner
-  (``compiler.step_planner.plan_step_schedules``) on the region's floor, the step being
+  (``passes/plan/step/plan.py``'s ``plan_step``) on the region's floor, the step being
   that region run once;
 * ``region``: ``budget_scope="region"`` (``compiler.region_plan.plan_graphs``);
 * ``torchtitan`` and ``torch_aot`` (``benchmarks/peer_rules.py``; no budget: their own
@@ -49,15 +49,14 @@ from peer_rules import aot_schedule, titan_schedule  # noqa: E402
 
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
 from hyper_offload.compiler.region_plan import GraphPlan, plan_graphs  # noqa: E402
-from hyper_offload.compiler.step_model import (  # noqa: E402
+from hyper_offload.passes import ResidencySchedule, check_schedule, predict_timeline  # noqa: E402
+from hyper_offload.passes.plan.step.model import (  # noqa: E402
     Invocation,
     StepEvent,
     StepEventKind,
     StepTimeline,
 )
-from hyper_offload.compiler.step_planner import plan_step_schedules  # noqa: E402
-from hyper_offload.compiler.step_trace import region_trace  # noqa: E402
-from hyper_offload.passes import ResidencySchedule, check_schedule, predict_timeline  # noqa: E402
+from hyper_offload.passes.plan.step.plan import plan_step  # noqa: E402
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput  # noqa: E402
 from hyper_offload.passes.fx.graph_trace import FxTrace  # noqa: E402
@@ -193,10 +192,8 @@ class Setting:
 
     def default(self, budget: int) -> Priced:
         """The default door: the step plan of the region run once (its own planner)."""
-        plan = plan_step_schedules(
-            ONE_STEP, {0: region_trace(self.fx_trace, self.floor.schedule)},
-            {0: self.floor.check.resident_bytes}, budget, tailor=frozenset({0}),
-        )
+        region = self.fx_trace.region_floor(self.floor.schedule, lowerable=True)
+        plan = plan_step(ONE_STEP, {0: region}, budget)
         schedule = plan.schedules.get(0, self.floor.schedule)
         priced = price(self.fx_trace, schedule)
         assert abs(priced.stall_s - plan.predicted_stall_s) < 1e-9 or plan.keep_for(

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from hyper_offload.compiler.dynamo_backend import HyperOffloadBackend  # noqa: E402
+from hyper_offload.compiler.backend import HyperOffloadBackend  # noqa: E402
 from hyper_offload.compiler.fake_capture import (  # noqa: E402
     capture_graphs,
     fake_inputs,
@@ -39,6 +39,7 @@ from hyper_offload.compiler.fake_capture import (  # noqa: E402
 )
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
 from hyper_offload.compiler.recompute_search import choose_partition, graph_planner  # noqa: E402
+from hyper_offload.compiler.step.controller import StepState  # noqa: E402
 from hyper_offload.compiler.step_estimate import compile_as_given  # noqa: E402
 from hyper_offload.passes.analysis.predicted_timeline import op_durations  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds  # noqa: E402
@@ -75,11 +76,10 @@ def default_door(model: torch.nn.Module, inputs: Any, budget_mb: float, gbps: fl
     for _ in range(4):
         with mode, torch.enable_grad():
             compiled(*args).backward()
-        if not any(r.relower_requested or r.lowering_requested is not None
-                   for r in backend.regions):
+        if backend.controller.state is not StepState.RELOWERING:
             break
     plan = backend.step_plan
-    compute = sum(sum(op_durations(backend.regions[i.region].floor.trace))
+    compute = sum(sum(op_durations(backend.regions[i.region].step_floor(in_force=True).trace))
                   for i in plan.timeline.invocations)
     reports = [r.planned.report for r in backend.regions if r.planned is not None]
     recompute = [r.recompute for r in reports if r.recompute is not None]

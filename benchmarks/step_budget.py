@@ -11,9 +11,7 @@ saved bytes. Per row, in one process, against plain ``torch.compile`` of the sam
   ``torch.equal`` to plain compile's;
 * **predicted** (GPU pricing: ops on the roofline at 400 TFLOP/s and 3 TB/s, links at
   16 and 50 GB/s, the one timeline model): the step plan's stall, the first step's (the
-  floor: everything movable moves), and the stall and bytes of the alternative the
-  backend does not take (shared decisions: every invocation of a compiled graph keeps
-  the same slots);
+  floor: everything movable moves);
 * **compile cost** (measured): the first two steps' wall time over plain per-layout
   compile's; and the bytes-moved reference: the whole model compiled as one region with
   ``budget_scope="region"`` (the region plan of before issue 31) at the same budget.
@@ -32,6 +30,7 @@ the regions the search re-lowered, and the first two steps' wall time auto / off
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -42,13 +41,13 @@ import torch
 import torch.nn as nn
 
 import hyper_offload
-from hyper_offload.compiler.dynamo_backend import HyperOffloadBackend
+from hyper_offload.compiler.backend import HyperOffloadBackend
 from hyper_offload.compiler.options import parse_backend_options
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
-from hyper_offload.compiler.step_plan import plan_step
-from hyper_offload.compiler.step_timeline import RegionFloor, predicted_step_stall
-from hyper_offload.passes.analysis.predicted_timeline import op_durations
+from hyper_offload.passes.analysis.predicted_timeline import op_durations, predict_timeline
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
+from hyper_offload.passes.ir.schedule import ResidencySchedule
+from hyper_offload.passes.plan.step.layout import StepTrace, lay_out_step
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,46 +124,63 @@ def _train(layout: str, backend: Any, runtime: Any = None) -> dict[str, Any]:
     return out
 
 
-def _gpu_floors(backend: Any) -> tuple[dict[int, RegionFloor], dict[int, list[float]]]:
-    """Each region's floor, and its ops re-priced on the GPU roofline."""
-    floors, durations = {}, {}
+def _gpu_seconds(backend: Any) -> dict[tuple[int, str], float]:
+    """Each region op's duration on the GPU roofline, by region and op name (the ops of
+    its floor's trace and of its lowering in force)."""
+    seconds = {}
     for region in backend.regions:
-        floors[region.index] = region.floor
-        if region.planned is None or region.graphs is None:
-            durations[region.index] = []
+        if region.graphs is None:
             continue
         fw, bw = region.graphs
         nodes = {f"fw:{n.name}": n for n in fw.graph.nodes}
         nodes.update({f"bw:{n.name}": n for n in bw.graph.nodes})
-        durations[region.index] = [
-            node_seconds(nodes[name], GPU) for name in region.planned.fx_trace.op_nodes
-        ]
-    return floors, durations
+        for plan in (region.floor_plan, region.planned):
+            if plan is None:
+                continue
+            for op, name in zip(plan.fx_trace.trace.ops, plan.fx_trace.op_nodes):
+                if name in nodes:
+                    seconds[region.index, op.name] = node_seconds(nodes[name], GPU)
+    return seconds
+
+
+def _stall_on_gpu(step: StepTrace, schedule: ResidencySchedule,
+                  seconds: dict[tuple[int, str], float], gbps: float) -> float:
+    """Seconds ``schedule`` of the step waits for copies with region ops priced on the GPU
+    roofline and copies at ``gbps`` each way (*predicted*, the one timeline model; the
+    compile lowering's releases wait for their D2H)."""
+    ops = tuple(
+        op if owner.invocation is None else dataclasses.replace(
+            op, duration_s=seconds.get((owner.invocation.region, op.name), op.duration_s))
+        for op, owner in zip(step.trace.ops, step.owners)
+    )
+    trace = dataclasses.replace(step.trace, ops=ops, d2h_bandwidth_gbps=gbps,
+                                h2d_bandwidth_gbps=gbps)
+    return predict_timeline(trace, schedule, release_waits_for_d2h=True).exposed_transfer_s
 
 
 def _predicted(backend: Any) -> dict[str, Any]:
-    """The step plan's and the shared alternative's stall on GPU pricing, per link (the
-    first step: every region at its floor, whatever it runs now)."""
+    """The step plan's stall on GPU pricing, per link, and the first step's (every region
+    at its floor, whatever it runs now)."""
     plan = backend.step_plan
-    profiles = {r.index: r.profile for r in backend.regions}
-    shared = plan_step(plan.timeline, profiles, plan.budget_bytes, shared=True)
-    floors, durations = _gpu_floors(backend)
-    at_floor = {
-        r.index: RegionFloor(r.floor_plan.fx_trace.trace, r.floor_plan.schedule,
-                             r.floor_plan.fx_trace.num_fw_ops)
-        if r.floor_plan is not None else floors[r.index]
-        for r in backend.regions
-    }
-    figures: dict[str, Any] = {"shared_moved_bytes": shared.moved_bytes}
+    first = lay_out_step(plan.timeline, {
+        r.index: r.floor_plan.fx_trace.region_floor(r.floor_plan.schedule)
+        for r in backend.regions if r.floor_plan is not None
+    })
+    seconds = _gpu_seconds(backend)
+    figures: dict[str, Any] = {}
     for gbps in LINKS_GBPS:
-        price = {"durations": durations, "bandwidth_gbps": (gbps, gbps)}
-        figures[f"stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
-            plan.timeline, floors, plan.keep_for, **price)
-        figures[f"shared_stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
-            plan.timeline, floors, shared.keep_for, **price)
-        figures[f"first_step_stall_ms_{gbps:g}gbps"] = 1e3 * predicted_step_stall(
-            plan.timeline, at_floor, lambda invocation: frozenset(), **price)
+        figures[f"stall_ms_{gbps:g}gbps"] = 1e3 * _stall_on_gpu(
+            plan.layout, plan.schedule, seconds, gbps)
+        figures[f"first_step_stall_ms_{gbps:g}gbps"] = 1e3 * _stall_on_gpu(
+            first, first.floor, seconds, gbps)
     return figures
+
+
+def _in_force(backend: Any, region: int) -> Any:
+    """Region ``region`` as it runs now (its lowering in force, as the step plan sees it)."""
+    floor = backend.regions[region].step_floor(in_force=True)
+    assert floor is not None, f"region {region} was never planned"
+    return floor
 
 
 def _exact(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -224,7 +240,7 @@ def run_recompute_row(layout: str, fraction: float) -> dict[str, Any]:
         )
         ours = _train(layout, backend, backend.runtime)
         report = backend.step_report
-        compute = sum(sum(op_durations(backend.regions[p.invocation.region].floor.trace))
+        compute = sum(sum(op_durations(_in_force(backend, p.invocation.region).trace))
                       for p in report.invocations)
         row.update({
             f"{recompute}_measured_moved_bytes_step2": ours["moved"][1],
@@ -288,9 +304,9 @@ def recompute_table(rows: list[dict[str, Any]]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| layout | budget | saved step 1 / 3 (MiB, measured) | profiler peak (MiB, "
             "measured; plain) | moved per step 1 / 3 (MiB, measured) | vs whole model | "
-            "stall 16 / 50 GB/s (ms, predicted) | first step stall 16 GB/s | shared: "
-            "moved, stall 16 GB/s | first 2 steps vs plain | exact |")
-    lines = [head, "|" + "---|" * 11]
+            "stall 16 / 50 GB/s (ms, predicted) | first step stall 16 GB/s | "
+            "first 2 steps vs plain | exact |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(
             f"| {r['layout']} | {r['fraction']:.0%} = {r['budget_bytes'] / _MIB:.2f} | "
@@ -303,8 +319,6 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['moved_ratio_vs_whole_model']:.2f}x | "
             f"{r['predicted_stall_ms_16gbps']:.3f} / {r['predicted_stall_ms_50gbps']:.3f} | "
             f"{r['predicted_first_step_stall_ms_16gbps']:.3f} | "
-            f"{r['predicted_shared_moved_bytes'] / _MIB:.2f}, "
-            f"{r['predicted_shared_stall_ms_16gbps']:.3f} | "
             f"{r['first_two_steps_ratio_vs_plain']:.2f}x | {r['exact']} |"
         )
     return "\n".join(lines)

@@ -66,7 +66,7 @@ class OffloadConfig:
     with another budget, a custom planner): ``False`` (default) raises
     :class:`~hyper_offload.errors.HostBudgetError` naming the budget and the fix;
     ``True`` serves it from pageable memory past the pinned cap (slower: pageable copies
-    block the host), as ``max_offload_activation_mb`` did before issue 44."""
+    block the host), as ``max_offload_activation_mb`` used to."""
 
     max_offload_activation_mb: float | None = None
     """Deprecated alias of ``max_host_activation_mb`` (it capped the pinned pool and then

@@ -2,8 +2,9 @@
 
 Every rank of a node stages its offloaded activations in the same physical memory, so a
 per-rank host budget only means something next to how many ranks share the machine.
-:func:`resolve_host_budget_bytes` turns ``OffloadConfig.max_host_activation_mb`` into
-bytes; when it is ``None`` (the default) the budget is the node view::
+:meth:`~hyper_offload.config.OffloadConfig.host_budget_bytes` turns
+``OffloadConfig.max_host_activation_mb`` into bytes; when it is ``None`` (the default) the
+budget is the node view::
 
     host budget = available host memory / local ranks
 

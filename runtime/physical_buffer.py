@@ -7,8 +7,8 @@ The state machine of the HyperOffload design::
 * ``device_buffer`` is the storage's own ``torch.UntypedStorage``. Releasing device memory
   *shrinks that storage to zero bytes* (``resize_(0)``) and reloading grows it back
   (``resize_(nbytes)``) and copies the bytes in. The storage *object* never changes, so
-  every tensor and view that points at it (autograd's saved tensors, a ShadowTensor's
-  resolved view, a compiled graph's keepalive) sees the data again after a reload, and
+  every tensor and view that points at it (autograd's saved tensors, a compiled
+  graph's keepalive) sees the data again after a reload, and
   nothing but that one storage ever holds the device bytes: after ``release_device`` the
   bytes are really returned to the allocator even while callers still hold tensors.
   The price: between release and reload those tensors have no bytes behind them and
@@ -40,10 +40,11 @@ Event rules (section 5.3 of the design), each enforced here:
    saying which copy that is.
 6. The disk tier (:mod:`.disk_store`): :meth:`PhysicalBuffer.spill_to_disk` writes the
    host copy to a file once its D2H is done and gives the host buffer back (reused only
-   once the write is done); :meth:`load_from_disk` reads it into a fresh pool buffer; an
-   H2D from that buffer first waits (the host blocks) for the read;
-   :meth:`release_disk` removes the file after the reads queued before it. An offloaded
-   storage whose copy is on disk is in state ``HOST`` (off the device, data kept).
+   once the write is done); :meth:`~PhysicalBuffer.load_from_disk` reads it into a fresh
+   pool buffer; an H2D from that buffer first waits (the host blocks) for the read;
+   :meth:`~PhysicalBuffer.release_disk` removes the file after the reads queued before it.
+   An offloaded storage whose copy is on disk is in state ``HOST`` (off the device, data
+   kept).
 """
 
 from __future__ import annotations

@@ -15,20 +15,20 @@ Rules (each is tested):
   pinning it really costs: torch's caching host allocator rounds every pinned request
   up to a power of two (so a dedicated 2.1 GiB buffer pins 4 GiB and is counted so),
   and keeps freed pinned blocks in its own cache, so whenever the pool frees pinned
-  buffers (eviction, :meth:`trim`, a dedicated buffer's release) it empties that cache
-  (``torch.accelerator.empty_host_cache()``: note that this also returns *other* unused
-  cached pinned blocks of the process). :attr:`PoolStats.host_allocator_pinned_bytes`
-  reports what torch's host allocator really holds, for comparison. When a new buffer
-  would break the cap, cached buffers are freed first; if that is not enough, the
-  pool first waits for buffers whose release is still pending on an event (their copies
-  finish; nothing else can free room), then, only with ``pageable_fallback=True``, serves
-  the request with ordinary *pageable* memory, counted separately
-  (``pageable_fallbacks``, ``pageable_bytes_in_use``) and simply dropped on release;
-  without it (the default) the cap is the host budget the planners keep
+  buffers (eviction, :meth:`~PinnedMemoryPool.trim`, a dedicated buffer's release) it
+  empties that cache (``torch.accelerator.empty_host_cache()``: note that this also returns
+  *other* unused cached pinned blocks of the process).
+  :attr:`PoolStats.host_allocator_pinned_bytes` reports what torch's host allocator really
+  holds, for comparison. When a new buffer would break the cap, cached buffers are freed
+  first; if that is not enough, the pool first waits for buffers whose release is still
+  pending on an event (their copies finish; nothing else can free room), then, only with
+  ``pageable_fallback=True``, serves the request with ordinary *pageable* memory, counted
+  separately (``pageable_fallbacks``, ``pageable_bytes_in_use``) and simply dropped on
+  release; without it (the default) the cap is the host budget the planners keep
   (``OffloadConfig.max_host_activation_mb``), and breaking it raises
-  :class:`~hyper_offload.errors.HostBudgetError` naming the budget and the fixes. A
-  failed pinned allocation (the operating system refused to pin) falls back to pageable
-  either way: that takes no more host memory, only slower copies.
+  :class:`~hyper_offload.errors.HostBudgetError` naming the budget and the fixes. A failed
+  pinned allocation (the operating system refused to pin) falls back to pageable either way:
+  that takes no more host memory, only slower copies.
 * **Pageable fallbacks are loud.** A copy to or from pageable memory is synchronous on
   CUDA and, since the copy stream first waits for compute, blocks the host behind all
   queued work. A pinned pool warns once (:class:`PageableFallbackWarning`, naming the
@@ -39,10 +39,10 @@ Rules (each is tested):
   touched it is finished). Pending buffers are reaped on ``acquire``, ``stats`` and
   ``trim``. ``event`` may be anything with ``query()``: a ``torch.Event``, a
   :class:`~hyper_offload.runtime.device.Transfer`, or ``None`` (free now).
-* **Release from a finalizer.** :meth:`release_soon` never blocks: a weakref callback or
-  garbage-collector finalizer may run while this very thread holds the pool's lock (a
-  collection can start at any allocation), so it only queues the buffer; every locked
-  operation applies the queue first, so no caller can tell the difference.
+* **Release from a finalizer.** :meth:`~PinnedMemoryPool.release_soon` never blocks: a
+  weakref callback or garbage-collector finalizer may run while this very thread holds the
+  pool's lock (a collection can start at any allocation), so it only queues the buffer;
+  every locked operation applies the queue first, so no caller can tell the difference.
 * **One owner at a time.** A buffer is handed out to one caller until released;
   releasing it twice, or releasing a tensor the pool never handed out, raises
   :class:`~hyper_offload.errors.PoolMisuseError`. Buffers are identified by

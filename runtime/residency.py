@@ -1,14 +1,16 @@
 """``ResidencyManager``: the schedule's actions, executed on storages keyed by id.
 
 The manager is the runtime half of a :class:`~hyper_offload.passes.ir.schedule.ResidencySchedule`:
-each action kind maps to one method (``COPY_D2H`` → :meth:`copy_d2h`, ``RELEASE_DEVICE`` →
-:meth:`release_device`, ``COPY_H2D`` → :meth:`copy_h2d`, ``WAIT_H2D`` → :meth:`wait_h2d`,
-``RELEASE_HOST`` → :meth:`release_host`, and the disk tier's ``SPILL_TO_DISK`` /
-``LOAD_FROM_DISK`` / ``RELEASE_DISK`` → :meth:`spill_to_disk` / :meth:`load_from_disk`
-/ :meth:`release_disk` on the manager's :class:`~.disk_store.DiskStore`; :meth:`apply`
-dispatches a ``ResidencyAction``).
-It never decides *what* to move; it does what it is told, or refuses with an error naming
-the storage, the broken rule and the fix.
+each action kind maps to one method (``COPY_D2H`` → :meth:`~ResidencyManager.copy_d2h`,
+``RELEASE_DEVICE`` → :meth:`~ResidencyManager.release_device`, ``COPY_H2D`` →
+:meth:`~ResidencyManager.copy_h2d`, ``WAIT_H2D`` → :meth:`~ResidencyManager.wait_h2d`,
+``RELEASE_HOST`` → :meth:`~ResidencyManager.release_host`, and the disk tier's
+``SPILL_TO_DISK`` / ``LOAD_FROM_DISK`` / ``RELEASE_DISK`` →
+:meth:`~ResidencyManager.spill_to_disk` / :meth:`~ResidencyManager.load_from_disk` /
+:meth:`~ResidencyManager.release_disk` on the manager's :class:`~.disk_store.DiskStore`;
+:meth:`~ResidencyManager.apply` dispatches a ``ResidencyAction``). It never decides *what*
+to move; it does what it is told, or refuses with an error naming the storage, the broken
+rule and the fix.
 
 Storage ids are the trace's ``StorageId`` (plain ints chosen by the caller). Each id maps
 to one :class:`PhysicalBuffer` over the bound tensor's ``UntypedStorage``; releasing
@@ -17,15 +19,15 @@ back, and a reload grows the *same* storage again, so tensors held elsewhere see
 data again bit for bit (see :mod:`~hyper_offload.runtime.physical_buffer`).
 
 The manager holds each bound storage object (not a second copy of its bytes) until
-:meth:`unbind` or :meth:`reset`, so an offloaded storage survives even if no tensor points
-at it any more.
+:meth:`~ResidencyManager.unbind` or :meth:`~ResidencyManager.reset`, so an offloaded storage
+survives even if no tensor points at it any more.
 
 Failure behaviour: misuse raises :class:`ResidencyMisuseError` before anything changes; a
-failed copy raises :class:`TransferFailedError` after rolling back (no transfer in flight,
-no pool buffer leaked, the surviving copy named). :meth:`reset` is the exception-path
-cleanup: it drains every transfer, pages offloaded storages back so that no tensor is
-left pointing at missing bytes, returns every host buffer to the pool and removes every
-file of the disk tier.
+failed copy raises :class:`~hyper_offload.errors.TransferFailedError` after rolling back (no
+transfer in flight, no pool buffer leaked, the surviving copy named).
+:meth:`~ResidencyManager.reset` is the exception-path cleanup: it drains every transfer,
+pages offloaded storages back so that no tensor is left pointing at missing bytes, returns
+every host buffer to the pool and removes every file of the disk tier.
 """
 
 from __future__ import annotations

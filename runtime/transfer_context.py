@@ -43,11 +43,11 @@ copies (on the compute stream, right before the copy stream is told to read them
 D2H's ``wait_transfer``, the last point before the graph frees the source, checks the
 source again (a write after the copy was issued), and an H2D's ``wait_transfer`` checks
 the reloaded bytes once the compute stream waited for them, before any op reads them. A
-mismatch raises :class:`TransferIntegrityError` naming the block's ``where`` (door,
-region) and the copy (``slot_names``). The reload's metadata is checked too: the dtype,
-sizes and conjugate/negative bits of what left, in the layout of its host copy (which the
-graph's rebuild of each saved view assumes; the views themselves are checked when the
-graphs are lowered, ``passes.fx.lowering_check.check_reloads``).
+mismatch raises :class:`~hyper_offload.errors.TransferIntegrityError` naming the block's
+``where`` (door, region) and the copy (``slot_names``). The reload's metadata is checked
+too: the dtype, sizes and conjugate/negative bits of what left, in the layout of its host
+copy (which the graph's rebuild of each saved view assumes; the views themselves are checked
+when the graphs are lowered, ``passes.fx.lowering_check.check_reloads``).
 """
 
 from __future__ import annotations
@@ -185,8 +185,9 @@ class _HostCopy:
     """``verify``: what left (its dtype, sizes and bits) in the host copy's layout: what
     a reload must be."""
     holder: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    """The pool buffer, until the copy's death (or a spill, :meth:`TransferRuntime.
-    take_host_buffer`) gives it back: whoever pops it returns it, exactly once."""
+    """The pool buffer, until the copy's death (or a spill,
+    :meth:`TransferRuntime.take_host_buffer`) gives it back: whoever pops it returns it,
+    exactly once."""
     read: Any = None
     """A disk read filling the buffer (:mod:`.disk_ops`); the first H2D waits for it."""
     readers: list[Transfer] = dataclasses.field(default_factory=list)

@@ -7,7 +7,8 @@ recompute search).
 Compiled *per block* (``torch.compile(block)`` for each layer, the usual FSDP2 layout),
 the same step is one block region invoked once per layer plus the code around it:
 captured, partitioned and searched once, and priced on the step for every layer by the
-step plan (:mod:`.step_plan`), which is what "capture and plan one, price all" means.
+step plan (:mod:`~hyper_offload.passes.plan.step.plan`), which is what "capture and plan
+one, price all" means.
 
 :func:`repeated_blocks` finds the run of identical blocks of a model (in a
 ``ModuleList`` / ``Sequential``, at least :data:`MIN_REPEATS` children with the same

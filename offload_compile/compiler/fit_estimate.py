@@ -341,7 +341,7 @@ def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
 
 
 def _host_lines(binding: str, peak_host: int, host_budget: int | None) -> list[str]:
-    """The host budget's line, and its fix where it binds (issue 44)."""
+    """The host budget's line, and its fix where it binds."""
     if host_budget is None:
         return []
     lines = [f"host: {_mib(peak_host)} held at once of a host budget of {_mib(host_budget)} "

@@ -20,9 +20,10 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
   for the whole training step, however many regions and invocations it runs (per-block
   compile, graph breaks, DDP, FSDP2): each region is lowered at its floor for the first
   step and, once a step was seen, one step plan decides what each invocation keeps
-  (:mod:`.step_plan`); a fraction is of the step's peak. ``"region"``: each region is
-  planned on its own under the whole budget (a fraction is of the region's peak), with
-  the recompute search, as before issue 31: right when the step is one region run once;
+  (:mod:`~hyper_offload.passes.plan.step.plan`); a fraction is of the step's peak.
+  ``"region"``: each region is planned on its own under the whole budget (a fraction is of
+  the region's peak), with the recompute search, as before the step plan: right when the
+  step is one region run once;
 * ``mode``: an Inductor mode (``torch.compile(..., mode=...)`` arrives here too):
   its settings apply to the inner Inductor, except CUDA graphs (a region's transfers
   keep host-side state, pool buffers and events, that a graph replay would skip; a

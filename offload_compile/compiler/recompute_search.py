@@ -154,16 +154,16 @@ SEARCH_WORK_SHARE = 1.0
 work (:func:`plan_work`): with :data:`SEARCH_MIN_WORK`, and the rule that an attempt
 starts only when the largest attempt so far would still fit, a region whose one plan is
 costly (HF RWKV, 2 layers: 1.1 M accesses, ~40 s a plan) searches about one more
-partition, as the earlier time bound let it (issue 31), and a usual one its whole grid.
+partition, as the earlier time bound let it, and a usual one its whole grid.
 Measured: ``benchmarks/search_bound.py`` (docs/benchmarks.md)."""
 
 SEARCH_MIN_WORK = 2_000_000
 """Planning work (trace accesses) the region scope's search may always spend. It runs at
 every compile of every region, before anything is known of the step, so it stays close to
-what issue 31 allowed in time: HF RWKV (1.1 M accesses a plan, ~40 s) searches about one
+what the earlier time bound allowed: HF RWKV (1.1 M accesses a plan, ~40 s) searches about one
 more partition. Work, not seconds: the same model gets the same search, and so the same
-plan, on any machine under any load (issue 43: a time bound stopped the step's search
-after one partition on every 4- and 32-layer Llama case)."""
+plan, on any machine under any load (a time bound stopped the step's search after one
+partition on every 4- and 32-layer Llama case)."""
 
 STEP_SEARCH_MIN_WORK = 8_000_000
 """The same for the default step scope's search, which runs once per region, after a

@@ -167,12 +167,12 @@ def plan_graphs(
     ops (default: the graphs' device's). ``budget_bytes`` replaces the options' budget
     (the recompute search plans every partition under the one budget the fraction gave
     for torch's default partition). ``floor``: plan at the region's floor instead of with
-    the options' planner (the step scope: :class:`~hyper_offload.passes.plan.floor.
-    FloorPlanner`, the gaps across the forward/backward boundary included, reloads
-    hoisted only under the floor's own peak, whatever the budget: the step plan keeps
-    slots in the room above it). ``activation_inputs``: forward
-    placeholders that may move (``build_fx_trace``). The returned report is
-    ``check_schedule`` of the returned schedule, without violations."""
+    the options' planner (the step scope:
+    :class:`~hyper_offload.passes.plan.floor.FloorPlanner`, the gaps across the
+    forward/backward boundary included, reloads hoisted only under the floor's own peak,
+    whatever the budget: the step plan keeps slots in the room above it).
+    ``activation_inputs``: forward placeholders that may move (``build_fx_trace``). The
+    returned report is ``check_schedule`` of the returned schedule, without violations."""
     fx_trace = build_fx_trace(
         fw, bw, num_fwd_outputs=num_fwd_outputs, throughput=throughput,
         d2h_bandwidth_gbps=bandwidth.d2h_gbps, h2d_bandwidth_gbps=bandwidth.h2d_gbps,

@@ -1,15 +1,16 @@
-"""Sizes decided at run time (issue 43): the step plan of the sizes a step really has.
+"""Sizes decided at run time: the step plan of the sizes a step really has.
 
 A region compiled with symbolic sizes (``dynamic=True``, automatic dynamic, or
 ``mark_dynamic``) is lowered once, at its floor: every movable saved activation gets a
 ``copy_d2h`` that either moves it or keeps a device copy, decided per call by the
 runtime. So one compiled graph serves every size, and only *which slots to keep* depends
 on the sizes. The backend therefore plans a step for the sizes it ran at (each region's
-trace with its symbolic storages evaluated there, :meth:`~hyper_offload.passes.fx.
-graph_trace.FxTrace.at_sizes`) and keeps one plan per *size bucket*: the step's events
-and each invocation's sizes (its graph inputs that are sizes, which Dynamo passes as
-ints). A later step with the same sizes reuses that plan; one with sizes never seen runs
-at the floor (nothing kept: the least any plan keeps) and is planned at its end.
+trace with its symbolic storages evaluated there,
+:meth:`~hyper_offload.passes.fx.graph_trace.FxTrace.at_sizes`) and keeps one plan per *size
+bucket*: the step's events and each invocation's sizes (its graph inputs that are sizes,
+which Dynamo passes as ints). A later step with the same sizes reuses that plan; one with
+sizes never seen runs at the floor (nothing kept: the least any plan keeps) and is planned
+at its end.
 
 Without this the plan made at the first step's sizes was applied to every later one: a
 longer sequence kept the same slots, each larger, and went over the budget (HF Llama

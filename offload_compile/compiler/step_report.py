@@ -39,10 +39,11 @@ class StepReport:
     the regions were traced with)."""
     relowered: tuple[int, ...] = ()
     """Regions lowered again with the recompute search ranked on the step, because an
-    earlier plan did not fit or stalled (:mod:`.step_recompute`); their region reports
+    earlier plan did not fit or stalled (:mod:`.step.lowerings`); their region reports
     say what they recompute."""
     lowered_for_step: tuple[int, ...] = ()
-    """Regions the plan runs with a schedule made for the step (:mod:`.step_planner`):
+    """Regions the plan runs with a schedule made for the step
+    (:mod:`~hyper_offload.passes.plan.step.planner`):
     what they move, and where, was planned on the whole step; the others run their floor
     and keep slots at run time (``kept_bytes``)."""
     floor_op: FloorOp | None = None
@@ -59,7 +60,8 @@ class StepReport:
     peak_host_bytes: int = 0
     """The most host bytes the plan's moved slots hold at once (*predicted*)."""
     binding: str = "none"
-    """Which budget limits the step (:attr:`.step_plan.StepPlan.binding`): ``"device"``,
+    """Which budget limits the step
+    (:attr:`~hyper_offload.passes.plan.step.plan.StepPlan.binding`): ``"device"``,
     ``"host"``, ``"both"`` or ``"none"``."""
 
     @property

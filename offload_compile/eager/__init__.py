@@ -9,8 +9,7 @@ replay that schedule through the runtime's ``ResidencyManager``.
 * :mod:`.dispatch_mode`, :mod:`.tracker` — recording ops and storages;
 * :mod:`.executor_base`, :mod:`.warmup`, :mod:`.replay` — the two executors;
 * :mod:`.opaque`, :mod:`.skip`, :mod:`.compiled_modules` — regions run as one op
-  (``@skip_offload``, compiled submodules);
-* :mod:`.shadow_tensor` — a tensor whose bytes the runtime may move.
+  (``@skip_offload``, compiled submodules).
 """
 
 from __future__ import annotations

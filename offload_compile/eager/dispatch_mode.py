@@ -1,10 +1,10 @@
 """``ActivationDispatchMode`` and the small, allocation-light helpers of the op hot path.
 
 The mode is deliberately thin: every aten op that runs while an ``OffloadSession`` is
-active goes to the current executor's :meth:`dispatch`, which decides what to record or
-which residency actions to run around the op. Inside ``__torch_dispatch__`` the mode is
-already popped from the mode stack, so the executor's ``func(*args)`` runs the real
-kernel (and any mode entered *before* the session, such as a ``DeviceMemoryMeter``).
+active goes to the current executor's :meth:`~OpDispatcher.dispatch`, which decides what
+to record or which residency actions to run around the op. Inside ``__torch_dispatch__``
+the mode is already popped from the mode stack, so the executor's ``func(*args)`` runs the
+real kernel (and any mode entered *before* the session, such as a ``DeviceMemoryMeter``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class ActivationDispatchMode(TorchDispatchMode):
 
     ``on_error(error, where)``: called when an op raised (its kernel, or the executor
     around it), before the error propagates unchanged: whether or not the user catches
-    it, the step is then no trace to plan from (issue 49, case 3)."""
+    it, the step is then no trace to plan from."""
 
     def __init__(
         self, executor: OpDispatcher,
@@ -71,7 +71,7 @@ class ActivationDispatchMode(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         for tensor_type in types:
             if tensor_type.__torch_dispatch__ is not _PLAIN_DISPATCH:
-                # A tensor subclass (DTensor, ShadowTensor) unwraps itself first; its
+                # A tensor subclass (DTensor, TwoTensor) unwraps itself first; its
                 # inner ops come back here with plain tensors.
                 return NotImplemented
         try:
@@ -86,7 +86,7 @@ def owns_storage(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a strided tensor over a storage of its own bytes.
 
     False for sparse layouts, for wrapper subclasses (DTensor, the functional
-    collectives' ``AsyncCollectiveTensor``, ``ShadowTensor``): a wrapper's
+    collectives' ``AsyncCollectiveTensor``): a wrapper's
     ``untyped_storage()`` is a placeholder with no data, and its inner tensors reach the
     mode as plain tensors through the subclass's own dispatch, where they are tracked;
     and for an efficient zero tensor (``sgn``'s derivative of a real input, many a

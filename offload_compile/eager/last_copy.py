@@ -7,16 +7,17 @@ reference die there). In a step that runs its warmup's ops, nothing references t
 storage at the next op any more. In a step that does not (a branch that reads an early
 activation again, a layer unfrozen so autograd now saves its input, a hook that keeps an
 output), something still does, and dropping the bytes would leave it a 0-byte storage:
-a later read found "device and host copies were both released" every step (issue 49,
-case 2), and a kernel reading it would crash the process (TORCH_NOTES).
+a later read found "device and host copies were both released" every step, and a kernel
+reading it would crash the process (TORCH_NOTES).
 
-So a planned last-copy drop is deferred to the start of the next op (:meth:`defer`,
-:meth:`settle`): by then the step's own references are gone in a step that matches its
-warmup, and the drop happens before the op allocates (the resident curve stays the
-plan's). A storage still referenced there is *kept*: its bytes go to the host instead
-(as the plan counted them freed, the device curve stays the plan's; on the device if
-the host budget has no room), and a later read of it is the divergence the replay
-reports (:meth:`read`): it hands the step to a warmup, before any kernel touches it.
+So a planned last-copy drop is deferred to the start of the next op
+(:meth:`~LastCopies.defer`, :meth:`~LastCopies.settle`): by then the step's own references
+are gone in a step that matches its warmup, and the drop happens before the op allocates
+(the resident curve stays the plan's). A storage still referenced there is *kept*: its
+bytes go to the host instead (as the plan counted them freed, the device curve stays the
+plan's; on the device if the host budget has no room), and a later read of it is the
+divergence the replay reports (:meth:`~LastCopies.first_read`): it hands the step to a
+warmup, before any kernel touches it.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class LastCopies:
         return False
 
     def defer(self, action: ResidencyAction, op: int) -> None:
-        """Drop now if nothing references the storage, else at the next :meth:`settle`."""
+        """Drop now if nothing references the storage, else at the next
+        :meth:`~LastCopies.settle`."""
         if self.manager.buffer(action.storage).referenced():
             self.pending[action.storage] = (action.kind, op)
         else:

@@ -3,13 +3,13 @@
 A ``torch.compile``d module (or a ``skip_offload`` function) runs as one virtual op: the
 activations its own ops save for the backward are created inside it, where nothing is
 traced, and stay on the device until the region's backward. The session cannot plan
-them, but it must count them: they share the device with what it plans (issue 42,
-"a silent feasible"). :func:`region_saved_bytes` reads them from autograd's graph at the
-end of the region's forward (the nodes the region created: from its outputs back to
-its start), the way :mod:`hyper_offload.compiler.saved_bytes` reads a compiled step.
-The warmup records them as one *held* storage of that size, written by the region's
-forward op, read by every op up to its backward op (so no plan has a gap to move it in)
-and released after it; the replay counts the same bytes at the same ops.
+them, but it must count them: they share the device with what it plans (left
+out, a plan reads feasible and is not). :func:`region_saved_bytes` reads them from
+autograd's graph at the end of the region's forward (the nodes the region created: from its
+outputs back to its start), the way :mod:`hyper_offload.compiler.saved_bytes` reads a
+compiled step. The warmup records them as one *held* storage of that size, written by the
+region's forward op, read by every op up to its backward op (so no plan has a gap to move it
+in) and released after it; the replay counts the same bytes at the same ops.
 
 Not counted: the region's inputs and the parameters whose gradients it accumulates
 (they exist before the region), storages the session tracks (planned already), host

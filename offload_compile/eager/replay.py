@@ -21,8 +21,9 @@ reload's ``COPY_H2D`` several ops before the ``WAIT_H2D`` of the op that reads i
 copy overlaps those ops. The trace guarantees none of them reads the storage, and the
 bytes count as resident from the COPY_H2D on (as ``check_schedule`` counts them). A read
 the trace could not see (a closure inside an opaque region) of a storage whose H2D is
-still in flight first makes the compute stream wait for that H2D (:meth:`guard`), so
-no kernel reads half-copied bytes; the planned WAIT_H2D then costs nothing.
+still in flight first makes the compute stream wait for that H2D
+(:meth:`~ReplayExecutor.guard`), so no kernel reads half-copied bytes; the planned
+WAIT_H2D then costs nothing.
 
 Last copies. A planned drop of a storage's only copy waits until nothing references the
 storage (:mod:`.last_copy`); one still referenced where its warmup saw it die is kept,
@@ -32,7 +33,7 @@ The end of the step is the plan's last op (:data:`~hyper_offload.passes.ir.step_
 :meth:`ReplayExecutor.finish` runs its actions (reloads of retained storages the plan
 moved out in their last gap) and samples the resident bytes there.
 
-A structural mismatch raises :class:`~hyper_offload.passes.ReplayMismatchError` naming
+A structural mismatch raises :class:`~hyper_offload.errors.ReplayMismatchError` naming
 the op index, the expected and found op and their output leaf counts, unless the step
 may re-warm: then a warmup takes the step over (``take_over``). An op that raised inside
 the step (the user caught it) hands the rest of the step to a warmup too. The offending
@@ -129,8 +130,9 @@ class ReplayExecutor(BaseExecutor):
         self._loading: dict[int, StorageId] = {}
         """``_cdata`` -> id of storages whose COPY_H2D ran and whose WAIT_H2D has not."""
         self.early_reload_waits = 0
-        """Reads of a storage with an H2D in flight that waited for it in :meth:`guard`
-        (reads the trace did not record; 0 for a step that matches its trace)."""
+        """Reads of a storage with an H2D in flight that waited for it in
+        :meth:`~ReplayExecutor.guard` (reads the trace did not record; 0 for a step that
+        matches its trace)."""
 
     def taint(self, reason: str) -> None:
         self._tainted = reason

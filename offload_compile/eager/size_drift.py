@@ -3,7 +3,7 @@
 MoE routing (how many tokens each expert gets) and packed or bucketed batches change
 tensor sizes every step while the op sequence stays the warmup's. The plan's decisions
 (which storage moves where) still apply: copies are copies, whatever their size. What
-no longer holds is its byte count. The rule (issue 33):
+no longer holds is its byte count. The rule:
 
 * **Within the planned sizes** (every storage at most as large as the plan assumed) the
   plan keeps its predicted peak: the resident curve only grows with the sizes, so the

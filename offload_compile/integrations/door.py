@@ -1,17 +1,19 @@
 """``OffloadDoor``: one trainer's offload, whichever door, behind the few calls a trainer
 integration makes.
 
-* compile door: a :class:`~hyper_offload.compiler.HyperOffloadBackend`; :meth:`compile`
-  compiles a module *in place* (``nn.Module.compile``: the module keeps its class, its
-  ``forward`` signature and its ``state_dict`` keys, which trainers inspect and save);
+* compile door: a :class:`~hyper_offload.compiler.HyperOffloadBackend`;
+  :meth:`~OffloadDoor.compile` compiles a module *in place* (``nn.Module.compile``: the
+  module keeps its class, its ``forward`` signature and its ``state_dict`` keys, which
+  trainers inspect and save);
   the step report is the backend's ``step_report`` (*predicted* figures, planned from
   the step the backend saw);
 * eager door: an :class:`~hyper_offload.OffloadSession`, made for the trainer's device at
-  :meth:`start`; each training step's forward and backward run inside it, either as a
-  ``with`` block (:meth:`step`) or between two trainer hooks (:meth:`enter_step`,
-  :meth:`exit_step`); the step report is the session's ``last_stats`` (*measured*).
+  :meth:`~OffloadDoor.start`; each training step's forward and backward run inside it, either as a
+  ``with`` block (:meth:`~OffloadDoor.step`) or between two trainer hooks
+  (:meth:`~OffloadDoor.enter_step`, :meth:`~OffloadDoor.exit_step`); the step report is the
+  session's ``last_stats`` (*measured*).
 
-:meth:`metrics` flattens the report into the figures trainers log, each name saying
+:meth:`~OffloadDoor.metrics` flattens the report into the figures trainers log, each name saying
 whether it is predicted or measured.
 """
 
@@ -43,7 +45,7 @@ class OffloadDoor:
 
     ``offload``: :class:`OffloadArguments` (default ``OffloadArguments()``), or a backend
     or session built with options of its own. Invariant: exactly one of ``backend`` and
-    ``session`` is used; ``session`` is None until :meth:`start` (eager door).
+    ``session`` is used; ``session`` is None until :meth:`~OffloadDoor.start` (eager door).
     """
 
     def __init__(self, offload: Any = None) -> None:
@@ -107,7 +109,7 @@ class OffloadDoor:
         self.exit_step()
 
     def enter_step(self) -> None:
-        """Start a step (eager door; the session must exist: :meth:`start`)."""
+        """Start a step (eager door; the session must exist: :meth:`~OffloadDoor.start`)."""
         if self.backend is not None:
             return
         if self.session is None:
@@ -126,11 +128,6 @@ class OffloadDoor:
             self.session.__exit__(None, None, None)
         else:
             self.session.__exit__(type(error), error, error.__traceback__)
-
-    @property
-    def step_open(self) -> bool:
-        """Whether a step is in progress (eager door)."""
-        return self.session is not None and self.session.active
 
     @property
     def report(self) -> StepReport | StepStats | None:

@@ -1,6 +1,6 @@
 """Liveness of a trace without any offload: per-storage intervals and the bytes curve.
 
-Under the residency model of :mod:`.trace`, a storage is on the device from its first
+Under the residency model of :mod:`..ir.trace`, a storage is on the device from its first
 access to its last access (inclusive), or to the end of the step when it is retained, or
 to the end of op ``held_until[s]`` when a reference holds it past its last access (then
 an offload of that last stretch needs no reload: see :mod:`.candidates`).

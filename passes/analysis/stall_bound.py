@@ -1,7 +1,7 @@
 """A lower bound on the compute stall of *any* schedule that holds a trace's budget.
 
-The time-aware pipeline is judged against this bound (issue 16: "stall <= 5% of compute,
-or <= 1.1 x the lower bound where that is higher"). It relaxes the timeline model of
+The time-aware pipeline is judged against this bound (its target: a stall <= 5% of
+compute, or <= 1.1 x the lower bound where that is higher). It relaxes the timeline model of
 :mod:`.predicted_timeline` (one compute stream; copies at the trace's bandwidths; a
 release that waits for its D2H where ``release_waits_for_d2h``; a reload waited for
 before its reader) and keeps only what no schedule escapes. Notation: ``C[i]`` is when
@@ -69,7 +69,7 @@ def stall_lower_bound(
 ) -> StallBound:
     """The bound of the module docstring for ``trace`` under its budget.
 
-    The keyword arguments are the door's, as :func:`~.planning.plan_residency` takes
+    The keyword arguments are the door's, as :func:`~..plan.planning.plan_residency` takes
     them (the compile path: the first backward op, the last forward op, True).
     """
     clock = op_start_times(trace, default_op_duration_s)

@@ -1,7 +1,7 @@
 """``check_schedule``: the one validator every planner and every lowering is judged by.
 
-It simulates residency op by op under the action semantics of :mod:`.schedule` and the
-residency model of :mod:`.trace`, and never trusts the planner's own bookkeeping.
+It simulates residency op by op under the action semantics of :mod:`..ir.schedule` and the
+residency model of :mod:`..ir.trace`, and never trusts the planner's own bookkeeping.
 """
 
 from __future__ import annotations

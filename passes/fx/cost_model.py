@@ -184,9 +184,9 @@ class TransferTime(NamedTuple):
 def exposed_transfer_time(trace: ActivationTrace, schedule: ResidencySchedule) -> TransferTime:
     """Copy seconds of ``schedule`` and how many of them compute cannot hide.
 
-    The compile lowering's timeline (:func:`~.predicted_timeline.predict_timeline` with
+    The compile lowering's timeline (:func:`~..analysis.predicted_timeline.predict_timeline` with
     ``release_waits_for_d2h=True``, ops without a duration priced by the one default of
-    :func:`~.predicted_timeline.op_durations`): one serial copy stream; a D2H is waited
+    :func:`~..analysis.predicted_timeline.op_durations`): one serial copy stream; a D2H is waited
     for where its device bytes are released, an H2D at its ``WAIT_H2D``. Exposed is the
     compute time those waits stall, what the planning pipeline minimised.
     """

@@ -1,6 +1,6 @@
 """What is on the device at one op of a region's floor: the op's own operands, and the
 largest other values alive there, each named by the node that made it and how it got
-there (issue 50: "the floor report names what remains: which op, which operands").
+there: the floor report names what remains, which op and which operands.
 
 The floor is the region's plan with everything movable moved: a saved activation is on
 the device from its first backward reader to its last, any other value from the op that

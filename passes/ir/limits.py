@@ -3,8 +3,8 @@
 A compile region's trace has one limit for every storage: no reload before the first
 backward op, no release after the last forward op (a region's backward graph cannot run
 a copy before it starts; its forward graph must have freed its bytes by its end). A
-*step* laid out as one trace (several regions and invocations, :mod:`hyper_offload.
-passes.plan.step.layout`) has one such pair per invocation, so each storage has its own.
+*step* laid out as one trace (several regions and invocations, :mod:`..plan.step.layout`)
+has one such pair per invocation, so each storage has its own.
 
 :data:`OpLimit` is either form: an ``int`` (every storage) or a mapping from storage to
 op (a storage it does not name has no limit: the caller's default). Pure; no torch.

@@ -4,8 +4,7 @@ Under the residency model of :mod:`.trace`, a retained storage (a gradient, an o
 must be on the device after the last op, and nothing between its last access and the
 end of the step may move it: ``required_bytes`` counts it there, so a step whose
 gradients are a large share of its bytes cannot be planned under a budget that a step
-moving them out and back can meet (issue 49, case 4: the eager warmup's online eviction
-did, its plan could not).
+moving them out and back can meet (the eager warmup's online eviction met it; a plan could not).
 
 A door that can run actions *after* the step's last op (the eager replay, at the end of
 its ``with`` block) appends :data:`STEP_END`: one op that reads every retained storage.

@@ -59,9 +59,9 @@ DEFAULT_DISK_BANDWIDTH_GBPS = 2.0
 ``runtime.disk_bandwidth``)."""
 
 FORWARD_GRAPH, BACKWARD_GRAPH = "fw", "bw"
-"""Graph tags of a compile-path trace: :mod:`.graph_trace` names each op ``"<tag>:<node>"``
+"""Graph tags of a compile-path trace: :mod:`..fx.graph_trace` names each op ``"<tag>:<node>"``
 (forward ops first), a JSON dump keeps the names, and
-:func:`.planning.backward_start` reads where the backward begins from them."""
+:func:`..plan.planning.backward_start` reads where the backward begins from them."""
 
 StorageId = int
 

@@ -3,7 +3,7 @@
 Every planner here separates *which* gaps to offload (analysis, in the planner) from
 *how* that choice becomes actions (this module), so the greedy planner, its refinement
 and the exact ILP planner all emit schedules the same way. For a chosen set of
-:class:`~.candidates.OffloadCandidate`::
+:class:`~..analysis.candidates.OffloadCandidate`::
 
     post[d2h_op]        COPY_D2H s        once per write epoch with a chosen gap
     post[start]         RELEASE_DEVICE s  for each chosen gap
@@ -27,7 +27,7 @@ Cost: one sort of ``(op, phase, storage)`` integer triples per slot list, then o
 per non-empty slot. Integer triples are untracked by the garbage collector once it has
 seen them, so the lowering leaves little more than the schedule itself for a full
 collection to scan. Measured on the 100,002-op saved-stack trace of
-``benchmarks/planner.py`` (issue 30): sorting each slot with a key function, as this
+``benchmarks/planner.py``: sorting each slot with a key function, as this
 module did before, took 0.88-1.07 s and two full collections, this 0.50-0.56 s and one.
 """
 

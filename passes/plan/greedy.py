@@ -3,7 +3,7 @@
 Algorithm (M candidate gaps, S ops):
 
 1. Candidates are the gaps between consecutive accesses of each storage
-   (:func:`~.candidates.offload_candidates`).
+   (:func:`~..analysis.candidates.offload_candidates`).
 2. Rank them by (distance, size, -start) descending — far-apart, large gaps first —
    with ties broken by storage id.
 3. Walk the ranking; accept a candidate while any op it covers is still over budget,

@@ -117,8 +117,9 @@ class PlannedSchedule:
     planned_check: ScheduleReport
     earliest_prefetch_op: OpLimit
     predicted_stall_s: float = 0.0
-    """The timeline model's stall of ``schedule`` (:func:`~.predicted_timeline.predict_timeline`
-    with this door's ``release_waits_for_d2h``): the least among the proposals."""
+    """The timeline model's stall of ``schedule``
+    (:func:`~..analysis.predicted_timeline.predict_timeline` with this door's
+    ``release_waits_for_d2h``): the least among the proposals."""
     proposals: int = 1
     """How many schedules the planner proposed (``planned`` is the one kept)."""
     host_budget_bytes: int | None = None
@@ -166,7 +167,7 @@ def plan_residency(
     one per storage (:mod:`..ir.limits`: a step laid out as one trace has a pair per
     invocation). ``where`` names the caller in errors (``"hyper_offload region 3"``,
     ``"eager warmup"``).
-    ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
+    ``default_op_duration_s``: see :func:`..analysis.predicted_timeline.op_durations`.
     ``host_budget_bytes`` (None: the planner's own ``host_budget_bytes``, if it has
     one): proposals holding more bucketed host bytes at once are
     dropped (:mod:`.host_budget`; a planner that keeps none raises); a proposal the host
@@ -446,7 +447,7 @@ def backward_start(trace: ActivationTrace) -> int:
     """Where a compile-path trace's backward graph begins, else 0.
 
     A trace whose ops are all named ``"fw:..."`` then ``"bw:..."`` (what
-    :func:`.graph_trace.build_fx_trace` writes, kept by its JSON) gives the index of its
+    :func:`..fx.graph_trace.build_fx_trace` writes, kept by its JSON) gives the index of its
     first ``"bw:"`` op (``num_ops`` when there is none): the compile path's
     ``earliest_prefetch_op``. Any other naming (eager traces, hand-written JSON) is one
     timeline: 0.

@@ -15,7 +15,7 @@ two steps (``WAIT_H2D`` stays where it was)::
    reader) may still be alive when the copy allocates, in eager code until Python drops
    it, in compiled code until the graph frees its buffer. Reloads are placed in the order
    they are waited for and never start before the reload placed before it: the one copy
-   stream (the runtime's, and :mod:`.predicted_timeline`'s model of it) then serves them
+   stream (the runtime's, and :mod:`..analysis.predicted_timeline`'s model of it) then serves them
    in deadline order, and the earliest need gets the room first.
 2. **Latest without stall**: on the timeline model of that placement, each reload is
    issued as late as its copy can start and still end before its wait and before the
@@ -23,7 +23,7 @@ two steps (``WAIT_H2D`` stays where it was)::
    the device simply holds the bytes for less time, which leaves room for what the trace
    does not see (an op's own workspace, e.g. the flash-attention backward's).
 
-Why not "just early enough to hide the copy", as this pass did before issue 16: on an
+Why not "just early enough to hide the copy", as this pass once did: on an
 idle stream that is right, but a reload queued behind others is not hidden by its own
 lead; on the GPU-priced LLM traces of ``benchmarks/stall.py`` that left most of the
 backward's stall. Why not the earliest placement alone: it fills the budget to the byte
@@ -73,7 +73,7 @@ def prefetch_slots(
     late as the timeline model says it can be without ending later than its wait or
     delaying the copy queued after it (:func:`_latest_without_stall`). Starts never
     decrease in wait order. ``default_op_duration_s`` / ``release_waits_for_d2h``: the
-    door's timeline, as :func:`.predicted_timeline.predict_timeline` takes them.
+    door's timeline, as :func:`..analysis.predicted_timeline.predict_timeline` takes them.
     """
     earliest = earliest_slots(trace, schedule, earliest_op=earliest_op, fixed=fixed)
     return _latest_without_stall(

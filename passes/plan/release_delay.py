@@ -4,8 +4,8 @@ A planner releases an offloaded storage right after its last reader (``post[r]:
 RELEASE_DEVICE s``). Where a release must wait for the storage's D2H (the compile
 lowering's ``wait_transfer`` sits there), a release issued while that copy is still
 running stalls compute until it ends; on the predicted timeline of GPU-priced LLM traces
-this is most of the forward's stall (issue 16). This pass walks the step on the one
-timeline model (:class:`~.predicted_timeline.TimelineSimulator`) and holds back each
+this is most of the forward's stall. This pass walks the step on the one
+timeline model (:class:`~..analysis.predicted_timeline.TimelineSimulator`) and holds back each
 release whose copy is still running, freeing it at the first slot where
 
 * its copy is done (no stall), or
@@ -55,9 +55,10 @@ def release_slots(
     """``{(storage, release op): new release op}`` for every release this pass holds back,
     in the order they are issued (a release held back and freed in its own slot maps to
     its own op: it moved behind that slot's other actions). ``schedule`` must pass
-    ``check_schedule``; ``default_op_duration_s``: see :func:`.predicted_timeline.op_durations`.
-    ``latest_op``: one op for every storage or one per storage (:mod:`..ir.limits`).
-    ``fixed``: storages whose releases stay where they are (a lowering already compiled).
+    ``check_schedule``; ``default_op_duration_s``: see
+    :func:`..analysis.predicted_timeline.op_durations`. ``latest_op``: one op for every
+    storage or one per storage (:mod:`..ir.limits`). ``fixed``: storages whose releases stay
+    where they are (a lowering already compiled).
     """
     report = check_schedule(trace, schedule)
     if report.violations:

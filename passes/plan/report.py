@@ -1,7 +1,7 @@
 """``PlanReport`` and the one pipeline every gap-choosing planner shares.
 
 A planner that offloads whole gaps differs from another only in *which* gaps it picks:
-candidates and per-op excess come from :mod:`.candidates`, the pick from the
+candidates and per-op excess come from :mod:`..analysis.candidates`, the pick from the
 planner, and the schedule from :func:`~.choice_lowering.lower_offload_choice`.
 """
 

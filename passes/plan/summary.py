@@ -11,7 +11,7 @@ and what it costs in time. :class:`PlanSummary` holds those figures and derives
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 __all__ = ["Binding", "PlanSummary", "binding"]
 
@@ -67,6 +67,3 @@ class PlanSummary:
                        peak_bytes=self.peak_bytes, moved_bytes=self.moved_bytes,
                        host_forced=self.host_forced)
 
-    def as_dict(self) -> dict[str, object]:
-        """Flat, JSON-friendly figures (``binding`` and ``fits`` included)."""
-        return {**asdict(self), "binding": self.binding, "fits": self.fits}

@@ -72,7 +72,7 @@ def time_rank_key(
     earliest_prefetch_op: OpLimit = 0,
 ) -> RankKey:
     """A sort key (ascending) for :func:`~.greedy.select_greedy`: fitting gaps
-    first, then the design's order (:func:`~.candidates.design_rank_key`)."""
+    first, then the design's order (:func:`~..analysis.candidates.design_rank_key`)."""
     fits = dict(
         zip(candidates, copy_fits(trace, candidates, excess, earliest_prefetch_op=earliest_prefetch_op))
     )

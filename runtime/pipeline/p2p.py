@@ -60,9 +60,10 @@ class SentTensor(NamedTuple):
 class P2PTracker:
     """Posts the P2P ops of one step and remembers what is still to be waited for.
 
-    ``releases`` (this rank's :func:`send_releases` table) says after which receive each
-    send is proven received; ``None`` waits every send at the end of the step. ``sent``
-    records every send leaf of the step (its bytes, where it was released).
+    ``releases`` (this rank's
+    :func:`~hyper_offload.passes.pipeline.send_release.send_releases` table) says after
+    which receive each send is proven received; ``None`` waits every send at the end of the
+    step. ``sent`` records every send leaf of the step (its bytes, where it was released).
     """
 
     def __init__(

@@ -1,18 +1,19 @@
 """``PipelineSwapSession``: the run-scoped swap state of one rank's finalized order.
 
 One session serves one schedule (one rank-local order). Each ``step()`` of the schedule
-is one *generation*: :meth:`begin` starts it, :meth:`end` (normal exit) or :meth:`abort`
+is one *generation*: :meth:`~PipelineSwapSession.begin` starts it,
+:meth:`~PipelineSwapSession.end` (normal exit) or :meth:`~PipelineSwapSession.abort`
 (exception) finishes it, and after either no group of that generation is left.
 
 * **Eligible chunks** are the ``(stage, micro)`` keys that have a ``SWAP_LAUNCH_OFFLOAD``
   or a ``DW_LAUNCH_OFFLOAD`` in the order. Only their FWD leaves get a group
-  (:meth:`forward_scope`); every other FWD leaf runs with the no-window marker, so
-  wrappers pass its tensors through and no group exists for it.
+  (:meth:`~PipelineSwapSession.forward_scope`); every other FWD leaf runs with the no-window
+  marker, so wrappers pass its tensors through and no group exists for it.
 * **Group names** are ``pp_swap_run{generation}_s{stage}_m{micro}``.
 * **Protection.** Before the FWD runs, the stage's parameters (sharded or FSDP-unsharded,
   by storage), buffers and the leaf's inputs (first-stage inputs, receive buffers, a
   same-rank predecessor's output) are protected; right after it, the FWD output and the
-  loss root (:meth:`protect`). Protected storages are never released.
+  loss root (:meth:`~PipelineSwapSession.protect`). Protected storages are never released.
 * **dW state.** For a chunk with DW_* steps, right after its BWD_INPUT the group becomes
   the dW state (:meth:`SwapGroup.hold_weight_state`): the storages the retained graph
   still holds plus the gradients at the weight-path intermediates, never the input
@@ -51,7 +52,7 @@ from ..pinned_pool import PinnedMemoryPool
 from ..residency import ResidencyManager
 from ..verify import VerifySteps
 from .hooks import group_scope
-from .swap_group import GroupState, SwapGroup, SwapStateError, group_name, storage_keys
+from .swap_group import SwapGroup, SwapStateError, group_name, storage_keys
 
 __all__ = ["PipelineSwapSession"]
 
@@ -271,9 +272,6 @@ class PipelineSwapSession:
     def resident_bytes(self) -> int:
         """Device bytes held by the storages of every live group (real storage sizes)."""
         return sum(g.resident_bytes() for g in self._groups.values())
-
-    def offloaded_states(self) -> dict[str, GroupState]:
-        return {g.name: g.state for g in self._groups.values()}
 
     def _require_active(self, what: str) -> None:
         if not self._active:

@@ -10,7 +10,7 @@ Each top-level step is dispatched by kind:
 * compute leaves (FWD / BWD / BWD_INPUT / BWD_WEIGHT) through :meth:`StepRun.forward_leaf`
   and :meth:`StepRun.backward_leaf` — the only two entry points, used by the main thread
   and by the overlap worker alike. A FWD of an eligible chunk runs inside its swap group
-  (:meth:`PipelineSwapSession.forward_scope`); its output and loss are protected right
+  (:meth:`.session.PipelineSwapSession.forward_scope`); its output and loss are protected right
   after. A same-rank neighbour stage (V schedules) gets its input or output gradient
   directly, without P2P, as in torch's runtime;
 * ``OVERLAP_B_F`` / ``OVERLAP_F_B``: leaves in order, or — with ``real_overlap`` — the

@@ -32,14 +32,16 @@ Invariants:
 
 * A storage joins at most one group, once (aliases and views are de-duplicated by the
   storage object). Protected storages (stage parameters, inputs, receive buffers, the
-  FWD output, the loss) never join, and :meth:`protect` removes one that already joined.
+  FWD output, the loss) never join, and :meth:`~SwapGroup.protect` removes one that
+  already joined.
 * No host synchronisation on the normal path: launches enqueue copies, waits are stream
   waits (on CPU copies are synchronous, so every wait is already satisfied).
-* :meth:`check_readable` refuses a member storage while the group is ``OFFLOADED`` or
-  ``LOADING``: reading a 0-byte storage crashes the process (TORCH_NOTES), and reading a
-  storage whose H2D has not been waited for reads garbage on an accelerator.
-* :meth:`abort` is the exception path: it drains the copies, pages offloaded storages
-  back (so no tensor is left without bytes) and returns every host buffer.
+* :meth:`~SwapGroup.check_readable` refuses a member storage while the group is
+  ``OFFLOADED`` or ``LOADING``: reading a 0-byte storage crashes the process
+  (TORCH_NOTES), and reading a storage whose H2D has not been waited for reads garbage on
+  an accelerator.
+* :meth:`~SwapGroup.abort` is the exception path: it drains the copies, pages offloaded
+  storages back (so no tensor is left without bytes) and returns every host buffer.
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@
   :meth:`~..region.CompiledRegion.step_floor` describes it (the floor of its partition
   where it may be lowered again);
 * :meth:`~RegionLowerings.apply`: the lowerings a plan wants, made: first the recompute
-  search ranked on the step for the regions :func:`~hyper_offload.passes.plan.step.
-  regions_to_relower` names (each region at most once, so a step cannot oscillate), then
-  each region the plan lowers with a schedule of its own (compiled once per schedule; a
-  schedule seen before is adopted, not compiled). A lowering that fails leaves the region
-  on the lowering it runs, exact, and the region is never asked again.
+  search ranked on the step for the regions
+  :func:`~hyper_offload.passes.plan.step.plan.regions_to_relower` names (each region at most
+  once, so a step cannot oscillate), then each region the plan lowers with a schedule of its
+  own (compiled once per schedule; a schedule seen before is adopted, not compiled). A
+  lowering that fails leaves the region on the lowering it runs, exact, and the region is
+  never asked again.
 
 Recompute co-planned with the step: where the plan does not fit (the floor is over the
 budget somewhere only recompute can lower) or stalls, every region of the step that saves

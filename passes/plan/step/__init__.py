@@ -5,7 +5,8 @@
   :class:`RegionFloor` (one region's trace and the schedule its graphs run);
 * :mod:`.layout` — :func:`lay_out_step`, the one layout of a step (:class:`StepTrace`);
 * :mod:`.keep` — which slots stay on the device, with the one host ledger;
-* :mod:`.planner` — :class:`StepPlanner`, the step's proposals, run by ``plan_residency``;
+* :mod:`.planner` — :class:`~.planner.StepPlanner`, the step's proposals, run by
+  ``plan_residency``;
 * :mod:`.plan` — :func:`plan_step`, the entry: a :class:`StepPlan` with one summary.
 
 Pure: no torch.

@@ -88,14 +88,6 @@ class StepTrace:
         return (f"StepTrace({len(self.base)} invocations, {self.trace.num_ops} ops, "
                 f"{len(self.tailored)} tailored)")
 
-    def owner_of(self, storage: StorageId) -> tuple[Invocation, StorageId] | None:
-        """The invocation and region storage of step storage ``storage`` (None: eager)."""
-        for invocation, base in self.base.items():
-            region = self.regions.get(invocation.region)
-            if region is not None and base <= storage < base + region.storage_count:
-                return invocation, storage - base
-        return None
-
     def storages_of(self, invocation: Invocation) -> range:
         region = self.regions.get(invocation.region)
         base = self.base[invocation]

@@ -190,10 +190,6 @@ class RegionFloor:
         """``check_schedule``'s device bytes during each op of ``schedule``."""
         return check_schedule(self.trace, self.schedule).resident_bytes
 
-    @property
-    def op_names(self) -> tuple[str, ...]:
-        return tuple(op.name for op in self.trace.ops)
-
     def in_forward(self, storage: StorageId) -> bool:
         """Whether the forward touches ``storage`` (it is born there)."""
         accesses = self.trace.accesses_of(storage)
