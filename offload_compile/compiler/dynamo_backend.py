@@ -76,6 +76,7 @@ from .step_recompute import StepScorer, regions_to_relower
 from .step_report import StepReport, build_step_report, log_step_plan
 from .step_timeline import RegionFloor, predicted_step_stall
 from .region_state import CompiledRegion, Lowering
+from .tiling import tile_region
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_backend"]
 
@@ -285,6 +286,8 @@ class HyperOffloadBackend:
             plan, self.replans, self.recorder.steps, self.step_stall_s, relowered,
             plain_peak=self._plain_peaks.get(plan.timeline.shape_key),
             op_origin=lambda region, op: self.regions[region].op_origin(op),
+            tiled=tuple(r.index for r in self.regions if r.tiling is not None and r.tiling.tiled
+                        and r.index in plan.timeline.regions),
         )
 
     def run_invocation(
@@ -618,7 +621,11 @@ class HyperOffloadBackend:
         if on_meta(example_inputs):  # nothing to move: plain torch.compile, warned once
             warn, self._meta_warned = not self._meta_warned, True
             return compile_on_meta(gm, example_inputs, self.options, warn=warn)
+        tiling = None
+        if self.options.tile_sequence != "off":  # before the region: it is the tiled graph
+            gm, tiling = tile_region(gm, example_inputs, self.options, throughput=self.throughput)
         region = CompiledRegion(next(self._counter), gm, example_inputs, self.runtime)
+        region.tiling = tiling
         self.regions.append(region)
         plan_key = None
         if self.options.inner_compiler == "inductor" and not self.fake_steps:

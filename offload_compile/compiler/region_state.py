@@ -41,6 +41,7 @@ from .size_buckets import Bucket, bucket_of, size_inputs
 from .step_plan import RegionProfile, held_inputs, region_profile
 from .step_timeline import RegionFloor
 from .step_trace import RegionTrace, kept_across, region_trace
+from .tiling_report import TilingReport
 
 __all__ = ["CompiledRegion", "Lowering", "activation_inputs"]
 
@@ -119,9 +120,15 @@ class CompiledRegion:
         """Graph inputs that are sizes with no upper bound: ``{input index: (symbol,
         the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
         self.size_warned = False
+        self.tiling: TilingReport | None = None
+        """What sequence tiling did to the region's graph before its first compile
+        (``tile_sequence``, :mod:`.tiling`); every plan's report carries it."""
 
     def set_planned(self, planned: PlannedRegion) -> None:
         """Adopt a (new) plan: the profile and trace are derived from it again."""
+        if self.tiling is not None and planned.report.tiling is None:
+            planned = dataclasses.replace(
+                planned, report=dataclasses.replace(planned.report, tiling=self.tiling))
         self.planned = planned
         for derived in ("profile", "floor", "slot_names", "kept_across_bytes"):
             self.__dict__.pop(derived, None)

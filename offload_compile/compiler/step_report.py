@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .region_report import LOGGER
 from .step_plan import FloorOp, InvocationPlan, StepPlan
+from .tiling_report import NOT_BIT_EXACT
 
 __all__ = ["StepReport", "build_step_report", "explain_floor", "log_step_plan"]
 
@@ -59,6 +60,9 @@ class StepReport:
     binding: str = "none"
     """Which budget limits the step (:attr:`.step_plan.StepPlan.binding`): ``"device"``,
     ``"host"``, ``"both"`` or ``"none"``."""
+    tiled: tuple[int, ...] = ()
+    """Regions whose graphs sequence tiling split into tiles (``tile_sequence``): the
+    step is then *not bit-exact* (their region reports say what was tiled)."""
 
     @property
     def floor_explained(self) -> str:
@@ -101,6 +105,8 @@ class StepReport:
             "host_budget_bytes": self.host_budget_bytes,
             "peak_host_bytes": self.peak_host_bytes,
             "binding": self.binding,
+            "tiled_regions": list(self.tiled),
+            "bit_exact": not self.tiled,
         }
 
     def __str__(self) -> str:
@@ -120,6 +126,8 @@ class StepReport:
                else "")
             + f"; binding: {self.binding}",
             f"floor set by {self.floor_explained}",
+            *([f"sequence tiling in region(s) {', '.join(map(str, self.tiled))}: "
+               f"{NOT_BIT_EXACT}"] if self.tiled else []),
             "eager code between compiled regions: " + (
                 "counted (measured on fake tensors)" if self.eager_measured else
                 "NOT counted (a real step measures only its regions; hyper_offload.estimate "
@@ -137,11 +145,12 @@ class StepReport:
 def build_step_report(
     plan: StepPlan, replans: int, steps_seen: int, predicted_stall_s: float = 0.0,
     relowered: tuple[int, ...] = (), *, plain_peak: int | None = None,
-    op_origin: Callable[[int, str], str | None] | None = None,
+    op_origin: Callable[[int, str], str | None] | None = None, tiled: tuple[int, ...] = (),
 ) -> StepReport:
     """The report of ``plan``. ``plain_peak``: the step's peak without offload on torch's
     partitions, where the plan's regions were re-lowered since; ``op_origin(region,
-    op)``: the aten op a decomposed node came from (named beside the floor's op)."""
+    op)``: the aten op a decomposed node came from (named beside the floor's op);
+    ``tiled``: the regions sequence tiling split (the report says it is not bit-exact)."""
     floor_op = plan.floor_op
     origin = (op_origin(floor_op.region, floor_op.op)
               if floor_op is not None and floor_op.region is not None and op_origin else None)
@@ -157,7 +166,7 @@ def build_step_report(
         eager_measured=plan.timeline.between is not None,
         regions_floor_bytes=plan.regions_floor_bytes,
         host_budget_bytes=plan.host_budget_bytes, peak_host_bytes=plan.peak_host_bytes,
-        binding=plan.binding,
+        binding=plan.binding, tiled=tiled,
     )
 
 
