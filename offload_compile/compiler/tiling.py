@@ -9,13 +9,14 @@ Before a region is compiled, when ``tile_sequence`` is ``"auto"`` or a tile coun
    that no plan can move sets the floor. When that op belongs to a span, the spans with
    the same ops (that span in every layer) are tiled (:mod:`~hyper_offload.passes.fx.
    tiling_rewrite`: each tile recomputed in its backward, one tile's intermediates alive
-   at a time) with the **fewest tiles whose floor fits the budget** (``"auto"``: counts
-   doubled from 2 while the floor falls, then bisected), or where tiles stop lowering
-   it: once its floor is set by an op outside those spans, or more tiles lower it no
-   more. Then again for the span that sets the new floor, until the floor fits, is set
-   by an op no tiling lowers (attention, an embedding's gradient), or by spans already
-   tiled. A tile count (``tile_sequence=8``) tiles those spans with that count instead;
-   ``"off"`` (the default) analyses nothing and changes nothing;
+   at a time). ``"auto"`` doubles the tiles of the spans that set the floor (2, 4, 8,
+   ...: whichever spans set it after the last doubling) until the floor fits the budget,
+   is set by an op no tiling lowers (attention, an embedding's gradient), or a doubling
+   lowers it by less than :data:`MIN_GAIN`; when it fits, each count is then bisected
+   down to the **fewest tiles that still fit**. A tile count (``tile_sequence=8``) tiles
+   the spans that set the floor, one after another, with that count, until the floor
+   fits or is set by spans already tiled; ``"off"`` (the default) analyses nothing and
+   changes nothing;
 3. the region is compiled from the tiled graph as from any Dynamo graph (the recompute
    search, the step plan, the lowerings all see the tiled graphs); its region report says
    what was tiled (:class:`~.tiling_report.TilingReport`), and that the plan is *not
@@ -49,10 +50,13 @@ from .region_state import activation_inputs
 from .tiling_probe import SPAN_KEY, Probe, probe_floor
 from .tiling_report import TiledSpanReport, TilingReport
 
-__all__ = ["MAX_TILES", "choose_tiling", "tile_region"]
+__all__ = ["MAX_TILES", "MIN_GAIN", "choose_tiling", "tile_region"]
 
 MAX_TILES = 128
 """At most this many tiles per span (and never more than the sequence's tokens)."""
+
+MIN_GAIN = 0.05
+"""``"auto"`` doubles a span's tiles only while that lowers the floor by this share."""
 
 Prober = Callable[[fx.GraphModule], Probe]
 
@@ -154,52 +158,52 @@ class _Search:
         return tile_graph(self.base, self.axes, _units(chosen, counts))
 
     def run(self, mode: str | int, limit: int) -> str:
-        """Tile span after span while the floor is set by one (module docstring); the
-        reason it stopped."""
+        """Tile the spans that set the floor, doubling their tiles, while the floor is
+        over ``limit`` (module docstring); then, when it fits, the fewest tiles that
+        still fit. The reason it stopped."""
         counts: dict[str, int] = {}
-        current = self.untiled
+        current, stopped = self.untiled, "the floor fits the budget untiled"
         while current.floor_bytes > limit:
             if current.floor_span is None:
-                return f"the floor is set by {current.floor_op}, not a token-wise op"
+                stopped = f"the floor is set by {current.floor_op}, not a token-wise op"
+                break
             signature = self.spans[current.floor_span].signature
-            if signature in counts:
-                return f"the floor is set by {current.floor_op}, in a span already tiled"
-            tiles = mode if isinstance(mode, int) else self._fewest(counts, signature, limit)
-            if tiles is None:
-                return f"more tiles do not lower the floor set by {current.floor_op}"
-            counts[signature] = min(tiles, self.max_tiles)
-            current = self.floor(counts)
-            if current.floor_bytes < self.best[1].floor_bytes or isinstance(mode, int):
-                self.best = (dict(counts), current)
-        return "the floor fits the budget" if counts else "the floor fits the budget untiled"
+            if isinstance(mode, int):
+                if signature in counts:
+                    stopped = f"the floor is set by {current.floor_op}, in spans tiled {mode}-fold"
+                    break
+                tiles = min(mode, self.max_tiles)
+            else:
+                tiles = 2 * counts.get(signature, 1)
+                if tiles > self.max_tiles:
+                    stopped = (f"the floor is set by {current.floor_op}, in spans at the most "
+                               f"tiles ({self.max_tiles})")
+                    break
+            trial = {**counts, signature: tiles}
+            probed = self.floor(trial)
+            if not isinstance(mode, int) and probed.floor_bytes > (1 - MIN_GAIN) * current.floor_bytes:
+                stopped = (f"more tiles lower the floor set by {current.floor_op} by less than "
+                           f"{MIN_GAIN:.0%}")
+                break
+            counts, current = trial, probed
+            stopped = "the floor fits the budget"
+        if counts and current.floor_bytes <= limit and not isinstance(mode, int):
+            counts = self._fewest(counts, limit)
+        self.best = (counts, self.floor(counts))
+        return stopped
 
-    def _fewest(self, counts: dict[str, int], signature: str, limit: int) -> int | None:
-        """The fewest tiles of ``signature``'s spans at which the floor fits ``limit``
-        or is no longer theirs; where neither happens, the count past which more tiles
-        lower the floor no more (None: two tiles already do not lower it)."""
-        def done(tiles: int) -> bool:
-            probed = self.floor({**counts, signature: tiles})
-            spans = probed.floor_span
-            return probed.floor_bytes <= limit or spans is None or (
-                self.spans[spans].signature != signature)
-
-        previous, tiles = self.floor(counts), 2
-        while tiles <= self.max_tiles:
-            if done(tiles):
-                return self._bisect(done, tiles // 2, tiles)
-            probed = self.floor({**counts, signature: tiles})
-            if probed.floor_bytes >= previous.floor_bytes:
-                return tiles // 2 if tiles > 2 else None
-            previous, tiles = probed, tiles * 2
-        return tiles // 2
-
-    @staticmethod
-    def _bisect(done: Callable[[int], bool], low: int, high: int) -> int:
-        """The least count in (low, high] with ``done`` (``done(high)`` holds)."""
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (low, middle) if done(middle) else (middle, high)
-        return max(high, 2)
+    def _fewest(self, counts: dict[str, int], limit: int) -> dict[str, int]:
+        """``counts`` (whose floor fits ``limit``) with each signature's tiles bisected
+        down to the fewest that still fit, the others as they are (last tiled first)."""
+        counts = dict(counts)
+        for signature in reversed(list(counts)):
+            low, high = 1, counts[signature]
+            while high - low > 1:
+                middle = (low + high) // 2
+                fits = self.floor({**counts, signature: middle}).floor_bytes <= limit
+                low, high = (low, middle) if fits else (middle, high)
+            counts[signature] = high
+        return counts
 
     def reports(self) -> tuple[TiledSpanReport, ...]:
         counts, _ = self.best

@@ -101,15 +101,16 @@ def probe_floor(
 
 
 def _span_of(op: str, fw: fx.GraphModule, bw: fx.GraphModule) -> int | None:
-    """The span of trace op ``op`` (``"bw:mm_4"``): its node's tag, else the tag its
-    inputs share (autograd's accumulation of two gradients is traced untagged)."""
+    """The span of trace op ``op`` (``"bw:mm_4"``): its node's tag, else for an
+    addition the tag its inputs share (autograd's accumulation of two gradients is
+    traced untagged; any other untagged op is no span's)."""
     graph_name, _, node_name = op.partition(":")
     graph = (bw if graph_name == "bw" else fw).graph
     node = next((n for n in graph.nodes if n.name == node_name), None)
     if node is None:
         return None
     own = _tag(node)
-    if own is not None:
+    if own is not None or node.target is not torch.ops.aten.add.Tensor:
         return own
     tags = {_tag(arg) for arg in node.all_input_nodes} - {None}
     return tags.pop() if len(tags) == 1 else None
