@@ -76,7 +76,8 @@ from .step_recompute import StepScorer, regions_to_relower
 from .step_report import StepReport, build_step_report, log_step_plan
 from .step_timeline import RegionFloor, predicted_step_stall
 from .region_state import CompiledRegion, Lowering
-from .tiling import tile_region
+from .tiling import tile_region, tiling_source
+from .tiling_step import request_retiling, retile
 
 __all__ = ["HyperOffloadBackend", "backend", "hyper_offload_backend", "shared_backend"]
 
@@ -364,10 +365,13 @@ class HyperOffloadBackend:
         (:mod:`.step_recompute`)."""
         self._count_verified_step()
         plan = self.step_plan
-        if plan is not None and plan.timeline == timeline and not self._interim:
+        retiling = plan is not None and request_retiling(plan, self.regions, self.options)
+        if retiling:  # .tiling_step: done before the next step's first forward
+            self._budget_pin, self._relower_step = plan.budget_bytes, timeline
+        if plan is not None and plan.timeline == timeline and not (self._interim or retiling):
             return
         cached = self._plans.get(_timeline_key(timeline))
-        if cached is not None and self._lowered_as(cached):
+        if cached is not None and self._lowered_as(cached) and not retiling:
             self._adopt(cached, interim=False)  # a step seen before: its plan, not made again
             return
         fraction = self.options.budget_fraction
@@ -375,6 +379,8 @@ class HyperOffloadBackend:
         if budget is None and fraction is None:
             budget = self.options.config.budget_bytes
         plan = self._plan_step(timeline, budget, fraction)
+        if request_retiling(plan, self.regions, self.options):  # done before the relowering
+            self._budget_pin, self._relower_step = plan.budget_bytes, timeline
         if self.options.recompute != "auto":
             return
         todo = self._to_search(plan)
@@ -530,7 +536,11 @@ class HyperOffloadBackend:
         if timeline is None:
             return
         self._relower_step = None  # before compiling: a forward inside it finds nothing
-        changed = sum(self.relower(r, timeline) for r in self.regions if r.relower_requested)
+        changed = sum(retile(r, functools.partial(self._compile, r), self.options,
+                             self.throughput) for r in self.regions if r.retile_target is not None)
+        if changed:
+            self._plans.clear()  # made on the graphs before the tiling
+        changed += sum(self.relower(r, timeline) for r in self.regions if r.relower_requested)
         changed += sum(self.lower_for_step(r) for r in self.regions
                        if r.lowering_requested is not None)
         if changed or self._interim:
@@ -621,11 +631,12 @@ class HyperOffloadBackend:
         if on_meta(example_inputs):  # nothing to move: plain torch.compile, warned once
             warn, self._meta_warned = not self._meta_warned, True
             return compile_on_meta(gm, example_inputs, self.options, warn=warn)
-        tiling = None
+        tiling = source = None
         if self.options.tile_sequence != "off":  # before the region: it is the tiled graph
-            gm, tiling = tile_region(gm, example_inputs, self.options, throughput=self.throughput)
+            source = tiling_source(gm, example_inputs)
+            gm, tiling = tile_region(source, self.options, throughput=self.throughput)
         region = CompiledRegion(next(self._counter), gm, example_inputs, self.runtime)
-        region.tiling = tiling
+        region.tiling, region.untiled = tiling, source
         self.regions.append(region)
         plan_key = None
         if self.options.inner_compiler == "inductor" and not self.fake_steps:

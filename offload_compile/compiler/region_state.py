@@ -42,6 +42,7 @@ from .step_plan import RegionProfile, held_inputs, region_profile
 from .step_timeline import RegionFloor
 from .step_trace import RegionTrace, kept_across, region_trace
 from .tiling_report import TilingReport
+from .tiling_source import TilingSource
 
 __all__ = ["CompiledRegion", "Lowering", "activation_inputs"]
 
@@ -121,8 +122,15 @@ class CompiledRegion:
         the size the plan assumes)}`` (:mod:`hyper_offload.passes.fx.sizes`)."""
         self.size_warned = False
         self.tiling: TilingReport | None = None
-        """What sequence tiling did to the region's graph before its first compile
-        (``tile_sequence``, :mod:`.tiling`); every plan's report carries it."""
+        """What sequence tiling did to the region's graph (``tile_sequence``,
+        :mod:`.tiling`); every plan's report carries it."""
+        self.untiled: TilingSource | None = None
+        """What its tiling was chosen from (None: ``tile_sequence="off"``)."""
+        self.retile_target: int | None = None
+        """The floor the step asked tiling to reach, until it is tiled again
+        (:mod:`.tiling_step`, before the next step's first forward)."""
+        self.retiled = False
+        """Whether the step had it tiled again (at most once)."""
 
     def set_planned(self, planned: PlannedRegion) -> None:
         """Adopt a (new) plan: the profile and trace are derived from it again."""

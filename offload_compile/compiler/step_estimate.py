@@ -94,12 +94,12 @@ def estimate_step(
                                   observer=meter)
     run = block_run_for(fake, layout)
     compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend), run)
-    for _ in range(_MAX_STEPS):
+    for _ in range(_MAX_STEPS + 2 * (options.tile_sequence == "auto")):
         if meter is not None:
             meter.new_step()
         _fake_step(compiled, inputs, mode, meter)
         if not any(r.relower_requested or r.lowering_requested is not None
-                   for r in backend.regions):
+                   or r.retile_target is not None for r in backend.regions):
             break
     report = backend.step_report
     if report is None and not backend.regions:
@@ -141,7 +141,8 @@ _MAX_STEPS = 3
 plan asks for regions to be lowered again (:mod:`.step_recompute`'s search, each region at
 most once; :mod:`.step_planner`'s schedules), as a real run's next steps: a lowering
 asked for at a step's end is made before the next step's first forward, and that step
-is planned again at its end."""
+is planned again at its end. Two more with ``tile_sequence="auto"``, whose step may ask
+a region to be tiled again (:mod:`.tiling_step`, once per region) and searched again."""
 
 
 def _fake_step(

@@ -14,9 +14,9 @@ Before a region is compiled, when ``tile_sequence`` is ``"auto"`` or a tile coun
    is set by an op no tiling lowers (attention, an embedding's gradient), or a doubling
    lowers it by less than :data:`MIN_GAIN`; when it fits, each count is then bisected
    down to the **fewest tiles that still fit**. A tile count (``tile_sequence=8``) tiles
-   the spans that set the floor, one after another, with that count, until the floor
-   fits or is set by spans already tiled; ``"off"`` (the default) analyses nothing and
-   changes nothing;
+   the spans that set the untiled floor with that count whatever the budget, then, while
+   the floor is over it, the spans that set it next; ``"off"`` (the default) analyses
+   nothing and changes nothing;
 3. the region is compiled from the tiled graph as from any Dynamo graph (the recompute
    search, the step plan, the lowerings all see the tiled graphs); its region report says
    what was tiled (:class:`~.tiling_report.TilingReport`), and that the plan is *not
@@ -25,9 +25,12 @@ Before a region is compiled, when ``tile_sequence`` is ``"auto"`` or a tile coun
 Every candidate is priced on the one timeline model: its floor from its own trace, its
 compute (the tiles' recomputation included) by the roofline cost model. The budget a
 floor must fit is ``max_resident_activation_mb``, or with a fraction that fraction of
-the region's own peak without offload (the step's peak is only known after a step: the
-step plan then reports whether the step fits). The choice is made once, at the region's
-first compile; every later lowering of the region starts from the tiled graph.
+the region's own peak without offload (the step's peak is only known after a step).
+Every later lowering of the region starts from the tiled graph. Under the step scope the
+step plan may then find the step's floor over the budget at a token-wise op of a region
+whose own floor was under it (what the rest of the step holds there; the working set of
+a partition the recompute search chose): :mod:`.tiling_step` tiles that region again, once,
+for the floor the step needs there.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ from .region_report import LOGGER
 from .region_state import activation_inputs
 from .tiling_probe import SPAN_KEY, Probe, probe_floor
 from .tiling_report import TiledSpanReport, TilingReport
+from .tiling_source import TilingSource
 
-__all__ = ["MAX_TILES", "MIN_GAIN", "choose_tiling", "tile_region"]
+__all__ = ["MAX_TILES", "MIN_GAIN", "TilingSource", "choose_tiling", "tile_region", "tiling_source"]
 
 MAX_TILES = 128
 """At most this many tiles per span (and never more than the sequence's tokens)."""
@@ -61,30 +65,36 @@ MIN_GAIN = 0.05
 Prober = Callable[[fx.GraphModule], Probe]
 
 
-def tile_region(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions, *,
-    throughput: DeviceThroughput | None = None,
-) -> tuple[fx.GraphModule, TilingReport]:
-    """``gm`` tiled as ``options.tile_sequence`` says (module docstring), and the report;
-    ``gm`` itself when nothing is tiled (never modified)."""
-    inputs = _fake_inputs(gm, example_inputs)
-    moving = activation_inputs(example_inputs)
+def tiling_source(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> TilingSource:
+    """``gm``'s :class:`TilingSource` (read once, at the region's first compile)."""
+    return TilingSource(gm, _fake_inputs(gm, example_inputs), _seeds(gm, example_inputs),
+                        activation_inputs(example_inputs))
 
+
+def tile_region(
+    source: TilingSource, options: BackendOptions, *, throughput: DeviceThroughput | None = None,
+    target: int | None = None,
+) -> tuple[fx.GraphModule, TilingReport]:
+    """``source``'s graph tiled as ``options.tile_sequence`` says (module docstring), and
+    the report; the graph itself when nothing is tiled (never modified). ``target``: the
+    floor the step asks for (:mod:`.tiling_step`), instead of the options' budget; the
+    spans that set the floor are then tiled even where it already fits it."""
     def probe(graph: fx.GraphModule) -> Probe:
-        return probe_floor(graph, inputs, options, activation_inputs=moving,
+        return probe_floor(graph, source.inputs, options, activation_inputs=source.moving,
                            throughput=throughput)
 
     started = time.perf_counter()
     try:
-        return choose_tiling(gm, options.tile_sequence, probe, _budget(options),
-                             seeds=_seeds(gm, example_inputs))
+        return choose_tiling(source.graph, options.tile_sequence, probe,
+                             _budget(options) if target is None else target,
+                             seeds=source.seeds, force=target is not None)
     except Exception as error:  # an optimisation failed: the region compiles untiled, exact
         LOGGER.warning(
             "hyper_offload: sequence tiling of a region failed (%s: %s); it compiles "
             "untiled (exact). Fix: report it, or pass tile_sequence='off'",
             type(error).__name__, error)
-        return gm, _untiled(options.tile_sequence, None,
-                            f"tiling failed ({type(error).__name__})", started)
+        return source.graph, _untiled(options.tile_sequence, None,
+                                      f"tiling failed ({type(error).__name__})", started)
 
 
 def _budget(options: BackendOptions) -> Callable[[Probe], int] | int:
@@ -96,10 +106,11 @@ def _budget(options: BackendOptions) -> Callable[[Probe], int] | int:
 
 def choose_tiling(
     gm: fx.GraphModule, mode: str | int, probe: Prober, budget: Callable[[Probe], int] | int,
-    *, seeds: Mapping[str, int | None] | None = None,
+    *, seeds: Mapping[str, int | None] | None = None, force: bool = False,
 ) -> tuple[fx.GraphModule, TilingReport]:
     """The search of the module docstring, with ``probe`` giving a candidate's floor and
-    ``budget`` (bytes, or a function of the untiled probe) the floor to reach."""
+    ``budget`` (bytes, or a function of the untiled probe) the floor to reach; ``force``:
+    tile the spans that set the floor even where the untiled floor fits."""
     started = time.perf_counter()
     seq_len = sequence_length(gm.graph)
     if seq_len is None or seq_len < 2:
@@ -110,7 +121,7 @@ def choose_tiling(
         return gm, _untiled(mode, seq_len, "no token-wise op to tile", started)
     search = _Search(gm, axes, spans, probe, min(seq_len, MAX_TILES))
     limit = budget(search.untiled) if callable(budget) else budget
-    stopped = search.run(mode, limit)
+    stopped = search.run(mode, limit, force)
     chosen, after = search.best
     report = TilingReport(
         mode=str(mode), seq_len=seq_len,
@@ -157,22 +168,23 @@ class _Search:
         chosen = [s for s in self.spans if counts.get(s.signature, 1) > 1]
         return tile_graph(self.base, self.axes, _units(chosen, counts))
 
-    def run(self, mode: str | int, limit: int) -> str:
+    def run(self, mode: str | int, limit: int, force: bool = False) -> str:
         """Tile the spans that set the floor, doubling their tiles, while the floor is
-        over ``limit`` (module docstring); then, when it fits, the fewest tiles that
-        still fit. The reason it stopped."""
+        over ``limit`` (``force``: at least once; a tile count: whatever the limit);
+        then, when it fits, the fewest tiles that still fit. Why it stopped."""
         counts: dict[str, int] = {}
         current, stopped = self.untiled, "the floor fits the budget untiled"
-        while current.floor_bytes > limit:
+        counted = isinstance(mode, int)
+        while current.floor_bytes > limit or ((force or counted) and not counts):
             if current.floor_span is None:
                 stopped = f"the floor is set by {current.floor_op}, not a token-wise op"
                 break
             signature = self.spans[current.floor_span].signature
-            if isinstance(mode, int):
+            if counted:
                 if signature in counts:
                     stopped = f"the floor is set by {current.floor_op}, in spans tiled {mode}-fold"
                     break
-                tiles = min(mode, self.max_tiles)
+                tiles = min(int(mode), self.max_tiles)
             else:
                 tiles = 2 * counts.get(signature, 1)
                 if tiles > self.max_tiles:
@@ -181,13 +193,13 @@ class _Search:
                     break
             trial = {**counts, signature: tiles}
             probed = self.floor(trial)
-            if not isinstance(mode, int) and probed.floor_bytes > (1 - MIN_GAIN) * current.floor_bytes:
+            if not counted and probed.floor_bytes > (1 - MIN_GAIN) * current.floor_bytes:
                 stopped = (f"more tiles lower the floor set by {current.floor_op} by less than "
                            f"{MIN_GAIN:.0%}")
                 break
             counts, current = trial, probed
             stopped = "the floor fits the budget"
-        if counts and current.floor_bytes <= limit and not isinstance(mode, int):
+        if counts and current.floor_bytes <= limit and not counted:
             counts = self._fewest(counts, limit)
         self.best = (counts, self.floor(counts))
         return stopped

@@ -165,22 +165,31 @@ def _per_token(node: fx.Node, axes: Mapping[str, TokenAxis]) -> float:
     return value.numel() * value.element_size() / value.shape[dim]
 
 
+def _floating(node: fx.Node) -> bool:
+    value = node_value(node)
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def _pieces(segment: list[fx.Node], axes: Mapping[str, TokenAxis]) -> list[list[fx.Node]]:
     """``segment`` cut after every position where one tensor alone carries what later
     ops of the segment read (a floating token input from outside, the residual stream
     entering a graph, counts from its first read to its last: so the first layer is cut
     as the others; token ids do not count),
-    and carries no more bytes per token than the segment's widest token input (a cut's
-    value is what the next span saves: the residual stream, not the logits)."""
+    and carries no more bytes per token than the segment's widest floating token input
+    (or, where only token ids enter, its first floating value): a cut's value is what the
+    next span saves, the residual stream, not the logits."""
     position = {node: i for i, node in enumerate(segment)}
     outside = {a for n in segment for a in n.all_input_nodes
                if a not in position and axes[a.name].dim is not None}
-    widest = max((_per_token(a, axes) for a in outside), default=0.0)
+    carried = {a for a in outside if _floating(a)}
+    # The residual stream's width: what enters as floating point, else (token ids enter)
+    # the segment's first floating value (the embedding).
+    widest = max((_per_token(a, axes) for a in carried), default=0.0) or next(
+        (_per_token(n, axes) for n in segment if _floating(n)), 0.0)
     last_use = {
         node: max((position[u] for u in node.users if u in position), default=-1)
         for node in (*segment, *outside)
     }
-    carried = {a for a in outside if getattr(node_value(a), "is_floating_point", bool)()}
     pieces, current, live = [], [], set()
     for i, node in enumerate(segment):
         current.append(node)

@@ -10,6 +10,7 @@ lowers the floor, predicted and measured (the allocator's own events on CPU).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -146,3 +147,39 @@ def test_tile_sequence_accepts_off_auto_and_counts(value):
 def test_tile_sequence_refuses_anything_else_naming_the_choices(value):
     with pytest.raises(ConfigurationError, match=r"'tile_sequence' must be 'off'.*not bit-exact"):
         parse_backend_options({"tile_sequence": value})
+
+
+def test_the_step_has_a_region_tiled_again_for_the_floor_it_needs_once():
+    from types import SimpleNamespace
+
+    from hyper_offload.compiler.step_plan import FloorOp
+    from hyper_offload.compiler.tiling_step import request_retiling, retile
+    from hyper_offload.passes import required_bytes
+
+    backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=64,
+                                    recompute="off", tile_sequence="auto")
+    model, inputs = token_model(), batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    first = compiled(*inputs)
+    first.backward()
+    region = backend.regions[0]
+    assert not region.tiling.tiled and region.tiling.stopped == "the floor fits the budget untiled"
+    own = max(required_bytes(region.planned.fx_trace.trace))
+    # The step's floor at this region's op is over its budget by half the region's floor
+    # (what the rest of a step can hold there): the region must reach half its floor.
+    plan = SimpleNamespace(floor_op=FloorOp(0, "bw:mm", own, 3 * own), floor_peak_bytes=3 * own,
+                           budget_bytes=3 * own - own // 2)
+    assert request_retiling(plan, backend.regions, backend.options)
+    assert region.retile_target == own - own // 2
+    assert retile(region, functools.partial(backend._compile, region), backend.options, None)
+    assert region.tiling.tiled and region.planned.report.tiling is region.tiling
+    assert max(required_bytes(region.planned.fx_trace.trace)) <= own - own // 2
+    assert not request_retiling(plan, backend.regions, backend.options)  # once per region
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    again = compiled(*inputs)  # the tiled lowering runs from now on
+    again.backward()
+    found = deviations([StepValues(first.detach(), grads)], [StepValues(
+        again.detach(), {name: p.grad for name, p in model.named_parameters()})])
+    assert max(d.max_rel for d in found) <= TOLERANCE
