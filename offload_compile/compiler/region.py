@@ -69,7 +69,8 @@ class CompiledRegion:
         self.index = index
         self.tiling = tiling
         """What sequence tiling did to ``gm`` (``tile_sequence``, :mod:`.tiling`; None:
-        off); every lowering's report carries it. Changed only by :meth:`retiled`."""
+        off); every lowering's report carries it. Changed only by the step's re-tiling
+        (:meth:`.step.lowerings.RegionLowerings.retile`)."""
         self.untiled = untiled
         """What its tiling was chosen from (None: ``tile_sequence="off"``)."""
         self.lowering: Lowering | None = None

@@ -1,4 +1,4 @@
-"""The compile door's sequence tiling (option ``tile_sequence``; issue 50, item 2).
+"""The compile door's sequence tiling (option ``tile_sequence``).
 
 Before a region is compiled, when ``tile_sequence`` is ``"auto"`` or a tile count:
 

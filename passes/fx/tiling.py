@@ -1,5 +1,5 @@
 """Sequence tiling, the analysis: which ops of a Dynamo graph are token-wise along which
-dim, and the spans of them the compile door may split into tiles (issue 50, item 2).
+dim, and the spans of them the compile door may split into tiles.
 
     axes = token_axes(gm.graph, seq_len=4096)       # {node name: TokenAxis}
     spans = tile_spans(gm.graph, axes)              # (Span, ...), graph order

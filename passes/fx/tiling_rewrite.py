@@ -1,5 +1,5 @@
 """Sequence tiling, the rewrite: split token-wise ops of a Dynamo graph into tiles along
-the sequence, each recomputed in the backward (issue 50, item 2).
+the sequence, each recomputed in the backward.
 
     tiled = tile_graph(gm, axes, [TileUnit(span.nodes, tiles=8)])
 

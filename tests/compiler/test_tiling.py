@@ -10,6 +10,7 @@ lowers the floor, predicted and measured (the allocator's own events on CPU).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from hyper_offload.exactness.runs import StepValues
 from examples.step_memory import profiled_step
 
 from .compile_models import deterministic  # noqa: F401 (autouse)
-from .tiling_models import SEQ, batch, llama, token_model
+from .tiling_models import SEQ, EagerBetween, batch, llama, token_model
 
 TOLERANCE = 1e-5
 """Largest relative deviation (of a value's largest magnitude) tiling may cause in fp32:
@@ -183,3 +184,42 @@ def test_the_step_has_a_region_tiled_again_for_the_floor_it_needs_once():
     found = deviations([StepValues(first.detach(), grads)], [StepValues(
         again.detach(), {name: p.grad for name, p in model.named_parameters()})])
     assert max(d.max_rel for d in found) <= TOLERANCE
+
+
+def test_a_step_over_its_budget_at_a_region_op_has_it_tiled_again_before_the_next_step():
+    from hyper_offload.compiler.step.controller import StepEventName, StepState
+
+    def train(backend: Any, measure: bool) -> tuple[Any, StepValues]:
+        torch.manual_seed(0)
+        model = EagerBetween()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(3):
+            model.zero_grad()
+            with backend.measuring() if measure else contextlib.nullcontext():
+                loss = compiled(*batch())
+                loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        return backend, StepValues(loss.detach(), grads)
+
+    _, plain = train("aot_eager", measure=False)
+    budget_mb = 0.25  # over each region's own floor, under the step's (the eager code's)
+    backend, tiled = train(hyper_offload.backend(
+        inner_compiler="aot_eager", max_resident_activation_mb=budget_mb, recompute="off",
+        tile_sequence="auto"), measure=True)
+    head = backend.regions[1]
+    assert head.untiled is not None and backend.lowerings.retiled == {1}
+    controller = backend.controller
+    assert (StepState.LEARNING, StepEventName.STEP_DONE, StepState.RETILING) in controller.transitions
+    assert controller.state is StepState.PLANNED
+    first = controller.transitions.index(
+        (StepState.LEARNING, StepEventName.STEP_DONE, StepState.RETILING))
+    assert controller.transitions[first + 1][:2] == (StepState.RETILING, StepEventName.FORWARD)
+    # At its compile the head fit its own floor untiled; the step had it tiled.
+    assert head.tiling.tiled and head.tiling.floor_after_bytes < head.tiling.floor_before_bytes
+    assert head.tiling.floor_before_bytes <= budget_mb * (1 << 20)
+    report = backend.step_report
+    assert report.tiled == (1,) and report.floor_peak_bytes <= report.budget_bytes
+    assert head.planned.report.tiling is head.tiling
+    found = deviations([plain], [tiled])
+    assert max(d.max_rel for d in found) <= TOLERANCE, found

@@ -293,9 +293,10 @@ class RegionLowerings:
             with region.compiling_again():
                 gm, report = tile_region(untiled, backend.options,
                                          throughput=backend.throughput, target=target)
-                if not report.tiled:
+                same = region.tiling is not None and report.spans == region.tiling.spans
+                if not report.tiled or same:  # nothing to compile again
                     LOGGER.info("hyper_offload region %d: not tiled again (%s)", region.index,
-                                report.stopped)
+                                "the tiling it runs" if same else report.stopped)
                     return False
                 region.dynamo_graph, region.tiling = (gm, untiled.inputs), report
                 compiled, result = backend.compile(region, backend.request(region))
