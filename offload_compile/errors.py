@@ -54,6 +54,7 @@ __all__ = [
     "StepFormatError",
     "SwapOutsideGroupWarning",
     "SwapStateError",
+    "TilingError",
     "TimelineError",
     "TorchCompatibilityError",
     "TraceFormatError",
@@ -144,6 +145,11 @@ class ReleaseDelayError(HyperOffloadError, ValueError):
 class LoweringError(HyperOffloadError, ValueError):
     """The schedule asks for something the FX lowering cannot express (names the action,
     the op and the rule)."""
+
+
+class TilingError(HyperOffloadError, ValueError):
+    """Sequence tiling was asked to split ops it cannot split into tiles run one after
+    another (names the ops and the rule; ``passes.fx.tiling_rewrite``)."""
 
 
 class DynamicShapeError(HyperOffloadError, ValueError):

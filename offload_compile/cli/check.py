@@ -6,6 +6,10 @@ returns the model, or ``(model, example_inputs)``; with the model alone, the inp
 random tensors of ``--input-shape`` / ``--input-dtype`` (integers drawn below
 ``--int-high``, e.g. token ids under the vocabulary size).
 
+``--tile-sequence auto`` (or a tile count) also trains once with sequence tiling, which
+is not bit-exact, and prints the largest absolute and relative deviation of the loss and
+of each gradient from plain training; the verdict stays the exact check's.
+
 Exit codes: 0 PASS; 1 FAIL (the first mismatch and the saved tensors responsible are
 printed), NOTHING MOVED or NOT DETERMINISTIC (the check could not judge); 2 bad input,
 one line on stderr.
@@ -18,7 +22,9 @@ from typing import Any
 
 from hyper_offload.progress import note
 
-from .estimate import _BadInput, describe_inputs, load_factory, parse_dtype, parse_shape
+from .estimate import (
+    _BadInput, describe_inputs, load_factory, parse_dtype, parse_shape, tile_sequence_arg,
+)
 from .failure import add_debug_flag, describe, quiet_torch_tracebacks, report_bad_input
 from .progress_line import progress_line
 
@@ -49,6 +55,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     parser.add_argument("--inner-compiler", choices=("aot_eager", "inductor"),
                         default="aot_eager", help="the compile door's inner compiler")
+    parser.add_argument("--tile-sequence", type=tile_sequence_arg, default="off",
+                        metavar="off|auto|N",
+                        help="also train with sequence tiling (not bit-exact) and print its "
+                        "deviation from plain training per gradient (default off)")
     add_debug_flag(parser)
     parser.set_defaults(run=run)
 
@@ -97,7 +107,8 @@ def _check(args: argparse.Namespace, check: Any) -> Any:
     model, inputs = _problem(args)
     try:
         return check(model, inputs, door=args.door, steps=args.steps,
-                     inner_compiler=args.inner_compiler)
+                     inner_compiler=args.inner_compiler,
+                     options={"tile_sequence": args.tile_sequence})
     except CheckUsageError:
         raise
     except Exception as error:  # the model itself fails without the library

@@ -8,6 +8,9 @@ no memory), makes meta example inputs of the given shapes and dtypes, and prints
 or containing a path separator; its folder is importable while it loads) or an
 importable module name (``mypkg.models``).
 
+``--tile-sequence auto`` (or a tile count) lets the backend split token-wise ops that set
+a region's floor into tiles along the sequence (not bit-exact: the summary says so).
+
 ``--budget-scope step`` (the default, as the backend's) runs one step on fake tensors
 through the backend and reports its step plan: the model's own compiled blocks stay
 compiled on their own, graph breaks split it into regions, as in training; ``region``
@@ -91,6 +94,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--recompute", choices=("auto", "off"), default="auto",
                         help="auto (default, as the backend): where offload alone stalls, also "
                         "search partitions that recompute more; off: torch's default partition")
+    parser.add_argument("--tile-sequence", type=tile_sequence_arg, default="off",
+                        metavar="off|auto|N",
+                        help="sequence tiling: where a token-wise op (MLP, norm, LM head and "
+                        "loss) sets the floor, split it into tiles recomputed in the backward; "
+                        "auto: the fewest tiles that fit; NOT bit-exact (default off)")
     parser.add_argument("--device", default=None,
                         help="device to trace on (default: the model's; cuda or cpu for a "
                         "meta model, whichever this machine has)")
@@ -111,6 +119,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 class _BadInput(Exception):
     """A user error: printed as one line, exit code 2."""
+
+
+def tile_sequence_arg(text: str) -> str | int:
+    """``--tile-sequence``: off, auto or a tile count (the option validates the count)."""
+    return int(text) if text.isdigit() else text
 
 
 def load_factory(target: str) -> Any:
@@ -253,7 +266,8 @@ def _estimate(args: argparse.Namespace) -> Any:
     _check_flags(args)
 
     options: dict[str, Any] = {"inner_compiler": args.inner_compiler, "recompute": args.recompute,
-                               "budget_scope": args.budget_scope}
+                               "budget_scope": args.budget_scope,
+                               "tile_sequence": args.tile_sequence}
     if args.budget_fraction is not None:
         options["max_resident_activation_fraction"] = args.budget_fraction
     else:

@@ -5,6 +5,8 @@
 or ``torch.compile(model, backend=hyper_offload.backend(config))``. For every region
 Dynamo hands over:
 
+0. with ``tile_sequence`` (not "off"), sequence tiling may split its token-wise ops
+   into tiles first (:mod:`.tiling`; not bit-exact): the region is the tiled graph;
 1. AOTAutograd captures the joint graph; :class:`~.partitioner.OffloadPartitioner`
    partitions it with the stock min-cut partitioner (the user's
    ``activation_memory_budget`` applies) and plans it: under ``budget_scope="step"``
@@ -64,6 +66,7 @@ from .saved_bytes import node_saved_tensors
 from .step.controller import StepController
 from .step.lowerings import RegionLowerings
 from .step_report import StepReport, build_step_report
+from .tiling import tile_region, tiling_source
 
 __all__ = ["HyperOffloadBackend"]
 
@@ -206,6 +209,8 @@ class HyperOffloadBackend:
             plain_peak=controller.plain_peaks.get(plan.timeline.shape_key),
             op_origin=lambda region, op: self.regions[region].op_origin(op),
             op_operands=lambda region, op: self.regions[region].op_operands(op),
+            tiled=tuple(r.index for r in self.regions if r.tiling is not None and r.tiling.tiled
+                        and r.index in plan.timeline.regions),
         )
 
     # ------------------------------------------------------------------ runtime
@@ -284,7 +289,12 @@ class HyperOffloadBackend:
         if on_meta(example_inputs):  # nothing to move: plain torch.compile, warned once
             warn, self._meta_warned = not self._meta_warned, True
             return compile_on_meta(gm, example_inputs, self.options, warn=warn)
-        region = CompiledRegion(next(self._counter), gm, example_inputs)
+        tiling = untiled = None
+        if self.options.tile_sequence != "off":  # before the region: it is the tiled graph
+            untiled = tiling_source(gm, example_inputs)
+            gm, tiling = tile_region(untiled, self.options, throughput=self.throughput)
+        region = CompiledRegion(next(self._counter), gm, example_inputs, tiling=tiling,
+                                untiled=untiled)
         self.regions.append(region)
         plan_key = None
         if self.options.inner_compiler == "inductor" and not self.fake_steps:

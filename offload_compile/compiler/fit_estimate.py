@@ -206,6 +206,8 @@ class EstimateReport:
         data.pop("region_floor_op", None)
         if self.step is not None:
             data.update(_step_dict(self.step, self.regions))
+            data["tiling"] = [dict(r.tiling.summary(), region=r.region)
+                              for r in self.regions if r.tiling is not None]
         else:
             data.update(_region_dict(self._region))
         return data
@@ -326,6 +328,7 @@ def _step_summary(report: EstimateReport, verdict: str, prices: str) -> str:
         f"GB/s (D2H/H2D): {step.predicted_stall_s * 1e3:.1f} ms ({prices})",
         f"traced and planned in {report.trace_seconds:.1f} s",
         *str(step).splitlines()[1:],
+        *(f"region {r.region}: {r.tiling}" for r in regions if r.tiling is not None),
     ]
     if report.floor_detail is not None:
         lines.append(f"at the floor: {report.floor_detail.describe()}")
@@ -414,6 +417,12 @@ def estimate(
             )
         options["max_resident_activation_mb"] = budget
     parsed = parse_backend_options(options)
+    if parsed.tile_sequence != "off" and not parsed.step_scoped:
+        raise ConfigurationError(
+            "hyper_offload.estimate: tile_sequence tiles the graphs Dynamo hands the backend, "
+            "and budget_scope='region' estimates the model without Dynamo. Fix: use "
+            "budget_scope='step' (the default)"
+        )
     link = _bandwidth(bandwidth)
     target = resolve_trace_device(model, device)
     prices = throughput or throughput_for(target)

@@ -41,7 +41,14 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
   (names as a region's report lists them); every other saved activation stays on the
   device, and a storage moves only when every saved tensor on it may. For narrowing an
   exactness question down to the tensors responsible (``hyper_offload.check`` bisects
-  with it); ``None`` (default): everything movable may move.
+  with it); ``None`` (default): everything movable may move;
+* ``tile_sequence``: ``"off"`` (default), ``"auto"`` or a tile count >= 2. Sequence
+  tiling (:mod:`.tiling`): where a token-wise op (an MLP, a norm, the LM head and its
+  loss) sets a region's floor, split it along the sequence into tiles, each recomputed
+  in its backward; ``"auto"`` picks the fewest tiles whose floor fits the budget, an
+  int that many tiles. **Not bit-exact**: the sums over tokens (weight gradients, a loss
+  mean) are added tile by tile, in another order; ``hyper_offload.check`` measures the
+  deviation on your model. With ``"off"`` every plan stays bit-exact.
 
 Eager-only ``OffloadConfig`` fields (``rewarm_on_mismatch``) are refused: compiled
 regions re-plan on recompilation instead.
@@ -81,7 +88,7 @@ _CONFIG_KEYS = tuple(
     f.name for f in dataclasses.fields(OffloadConfig) if f.name not in EAGER_ONLY
 )
 _KEYS = (*_CONFIG_KEYS, "inner_compiler", _FRACTION, "recompute", _LINK, "mode", "budget_scope",
-         "move_only")
+         "move_only", "tile_sequence")
 _CUDAGRAPHS = "triton.cudagraphs"
 
 
@@ -98,6 +105,8 @@ class BackendOptions:
     mode: str | None = None
     budget_scope: str = "step"
     move_only: frozenset[tuple[int, str]] | None = None
+    tile_sequence: str | int = "off"
+    """``"off"``, ``"auto"`` or a tile count (module docstring): not bit-exact unless off."""
     host_budget_bytes: int | None = dataclasses.field(default=None, compare=False)
     """The host budget in bytes every plan keeps: ``config.host_budget_bytes()``, resolved
     once when the options are made (the node view reads the machine then). Not part of
@@ -157,7 +166,8 @@ class BackendOptions:
         config = dataclasses.replace(self.config, verify=False)
         move_only = None if self.move_only is None else sorted(self.move_only)
         return repr((config, self.inner_compiler, self.budget_fraction, self.recompute,
-                     self.transfer_bandwidth_gbps, self.mode, self.budget_scope, move_only))
+                     self.transfer_bandwidth_gbps, self.mode, self.budget_scope, move_only,
+                     self.tile_sequence))
 
 
 def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
@@ -212,6 +222,7 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
             f"copy bandwidth each way to plan with), got {link!r}"
         )
     move_only = _parse_move_only(options.pop("move_only", None))
+    tile_sequence = _parse_tile_sequence(options.pop("tile_sequence", "off"))
     try:
         config = OffloadConfig(**options)
     except (TypeError, ValueError) as error:
@@ -236,7 +247,7 @@ def parse_backend_options(options: Mapping[str, Any] | None) -> BackendOptions:
         budget_fraction=None if fraction is None else float(fraction),
         recompute=recompute,
         transfer_bandwidth_gbps=None if link is None else float(link),
-        mode=mode, budget_scope=scope, move_only=move_only,
+        mode=mode, budget_scope=scope, move_only=move_only, tile_sequence=tile_sequence,
     )
 
 
@@ -254,6 +265,19 @@ def _parse_move_only(value: Any) -> frozenset[tuple[int, str]] | None:
             f"tensor name) pairs, e.g. {{(0, 'addmm')}}, got {value!r}"
         )
     return frozenset(pairs)
+
+
+def _parse_tile_sequence(value: Any) -> str | int:
+    """``tile_sequence``: "off", "auto" or an int tile count >= 2 (module docstring)."""
+    if value in ("off", "auto") and isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+        return value
+    raise ConfigurationError(
+        "hyper_offload options: 'tile_sequence' must be 'off' (the default, bit-exact), "
+        "'auto' (the fewest tiles whose floor fits the budget) or a tile count >= 2, got "
+        f"{value!r}. Tiling is not bit-exact: sums over tokens are reassociated"
+    )
 
 
 def _parse_mode(mode: Any, inner: str) -> str | None:

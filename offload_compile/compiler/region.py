@@ -20,6 +20,7 @@ backend between steps (before a forward), never while its graphs run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -35,8 +36,9 @@ from .collectives import is_collective
 from .region_plan import GraphPlan, PlannedRegion
 from .region_report import LOGGER
 from .size_buckets import Bucket, bucket_of, size_inputs
+from .tiling_report import TilingReport, TilingSource
 
-__all__ = ["CompiledRegion", "Lowering", "activation_inputs"]
+__all__ = ["CompiledRegion", "Lowering", "activation_inputs", "fake_example_inputs"]
 
 
 class Lowering(NamedTuple):
@@ -61,8 +63,16 @@ class Lowering(NamedTuple):
 class CompiledRegion:
     """Per-region state (module docstring)."""
 
-    def __init__(self, index: int, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    def __init__(self, index: int, gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                 tiling: TilingReport | None = None, untiled: TilingSource | None = None
+                 ) -> None:
         self.index = index
+        self.tiling = tiling
+        """What sequence tiling did to ``gm`` (``tile_sequence``, :mod:`.tiling`; None:
+        off); every lowering's report carries it. Changed only by the step's re-tiling
+        (:meth:`.step.lowerings.RegionLowerings.retile`)."""
+        self.untiled = untiled
+        """What its tiling was chosen from (None: ``tile_sequence="off"``)."""
         self.lowering: Lowering | None = None
         """The lowering in force (None for a region never planned: an inference graph,
         or a cached one whose plan was not stored)."""
@@ -81,7 +91,7 @@ class CompiledRegion:
         asked again: the lowering in force runs, exact)."""
         self.from_cache = False
         """True when the compiled code came from AOTAutograd's cache (no partitioner ran)."""
-        self.dynamo_graph = (gm, _fake_example_inputs(gm, example_inputs))
+        self.dynamo_graph = (gm, fake_example_inputs(gm, example_inputs))
         """What Dynamo handed over, its example inputs as Dynamo's fake values: the step
         scope may lower the region again from it. Never the real inputs: a region's input
         is often an activation whose autograd graph holds the whole step's saved tensors."""
@@ -131,6 +141,10 @@ class CompiledRegion:
         the one in force (the variants of the old one are dropped)."""
         if new_partition:
             self.variants = {}
+        if self.tiling is not None and lowering.planned.report.tiling is None:
+            report = dataclasses.replace(lowering.planned.report, tiling=self.tiling)
+            lowering = lowering._replace(planned=dataclasses.replace(lowering.planned,
+                                                                     report=report))
         self.variants[lowering.schedule] = lowering
         self.lowering = lowering
         self.compiled = lowering.compiled
@@ -265,7 +279,7 @@ class CompiledRegion:
                 return
 
 
-def _fake_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+def fake_example_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     """``example_inputs`` with each tensor replaced by the fake value Dynamo traced it as
     (its placeholder's ``example_value``, of the region's fake mode, symbolic sizes
     included); a real tensor is kept only where Dynamo recorded none."""

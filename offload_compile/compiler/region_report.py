@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from ..passes.fx.sizes import SymbolicSize
+from .tiling_report import TilingReport
 
 LOGGER = logging.getLogger("hyper_offload")
 
@@ -202,6 +203,9 @@ class RegionReport:
     """Which budget limits the plan: ``"device"`` (the device budget made it move bytes,
     or its ops' own operands are over it), ``"host"`` (the host budget kept bytes on the
     device past ``budget_bytes``: ``predicted_peak_after`` is over it, exactly), ``"none"``."""
+    tiling: TilingReport | None = None
+    """What sequence tiling did to the region (``tile_sequence``; None: off). A tiled
+    region's plan is *not bit-exact* (its ``__str__`` says so)."""
 
     @property
     def feasible(self) -> bool:
@@ -223,12 +227,15 @@ class RegionReport:
         data["recompute"] = None if self.recompute is None else self.recompute.summary()
         data["sizes"] = [{**size.__dict__, "sources": list(size.sources),
                           "bound": size.bound.value} for size in self.sizes]
+        data["tiling"] = None if self.tiling is None else self.tiling.summary()
         return data
 
     def __str__(self) -> str:
         recompute = "" if self.recompute is None else f"; {self.recompute}"
         if self.sizes:
             recompute += "; sizes: " + ", ".join(str(size) for size in self.sizes)
+        if self.tiling is not None:
+            recompute += f"; {self.tiling}"
         return (
             f"hyper_offload region {self.region} ({self.inner_compiler}): "
             f"{self.fw_nodes}+{self.bw_nodes} nodes, saved activations "

@@ -95,13 +95,14 @@ def estimate_step(
                                   fake_mode=mode)
     run = block_run_for(fake, layout)
     compiled = compile_as_given(fake, _refusing_data_dependent_inputs(backend), run)
-    for number in range(1, _MAX_STEPS + 1):
+    steps = _MAX_STEPS + _RETILING_STEPS * (options.tile_sequence == "auto")
+    for number in range(1, steps + 1):
         progress.note("running one step on fake tensors" if number == 1 else
                       f"step {number}: regions lowered again for the step plan")
         with backend.measuring():
             _fake_step(compiled, inputs, mode, backend)
         fake.zero_grad(set_to_none=True)  # as a training loop does between steps
-        if backend.controller.state is not StepState.RELOWERING:
+        if backend.controller.state not in (StepState.RELOWERING, StepState.RETILING):
             break
     report = backend.step_report
     if report is None and not backend.regions:
@@ -160,9 +161,14 @@ def _compute_s(backend: HyperOffloadBackend) -> float:
 _MAX_STEPS = 3
 """Fake steps an estimate runs at most: the first at the floor, and more while the step
 plan asks for regions to be lowered again (:mod:`.step.lowerings`: the recompute search,
-each region at most once, and schedules made for the step), as a real run's next steps: a lowering
-asked for at a step's end is made before the next step's first forward, and that step
-is planned again at its end."""
+each region at most once, and schedules made for the step), as a real run's next steps: a
+lowering asked for at a step's end is made before the next step's first forward, and that
+step is planned again at its end."""
+
+_RETILING_STEPS = 2
+"""Fake steps more with ``tile_sequence="auto"``, whose step may ask a region to be tiled
+again (the controller's RETILING, once per region), planned again on the tiled graph and
+searched again."""
 
 
 def _fake_step(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hyper_offload.passes.plan.step import FloorOp, InvocationPlan, StepPlan
 
 from .region_report import LOGGER, UNDER_FLOOR
+from .tiling_report import NOT_BIT_EXACT
 
 __all__ = ["StepReport", "build_step_report", "explain_floor", "log_step_plan"]
 
@@ -63,6 +64,9 @@ class StepReport:
     """Which budget limits the step
     (:attr:`~hyper_offload.passes.plan.step.plan.StepPlan.binding`): ``"device"``,
     ``"host"``, ``"both"`` or ``"none"``."""
+    tiled: tuple[int, ...] = ()
+    """Regions whose graphs sequence tiling split into tiles (``tile_sequence``): the
+    step is then *not bit-exact* (their region reports say what was tiled)."""
 
     @property
     def floor_explained(self) -> str:
@@ -105,6 +109,8 @@ class StepReport:
             "host_budget_bytes": self.host_budget_bytes,
             "peak_host_bytes": self.peak_host_bytes,
             "binding": self.binding,
+            "tiled_regions": list(self.tiled),
+            "bit_exact": not self.tiled,
         }
 
     def __str__(self) -> str:
@@ -124,6 +130,8 @@ class StepReport:
                else "")
             + f"; binding: {self.binding}",
             f"floor set by {self.floor_explained}",
+            *([f"sequence tiling in region(s) {', '.join(map(str, self.tiled))}: "
+               f"{NOT_BIT_EXACT}"] if self.tiled else []),
             "eager code between compiled regions: " + (
                 "counted (measured in the step the plan was made from)" if self.eager_measured
                 else "not counted (run a training step inside `with backend.measuring():`, "
@@ -143,11 +151,13 @@ def build_step_report(
     relowered: tuple[int, ...] = (), *, plain_peak: int | None = None,
     op_origin: Callable[[int, str], str | None] | None = None,
     op_operands: Callable[[int, str], tuple[tuple[str, int], ...]] | None = None,
+    tiled: tuple[int, ...] = (),
 ) -> StepReport:
     """The report of ``plan``. ``plain_peak``: the step's peak without offload on torch's
     partitions, where the plan's regions were re-lowered since; ``op_origin(region,
     op)``: the aten op a decomposed node came from (named beside the floor's op);
-    ``op_operands(region, op)``: what that op holds, by name (listed with it)."""
+    ``op_operands(region, op)``: what that op holds, by name (listed with it);
+    ``tiled``: the regions sequence tiling split (the report says it is not bit-exact)."""
     floor_op = plan.floor_op
     if floor_op is not None and floor_op.region is not None:
         operands = op_operands(floor_op.region, floor_op.op) if op_operands else ()
@@ -165,7 +175,7 @@ def build_step_report(
         eager_measured=plan.timeline.between is not None,
         regions_floor_bytes=plan.regions_floor_bytes,
         host_budget_bytes=plan.host_budget_bytes, peak_host_bytes=plan.peak_host_bytes,
-        binding=plan.binding,
+        binding=plan.binding, tiled=tiled,
     )
 
 

@@ -9,8 +9,10 @@ from .._lazy import lazy_getattr
 _LAZY = {
     "check": ".check",
     "CheckReport": ".report",
+    "Deviation": ".report",
     "Mismatch": ".report",
     "SavedTensor": ".report",
+    "TilingDeviation": ".report",
     "Verdict": ".report",
 }
 

@@ -16,6 +16,7 @@ more runs for N moved storages.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,7 @@ from hyper_offload.errors import CheckUsageError, OffloadBudgetWarning
 from hyper_offload.progress import note
 
 from .report import CheckReport, Mismatch, SavedTensor, Verdict
+from .tiling import measure_tiling
 from .runs import (
     Door,
     Problem,
@@ -72,6 +74,11 @@ def check(
     ``inner_compiler``: the compile door's ("aot_eager" by default: quick to compile;
     "inductor" checks Inductor's code too, under deterministic algorithms).
 
+    With ``options={"tile_sequence": ...}`` (not "off") the verdict is still the exact
+    check's (every other option, tiling off), and one more run with tiling measures how
+    far sequence tiling, which is not bit-exact, moves the loss and each gradient from
+    plain training: ``report.tiling`` (max abs and relative deviation per value).
+
     Run it once on a small configuration of the model before a long run. It resets
     Dynamo's caches (each run compiles anew) and runs under
     ``torch.use_deterministic_algorithms(True, warn_only=True)``, restoring both settings'
@@ -83,11 +90,25 @@ def check(
         raise CheckUsageError(f"hyper_offload.check: steps must be an int >= 1, got {steps!r}")
     problem = Problem(model, tuple(example_inputs), loss_fn or weighted_sum_loss, steps)
     options = dict(options or {})
+    tiling = options.pop("tile_sequence", "off")
+    if tiling != "off" and door != "compile":
+        raise CheckUsageError(
+            f"hyper_offload.check: tile_sequence={tiling!r} is an option of the compile door; "
+            "pass door='compile'")
     with _deterministic(), _quiet_about_its_own_budget():
-        if door == "compile":
-            options.setdefault("recompute", "off")
-            return _check_compile(problem, inner_compiler, options, bisect)
-        return _check_eager(problem, options)
+        if door == "eager":
+            return _check_eager(problem, options)
+        options.setdefault("recompute", "off")
+        want, undecided = _baseline(problem, lambda: plain_compile(inner_compiler))
+        if undecided is not None:
+            return undecided
+        report = _check_compile(problem, want, inner_compiler, options, bisect)
+        if tiling == "off":
+            return report
+        note(f"training once more with sequence tiling (tile_sequence={tiling!r})")
+        deviation = measure_tiling(problem, want, inner_compiler,
+                                   {**options, "tile_sequence": tiling})
+        return dataclasses.replace(report, tiling=deviation, runs=report.runs + 1)
 
 
 @contextlib.contextmanager
@@ -139,11 +160,8 @@ def _baseline(problem: Problem, make: Callable[[], Door]) -> tuple[RunResult, Ch
 
 
 def _check_compile(
-    problem: Problem, inner: str, options: dict[str, Any], bisect: bool
+    problem: Problem, want: RunResult, inner: str, options: dict[str, Any], bisect: bool
 ) -> CheckReport:
-    want, undecided = _baseline(problem, lambda: plain_compile(inner))
-    if undecided is not None:
-        return undecided
     note("training through the compile door, everything movable moved")
     door = offload_compile(inner, options)
     mismatch, error = _compare(problem, want, door)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["CheckReport", "Mismatch", "SavedTensor", "Verdict"]
+__all__ = ["CheckReport", "Deviation", "Mismatch", "SavedTensor", "TilingDeviation", "Verdict"]
 
 
 class Verdict(str, Enum):
@@ -51,6 +51,45 @@ class SavedTensor:
 
 
 @dataclass(frozen=True)
+class Deviation:
+    """How far one value (``what``: "loss" or "gradient of NAME") of a tiled run is from
+    plain training's, the largest over the steps: ``max_abs`` the largest absolute
+    difference of an element, ``max_rel`` that over the largest magnitude of the plain
+    value (0 when both are all zeros; ``inf`` for a NaN or a shape change)."""
+
+    what: str
+    max_abs: float
+    max_rel: float
+
+
+@dataclass(frozen=True)
+class TilingDeviation:
+    """What :func:`hyper_offload.check` measured of sequence tiling (``tile_sequence``):
+    what each region tiled (``tiled``, empty: nothing was, and the run is the exact one),
+    the deviation of the loss and of every gradient, and what the tiled run raised."""
+
+    mode: str
+    tiled: tuple[str, ...]
+    values: tuple[Deviation, ...]
+    error: str = ""
+
+    def __str__(self) -> str:
+        head = f"  sequence tiling (tile_sequence={self.mode!r}): "
+        if self.error:
+            return head + f"the tiled run raised {self.error}"
+        if not self.tiled:
+            return head + "nothing was tiled (no token-wise op sets a floor); exact as above"
+        width = max(len(v.what) for v in self.values)
+        lines = [head + "NOT bit-exact by design (sums over tokens are reassociated); "
+                 "deviation from plain training, the largest over the steps:"]
+        lines += [f"    {line}" for line in self.tiled]
+        lines.append(f"    {'value':<{width}}  {'max abs':>10}  {'max rel':>10}")
+        lines += [f"    {v.what:<{width}}  {v.max_abs:>10.3g}  {v.max_rel:>10.3g}"
+                  for v in self.values]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
 class CheckReport:
     """The verdict of :func:`hyper_offload.check` on one model, door and step count.
 
@@ -71,6 +110,8 @@ class CheckReport:
     runs: int = 0
     note: str = ""
     error: str = ""
+    tiling: TilingDeviation | None = None
+    """With ``tile_sequence``: the tiled run's deviation from plain training."""
 
     @property
     def passed(self) -> bool:
@@ -90,4 +131,6 @@ class CheckReport:
             lines.extend(f"    {saved}" for saved in self.responsible)
         if self.note:
             lines.append(f"  {self.note}")
+        if self.tiling is not None:
+            lines.append(str(self.tiling))
         return "\n".join(lines)

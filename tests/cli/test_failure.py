@@ -33,6 +33,9 @@ def test_the_cause_is_followed_but_not_an_incidental_context() -> None:
 
 
 def test_dynamo_hides_the_ops_error_and_the_line_names_it() -> None:
+    # Dynamo's caches first: a Linear compiled earlier in this process at another size
+    # (tests/cli/test_estimate.py's) makes Dynamo trace this call with a symbolic size.
+    torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(64, 8))
     compiled = torch.compile(model, backend="aot_eager")
     error = _raised(lambda: compiled(torch.randn(4, 63)))

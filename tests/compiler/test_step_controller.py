@@ -23,12 +23,17 @@ ONE = StepTimeline((StepEvent(F, INV), StepEvent(B, INV)))
 
 class Scripted:
     """A :class:`StepLowering` over one region: ``lowers`` says whether the plans want a
-    lowering the region does not run yet; ``search`` the regions to search."""
+    lowering the region does not run yet; ``search`` the regions to search; ``tile`` the
+    regions the next plan asks to be tiled again (asked once), ``tiles`` whether tiling
+    them changes them."""
 
-    def __init__(self, lowers: bool = False, search: tuple[int, ...] = ()) -> None:
-        self.lowers, self.search = lowers, search
+    def __init__(self, lowers: bool = False, search: tuple[int, ...] = (),
+                 tile: tuple[int, ...] = (), tiles: bool = True) -> None:
+        self.lowers, self.search, self.tile, self.tiles = lowers, search, tile, tiles
         self.lowered = False
         self.applied = 0
+        self.retiled = 0
+        self.asked_with: list[StepPlan] = []
         self.failed_searches: list[int] = []
 
     def plan(self, timeline, budget, fraction):
@@ -48,6 +53,17 @@ class Scripted:
 
     def wants_search(self, plan):
         return self.search
+
+    def retiling(self, plan: StepPlan) -> tuple[int, ...]:
+        self.asked_with.append(plan)
+        asked, self.tile = self.tile, ()
+        return asked
+
+    def retile(self) -> bool:
+        self.retiled += 1
+        if self.tiles:
+            self.lowered = False  # a new graph: the lowerings made for the old one are gone
+        return self.tiles
 
     def recomputes(self, plan) -> bool:
         return False
@@ -138,3 +154,62 @@ def test_an_absolute_budget_keeps_what_it_holds_before_any_plan() -> None:
         tight.before_forward(grad=True)
         kept = sum(s.nbytes for s in block().slots if s.storage in tight.keep_for(INV, ()))
         assert kept <= max(budget - peak, 0)
+
+
+def test_a_floor_a_region_may_tile_lower_waits_retiling_for_the_next_training_forward() -> None:
+    lowering = Scripted(tile=(0,))
+    c = controller(lowering, budget=None)
+    c._fraction = 0.5
+    c.before_forward(grad=True)
+    c._step_done(ONE)
+    first = c.plan
+    assert c.state is StepState.RETILING and lowering.asked_with == [first]
+    assert c._budget_args() == (first.budget_bytes, None)  # the tiled step: the same budget
+    c.before_forward(grad=False)  # validation: nothing tiled, nothing compiled
+    assert c.state is StepState.RETILING and lowering.retiled == 0
+    c.before_forward(grad=True)
+    assert lowering.retiled == 1 and lowering.applied == 0 and c.state is StepState.PLANNED
+    assert c.plans_made == 2 and c.plan is not first  # planned again on the tiled graphs
+    assert c.transitions[-2:] == [
+        (StepState.LEARNING, StepEventName.STEP_DONE, StepState.RETILING),
+        (StepState.RETILING, StepEventName.FORWARD, StepState.PLANNED),
+    ]
+
+
+def test_retiling_drops_the_lowerings_wanted_for_the_graphs_before_it() -> None:
+    lowering = Scripted(lowers=True, tile=(0,))
+    c = controller(lowering)
+    c.before_forward(grad=True)
+    c._step_done(ONE)
+    assert c.state is StepState.RETILING and lowering.asked_with[0] is not c.plan  # the wanted
+    assert lowering.asked_with[0].proposal != "in force"
+    c.before_forward(grad=True)  # tiled: the new graphs' plan wants lowerings of its own
+    assert lowering.retiled == 1 and lowering.applied == 0
+    assert c.state is StepState.RELOWERING and c.plans_made == 2
+    c.before_forward(grad=True)
+    assert lowering.applied == 1 and c.state is StepState.PLANNED
+
+
+def test_a_tiling_that_changes_nothing_makes_the_lowerings_wanted() -> None:
+    lowering = Scripted(lowers=True, tile=(0,), tiles=False)
+    c = controller(lowering)
+    c.before_forward(grad=True)
+    c._step_done(ONE)
+    c.before_forward(grad=True)
+    assert lowering.retiled == 1 and lowering.applied == 1
+    assert c.state is StepState.PLANNED and c.plans_made == 1  # its plan, kept
+
+
+def test_a_planned_step_whose_floor_a_region_may_tile_lower_is_retiled_once() -> None:
+    lowering = Scripted()
+    c = controller(lowering)
+    c.before_forward(grad=True)
+    c._step_done(ONE)
+    assert c.state is StepState.PLANNED
+    lowering.tile = (0,)  # e.g. the recompute search's partition works on more bytes
+    c._step_done(ONE)
+    assert c.state is StepState.RETILING and lowering.asked_with[-1] is c.plan
+    c.before_forward(grad=True)
+    assert lowering.retiled == 1 and c.state is StepState.PLANNED
+    c._step_done(ONE)  # asked once: the lowering does not ask again
+    assert c.state is StepState.PLANNED and lowering.retiled == 1

@@ -11,13 +11,17 @@ plans made, the plan in force, the lowerings asked for.
 
            training forward          step done, nothing to lower
     COLD ───────────────────▶ LEARNING ───────────────────────────▶ PLANNED ◀──┐
-                                 │                                     │  │    │ step done:
-           step done, the plan   │    ┌────────────────────────────────┘  │    │ its plan, a
-           wants lowerings       ▼    ▼  step done, the plan wants         └────┘ cached plan,
-                              RELOWERING    lowerings                             or a new one
-                                 │
-                                 └── next training forward: lower, plan again ──▶ PLANNED
-                                                      (or RELOWERING: the new partitions want more)
+                                 │  │                                  │  │    │ step done:
+           step done, the plan   │  │ ┌────────────────────────────────┘  │    │ its plan, a
+           wants lowerings       │  ▼ ▼  step done, the plan wants         └────┘ cached plan,
+                                 │ RELOWERING    lowerings                       or a new one
+                                 │  │
+                                 │  └── next training forward: lower, plan again ──▶ PLANNED
+                                 │                   (or RELOWERING: the new partitions want more)
+                                 ▼
+                             RETILING ── next training forward: tile, lower, plan again ──▶ PLANNED
+                     (from any step done: the plan's floor is     (or RELOWERING, as above)
+                      over the budget at a region it may tile)
 
 Events and what they do (every other pair leaves the state as it is):
 
@@ -31,6 +35,16 @@ Events and what they do (every other pair leaves the state as it is):
   plan, or a cached plan of its shape and sizes, adopted) and the state moves as drawn.
   The eager code between regions counts where a step of the shape was measured
   (:meth:`StepController.measuring`); otherwise the plan counts what regions hold.
+* ``STEP_DONE`` where the plan made or in force (also one made in RELOWERING or
+  RETILING) has its floor over the budget at an op of a region that sequence tiling may
+  tile again (``tile_sequence="auto"``, each region once:
+  :meth:`~.lowerings.RegionLowerings.retiling`): RETILING, the budget pinned to the plan's.
+  At the next training forward the region is tiled for the floor the step needs there
+  and compiled at that floor (:meth:`~.lowerings.RegionLowerings.retile`); the plans made
+  on its old graph are dropped, with the lowerings they wanted (made for graphs no region
+  runs any more), and the step is planned again, on the tiled graph, whose partition the
+  recompute search may search. A tiling that changes nothing makes the lowerings wanted,
+  as RELOWERING does.
 * ``STEP_ABANDONED`` (a step's graphs died before their backward: it raised, was
   interrupted, or evaluated with grad enabled): seen at the next forward, never planned;
   its host buffers come back there (the runtime collects them); the state stays.
@@ -72,6 +86,7 @@ class StepState(str, Enum):
     LEARNING = "learning"
     PLANNED = "planned"
     RELOWERING = "relowering"
+    RETILING = "retiling"
 
     def __repr__(self) -> str:
         return self.value
@@ -123,6 +138,15 @@ class StepLowering(Protocol):
 
     def recomputes(self, plan: StepPlan) -> bool:
         """Whether a region of ``plan``'s step runs a partition that recomputes more."""
+        ...
+
+    def retiling(self, plan: StepPlan) -> tuple[int, ...]:
+        """Regions to tile again before the next step because ``plan``'s floor is over
+        its budget at one of their ops (each region at most once); () for none."""
+        ...
+
+    def retile(self) -> bool:
+        """Tile the regions :meth:`retiling` asked for; whether any region changed."""
         ...
 
     @property
@@ -195,7 +219,7 @@ class StepController:
             return
         if self.recorder.current_forwards():
             return  # inside a step: nothing changes until it is done
-        if self.state is StepState.RELOWERING:
+        if self.state in (StepState.RELOWERING, StepState.RETILING):
             self._relower()
         elif self.state is StepState.COLD:
             self._move(StepState.LEARNING, StepEventName.FORWARD)
@@ -247,7 +271,7 @@ class StepController:
             plan = self.plan
             if (plan is not None and plan.timeline.plan_key == timeline.plan_key
                     and self.state is StepState.PLANNED):
-                return self._move(StepState.PLANNED, StepEventName.STEP_DONE)
+                return self._move(self._after_plan(timeline), StepEventName.STEP_DONE)
             cached = self._plans.get(timeline.plan_key)
             if cached is not None and self._lowering.lowered_as(cached):
                 self._adopt(cached)
@@ -285,17 +309,29 @@ class StepController:
                     "search ranked on the step" if search else "lowering region(s) for the step")
 
     def _after_plan(self, timeline: StepTimeline) -> StepState:
+        """Where a step done (or a relowering) that planned ``timeline`` goes: RETILING
+        where the plan it wants (else the one in force) asks for a region to be tiled
+        again, else RELOWERING where it wants lowerings, else PLANNED."""
+        plan = self.wanted or self.plan
+        if plan is not None and self._lowering.retiling(plan):
+            self._budget = plan.budget_bytes  # the tiled step is planned under the same budget
+            self._relower_timeline = timeline
+            return StepState.RETILING
         return StepState.RELOWERING if self.wanted is not None else StepState.PLANNED
 
     def _relower(self) -> None:
-        """RELOWERING, at a training forward beginning a step: make the lowerings the plan
-        wants, then plan the step again on them (PLANNED, or RELOWERING again where the
-        new partitions want lowerings of their own)."""
+        """RELOWERING or RETILING, at a training forward beginning a step: tile the regions
+        asked for (RETILING), make the lowerings the plan wants, then plan the step again
+        on them (PLANNED, or RELOWERING / RETILING again where the new partitions want
+        lowerings or tiling of their own)."""
         wanted, timeline = self.wanted, self._relower_timeline
         self.wanted = self._relower_timeline = None
-        assert wanted is not None and timeline is not None
+        assert timeline is not None and (wanted is not None or self.state is StepState.RETILING)
         failed = len(self._lowering.failed_searches)
-        if self._lowering.apply(wanted, timeline):
+        if self.state is StepState.RETILING and self._lowering.retile():
+            self._plans.clear()  # made on graphs no region runs any more
+            wanted = None  # its lowerings too: the step is planned again on the tiled graphs
+        if wanted is not None and self._lowering.apply(wanted, timeline):
             self._plans.clear()  # made on partitions no region runs any more
         self._plan(timeline)
         self._move(self._after_plan(timeline), StepEventName.FORWARD)

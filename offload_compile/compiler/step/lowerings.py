@@ -15,12 +15,31 @@
   lowering that fails leaves the region on the lowering it runs, exact, and the region is
   never asked again.
 
+* :meth:`~RegionLowerings.retiling` and :meth:`~RegionLowerings.retile`: sequence tiling
+  chosen on the step (``tile_sequence="auto"``, below).
+
 Recompute co-planned with the step: where the plan does not fit (the floor is over the
 budget somewhere only recompute can lower) or stalls, every region of the step that saves
 anything is searched once, each candidate partition planned at its floor and ranked by
 :class:`StepScorer`: the step planned with that partition in the region's place (every
 other region as it is) and its predicted stall, plus the step's compute. The fastest
 predicted step that fits wins; with none fitting, the lowest predicted peak.
+
+Sequence tiling chosen on the step. A region's tiling is first chosen at its compile,
+from its own floor (:mod:`..tiling`). The step's floor at an op of the region is that
+op's bytes plus what the rest of the step holds there, and a region the recompute search
+lowered again recomputes in its backward (a larger working set): the step plan can be
+over the budget at a token-wise op of a region whose own floor was under it (Llama-3-8B
+at 224K tokens per rank: 70.9 GiB at the MLP's ``silu`` backward after the search, for
+a 63.3 GiB budget). Then the step asks that region to be tiled again
+(:meth:`~RegionLowerings.retiling`), once, from its untiled Dynamo graph, for the floor
+the step needs there: its own floor less the step's excess, the spans that set it tiled
+even where torch's partition alone would fit it (the step asked because the lowering it
+wants does not). Before the next step's first forward the region is compiled from the
+tiled graph at its floor, with torch's partition (:meth:`~RegionLowerings.retile`); the
+recompute search may then search the tiled graph (the region counts as not searched
+yet), and the step is planned again. A failure keeps the lowering in force (exact,
+untiled or as first tiled).
 """
 
 from __future__ import annotations
@@ -34,6 +53,7 @@ import torch
 from hyper_offload import progress
 from hyper_offload.passes import ResidencySchedule, required_bytes
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
+from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.plan.step import RegionFloor, StepPlan, StepTimeline, plan_step
 from hyper_offload.passes.plan.step.model import Slot
 from hyper_offload.passes.plan.step.plan import regions_to_relower
@@ -45,25 +65,32 @@ from ..region import CompiledRegion, Lowering
 from ..region_plan import GraphPlan
 from ..region_report import LOGGER
 from ..size_buckets import merged_sizes
+from ..tiling import tile_region
+
 
 __all__ = ["RegionCompiler", "RegionLowerings", "StepScorer"]
 
 
 class RegionCompiler(Protocol):
-    """What the lowerings need of a backend (:class:`~..backend.HyperOffloadBackend`): its
-    regions and options, and a compile of a region for a partition request. A protocol,
-    so the step lifecycle imports no door object (the backend imports this module)."""
+    """What the lowerings need of the backend (:class:`~..backend.HyperOffloadBackend`,
+    which owns them: a protocol, so the two modules do not import each other): its
+    regions, options and prices, and its compile of a region for a request."""
 
     regions: list[CompiledRegion]
     options: BackendOptions
+    throughput: DeviceThroughput | None
     fake_steps: bool
 
-    def request(self, region: CompiledRegion, **asked: Any) -> PartitionRequest: ...
+    def request(self, region: CompiledRegion, **asked: Any) -> PartitionRequest:
+        """What a compile of ``region`` asks the partitioner for."""
+        ...
 
     def compile(
         self, region: CompiledRegion, request: PartitionRequest, *, graphs_only: bool = False,
         example_inputs: Sequence[Any] | None = None,
-    ) -> tuple[Callable[..., Any], PartitionResult | None]: ...
+    ) -> tuple[Callable[..., Any], PartitionResult | None]:
+        """``region``'s Dynamo graph compiled for ``request``, and what the partitioner made."""
+        ...
 
 
 class RegionLowerings:
@@ -73,6 +100,11 @@ class RegionLowerings:
         self._backend = backend
         self.failed_searches: list[int] = []
         """Regions whose recompute search raised (each region is searched once)."""
+        self.retile_targets: dict[int, int] = {}
+        """Regions asked to be tiled again before the next step, and the floor (bytes)
+        each should reach (:meth:`retiling`)."""
+        self.retiled: set[int] = set()
+        """Regions ever asked to be tiled again (each region is asked once)."""
 
     def __repr__(self) -> str:
         return f"RegionLowerings({len(self._backend.regions)} region(s))"
@@ -223,6 +255,64 @@ class RegionLowerings:
         if not lowering.recomputes:  # torch's partition again: the lowering in force stays
             return False
         region.adopt(lowering, new_partition=True)
+        return True
+
+
+    def retiling(self, plan: StepPlan) -> tuple[int, ...]:
+        """Ask the region whose op sets ``plan``'s floor over its budget to be tiled again
+        (module docstring), with ``tile_sequence="auto"``, once per region; the regions
+        asked. Called at a step's end (records the target, compiles nothing)."""
+        op = plan.floor_op
+        if (self._backend.options.tile_sequence != "auto" or op is None or op.region is None
+                or plan.floor_peak_bytes <= plan.budget_bytes):
+            return ()
+        region = self._regions[op.region]
+        if region.untiled is None or region.index in self.retiled or region.planned is None:
+            return ()
+        own = max(required_bytes(region.planned.fx_trace.trace), default=0)
+        target = max(own - (plan.floor_peak_bytes - plan.budget_bytes), 0)
+        self.retiled.add(region.index)
+        self.retile_targets[region.index] = target
+        LOGGER.info("hyper_offload region %d: the step's floor is over its budget at %s; tiling "
+                    "the region again for a floor of %d B", region.index, op.op, target)
+        return (region.index,)
+
+    def retile(self) -> bool:
+        """Tile each region :meth:`retiling` asked for, for its floor, and compile it at
+        that floor with torch's partition; whether any region changed."""
+        targets, self.retile_targets = self.retile_targets, {}
+        changed = [self._retile(self._regions[index], target)
+                   for index, target in targets.items()]
+        return any(changed)
+
+    def _retile(self, region: CompiledRegion, target: int) -> bool:
+        backend = self._backend
+        untiled, before = region.untiled, (region.dynamo_graph, region.tiling)
+        assert untiled is not None
+        progress.note(f"region {region.index}: sequence tiling for the step's floor")
+        try:
+            with region.compiling_again():
+                gm, report = tile_region(untiled, backend.options,
+                                         throughput=backend.throughput, target=target)
+                same = region.tiling is not None and report.spans == region.tiling.spans
+                if not report.tiled or same:  # nothing to compile again
+                    LOGGER.info("hyper_offload region %d: not tiled again (%s)", region.index,
+                                "the tiling it runs" if same else report.stopped)
+                    return False
+                region.dynamo_graph, region.tiling = (gm, untiled.inputs), report
+                compiled, result = backend.compile(region, backend.request(region))
+            assert result is not None
+        except Exception as error:  # an optimisation failed: the lowering in force runs
+            region.dynamo_graph, region.tiling = before
+            LOGGER.warning(
+                "hyper_offload region %d: tiling it again for the step failed (%s: %s); it "
+                "keeps the lowering it runs. Fix: report it, or pass tile_sequence=N or 'off'",
+                region.index, type(error).__name__, error)
+            return False
+        region.adopt(Lowering(compiled, result.planned, result.graphs, result.schedule,
+                              result.floor), new_partition=True)  # another graph
+        region.relowered = False  # the recompute search may search the tiled graph
+        LOGGER.info("hyper_offload region %d tiled again for the step: %s", region.index, report)
         return True
 
 
