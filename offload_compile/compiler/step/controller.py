@@ -304,7 +304,7 @@ class StepController:
         self._adopt(target if lowered else
                     self._lowering.plan_in_force(timeline, target.budget_bytes, None))
         self.wanted, self._relower_timeline = target, timeline
-        LOGGER.info("hyper_offload step plan %d: %s before the next step", self.replans,
+        LOGGER.info("hyper_offload step plan %d asks for %s before the next step", self.replans,
                     f"re-lowering region(s) {', '.join(map(str, search))} with the recompute "
                     "search ranked on the step" if search else "lowering region(s) for the step")
 
@@ -349,8 +349,12 @@ class StepController:
                 "over the budget where the floor is (only recompute or a larger budget helps)")
 
     def _adopt(self, plan: StepPlan) -> None:
+        """Put ``plan`` in force; the plan already in force is no new plan (a search that
+        kept every partition leaves the step's plan as it was: counted and logged once)."""
         from ..step_report import log_step_plan
 
+        if plan is self.plan:
+            return
         self.plan = plan
         self.replans += 1
         if not self._lowering.recomputes(plan):  # torch's partitions: the plain peak
