@@ -272,9 +272,13 @@ def test_no_torch_traceback_reaches_stderr_without_debug(factories) -> None:
 
 def _shape(line: str) -> str:
     """A summary line up to its figures: numbers become N, an invocation row is its
-    shape, and the floor line keeps only what it names first."""
+    shape, and the floor lines keep only what they name first (the values at the floor
+    are the model's own)."""
     line = re.sub(r"\d[\d,]*(?:\.\d+)?", "N", " ".join(line.split()))
-    return "floor set by" if line.startswith("floor set by") else line
+    for lead in ("floor set by", "at the floor:"):
+        if line.startswith(lead):
+            return lead
+    return line
 
 
 def test_readme_sample_has_the_lines_the_command_prints_now(capsys) -> None:
