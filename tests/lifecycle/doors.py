@@ -123,10 +123,14 @@ class CompileDoor:
     name = "compile"
     op_error_taints = False
 
+    _backends: dict[tuple[str, str, float], HyperOffloadBackend] = {}
+    """One backend per model and budget, shared by the sequences of a test module
+    (:meth:`forget` clears it): Dynamo guards on the backend, so a sequence that meets a
+    model state an earlier one compiled reuses that code, as a long training run would.
+    A sequence so starts where the backend's previous one left off (a plan in force, its
+    lowerings): every state of the lifecycle is a state a step may begin in."""
+
     def __init__(self, config: Config) -> None:
-        # A fresh Dynamo per sequence: every sequence compiles with a new backend, whose
-        # entries would otherwise pile up on the models' code objects.
-        torch._dynamo.reset()
         fraction = config.budget_fraction
         if config.fraction_option and 0 < fraction <= 1:
             budget: dict[str, float] = {"max_resident_activation_fraction": fraction}
@@ -134,8 +138,18 @@ class CompileDoor:
         else:
             self.budget = int(fraction * plain_peak_bytes(config.model))
             budget = {"max_resident_activation_mb": self.budget / MIB}
-        self.backend: HyperOffloadBackend = hyper_offload.backend(
-            inner_compiler="aot_eager", verify=True, **budget)
+        ((option, value),) = budget.items()
+        key = (config.model, option, value)
+        if key not in self._backends:
+            self._backends[key] = hyper_offload.backend(
+                inner_compiler="aot_eager", verify=True, **budget)
+        self.backend: HyperOffloadBackend = self._backends[key]
+
+    @classmethod
+    def forget(cls) -> None:
+        """Drop the shared backends and Dynamo's code compiled with them."""
+        cls._backends.clear()
+        torch._dynamo.reset()
 
     def attach(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return torch.compile(model, backend=self.backend)

@@ -39,8 +39,9 @@ def dynamo_sees_every_event() -> Iterator[None]:
       run: with the guards, it recompiles and runs."""
     with torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True,
                                     skip_nnmodule_hook_guards=False):
+        CompileDoor.forget()
         yield
-    torch._dynamo.reset()
+    CompileDoor.forget()
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
