@@ -110,8 +110,8 @@ class EagerDoor:
 
 class CompileDoor:
     """``torch.compile(model, backend=hyper_offload.backend(...))`` with ``aot_eager`` as
-    the inner compiler and the default step scope: one backend for the whole sequence (a
-    deep copy of the model is compiled again with it). The twin is plain
+    the inner compiler and the default step scope: one backend per sequence (a deep copy
+    of the model is compiled again with it). The twin is plain
     ``torch.compile(..., backend="aot_eager")``: the same graphs without the transfers,
     so losses and gradients compare with ``torch.equal`` (dropout included).
 
@@ -123,14 +123,12 @@ class CompileDoor:
     name = "compile"
     op_error_taints = False
 
-    _backends: dict[tuple[str, str, float], HyperOffloadBackend] = {}
-    """One backend per model and budget, shared by the sequences of a test module
-    (:meth:`forget` clears it): Dynamo guards on the backend, so a sequence that meets a
-    model state an earlier one compiled reuses that code, as a long training run would.
-    A sequence so starts where the backend's previous one left off (a plan in force, its
-    lowerings): every state of the lifecycle is a state a step may begin in."""
-
     def __init__(self, config: Config) -> None:
+        # A fresh backend and Dynamo per sequence (a sequence reproduces on its own: a
+        # backend shared by sequences carries one's leftovers into the next, see
+        # test_compile_lifecycle); new backends' entries would otherwise pile up on the
+        # models' code objects.
+        torch._dynamo.reset()
         fraction = config.budget_fraction
         if config.fraction_option and 0 < fraction <= 1:
             budget: dict[str, float] = {"max_resident_activation_fraction": fraction}
@@ -138,18 +136,8 @@ class CompileDoor:
         else:
             self.budget = int(fraction * plain_peak_bytes(config.model))
             budget = {"max_resident_activation_mb": self.budget / MIB}
-        ((option, value),) = budget.items()
-        key = (config.model, option, value)
-        if key not in self._backends:
-            self._backends[key] = hyper_offload.backend(
-                inner_compiler="aot_eager", verify=True, **budget)
-        self.backend: HyperOffloadBackend = self._backends[key]
-
-    @classmethod
-    def forget(cls) -> None:
-        """Drop the shared backends and Dynamo's code compiled with them."""
-        cls._backends.clear()
-        torch._dynamo.reset()
+        self.backend: HyperOffloadBackend = hyper_offload.backend(
+            inner_compiler="aot_eager", verify=True, **budget)
 
     def attach(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return torch.compile(model, backend=self.backend)
@@ -195,8 +183,7 @@ class CompileDoor:
 
     def check_idle(self) -> None:
         runtime = self.backend.runtime
-        stats = runtime.pool.stats()
-        runtime.collect()
+        runtime.collect()  # what a user's next forward does: finished copies let go
         stats = runtime.pool.stats()
         assert stats.buffers_in_use == 0 and stats.pinned_bytes_in_use == 0, stats
         assert stats.pageable_bytes_in_use == 0, stats
