@@ -134,3 +134,38 @@ def test_autograd_grad_over_part_of_the_graph_ends_when_the_graph_dies(compiled,
 def backend_recorder_idle(compiled) -> bool:
     backend, _ = compiled
     return backend.controller.recorder.current_forwards() == ()
+
+
+class _HookError(Exception):
+    pass
+
+
+def _fail(_: torch.Tensor) -> None:
+    raise _HookError
+
+
+@pytest.mark.parametrize("where", ["after_every_region", "between_regions"])
+def test_a_backward_that_raises_ends_no_step(compiled, steps, where):
+    """A backward pass that raises after some (or all) invocations' backwards ran is a
+    failed step: it yields no timeline (a partial one would become a plan); the next
+    clean step is learnt whole."""
+    backend, model = compiled
+    x = _x()
+    if where == "after_every_region":  # the input's gradient hook: after layer 0's backward
+        x.register_hook(_fail)
+        loss = model(x)
+    else:  # the layers' boundary: after layer 1's backward, before layer 0's
+        hidden = model.layers[0](x)
+        hidden.register_hook(_fail)
+        loss = model.head(model.layers[1](hidden)).pow(2).mean()
+    with pytest.raises(_HookError):
+        loss.backward()
+    del loss, x
+    if where == "between_regions":
+        del hidden
+    backend.controller.recorder.poll()
+    assert steps == []
+    model(_x()).backward()
+    assert len(steps) == 1
+    (r,) = steps[0].regions
+    assert steps[0].events == _events((F, r, 0), (F, r, 1), (B, r, 1), (B, r, 0))

@@ -1,20 +1,23 @@
-"""The doors the lifecycle machine drives. ``EagerDoor``: ``OffloadSession`` around each
-step. (The compile door, ``torch.compile(backend="hyper_offload")``, implements the same
-:class:`~.harness.Door` protocol.)"""
+"""The doors the lifecycle machine drives: ``EagerDoor`` (``OffloadSession`` around each
+step) and ``CompileDoor`` (``torch.compile`` with a ``hyper_offload`` backend), each
+implementing the :class:`~.harness.Door` protocol."""
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from functools import cache
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+import hyper_offload
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.compiler import autograd_saved_device_bytes
+from hyper_offload.compiler.backend import HyperOffloadBackend
+from hyper_offload.compiler.saved_bytes import saved_device_bytes
 from hyper_offload.config import MIB
 from hyper_offload.eager import ReplayMismatchError, current_session
 from hyper_offload.eager.lifecycle import StepState
@@ -41,6 +44,7 @@ class EagerDoor:
     """One ``OffloadSession`` for the whole sequence, entered around every step."""
 
     name = "eager"
+    op_error_taints = True
 
     def __init__(self, config: Config) -> None:
         self.budget = int(config.budget_fraction * plain_peak_bytes(config.model))
@@ -51,6 +55,9 @@ class EagerDoor:
 
     def attach(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return model
+
+    def attach_twin(self, twin: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return twin
 
     def step(self) -> AbstractContextManager[None]:
         self._plan_at_start = self.session.lifecycle.plan
@@ -99,6 +106,88 @@ class EagerDoor:
         assert stats.pageable_bytes_in_use == 0, stats
         assert len(session.manager) == 0 and session.manager.transfers_in_flight() == 0
         assert not session.active and current_session() is None
+
+
+class CompileDoor:
+    """``torch.compile(model, backend=hyper_offload.backend(...))`` with ``aot_eager`` as
+    the inner compiler and the default step scope: one backend per sequence (a deep copy
+    of the model is compiled again with it). The twin is plain
+    ``torch.compile(..., backend="aot_eager")``: the same graphs without the transfers,
+    so losses and gradients compare with ``torch.equal`` (dropout included).
+
+    A changed op recompiles as plain ``torch.compile`` does; the door is never strict.
+    Its plan token is the step timeline its plan was made from: a step without grad or
+    a failed step makes no plan (re-lowering asked for by the step before, which the
+    next training forward does, plans that step's timeline again)."""
+
+    name = "compile"
+    op_error_taints = False
+
+    def __init__(self, config: Config) -> None:
+        # A fresh backend and Dynamo per sequence (a sequence reproduces on its own: a
+        # backend shared by sequences carries one's leftovers into the next, see
+        # test_compile_lifecycle); new backends' entries would otherwise pile up on the
+        # models' code objects.
+        torch._dynamo.reset()
+        fraction = config.budget_fraction
+        if config.fraction_option and 0 < fraction <= 1:
+            budget: dict[str, float] = {"max_resident_activation_fraction": fraction}
+            self.budget: int | None = None  # resolved by the step's first plan
+        else:
+            self.budget = int(fraction * plain_peak_bytes(config.model))
+            budget = {"max_resident_activation_mb": self.budget / MIB}
+        self.backend: HyperOffloadBackend = hyper_offload.backend(
+            inner_compiler="aot_eager", verify=True, **budget)
+
+    def attach(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return torch.compile(model, backend=self.backend)
+
+    def attach_twin(self, twin: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return torch.compile(twin, backend="aot_eager")
+
+    def step(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def saved_bytes(self, loss: torch.Tensor, exclude: list[torch.Tensor]) -> int | None:
+        # What the compiled regions hold for their backward (eager code between regions,
+        # which the step plan does not count unless measured, is not counted either).
+        return saved_device_bytes(loss, exclude=exclude)
+
+    def strict(self, ops_changed: bool) -> type[BaseException] | None:
+        return None
+
+    def recover(self) -> None:
+        """Nothing to do: a compiled model needs no reset after an error."""
+
+    def plan_token(self) -> object:
+        controller = self.backend.controller
+        plan = controller.wanted or controller.plan
+        return None if plan is None else plan.timeline
+
+    def check_step(self, kind: str, result: StepResult, ops_changed: bool) -> None:
+        """Saved device bytes after the forward within the budget or the floor of the
+        step plan of the step's shape (what no plan can go below), and the host pool
+        idle after every step."""
+        self.check_idle()
+        if kind != StepKind.TRAIN or result.saved_bytes is None:
+            return
+        report = self.backend.step_report
+        assert report is not None, "compile door: a training step made no step plan"
+        budget = report.budget_bytes if self.budget is None else self.budget
+        assert report.budget_bytes == budget, (report.budget_bytes, budget)
+        cap = max(budget, report.floor_peak_bytes)
+        assert result.saved_bytes <= cap, (
+            f"compile door: {result.saved_bytes} B saved after the forward, above the budget "
+            f"{budget} B and the step's floor {report.floor_peak_bytes} B "
+            f"({self.backend.controller!r})")
+
+    def check_idle(self) -> None:
+        runtime = self.backend.runtime
+        runtime.collect()  # what a user's next forward does: finished copies let go
+        stats = runtime.pool.stats()
+        assert stats.buffers_in_use == 0 and stats.pinned_bytes_in_use == 0, stats
+        assert stats.pageable_bytes_in_use == 0, stats
+        assert runtime.transfers_pending == 0 and runtime.host_copies == 0
 
 
 def copy_model(model: nn.Module) -> nn.Module:

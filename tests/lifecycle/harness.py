@@ -53,6 +53,18 @@ class Door(Protocol):
         harness replaces the model: a deep copy)."""
         ...
 
+    def attach_twin(self, twin: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The callable that runs the twin plainly, as the door's user would without the
+        library (eager: the module; compile: plain ``torch.compile`` with the same inner
+        compiler, whose numerics the door's must equal)."""
+        ...
+
+    op_error_taints: bool
+    """Whether a step in which an op raised and the model caught the error is refused as
+    the door's plan (eager: the session saw the op fail, its trace is incomplete). A door
+    that never sees the failing op (compile: it runs in eager code between regions, or
+    at trace time) plans the step as the step it is."""
+
     def step(self) -> AbstractContextManager[None]:
         """The context one step runs in (its forward and backward, grad or no grad)."""
         ...
@@ -95,6 +107,9 @@ class Config:
     has to)."""
     max_warmups: int = 3
     rewarm_on_mismatch: bool = False
+    fraction_option: bool = False
+    """Where the door takes its budget as a fraction of its own step's peak as well as in
+    bytes (compile: ``max_resident_activation_fraction``), ask for it that way."""
 
 
 @dataclass
@@ -115,6 +130,7 @@ class Pair:
     model: Knobbed
     twin: Knobbed
     run: Callable[[torch.Tensor], torch.Tensor]
+    twin_run: Callable[[torch.Tensor], torch.Tensor]
     batch: int = 8
     knobs: Knobs = field(default_factory=Knobs)
     step_count: int = 0
@@ -124,7 +140,7 @@ class Pair:
         torch.manual_seed(seed)
         model = MODELS[config.model]()
         twin = copy.deepcopy(model)
-        return cls(model, twin, door.attach(model))
+        return cls(model, twin, door.attach(model), door.attach_twin(twin))
 
     def inputs(self) -> torch.Tensor:
         generator = torch.Generator().manual_seed(10_000 + self.step_count)
@@ -137,7 +153,7 @@ class Pair:
     def replace(self, door: Door, make: Callable[[Knobbed], Knobbed]) -> None:
         """Replace both models (a deep copy, a reload) and re-attach the door."""
         self.model, self.twin = make(self.model), make(self.twin)
-        self.run = door.attach(self.model)
+        self.run, self.twin_run = door.attach(self.model), door.attach_twin(self.twin)
 
 
 def seeded(step: int) -> None:

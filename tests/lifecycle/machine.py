@@ -65,9 +65,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         EVENTS["sequences"] += 1
 
     @initialize(budget=st.sampled_from([0.0, 0.3, 0.6, 4.0]), max_warmups=st.sampled_from([1, 2, 3]),
-                rewarm=st.booleans())
-    def setup(self, budget: float, max_warmups: int, rewarm: bool) -> None:
-        config = Config(self.model_name, budget, max_warmups, rewarm)
+                rewarm=st.booleans(), fraction_option=st.booleans())
+    def setup(self, budget: float, max_warmups: int, rewarm: bool, fraction_option: bool) -> None:
+        config = Config(self.model_name, budget, max_warmups, rewarm, fraction_option)
         self.door = type(self).door_factory(config)
         self.pair = Pair.build(config, self.door)
 
@@ -133,7 +133,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert expected is None or not changed or pair.model.probe, (
                 f"{door.name}: a strict door ran a step whose ops differ from its plan")
         seeded(pair.step_count)
-        twin_loss = pair.twin(x)
+        twin_loss = pair.twin_run(x)
         twin_loss.backward()
         where = f"{self.model_name} step {pair.step_count} ({event})"
         assert_same(pair, loss, twin_loss, where)
@@ -156,7 +156,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule()
     def step_with_a_caught_op_error(self) -> None:
         """The model probes an op that raises and catches it, then computes on: the step
-        is exact and never becomes the door's plan."""
+        is exact and, in a door that sees the op fail (:attr:`Door.op_error_taints`),
+        never becomes the door's plan."""
         EVENTS["caught_op_error"] += 1
         before = self.door.plan_token()
         for model in self.pair.both():
@@ -166,7 +167,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         finally:
             for model in self.pair.both():
                 model.probe = False
-        assert self.door.plan_token() is before, "a step whose op raised became the plan"
+        if self.door.op_error_taints:
+            assert self.door.plan_token() is before, "a step whose op raised became the plan"
 
     @rule(kind=st.sampled_from(["no_grad", "inference_mode", "eval"]))
     def forward_without_grad(self, kind: str) -> None:
@@ -184,7 +186,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                     seeded(pair.step_count)
                     out = pair.run(x)
                 seeded(pair.step_count)
-                twin_out = pair.twin(x)
+                twin_out = pair.twin_run(x)
         finally:
             for model, mode in zip(pair.both(), training):
                 model.train(mode)
@@ -203,6 +205,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         before = door.plan_token()
         module = _a_middle_module(pair.model)
 
+        # Run eagerly under torch.compile (a graph break, the error raised at run time):
+        # Dynamo would trace a hook that raises, and then run the whole frame eagerly
+        # from that call on, for every copy of the model: no compiled step left to test.
+        @torch.compiler.disable
         def fail(*_: object) -> None:
             raise error
 

@@ -44,12 +44,23 @@ class Knobbed(nn.Module):
         """The probe (an op that raises, caught: code probing a fast path) and the added
         layers, applied to a ``(batch, WIDTH)`` activation."""
         if self.probe:
-            try:
-                h = h @ self.wrong  # shape error inside the kernel
-            except RuntimeError:
-                pass
+            h = _probe(h, self.wrong)
         for layer in self.extra:
             h = torch.tanh(layer(h))
+        return h
+
+
+@torch.compiler.disable
+def _probe(h: torch.Tensor, wrong: torch.Tensor) -> torch.Tensor:
+    """Try a fast path that fails (a shape error inside the kernel) and fall back.
+
+    Runs eagerly under ``torch.compile`` (a graph break), as such code must: Dynamo runs
+    the op on fake tensors while tracing and raises its own error at compile time,
+    outside the ``try``, so plain ``torch.compile`` of a model that probes inline fails
+    (``TorchRuntimeError``); an eager door sees the op fail either way."""
+    try:
+        return h @ wrong
+    except RuntimeError:
         return h
 
 

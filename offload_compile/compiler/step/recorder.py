@@ -10,21 +10,26 @@ activations that live until *its* backward, and all of them share the device.
   layers is N invocations); a forward under ``no_grad`` or with nothing to differentiate
   is not part of the step;
 * a pre-hook on that node records when its backward starts, a post-hook when it is done;
-* a step ends when no invocation is outstanding any more (each one's backward ran, or
-  its graph died unrun: a step that raised, an evaluation forward with grad enabled).
-  Then the recorder hands the timeline to its callback. Plain training is forwards then
-  backwards in reverse; gradient accumulation makes one step per micro-batch (their
-  activations never coexist); a pipeline stage's micro-batches (several forwards before
-  their backwards) are one step, so invocations may come in any order. A retained
-  graph's second backward belongs to no step (its invocation was already done), nor
-  does ``autograd.grad`` over part of a graph change anything (the invocations it does
-  not reach end when their graph dies).
+* a step ends when no invocation is outstanding any more (each one's backward ran in a
+  backward pass that ended without an error, or its graph died unrun: a step that
+  raised, an evaluation forward with grad enabled). Then the recorder hands the timeline
+  to its callback. A backward pass that raises (a hook, a later node, an interrupt)
+  after some invocations' backwards ran fails the step: it ends with no timeline, as
+  a forward that raised does (the engine runs the callback that confirms a pass only
+  when the pass succeeds; a forward that finds no confirmation is after the failure).
+  Plain training is forwards then backwards in reverse; gradient accumulation makes one
+  step per micro-batch (their activations never coexist); a pipeline stage's
+  micro-batches (several forwards before their backwards) are one step, so invocations
+  may come in any order. A retained graph's second backward belongs to no step (its
+  invocation was already done), nor does ``autograd.grad`` over part of a graph change
+  anything (the invocations it does not reach end when their graph dies).
 
 Invariants: a timeline holds each of its invocations' forward exactly once, and a
 backward only after that invocation's forward; every invocation of a timeline that has a
-backward event was *completed* (its post-hook ran). The recorder never touches a tensor's
-values and keeps no strong reference to an autograd graph. Hooks may run on autograd's
-device threads: every state change holds the recorder's lock.
+backward event was *completed* (its post-hook ran, in a backward pass that then ended
+without an error); a step whose backward pass failed yields no timeline. The recorder
+never touches a tensor's values and keeps no strong reference to an autograd graph.
+Hooks may run on autograd's device threads: every state change holds the recorder's lock.
 """
 
 from __future__ import annotations
@@ -94,6 +99,9 @@ class StepRecorder:
         self._ordinals: dict[int, int] = {}
         self._pending: dict[Invocation, _Pending] = {}
         self._done: dict[Invocation, _Pending] = {}
+        # Of _done: those whose backward pass has not ended yet (confirmed by the
+        # engine's callback at the end of a pass without error; never, if it raised).
+        self._unconfirmed: set[Invocation] = set()
         self._dead: list[Invocation] = []  # appended by weakref callbacks, lock-free
         self._ready: list[StepTimeline] = []  # ended inside _reap; delivered by poll()
         self.steps = 0
@@ -178,6 +186,14 @@ class StepRecorder:
                 self.observer.exit()
                 self.observer.event(StepEvent(StepEventKind.BACKWARD, invocation), done=True)
             self._done[invocation] = self._pending.pop(invocation)
+            self._unconfirmed.add(invocation)
+        # Runs when this backward pass ends, only if nothing in it raised.
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: self._backward_pass_ended(invocation))
+
+    def _backward_pass_ended(self, invocation: Invocation) -> None:
+        with self._lock:
+            self._unconfirmed.discard(invocation)
             finished = self._finish_if_idle()
         if finished is not None:
             self._on_step(finished)
@@ -192,14 +208,18 @@ class StepRecorder:
             if pending is not None and pending.node() is None:
                 del self._pending[invocation]
                 self._events = [e for e in self._events if e.invocation != invocation]
-        if not self._pending and (self._events or self._ordinals):
+        if not self._pending and self._unconfirmed and torch._C._current_graph_task_id() < 0:
+            # Nothing outstanding, no backward pass running, yet a pass never confirmed
+            # what it ran: it raised. The step failed.
+            self._events, self._done, self._ordinals, self._unconfirmed = [], {}, {}, set()
+        elif not self._pending and (self._events or self._ordinals):
             finished = self._finish_if_idle()
             if finished is not None:
                 self._ready.append(finished)
 
     def _finish_if_idle(self) -> StepTimeline | None:
         """End the step if nothing is outstanding; the timeline if it ran a backward."""
-        if self._pending:
+        if self._pending or self._unconfirmed:
             return None
         events = tuple(e for e in self._events if e.invocation in self._done)
         timeline = StepTimeline(
