@@ -7,9 +7,9 @@ Before a region is compiled, when ``tile_sequence`` is ``"auto"`` or a tile coun
 2. the region as it is is *probed* (:func:`probe_floor`: its graphs compiled without
    code and traced at its floor, everything movable moved): the op with the most bytes
    that no plan can move sets the floor. When that op belongs to a span, the spans with
-   the same ops (that span in every layer) are tiled (:mod:`~hyper_offload.passes.fx.
-   tiling_rewrite`: each tile recomputed in its backward, one tile's intermediates alive
-   at a time). ``"auto"`` doubles the tiles of the spans that set the floor (2, 4, 8,
+   the same ops (that span in every layer) are tiled
+   (:mod:`~hyper_offload.passes.fx.tiling_rewrite`: each tile recomputed in its backward,
+   one tile's intermediates alive at a time). ``"auto"`` doubles the tiles of the spans that set the floor (2, 4, 8,
    ...: whichever spans set it after the last doubling) until the floor fits the budget,
    is set by an op no tiling lowers (attention, an embedding's gradient), or a doubling
    lowers it by less than :data:`MIN_GAIN`; when it fits, each count is then bisected
@@ -35,9 +35,9 @@ once, for the floor the step needs there (:meth:`.step.lowerings.RegionLowerings
 A probe is the backend's own compile of the region minus code generation
 (:func:`~.fake_capture.compile_graphs_only`: AOTAutograd with the inner compiler's
 decompositions and partition pipeline, torch's min-cut partition), traced as the step
-scope traces a region at its floor (:func:`~hyper_offload.passes.fx.graph_trace.
-build_fx_trace`, everything movable moved), so the floor it reads is the one the region
-would be lowered at. It runs in a fresh tracing context on the region's fake mode (as a
+scope traces a region at its floor
+(:func:`~hyper_offload.passes.fx.graph_trace.build_fx_trace`, everything movable moved),
+so the floor it reads is the one the region would be lowered at. It runs in a fresh tracing context on the region's fake mode (as a
 re-lowering does, :meth:`.region.CompiledRegion.compiling_again`), so Dynamo's own
 compile of the region is untouched.
 """
