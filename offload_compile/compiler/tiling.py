@@ -9,8 +9,9 @@ Before a region is compiled, when ``tile_sequence`` is ``"auto"`` or a tile coun
    that no plan can move sets the floor. When that op belongs to a span, the spans with
    the same ops (that span in every layer) are tiled
    (:mod:`~hyper_offload.passes.fx.tiling_rewrite`: each tile recomputed in its backward,
-   one tile's intermediates alive at a time). ``"auto"`` doubles the tiles of the spans that set the floor (2, 4, 8,
-   ...: whichever spans set it after the last doubling) until the floor fits the budget,
+   one tile's intermediates alive at a time). ``"auto"`` doubles the tiles of the spans
+   that set the floor (2, 4, 8, ...: whichever spans set it after the last doubling)
+   until the floor fits the budget,
    is set by an op no tiling lowers (attention, an embedding's gradient), or a doubling
    lowers it by less than :data:`MIN_GAIN`; when it fits, each count is then bisected
    down to the **fewest tiles that still fit**. A tile count (``tile_sequence=8``) tiles
@@ -37,8 +38,9 @@ A probe is the backend's own compile of the region minus code generation
 decompositions and partition pipeline, torch's min-cut partition), traced as the step
 scope traces a region at its floor
 (:func:`~hyper_offload.passes.fx.graph_trace.build_fx_trace`, everything movable moved),
-so the floor it reads is the one the region would be lowered at. It runs in a fresh tracing context on the region's fake mode (as a
-re-lowering does, :meth:`.region.CompiledRegion.compiling_again`), so Dynamo's own
+so the floor it reads is the one the region would be lowered at. It runs in a fresh
+tracing context on the region's fake mode (as a re-lowering does,
+:meth:`.region.CompiledRegion.compiling_again`), so Dynamo's own
 compile of the region is untouched.
 """
 
@@ -109,8 +111,8 @@ def tile_region(
 ) -> tuple[fx.GraphModule, TilingReport]:
     """``source``'s graph tiled as ``options.tile_sequence`` says (module docstring), and
     the report; the graph itself when nothing is tiled (never modified). ``target``: the
-    floor the step asks for (:meth:`.step.lowerings.RegionLowerings.retile`), instead of the options' budget; the
-    spans that set the floor are then tiled even where it already fits it."""
+    floor the step asks for (:meth:`.step.lowerings.RegionLowerings.retile`), instead of
+    the options' budget; the spans that set the floor are then tiled even where it already fits it."""
     def probe(graph: fx.GraphModule) -> Probe:
         return probe_floor(graph, source.inputs, options, activation_inputs=source.moving,
                            throughput=throughput)
