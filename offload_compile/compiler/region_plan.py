@@ -38,7 +38,7 @@ from hyper_offload.passes.fx.sizes import SymbolicSize, symbolic_sizes
 from hyper_offload.passes.plan.floor import FloorPlanner
 from hyper_offload.passes.plan.host_budget import host_curve
 from hyper_offload.passes.plan.planning import plan_residency
-from hyper_offload.passes.plan.summary import binding
+from hyper_offload.passes.plan.report import binding
 from hyper_offload.runtime.bandwidth import TransferBandwidth
 
 from .options import BackendOptions

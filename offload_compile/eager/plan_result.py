@@ -18,7 +18,7 @@ from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.ir.step_end import has_step_end
 from hyper_offload.passes.ir.trace import ActivationTrace, StorageId, TraceOp
 from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError, plan_residency
-from hyper_offload.passes.plan.protocol import ResidencyPlanner
+from hyper_offload.passes.plan.report import ResidencyPlanner
 
 from .executor_base import ACCUMULATE_GRAD, OffloadSessionError
 

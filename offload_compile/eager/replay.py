@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
-from hyper_offload.passes.plan.protocol import ResidencyPlanner
+from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 

@@ -53,7 +53,7 @@ from hyper_offload.passes.ir.trace import (
     TraceOp,
 )
 from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError
-from hyper_offload.passes.plan.protocol import ResidencyPlanner
+from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.op_clock import OpClock
 from hyper_offload.runtime.pipeline.hooks import swap_step_running

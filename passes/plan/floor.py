@@ -32,7 +32,7 @@ __all__ = ["FloorPlanner", "boundary_gaps"]
 
 
 class FloorPlanner:
-    """A :class:`~.protocol.ResidencyPlanner` whose schedule offloads every candidate gap
+    """A :class:`~.report.ResidencyPlanner` whose schedule offloads every candidate gap
     (and, with ``boundary``, every gap across it; module docstring).
 
     Invariant: for every op, the schedule's device bytes are the least any schedule of

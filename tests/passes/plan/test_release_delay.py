@@ -18,8 +18,8 @@ from hyper_offload.passes import (
     plan_residency,
     predict_timeline,
 )
-from hyper_offload.passes.plan.prefetch import hoist_prefetches
-from hyper_offload.passes.plan.release_delay import delay_releases, release_slots
+from hyper_offload.passes.plan.placement import hoist_prefetches
+from hyper_offload.passes.plan.placement import delay_releases, release_slots
 
 from ..planner_strategies import pressured_traces
 

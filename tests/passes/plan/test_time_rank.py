@@ -16,7 +16,7 @@ from hyper_offload.passes import (
     plan_residency,
 )
 from hyper_offload.passes.analysis.candidates import budget_excess, offload_candidates
-from hyper_offload.passes.plan.time_rank import copy_fits
+from hyper_offload.passes.plan.greedy import copy_fits
 
 from ..planner_strategies import timed_pressured
 
