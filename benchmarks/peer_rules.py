@@ -42,7 +42,7 @@ import torch
 from torch import fx
 
 from hyper_offload.passes import ResidencySchedule, check_schedule
-from hyper_offload.passes.analysis.candidates import OffloadCandidate, offload_candidates
+from hyper_offload.passes.analysis.liveness import OffloadCandidate, offload_candidates
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.fx.graph_trace import FxTrace
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction

@@ -259,7 +259,7 @@ MUTATIONS = (
              "            packed = False\n            if not packed:\n                self.manager.bind(sid, _whole_storage(tensor))",
              ("tests/runtime/pipeline/test_pp_swap_dist.py::test_swap_matches_no_swap_reference_and_prediction[zbv-4r-8mb-plain-group_swap]",),
              "group_swap=True moves every storage with a copy of its own"),
-    Mutation("send-proven-by-its-own-receive", "passes/pipeline/send_release.py",
+    Mutation("send-proven-by-its-own-receive", "passes/pipeline/execution.py",
              "clock[clocks.slot[peer]] > received", "clock[clocks.slot[peer]] >= received",
              ("tests/passes/pipeline/test_send_release.py",),
              "a send counts as received before the peer completed its receive"),

@@ -32,15 +32,15 @@ from hyper_offload.passes.pipeline.check_order import check_order
 from hyper_offload.passes.pipeline.meta_step import SEND_KINDS, MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.orders import SCHEDULES
 from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
-from hyper_offload.passes.pipeline.send_release import send_releases
+from hyper_offload.passes.pipeline.execution import send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, strip_swap_steps
 from hyper_offload.passes.pipeline.swap_cost import (
     SwapCostModel,
     SwapCostReport,
-    peak_bytes,
     plan_rank_swaps,
 )
-from hyper_offload.passes.pipeline.transport import TRANSPORTS
+from hyper_offload.passes.pipeline.residency import peak_bytes
+from hyper_offload.passes.pipeline.build import TRANSPORTS
 
 MIB = 1 << 20
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INVALID_ORDER = 0, 2, 3

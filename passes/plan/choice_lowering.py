@@ -3,7 +3,7 @@
 Every planner here separates *which* gaps to offload (analysis, in the planner) from
 *how* that choice becomes actions (this module), so the greedy planner, its refinement
 and the exact ILP planner all emit schedules the same way. For a chosen set of
-:class:`~..analysis.candidates.OffloadCandidate`::
+:class:`~..analysis.liveness.OffloadCandidate`::
 
     post[d2h_op]        COPY_D2H s        once per write epoch with a chosen gap
     post[start]         RELEASE_DEVICE s  for each chosen gap
@@ -12,7 +12,7 @@ and the exact ILP planner all emit schedules the same way. For a chosen set of
     post[last access]   RELEASE_DEVICE s  for every storage that is not retained
                                           (post[held_until] for a held one)
 
-A hold gap (:func:`~..analysis.candidates.is_hold_gap`: a held storage's last stretch,
+A hold gap (:func:`~..analysis.liveness.is_hold_gap`: a held storage's last stretch,
 no op reads it again) has no reload: its RELEASE_DEVICE follows the last access, and its
 epoch's host copy is released after op ``held_until``, when the last reference is gone.
 
@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from itertools import groupby
 from operator import itemgetter
 
-from ..analysis.candidates import OffloadCandidate, is_hold_gap
+from ..analysis.liveness import OffloadCandidate, is_hold_gap
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..ir.trace import ActivationTrace
 

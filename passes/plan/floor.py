@@ -1,6 +1,6 @@
 """The floor planner: offload every candidate gap.
 
-A schedule that offloads every gap of :func:`~..analysis.candidates.offload_candidates`
+A schedule that offloads every gap of :func:`~..analysis.liveness.offload_candidates`
 keeps no storage on the device across a gap, so no schedule of the same gaps has fewer
 device bytes at any op: it is the trace's *floor*. A door that must fit a budget before
 it knows what else shares the device plans at the floor (the compile door's first step,
@@ -23,7 +23,7 @@ is accessed at every op of its span, and so at both ends of the boundary too.)
 
 from __future__ import annotations
 
-from ..analysis.candidates import OffloadCandidate, offload_candidates
+from ..analysis.liveness import OffloadCandidate, offload_candidates
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import AccessKind, ActivationTrace, StorageId
 from .choice_lowering import lower_offload_choice

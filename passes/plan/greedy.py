@@ -22,7 +22,7 @@ The greedy residency planner of the HyperOffload design (section 4.4), in O(M lo
 Algorithm (M candidate gaps, S ops):
 
 1. Candidates are the gaps between consecutive accesses of each storage
-   (:func:`~..analysis.candidates.offload_candidates`).
+   (:func:`~..analysis.liveness.offload_candidates`).
 2. Rank them by (distance, size, -start) descending — far-apart, large gaps first —
    with ties broken by storage id.
 3. Walk the ranking; accept a candidate while any op it covers is still over budget,
@@ -58,7 +58,7 @@ from typing import Any
 
 from hyper_offload.errors import ConfigurationError
 
-from ..analysis.candidates import OffloadCandidate, design_rank_key
+from ..analysis.liveness import OffloadCandidate, design_rank_key
 from ..analysis.predicted_timeline import op_start_times
 from ..ir.limits import OpLimit, op_limit
 from ..ir.schedule import ResidencySchedule
@@ -123,7 +123,7 @@ def time_rank_key(
     earliest_prefetch_op: OpLimit = 0,
 ) -> RankKey:
     """A sort key (ascending) for :func:`~.greedy.select_greedy`: fitting gaps
-    first, then the design's order (:func:`~..analysis.candidates.design_rank_key`)."""
+    first, then the design's order (:func:`~..analysis.liveness.design_rank_key`)."""
     fits = dict(
         zip(candidates, copy_fits(trace, candidates, excess, earliest_prefetch_op=earliest_prefetch_op))
     )

@@ -5,7 +5,7 @@ The host budget: how many bytes a plan keeps alive in host buffers at once.
 Offloaded bytes live somewhere: each write epoch with an offloaded gap holds one host
 buffer from its ``COPY_D2H`` (``post[d2h_op]``) until its ``RELEASE_HOST`` (``post`` of
 its last reload, :mod:`.choice_lowering`). The buffer is a pool bucket
-(:func:`~..ir.host.host_bucket_bytes`), not the storage's raw size. Local ranks share one
+(:func:`~..ir.limits.host_bucket_bytes`), not the storage's raw size. Local ranks share one
 machine's memory, so a rank's share of it (``OffloadConfig.max_host_activation_mb``) is a
 budget like the device's, and a planner must never exceed it: a node that runs out of
 host memory dies, where one that keeps a few more bytes on the device (or recomputes
@@ -69,9 +69,9 @@ from typing import NamedTuple
 
 from hyper_offload.errors import ConfigurationError
 
-from ..analysis.candidates import OffloadCandidate
+from ..analysis.liveness import OffloadCandidate
 from ..analysis.predicted_timeline import op_start_times, predict_timeline
-from ..ir.host import host_bucket_bytes
+from ..ir.limits import host_bucket_bytes
 from ..ir.limits import OpLimit, op_limit
 from ..ir.schedule import ActionKind, DISK_ACTIONS, ResidencyAction, ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId

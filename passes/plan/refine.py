@@ -56,7 +56,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import accumulate
 
-from ..analysis.candidates import OffloadCandidate
+from ..analysis.liveness import OffloadCandidate
 from .segment_tree import RangeAddMaxTree
 
 __all__ = [
@@ -82,7 +82,7 @@ def fill_peak(
 ) -> list[OffloadCandidate]:
     """``chosen``, or a cheaper choice that is feasible wherever it was (module docstring).
 
-    Bytes are counted as :mod:`..analysis.candidates` does (each gap's H2D plus its
+    Bytes are counted as :mod:`..analysis.liveness` does (each gap's H2D plus its
     epoch's D2H), so only storages with one gap in the pool take part."""
     if not chosen:
         return list(chosen)

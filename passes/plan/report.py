@@ -21,7 +21,7 @@ and what it costs in time. :class:`PlanSummary` holds those figures and derives
 ``PlanReport`` and the one pipeline every gap-choosing planner shares.
 
 A planner that offloads whole gaps differs from another only in *which* gaps it picks:
-candidates and per-op excess come from :mod:`..analysis.candidates`, the pick from the
+candidates and per-op excess come from :mod:`..analysis.liveness`, the pick from the
 planner, and the schedule from :func:`~.choice_lowering.lower_offload_choice`.
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..analysis.candidates import OffloadCandidate, budget_excess, offload_candidates
+from ..analysis.liveness import OffloadCandidate, budget_excess, offload_candidates
 from ..analysis.liveness import InfeasibleOp
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from hyper_offload.errors import HyperOffloadError
 
-from ...analysis.candidates import offload_candidates
+from ...analysis.liveness import offload_candidates
 from ...analysis.validator import check_schedule
 from ...ir.schedule import ResidencySchedule
 from ...ir.trace import ActivationTrace

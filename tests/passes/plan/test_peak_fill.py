@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_offload.passes.analysis.candidates import OffloadCandidate
+from hyper_offload.passes.analysis.liveness import OffloadCandidate
 from hyper_offload.passes.plan.greedy import select_greedy
 from hyper_offload.passes.plan.refine import fill_peak
 from hyper_offload.passes.plan.refine import refine_choice

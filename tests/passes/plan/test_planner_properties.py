@@ -20,7 +20,7 @@ from hyper_offload.passes import (
     required_bytes,
     resident_bytes_without_offload,
 )
-from hyper_offload.passes.analysis.candidates import (
+from hyper_offload.passes.analysis.liveness import (
     budget_excess,
     offload_candidates,
     op_byte_profile,
