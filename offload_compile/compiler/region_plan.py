@@ -39,7 +39,7 @@ from hyper_offload.passes.plan.floor import FloorPlanner
 from hyper_offload.passes.plan.host_budget import host_curve
 from hyper_offload.passes.plan.planning import plan_residency
 from hyper_offload.passes.plan.report import binding
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 from .options import BackendOptions
 from .region_report import InfeasibleOpReport, KeptSavedReport, RecomputeReport, RegionReport

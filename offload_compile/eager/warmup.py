@@ -3,7 +3,7 @@
 Design section 4.3. Step 1 runs the model for real; for every op the executor records
 which tracked storages it READs or WRITEs (WRITE for arguments the op schema marks
 ``Tensor(a!)``, and for the storages it creates), the storage of each output leaf, and
-the op's duration (:class:`~hyper_offload.runtime.op_clock.OpClock`: wall clock on CPU,
+the op's duration (:class:`~hyper_offload.runtime.device.OpClock`: wall clock on CPU,
 timing events read once at the end of the step on an accelerator, where the wall clock
 would only time the launch); the planning pipeline prices the step with them. Storages are tracked by :class:`ActivationTracker`.
 
@@ -55,7 +55,7 @@ from hyper_offload.passes.ir.trace import (
 from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError
 from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
-from hyper_offload.runtime.op_clock import OpClock
+from hyper_offload.runtime.device import OpClock
 from hyper_offload.runtime.pipeline.hooks import swap_step_running
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 

@@ -47,7 +47,8 @@ from hyper_offload.passes.pipeline.meta_step import (
     SwapPhase,
 )
 
-from ..device import TransferEngine, resolve_device
+from ..device import resolve_device
+from ..transfer import TransferEngine
 from ..pinned_pool import PinnedMemoryPool
 from ..residency import ResidencyManager
 from ..verify import VerifySteps
