@@ -152,8 +152,6 @@ PROBE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
-
-
 class TransferBandwidth:
     """Measured (or default) copy bandwidths in GB/s (10^9 bytes/s)."""
 

@@ -111,8 +111,6 @@ def pinned_cost(capacity: int) -> int:
 
 
 @dataclass(eq=False)
-
-
 class _Buffer:
     tensor: torch.Tensor
     capacity: int

@@ -80,8 +80,6 @@ class HostSyncCounter:
 
 
 @dataclass(frozen=True)
-
-
 class RuntimeStats:
     """Invariant: ``host_syncs == sum(host_syncs_by_reason.values())``."""
 
@@ -128,8 +126,6 @@ def runtime_stats(
 
 
 @dataclass(frozen=True)
-
-
 class PoolStats:
     """Snapshot of a pool's bookkeeping; ``pinned_*`` count the pool's own buffers at the
     bytes they really pin (:func:`~.pinned_pool.pinned_cost` when ``pinned``; their capacity else)."""

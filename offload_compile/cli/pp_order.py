@@ -279,7 +279,7 @@ def _peaks(orders: Mapping[int, Sequence[MetaStep]], args: argparse.Namespace) -
 
 def _plot(orders: Mapping[int, Sequence[MetaStep]], args: argparse.Namespace) -> None:
     from hyper_offload.passes.pipeline.timeline import TimelineError, build_timeline
-    from hyper_offload.viz.pipeline_plot import PlotDependencyError, plot_timeline
+    from hyper_offload.viz import PlotDependencyError, plot_timeline
 
     try:
         path = plot_timeline(build_timeline(orders), args.plot, title=_headline(args))

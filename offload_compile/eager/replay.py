@@ -26,7 +26,7 @@ still in flight first makes the compute stream wait for that H2D
 WAIT_H2D then costs nothing.
 
 Last copies. A planned drop of a storage's only copy waits until nothing references the
-storage (:mod:`.last_copy`); one still referenced where its warmup saw it die is kept,
+storage (:mod:`.replay_checks`); one still referenced where its warmup saw it die is kept,
 and a read of it is a step whose ops changed, reported before any kernel reads it.
 
 The end of the step is the plan's last op (:data:`~hyper_offload.passes.ir.step_end.STEP_END`):
@@ -57,14 +57,15 @@ from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
-from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_leaves
+from .dispatch_mode import (
+    estimate_new_bytes, flat_tensors, owns_storage, result_tensors, tensor_leaves,
+)
 from .executor_base import BaseExecutor, settle_communication
-from .last_copy import LastCopies, drop_if_unreferenced
-from .op_guide import OpGuide, mismatch_error
-from .region_saved import region_saved_bytes
-from .size_drift import SizeDrift, grown_sizes
-from .plan_result import WarmupResult, replan
-from .warmup import WarmupExecutor, estimate_new_bytes
+from .plan_result import WarmupResult, region_saved_bytes, replan
+from .replay_checks import (
+    LastCopies, OpGuide, SizeDrift, drop_if_unreferenced, grown_sizes, mismatch_error,
+)
+from .warmup import WarmupExecutor
 
 __all__ = ["ReplayExecutor"]
 
@@ -88,7 +89,7 @@ class ReplayExecutor(BaseExecutor):
         over, because its ops changed (``ops_changed``; only if ``rewarm_allowed``: the
         session settling, or ``OffloadConfig.rewarm_on_mismatch``; else the mismatch
         raises) or an op raised inside it (the user caught the error).
-        ``planner``: remakes the plan after a step with larger sizes (:mod:`.size_drift`)."""
+        ``planner``: remakes the plan after a step with larger sizes (:mod:`.replay_checks`)."""
         super().__init__(manager, device)
         self.plan = plan
         self.take_over = take_over
@@ -98,7 +99,7 @@ class ReplayExecutor(BaseExecutor):
         """The warmup executor that took the step over after a mismatch, if any."""
         self._region_holds = {plan.trace.accesses_of(sid)[0][0]: (sid, nbytes)
                               for sid, nbytes in plan.virtual.items()}
-        """Op -> the virtual storage an opaque region's forward op there holds (.region_saved)."""
+        """Op -> the virtual storage an opaque region's forward op there holds (.plan_result)."""
         self._region_end: tuple[Any, ...] | None = None  # a region's forward end, until its op ends
         self._region_extra: dict[int, int] = {}  # release op -> region bytes beyond the plan's
         self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
@@ -109,7 +110,7 @@ class ReplayExecutor(BaseExecutor):
         self._post = plan.replay_post
         self._virtual = plan.virtual_delta
         """Op -> (bytes an opaque region's forward op holds from there, bytes released
-        after the op): counted like the warmup counted them (.region_saved)."""
+        after the op): counted like the warmup counted them (.plan_result)."""
         self._held = 0
         self._num_ops = len(self._funcs)
         """Ops of the model the plan replays (its trace also has the step-end op)."""
@@ -221,7 +222,7 @@ class ReplayExecutor(BaseExecutor):
         backward by whoever runs the step then), keep what a warmup taking the step over
         at this op must record, and count what the region keeps beyond the plan's bytes
         (larger sizes, or a recompiled body that saves more: like a storage larger than
-        planned, :mod:`.size_drift`), so the step's count stays what the device holds."""
+        planned, :mod:`.replay_checks`), so the step's count stays what the device holds."""
         held = region.held = self._region_holds.get(self.index)
         self._region_end = (region, outputs, start)
         if held is None:
@@ -331,7 +332,7 @@ class ReplayExecutor(BaseExecutor):
     def apply_actions(self, actions: tuple[ResidencyAction, ...]) -> None:
         """Run schedule actions and keep :attr:`_loading` (reloads in flight) current;
         a drop of a storage's last copy waits until nothing references it
-        (:mod:`.last_copy`; counted as done, as the plan counts it)."""
+        (:mod:`.replay_checks`; counted as done, as the plan counts it)."""
         if self.drift.evicted:
             actions = tuple(a for a in actions if self.drift.applicable(self.manager, a))
         batch: list[ResidencyAction] = []
@@ -444,7 +445,7 @@ class ReplayExecutor(BaseExecutor):
 
     def _make_room(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A larger-than-planned step: evict online until op ``i``'s outputs fit the
-        budget (:mod:`.size_drift`), sized from the arguments it is about to run on (a
+        budget (:mod:`.replay_checks`), sized from the arguments it is about to run on (a
         meta run), not from the plan, whose sizes this step outgrows."""
         incoming = sum(self._sizes[sid] for sid in self._entries[i].leaf_storages)
         if incoming and not isinstance(func, str):

@@ -72,8 +72,6 @@ ChunkKey = tuple[int, int]
 
 
 @dataclass(frozen=True, kw_only=True)
-
-
 class StageFootprint:
     """Device bytes one micro-batch of a stage keeps alive, phase by phase (see the module
     docstring). Every field is a byte count ``>= 0``; ``activations <= forward_bytes`` and
@@ -173,8 +171,6 @@ class ChunkSizes(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
-
-
 class StageFootprints:
     """Footprint of every stage: ``per_stage[stage]``, else ``default``."""
 
@@ -338,8 +334,6 @@ _CONSUMER_KINDS = (StepKind.BWD, StepKind.BWD_INPUT)
 
 
 @dataclass(frozen=True, kw_only=True)
-
-
 class ActivationSizes:
     """Activation bytes of each chunk: ``per_chunk``, else ``per_stage``, else ``default_bytes``."""
 
@@ -371,8 +365,6 @@ class ActivationSizes:
 
 
 @dataclass(frozen=True)
-
-
 class ChunkLife:
     """Top-level positions of one chunk's FWD, first consumer, BWD_WEIGHT and swap steps."""
 

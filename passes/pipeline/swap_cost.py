@@ -68,8 +68,6 @@ DEFAULT_STEP_SECONDS: Mapping[StepKind, float] = MappingProxyType(
 
 
 @dataclass(frozen=True, kw_only=True)
-
-
 class SwapCostModel:
     """Copy bandwidths and compute durations used to decide whether a copy hides."""
 
@@ -127,8 +125,6 @@ class RejectReason(str, Enum):
 
 
 @dataclass(frozen=True)
-
-
 class RejectedChunk:
     stage: int
     micro: int
@@ -142,8 +138,6 @@ class RejectedChunk:
 
 
 @dataclass(frozen=True)
-
-
 class ChunkWindow:
     """One candidate's copy budget: window lengths vs. copy times, in seconds."""
 
@@ -171,8 +165,6 @@ WindowKey = tuple[int, int, SwapPhase]
 
 
 @dataclass(frozen=True)
-
-
 class SwapCostReport:
     """The decision for one rank.
 

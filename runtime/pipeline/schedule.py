@@ -51,7 +51,7 @@ from hyper_offload.passes.pipeline.execution import SendReleases, send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
 from ..pinned_pool import PinnedMemoryPool
-from .hooks import group_scope, swap_step_scope
+from .session import group_scope, swap_step_scope
 from .p2p import SentTensor
 from .session import PipelineSwapSession
 from .step_runner import StepContext, StepObserver, StepRun
