@@ -136,7 +136,7 @@ def required_bytes(trace: ActivationTrace) -> list[int]:
     gaps between accesses). A held storage past its last access is no part of it: its
     last stretch may be offloaded without a reload. A door that can reload retained
     storages at the end of its step lists them as read by a final op instead
-    (:func:`~..ir.step_end.with_step_end`), which frees them here too. A new list
+    (:func:`~..ir.trace.with_step_end`), which frees them here too. A new list
     each call; computed once per trace.
     """
     return list(trace.memo("required_bytes", lambda: _required_bytes(trace)))

@@ -14,7 +14,7 @@ and the bridge to torch's pipelining actions. The individual passes (``compute_o
 from hyper_offload._lazy import lazy_getattr
 from hyper_offload.errors import OrderError, StepFormatError, TimelineError
 
-from .build import build_rank_orders
+from .build import TRANSPORTS, build_rank_orders
 from .check_order import (
     OrderRule,
     OrderViolation,
@@ -40,7 +40,6 @@ from .swap_cost import (
     plan_swaps,
 )
 from .timeline import Timeline, build_timeline
-from .build import TRANSPORTS
 
 __all__ = [
     "ActivationSizes",

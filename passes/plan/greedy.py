@@ -65,9 +65,8 @@ from ..ir.schedule import ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 from .choice_lowering import lower_offload_choice
 from .host_budget import HostLedger, fit_host_budget
-from .refine import fill_peak
+from .refine import fill_peak, refine_choice
 from .planning import backward_start
-from .refine import refine_choice
 from .report import PlanReport, plan_by_choice
 from .segment_tree import RangeAddMaxTree
 

@@ -71,8 +71,7 @@ from hyper_offload.errors import ConfigurationError
 
 from ..analysis.liveness import OffloadCandidate
 from ..analysis.predicted_timeline import op_start_times, predict_timeline
-from ..ir.limits import host_bucket_bytes
-from ..ir.limits import OpLimit, op_limit
+from ..ir.limits import OpLimit, host_bucket_bytes, op_limit
 from ..ir.schedule import ActionKind, DISK_ACTIONS, ResidencyAction, ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 from .segment_tree import RangeAddMaxTree

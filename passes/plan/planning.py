@@ -46,12 +46,9 @@ from ..analysis.validator import Rule, ScheduleError, ScheduleReport, check_sche
 from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
-from .host_budget import spill_to_disk
-from .host_budget import host_curve
-from .placement import PrefetchError, hoist_prefetches, prefetch_leads
-from .report import ResidencyPlanner
-from .placement import delay_releases
-from .report import binding
+from .host_budget import host_curve, spill_to_disk
+from .placement import PrefetchError, delay_releases, hoist_prefetches, prefetch_leads
+from .report import ResidencyPlanner, binding
 
 __all__ = [
     "PlannedSchedule",

@@ -32,8 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..analysis.liveness import OffloadCandidate, budget_excess, offload_candidates
-from ..analysis.liveness import InfeasibleOp
+from ..analysis.liveness import InfeasibleOp, OffloadCandidate, budget_excess, offload_candidates
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import ActivationTrace, StorageId
 from .choice_lowering import lower_offload_choice

@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 
 from hyper_offload.passes.analysis.liveness import OffloadCandidate
 from hyper_offload.passes.plan.greedy import select_greedy
-from hyper_offload.passes.plan.refine import fill_peak
-from hyper_offload.passes.plan.refine import refine_choice
+from hyper_offload.passes.plan.refine import fill_peak, refine_choice
 
 
 def _covered(choice: list[OffloadCandidate], excess: list[int]) -> bool:
