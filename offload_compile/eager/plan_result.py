@@ -3,7 +3,7 @@ helpers that make one: planning a warmup's trace (:func:`plan_step`), re-plannin
 other sizes (:func:`replan`), and the per-op tables the replay reads on its hot path.
 
 Every eager plan's trace ends with the step-end op
-(:func:`~hyper_offload.passes.ir.step_end.with_step_end`): the replay runs its actions
+(:func:`~hyper_offload.passes.ir.trace.with_step_end`): the replay runs its actions
 after the model's last op, so a retained storage may leave the device in its last gap.
 
 What an opaque region keeps for its backward, which the session cannot move.
@@ -29,6 +29,7 @@ budget: what it keeps on the device is counted here, what it moved is not).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,21 +39,25 @@ from hyper_offload.compiler.saved_bytes import any_node_saved_tensors, inner_ten
 from hyper_offload.config import MIB
 from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
-from hyper_offload.passes.ir.step_end import has_step_end
-from hyper_offload.passes.ir.trace import ActivationTrace, StorageId, TraceOp
+from hyper_offload.passes.ir.trace import (
+    ActivationTrace, StorageId, TraceOp, has_step_end, with_step_end,
+)
 from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError, plan_residency
 from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime.memory_meter import is_host_labelled
 
-from .executor_base import ACCUMULATE_GRAD, OffloadSessionError
+from .executor_base import ACCUMULATE_GRAD, OffloadBudgetWarning, OffloadSessionError
 
 __all__ = [
     "WarmupResult",
     "first_outputs_only",
     "hand_back",
     "plan_step",
+    "plan_warmup",
     "region_saved_bytes",
+    "refuse_swap_step",
     "replan",
+    "warmup_trace",
 ]
 
 
@@ -288,4 +293,68 @@ def infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_p
         message += " Split the op's inputs (e.g. a smaller micro-batch), or"
     return message + (
         f" raise max_resident_activation_mb to at least {check.peak_resident_bytes / MIB:.4g}"
+    )
+
+
+def warmup_trace(
+    ops: tuple[TraceOp, ...], sizes: dict[StorageId, int], *, retained: frozenset[StorageId],
+    foreign: Collection[StorageId], ends: dict[StorageId, int], budget_bytes: int,
+    bandwidth: Any, disk: tuple[int, float] | None,
+) -> ActivationTrace:
+    """A warmup step's trace, ending in :data:`~hyper_offload.passes.ir.trace.STEP_END`:
+    FSDP's ``foreign`` storages at 0 bytes and outputs of their creating op only, holds from
+    ``ends`` (:func:`step_holds`), the measured ``bandwidth`` if any, the ``disk`` tier
+    (budget bytes, GB/s) if any."""
+    if foreign:
+        sizes.update(dict.fromkeys(foreign, 0))
+        ops = first_outputs_only(ops, foreign)
+    trace = with_step_end(ActivationTrace(
+        ops=ops,
+        storage_sizes=sizes,
+        budget_bytes=budget_bytes,
+        retained=retained,
+        held_until=step_holds(ops, ends, retained),
+        **(
+            {}
+            if bandwidth is None
+            else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps,
+                  "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
+        ),
+    ))
+    return trace if disk is None else trace.with_disk(*disk)
+
+
+def plan_warmup(
+    trace: ActivationTrace, planner: ResidencyPlanner, *, host_budget_bytes: int | None,
+    measured_peak: int, host_limited: int,
+) -> PlannedSchedule:
+    """:func:`plan_step` for the eager warmup: a failure is an :class:`OffloadSessionError`
+    (the session stays in warmup); a binding host budget and ops over the device budget
+    are :class:`OffloadBudgetWarning` s, attributed to the user's ``with session:``."""
+    try:
+        planned = plan_step(trace, planner, where="eager warmup",
+                            host_budget_bytes=host_budget_bytes, measured_peak=measured_peak)
+    except PlanningError as error:
+        raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
+    if planned.binding == "host" or host_limited:
+        warnings.warn(OffloadBudgetWarning(host_budget_message(planned, host_limited)),
+                      stacklevel=4)
+    if planned.check.infeasible_ops:
+        warnings.warn(
+            OffloadBudgetWarning(infeasible_message(trace, planned.check, measured_peak)),
+            stacklevel=4,  # the user's `with session:` (through OffloadSession.__exit__)
+        )
+    return planned
+
+
+def refuse_swap_step(name: str, index: int) -> None:
+    """Fail at the first op of a swapping ``PipelineSwapSchedule.step()``: its swap groups
+    resize the chunks' saved storages themselves, the session would move the same ones."""
+    raise OffloadSessionError(
+        f"OffloadSession warmup, op {index} ({name}): runs inside PipelineSwapSchedule(swap=True)."
+        "step(), whose swap groups offload each chunk's saved activations themselves; the "
+        "session would plan and move the same storages. Fix: build the schedule with "
+        "swap=False inside the session (the session then plans every activation of the "
+        "rank, the chunks across micro-batches included, under its one budget), or run the "
+        "swap schedule outside `with session:`"
     )

@@ -29,7 +29,7 @@ Last copies. A planned drop of a storage's only copy waits until nothing referen
 storage (:mod:`.replay_checks`); one still referenced where its warmup saw it die is kept,
 and a read of it is a step whose ops changed, reported before any kernel reads it.
 
-The end of the step is the plan's last op (:data:`~hyper_offload.passes.ir.step_end.STEP_END`):
+The end of the step is the plan's last op (:data:`~hyper_offload.passes.ir.trace.STEP_END`):
 :meth:`ReplayExecutor.finish` runs its actions (reloads of retained storages the plan
 moved out in their last gap) and samples the resident bytes there.
 
@@ -64,6 +64,7 @@ from .executor_base import BaseExecutor, settle_communication
 from .plan_result import WarmupResult, region_saved_bytes, replan
 from .replay_checks import (
     LastCopies, OpGuide, SizeDrift, drop_if_unreferenced, grown_sizes, mismatch_error,
+    short_step_error, wait_for_early_reloads,
 )
 from .warmup import WarmupExecutor
 
@@ -373,10 +374,12 @@ class ReplayExecutor(BaseExecutor):
             if self.last_copies:
                 self._settle(tensors)
             if self._loading:
-                self._wait_for_early_reloads(tensors)
+                self.early_reload_waits += wait_for_early_reloads(self.manager, self._loading,
+                                                                  tensors)
         keys = super().guard(where, tensors)
-        if self.last_copies.kept:
-            self._note_kept_reads(keys, where)
+        if self.last_copies.kept and self._diverged is None:
+            self._diverged = self.last_copies.divergence(
+                (self.bound.get(key) for key in keys), self.index, where)
         return keys
 
     def _settle(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -390,26 +393,6 @@ class ReplayExecutor(BaseExecutor):
             self.stats.bytes_d2h += settled.copied
             self.stats.transfers += len(settled.kept)
         self.stats.rescued += len(settled.kept)
-
-    def _note_kept_reads(self, keys: set[int], where: Any) -> None:
-        read = self.last_copies.first_read(self.bound.get(key) for key in keys)
-        if read is not None and self._diverged is None:
-            sid, dropped_after = read
-            self._diverged = (
-                f"replay op {self.index} ({where}): reads storage {sid}, which its warmup saw "
-                f"freed after op {dropped_after} (its last use); the step runs other ops than "
-                "its warmup (another branch, a layer frozen or unfrozen)")
-
-    def _wait_for_early_reloads(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        loading = self._loading
-        for tensor in tensors:
-            if not owns_storage(tensor):
-                continue
-            sid = loading.pop(tensor.untyped_storage()._cdata, None)
-            if sid is not None:
-                with _disable_current_modes():  # a stream wait: never an op of the model
-                    self.manager.wait_h2d(sid)
-                self.early_reload_waits += 1
 
     def storage_ids(self, tensors: Any) -> tuple[int, ...]:
         sids: dict[int, None] = {}
@@ -454,20 +437,9 @@ class ReplayExecutor(BaseExecutor):
         excess = self._resident + incoming - bound
         if excess <= 0:
             return
-        manager, stats = self.manager, self.stats
         with _disable_current_modes():
-            for sid in self.drift.victims(manager, i, set(self._loading.values())):
-                if excess <= 0:
-                    break
-                nbytes = manager.buffer(sid).nbytes
-                manager.copy_d2h(sid)
-                manager.release_device(sid)
-                self.drift.evicted.add(sid)
-                self._resident -= nbytes
-                excess -= nbytes
-                stats.evictions += 1
-                stats.bytes_d2h += nbytes
-                stats.transfers += 1
+            self._resident -= self.drift.evict(self.manager, i, set(self._loading.values()),
+                                               excess, self.stats)
 
     # ------------------------------------------------------------------ end of step
 
@@ -507,11 +479,7 @@ class ReplayExecutor(BaseExecutor):
             return self._successor(
                 f"replay: the step ended after {self.index} ops, the warmup recorded "
                 f"{self._num_ops}", True).finish()
-        raise ReplayMismatchError(
-            f"replay: the step ended after {self.index} ops, but the warmup step recorded "
-            f"{self._num_ops} (next expected: op {self.index}, {self._entries[self.index].name}); "
-            "run the same forward and backward every step, or call session.reset()"
-        )
+        raise short_step_error(self._entries, self.index, self._num_ops)
 
     def _run_step_end(self) -> None:
         """The plan's step-end op: reload what it moved out of the device in a retained

@@ -50,7 +50,7 @@ are gone in a step that matches its warmup, and the drop happens before the op a
 (the resident curve stays the plan's). A storage still referenced there is *kept*: its
 bytes go to the host instead (as the plan counted them freed, the device curve stays the
 plan's; on the device if the host budget has no room), and a later read of it is the
-divergence the replay reports (:meth:`~LastCopies.first_read`): it hands the step to a
+divergence the replay reports (:meth:`~LastCopies.divergence`): it hands the step to a
 warmup, before any kernel touches it.
 """
 
@@ -61,11 +61,16 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import ActivationTrace, StorageId
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
+
+from .dispatch_mode import owns_storage
 
 __all__ = [
     "LastCopies",
@@ -76,6 +81,8 @@ __all__ = [
     "drop_if_unreferenced",
     "grown_sizes",
     "mismatch_error",
+    "short_step_error",
+    "wait_for_early_reloads",
 ]
 
 
@@ -205,6 +212,25 @@ class SizeDrift:
             ranked.append((uses[later] if later < len(uses) else len(self.trace.ops), sid))
         return [sid for _, sid in sorted(ranked, reverse=True)]
 
+
+    def evict(self, manager: ResidencyManager, op: int, loading: Collection[StorageId],
+              excess: int, stats: Any) -> int:
+        """Move :meth:`victims` of op ``op`` to the host until ``excess`` bytes left the
+        device (copy, release, counted in ``stats``: the step's ``StepStats``); the bytes
+        moved. The caller holds the dispatch modes off (these copies are no ops of the model)."""
+        moved = 0
+        for sid in self.victims(manager, op, loading):
+            if moved >= excess:
+                break
+            nbytes = manager.buffer(sid).nbytes
+            manager.copy_d2h(sid)
+            manager.release_device(sid)
+            self.evicted.add(sid)
+            moved += nbytes
+            stats.evictions += 1
+            stats.bytes_d2h += nbytes
+            stats.transfers += 1
+        return moved
     def applicable(self, manager: ResidencyManager, action: ResidencyAction) -> bool:
         """Whether a planned action still applies after the online eviction."""
         sid = action.storage
@@ -296,13 +322,15 @@ class LastCopies:
         self.pending.clear()
         return Settled(kept_on_device, copied, tuple(kept))
 
-    def first_read(self, sids: Iterable[StorageId | None]) -> tuple[StorageId, int] | None:
-        """The first of ``sids`` (an op's inputs) that was kept, with the op after which
-        its plan dropped it (a read of it is a read after what its warmup recorded as its
-        last use); None if none was."""
+    def divergence(self, sids: Iterable[StorageId | None], index: int, where: Any) -> str | None:
+        """Why op ``index`` (``where``) is one the plan does not know: the first of ``sids``
+        (its inputs) that was kept is read after what its warmup recorded as its last use;
+        None if none was kept."""
         for sid in sids:
             if sid is not None and sid in self.kept:
-                return sid, self.kept[sid]
+                return (f"replay op {index} ({where}): reads storage {sid}, which its warmup "
+                        f"saw freed after op {self.kept[sid]} (its last use); the step runs "
+                        "other ops than its warmup (another branch, a layer frozen or unfrozen)")
         return None
 
     def still_referenced(self) -> list[StorageId]:
@@ -320,3 +348,29 @@ def drop_if_unreferenced(manager: ResidencyManager, sid: StorageId) -> None:
         if manager.has_host_copy(sid):
             manager.release_host(sid)
         manager.unbind(sid)
+
+
+def short_step_error(entries: Sequence[Any], index: int, num_ops: int) -> ReplayMismatchError:
+    """The step ended after ``index`` of its plan's ``num_ops`` ops (``entries``: the
+    :class:`OpGuide` entries, named by ``.name``)."""
+    return ReplayMismatchError(
+        f"replay: the step ended after {index} ops, but the warmup step recorded "
+        f"{num_ops} (next expected: op {index}, {entries[index].name}); "
+        "run the same forward and backward every step, or call session.reset()"
+    )
+
+
+def wait_for_early_reloads(manager: ResidencyManager, loading: dict[int, StorageId],
+                           tensors: Iterable[torch.Tensor]) -> int:
+    """Make the compute stream wait for the in-flight H2D of every input in ``tensors``
+    whose reload started early (``loading``: ``_cdata`` -> id, updated); the waits made."""
+    waited = 0
+    for tensor in tensors:
+        if not owns_storage(tensor):
+            continue
+        sid = loading.pop(tensor.untyped_storage()._cdata, None)
+        if sid is not None:
+            with _disable_current_modes():  # a stream wait: never an op of the model
+                manager.wait_h2d(sid)
+            waited += 1
+    return waited

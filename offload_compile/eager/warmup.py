@@ -34,18 +34,15 @@ replay then issues each ``COPY_H2D`` some ops before the ``WAIT_H2D`` of its rea
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hyper_offload.passes.fx.collectives import PendingCollectives, returns_work, wait_accesses
-from hyper_offload.passes.ir.step_end import with_step_end
 from hyper_offload.passes.ir.trace import (
     AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp,
 )
-from hyper_offload.passes.plan.planning import PlanningError
 from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
 from hyper_offload.runtime.device import OpClock
@@ -56,12 +53,10 @@ from .dispatch_mode import (
     PARAMETER_MEMORY, argument_tensors, estimate_new_bytes, owns_storage, tensor_leaves,
     written_arguments,
 )
-from .executor_base import (
-    BaseExecutor, OffloadBudgetWarning, OffloadSessionError, settle_communication,
-)
+from .executor_base import BaseExecutor, settle_communication
 from .plan_result import (
-    WarmupResult, first_outputs_only, hand_back, host_budget_message, infeasible_message,
-    plan_step, region_saved_bytes, replan, step_holds,
+    WarmupResult, hand_back, plan_warmup, refuse_swap_step, region_saved_bytes, replan,
+    warmup_trace,
 )
 from .tracker import ActivationTracker
 
@@ -132,7 +127,7 @@ class WarmupExecutor(BaseExecutor):
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = func if isinstance(func, str) else str(func)
         if swap_step_running():
-            _refuse_swap_step(name, self.index)
+            refuse_swap_step(name, self.index)
         if self.bound:
             self._reap_offloaded()
         if func in self._writes:
@@ -445,47 +440,26 @@ class WarmupExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ end of step
 
-    def _timed_ops(self) -> tuple[TraceOp, ...]:
-        """The recorded ops with the durations the clock measured (ops kept from a
-        replayed step by ``continue_from`` keep theirs)."""
-        durations = self.clock.durations()
-        return tuple(
-            dataclasses.replace(op, duration_s=durations[self._timed[index]])
-            if index in self._timed else op
-            for index, op in enumerate(self.ops)
-        )
-
     def _build_trace(self) -> ActivationTrace:
-        """The step's trace. ``retained``: what is alive now, and what the plan must never
-        release: pinned storages (their communication may still use them; the library
-        frees them through its own reference once done), incoming gradients last read
-        by their accumulation (whether this step created the ``.grad``, which keeps one,
-        or accumulated into one, where it dies: the same trace either way; the replay
-        hands them back to autograd there) and FSDP's buffers (at 0 bytes: parameters'
-        memory, never bound by the replay); those are outputs of their creating op only."""
+        """The step's trace (:func:`~.plan_result.warmup_trace`). ``retained``: what is
+        alive now, and what the plan must never release: pinned storages (their
+        communication may still use them; the library frees them through its own reference
+        once done), incoming gradients last read by their accumulation (whether this step
+        created the ``.grad``, which keeps one, or accumulated into one, where it dies: the
+        same trace either way; the replay hands them back to autograd there) and FSDP's
+        buffers (at 0 bytes: parameters' memory, never bound by the replay); those are
+        outputs of their creating op only. Ops keep the durations the clock measured (ops
+        kept from a replayed step by ``continue_from`` keep theirs)."""
         handed = (s for sids in hand_back(self.ops, self.pinned).values() for s in sids)
         retained = frozenset(e.sid for e in self.tracker if e.alive).union(
             self.pinned, handed, self.foreign)
-        sizes = self.tracker.sizes()
-        ops = self._timed_ops()
-        if self.foreign:
-            sizes.update(dict.fromkeys(self.foreign, 0))
-            ops = first_outputs_only(ops, self.foreign)
+        durations = self.clock.durations()
+        ops = tuple(dataclasses.replace(op, duration_s=durations[self._timed[index]])
+                    if index in self._timed else op for index, op in enumerate(self.ops))
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
-        trace = with_step_end(ActivationTrace(
-            ops=ops,
-            storage_sizes=sizes,
-            budget_bytes=self.budget_bytes,
-            retained=retained,
-            held_until=step_holds(ops, self.ends, retained),
-            **(
-                {}
-                if bandwidth is None
-                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps,
-                      "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
-            ),
-        ))
-        return trace if self.disk is None else trace.with_disk(*self.disk)
+        return warmup_trace(ops, self.tracker.sizes(), retained=retained, foreign=self.foreign,
+                            ends=self.ends, budget_bytes=self.budget_bytes, bandwidth=bandwidth,
+                            disk=self.disk)
 
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
@@ -511,40 +485,14 @@ class WarmupExecutor(BaseExecutor):
         # moment is part of the step's peak, as it is of the trace's model.
         self.stats.end_resident_bytes = trace.retained_bytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, trace.retained_bytes)
-        try:
-            planned = plan_step(trace, self.planner, where="eager warmup",
-                                host_budget_bytes=self.host_budget_bytes,
-                                measured_peak=self.stats.peak_resident_bytes)
-        except PlanningError as error:
-            raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
-        if planned.binding == "host" or self.host_limited:
-            warnings.warn(OffloadBudgetWarning(host_budget_message(planned, self.host_limited)),
-                          stacklevel=3)
-        if planned.check.infeasible_ops:
-            warnings.warn(
-                OffloadBudgetWarning(
-                    infeasible_message(trace, planned.check, self.stats.peak_resident_bytes)
-                ),
-                stacklevel=3,  # the user's `with session:` (through OffloadSession.__exit__)
-            )
+        planned = plan_warmup(trace, self.planner, host_budget_bytes=self.host_budget_bytes,
+                              measured_peak=self.stats.peak_resident_bytes,
+                              host_limited=self.host_limited)
         self.tracker.clear()
         return WarmupResult(
             trace, planned.schedule, planned.check, self.funcs,
             frozenset(self.collectives.buffers), dict(self.pins), frozenset(self.foreign),
             dict(self.virtual),
         )
-
-
-def _refuse_swap_step(name: str, index: int) -> None:
-    """Fail at the first op of a swapping ``PipelineSwapSchedule.step()``: its swap groups
-    resize the chunks' saved storages themselves, the session would move the same ones."""
-    raise OffloadSessionError(
-        f"OffloadSession warmup, op {index} ({name}): runs inside PipelineSwapSchedule(swap=True)."
-        "step(), whose swap groups offload each chunk's saved activations themselves; the "
-        "session would plan and move the same storages. Fix: build the schedule with "
-        "swap=False inside the session (the session then plans every activation of the "
-        "rank, the chunks across micro-batches included, under its one budget), or run the "
-        "swap schedule outside `with session:`"
-    )
 
 

@@ -31,8 +31,7 @@ import torch
 
 from hyper_offload.errors import ConfigurationError
 
-from .door import require
-from .door import OffloadDoor
+from .door import OffloadDoor, require
 
 _FEATURE = "hyper_offload.integrations.HyperOffloadTrainer"
 transformers = require("transformers", extra="hf", feature=_FEATURE)

@@ -38,8 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .door import require
-from .door import OffloadDoor
+from .door import OffloadDoor, require
 
 pl = require("lightning.pytorch", extra="lightning",
              feature="hyper_offload.integrations.HyperOffloadCallback")

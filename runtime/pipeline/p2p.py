@@ -40,9 +40,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from hyper_offload.errors import ConfigurationError, PipelineCommError
-from hyper_offload.passes.pipeline.execution import P2PKey, p2p_key
+from hyper_offload.passes.pipeline.execution import P2PKey, SendReleases, p2p_key
 from hyper_offload.passes.pipeline.meta_step import RECV_KINDS, MetaStep, StepKind
-from hyper_offload.passes.pipeline.execution import SendReleases
 
 __all__ = ["P2PTracker", "PipelineCommError", "SentTensor"]
 

@@ -51,9 +51,8 @@ from hyper_offload.passes.pipeline.execution import SendReleases, send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
 from ..pinned_pool import PinnedMemoryPool
-from .session import group_scope, swap_step_scope
+from .session import PipelineSwapSession, group_scope, swap_step_scope
 from .p2p import SentTensor
-from .session import PipelineSwapSession
 from .step_runner import StepContext, StepObserver, StepRun
 
 __all__ = ["PipelineSwapSchedule", "UnsupportedScheduleError"]
