@@ -43,7 +43,7 @@ from hyper_offload.compiler.step.controller import StepState  # noqa: E402
 from hyper_offload.compiler.step_estimate import compile_as_given  # noqa: E402
 from hyper_offload.passes.analysis.predicted_timeline import op_durations  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds  # noqa: E402
-from hyper_offload.runtime.bandwidth import TransferBandwidth  # noqa: E402
+from hyper_offload.runtime.device import TransferBandwidth  # noqa: E402
 
 GPU = DeviceThroughput(flops_per_s=400e12, bytes_per_s=3e12)
 GIB = float(1 << 30)

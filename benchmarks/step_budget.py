@@ -48,7 +48,7 @@ from hyper_offload.passes.analysis.predicted_timeline import op_durations, predi
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
 from hyper_offload.passes.ir.schedule import ResidencySchedule
 from hyper_offload.passes.plan.step.layout import StepTrace, lay_out_step
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

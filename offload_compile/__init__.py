@@ -37,7 +37,7 @@ _LAZY = {
     "estimate": ".compiler.fit_estimate",
     "OffloadSession": ".eager.session",
     "register_backend": ".compiler.registry",
-    "skip_offload": ".eager.skip",
+    "skip_offload": ".eager.opaque",
     "step_report": ".compiler.registry",
 }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hyper_offload.errors import ConfigurationError, ConfigurationTypeError
-from hyper_offload.passes.plan.protocol import ResidencyPlanner
+from hyper_offload.passes.plan.report import ResidencyPlanner
 
 MIB = 1 << 20
 

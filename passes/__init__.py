@@ -26,7 +26,7 @@ from .ir.trace import AccessKind, ActivationTrace, StorageAccess, TraceFormatErr
 from .plan.greedy import GreedyResidencyPlanner
 from .plan.ilp import OptimalPlannerError, OptimalResidencyPlanner
 from .plan.planning import PlannedSchedule, PlanningError, PlanningStage, plan_residency
-from .plan.protocol import ResidencyPlanner
+from .plan.report import ResidencyPlanner
 
 __all__ = [
     # IR

@@ -10,10 +10,10 @@ the run statistics, and every error and warning the runtime raises (defined in
 Helpers stay in their defining submodule and are imported from there, never from this
 package: the op handles and ``dense_layout`` (declared in :mod:`hyper_offload.passes.ir.ops`,
 which the pure passes import, and re-exported by :mod:`.ops` with the real kernels), buffer states
-(:mod:`.physical_buffer`), host-sync accounting (:mod:`.host_sync`), pool sizing
+(:mod:`.physical_buffer`), host-sync accounting (:mod:`.stats`), pool sizing
 (``bucket_bytes``, ``pinned_cost`` in :mod:`.pinned_pool`), host-copy states and
 ``current_transfer_runtime`` (:mod:`.transfer_context`), ``DeviceTimer``
-(:mod:`.bandwidth`).
+(:mod:`.device`).
 
 Invariant: importing this package imports none of its submodules (nor torch). Each
 public name is loaded on first access (PEP 562), so ``from hyper_offload.runtime import
@@ -39,12 +39,12 @@ from hyper_offload.errors import (
 # Public name -> defining submodule, loaded on first access (the errors above are
 # defined in hyper_offload.errors, a leaf every layer imports).
 _LAZY = {
-    "DEFAULT_TRANSFER_BANDWIDTH": ".bandwidth",
-    "TransferBandwidth": ".bandwidth",
-    "profile_transfer_bandwidth": ".bandwidth",
-    "Transfer": ".device",
-    "TransferDirection": ".device",
-    "TransferEngine": ".device",
+    "DEFAULT_TRANSFER_BANDWIDTH": ".device",
+    "TransferBandwidth": ".device",
+    "profile_transfer_bandwidth": ".device",
+    "Transfer": ".transfer",
+    "TransferDirection": ".transfer",
+    "TransferEngine": ".transfer",
     "is_accelerator": ".device",
     "pin_memory_available": ".device",
     "resolve_device": ".device",
@@ -53,7 +53,7 @@ _LAZY = {
     "is_host_labelled": ".memory_meter",
     "label_host": ".memory_meter",
     "PinnedMemoryPool": ".pinned_pool",
-    "PoolStats": ".pinned_pool",
+    "PoolStats": ".stats",
     "ResidencyManager": ".residency",
     "RuntimeStats": ".stats",
     "TransferRuntime": ".transfer_context",

@@ -57,7 +57,7 @@ import torch
 
 from hyper_offload.errors import DataLostError, ResidencyMisuseError, TransferFailedError
 
-from .device import Transfer, TransferEngine
+from .transfer import Transfer, TransferEngine
 from .disk_store import DiskIO, DiskStore
 from .pinned_pool import PinnedMemoryPool
 from .verify import checksum, require_checksum

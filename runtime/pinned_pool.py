@@ -18,7 +18,7 @@ Rules (each is tested):
   buffers (eviction, :meth:`~PinnedMemoryPool.trim`, a dedicated buffer's release) it
   empties that cache (``torch.accelerator.empty_host_cache()``: note that this also returns
   *other* unused cached pinned blocks of the process).
-  :attr:`PoolStats.host_allocator_pinned_bytes` reports what torch's host allocator really
+  :attr:`~.stats.PoolStats.host_allocator_pinned_bytes` reports what torch's host allocator really
   holds, for comparison. When a new buffer would break the cap, cached buffers are freed
   first; if that is not enough, the pool first waits for buffers whose release is still
   pending on an event (their copies finish; nothing else can free room), then, only with
@@ -38,7 +38,7 @@ Rules (each is tested):
   pending list; it becomes reusable only once ``event.query()`` is True (the copy that
   touched it is finished). Pending buffers are reaped on ``acquire``, ``stats`` and
   ``trim``. ``event`` may be anything with ``query()``: a ``torch.Event``, a
-  :class:`~hyper_offload.runtime.device.Transfer`, or ``None`` (free now).
+  :class:`~hyper_offload.runtime.transfer.Transfer`, or ``None`` (free now).
 * **Release from a finalizer.** :meth:`~PinnedMemoryPool.release_soon` never blocks: a
   weakref callback or garbage-collector finalizer may run while this very thread holds the
   pool's lock (a collection can start at any allocation), so it only queues the buffer;
@@ -75,22 +75,23 @@ from hyper_offload.errors import (
     PageableFallbackWarning,
     PoolMisuseError,
 )
-
-from hyper_offload.passes.ir.host import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, host_bucket_bytes
+from hyper_offload.passes.ir.limits import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, host_bucket_bytes
 
 from .device import pin_memory_available
 from .memory_meter import label_host
+from .stats import PoolStats
+
 
 __all__ = [
+    "CompletionEvent",
     "MAX_BUCKET_BYTES",
     "MIN_BUCKET_BYTES",
-    "CompletionEvent",
     "PageableFallbackWarning",
     "PinnedMemoryPool",
-    "PoolStats",
     "bucket_bytes",
     "host_buffer",
 ]
+
 
 class CompletionEvent(Protocol):
     def query(self) -> bool: ...
@@ -107,67 +108,6 @@ def pinned_cost(capacity: int) -> int:
     next power of two unless the user lowered ``pinned_max_round_threshold`` in the
     allocator config, in which case this count is conservative (never below the truth)."""
     return 1 << max(0, capacity - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """Snapshot of a pool's bookkeeping; ``pinned_*`` count the pool's own buffers at the
-    bytes they really pin (:func:`pinned_cost` when ``pinned``; their capacity else)."""
-
-    pinned: bool
-    """Whether pool-owned buffers are page-locked."""
-    pinned_bytes_in_use: int
-    """Capacity of pool-owned buffers handed out and not yet released."""
-    pinned_bytes_pending: int
-    """Capacity of released pool-owned buffers whose event has not completed yet."""
-    pinned_bytes_cached: int
-    """Capacity of free pool-owned buffers ready for reuse."""
-    pinned_bytes_peak: int
-    """Peak of in-use + pending + cached (the pool's footprint) since creation."""
-    pageable_bytes_in_use: int
-    """Bytes of pageable fallback buffers handed out and not yet released."""
-    pageable_fallbacks: int
-    """How many requests were served with pageable memory (cap reached or pin failed)."""
-    hits: int
-    """Requests served from a cached buffer."""
-    misses: int
-    """Requests that needed a new allocation (pool-owned or pageable)."""
-    buffers_in_use: int
-    """Buffers (pool-owned and pageable) handed out and not yet released."""
-    pending_releases: int
-    """Released buffers (pool-owned and pageable) still waiting for their event."""
-    host_allocator_pinned_bytes: int | None = None
-    """What the accelerator's caching host allocator holds for the whole process (active
-    + cached pinned blocks, ``torch.cuda.host_memory_stats()['allocated_bytes.current']``);
-    ``None`` where no such statistic exists (CPU, unpinned pools)."""
-
-    def summary(self) -> dict[str, object]:
-        """The figures a user needs, as one flat dict (JSON-friendly)."""
-        return {
-            "pinned": self.pinned,
-            "pinned_bytes_held": self.pinned_bytes_held,
-            "pinned_bytes_peak": self.pinned_bytes_peak,
-            "pageable_fallbacks": self.pageable_fallbacks,
-            "pageable_bytes_in_use": self.pageable_bytes_in_use,
-            "hits": self.hits,
-            "misses": self.misses,
-            "host_allocator_pinned_bytes": self.host_allocator_pinned_bytes,
-        }
-
-    def __str__(self) -> str:
-        host = self.host_allocator_pinned_bytes
-        return (
-            f"host pool: {self.pinned_bytes_held} B {'pinned' if self.pinned else 'pooled'} "
-            f"(peak {self.pinned_bytes_peak} B), {self.pageable_fallbacks} pageable "
-            f"fallback(s) ({self.pageable_bytes_in_use} B in use), {self.hits} hits / "
-            f"{self.misses} misses"
-            + ("" if host is None else f", torch host allocator holds {host} B")
-        )
-
-    @property
-    def pinned_bytes_held(self) -> int:
-        """Everything the pool owns right now: in use + pending + cached."""
-        return self.pinned_bytes_in_use + self.pinned_bytes_pending + self.pinned_bytes_cached
 
 
 @dataclass(eq=False)

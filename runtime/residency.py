@@ -40,7 +40,7 @@ from hyper_offload.errors import DataLostError, ResidencyMisuseError
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
 
-from .device import Transfer, TransferEngine
+from .transfer import Transfer, TransferEngine
 from .disk_store import DiskIO, DiskStore
 from .physical_buffer import BufferState, PhysicalBuffer
 from .pinned_pool import PinnedMemoryPool

@@ -67,7 +67,8 @@ import torch
 from hyper_offload.errors import TransferFailedError, TransferMisuseError
 from hyper_offload.passes.ir.properties import TensorProperties
 
-from .device import Transfer, TransferDirection, TransferEngine, completed_transfer, resolve_device
+from .device import resolve_device
+from .transfer import Transfer, TransferDirection, TransferEngine, completed_transfer
 from .disk_ops import DiskTransfers
 from .disk_store import DiskStore
 from .memory_meter import label_host

@@ -176,7 +176,7 @@ def _write_views(args: argparse.Namespace, trace: ActivationTrace, schedule: Res
                   f"duration_s; {document.name} gives them the mean of the known durations",
                   file=sys.stderr)
     if args.plot is not None:
-        from hyper_offload.viz.plan_plot import PlotDependencyError, plot_plan
+        from hyper_offload.viz import PlotDependencyError, plot_plan
 
         try:
             plot_plan(trace, schedule, args.plot, title=title)

@@ -27,20 +27,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hyper_offload.passes.pipeline.build import build_rank_orders
+from hyper_offload.passes.pipeline.build import TRANSPORTS, build_rank_orders
 from hyper_offload.passes.pipeline.check_order import check_order
 from hyper_offload.passes.pipeline.meta_step import SEND_KINDS, MetaStep, StepKind, SwapPhase
 from hyper_offload.passes.pipeline.orders import SCHEDULES
-from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
-from hyper_offload.passes.pipeline.send_release import send_releases
+from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints, peak_bytes
+from hyper_offload.passes.pipeline.execution import send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, strip_swap_steps
 from hyper_offload.passes.pipeline.swap_cost import (
     SwapCostModel,
     SwapCostReport,
-    peak_bytes,
     plan_rank_swaps,
 )
-from hyper_offload.passes.pipeline.transport import TRANSPORTS
 
 MIB = 1 << 20
 EXIT_OK, EXIT_BAD_INPUT, EXIT_INVALID_ORDER = 0, 2, 3
@@ -279,7 +277,7 @@ def _peaks(orders: Mapping[int, Sequence[MetaStep]], args: argparse.Namespace) -
 
 def _plot(orders: Mapping[int, Sequence[MetaStep]], args: argparse.Namespace) -> None:
     from hyper_offload.passes.pipeline.timeline import TimelineError, build_timeline
-    from hyper_offload.viz.pipeline_plot import PlotDependencyError, plot_timeline
+    from hyper_offload.viz import PlotDependencyError, plot_timeline
 
     try:
         path = plot_timeline(build_timeline(orders), args.plot, title=_headline(args))

@@ -49,7 +49,7 @@ from hyper_offload import passes
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.sizes import planning_size
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
-from hyper_offload.runtime.bandwidth import TransferBandwidth, profile_transfer_bandwidth
+from hyper_offload.runtime.device import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.disk_store import DiskStore
 from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.verify import VerifySteps

@@ -46,7 +46,7 @@ from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
 from hyper_offload.passes.fx.floor_detail import FloorDetail
 from hyper_offload.passes.fx.sizes import symbolic_sizes
 from hyper_offload.passes.plan.step import FloorOp
-from hyper_offload.runtime.bandwidth import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
+from hyper_offload.runtime.device import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
 from .options import BackendOptions, parse_backend_options

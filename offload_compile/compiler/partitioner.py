@@ -22,7 +22,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from hyper_offload import progress
 from hyper_offload.passes import ResidencySchedule, ScheduleError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 from . import region_cache
 from .options import BackendOptions

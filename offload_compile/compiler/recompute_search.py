@@ -70,7 +70,7 @@ from torch._functorch import config as functorch_config
 from hyper_offload import progress
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
 from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 from .collectives import is_collective, sizing_opaque_inputs, unsizable_inputs
 from .options import BackendOptions

@@ -42,7 +42,7 @@ from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError, DynamicShapeError, HyperOffloadError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.floor_detail import FloorDetail, floor_detail
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 from .block_layout import AUTO_MIN_REPEATS, BlockRun, compile_per_block, repeated_blocks
 from .backend import HyperOffloadBackend

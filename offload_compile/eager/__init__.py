@@ -5,10 +5,10 @@ then plans it with the one planning pipeline of :mod:`hyper_offload.passes`; lat
 replay that schedule through the runtime's ``ResidencyManager``.
 
 * :mod:`.session` — :class:`OffloadSession`, phase and reports;
-* :mod:`.active` — the active session and executor (a ``ContextVar``; a leaf module);
+* :mod:`.executor_base` — the active session and executor (a ``ContextVar``; a leaf module);
 * :mod:`.dispatch_mode`, :mod:`.tracker` — recording ops and storages;
 * :mod:`.executor_base`, :mod:`.warmup`, :mod:`.replay` — the two executors;
-* :mod:`.opaque`, :mod:`.skip`, :mod:`.compiled_modules` — regions run as one op
+* :mod:`.opaque`, :mod:`.opaque`, :mod:`.opaque` — regions run as one op
   (``@skip_offload``, compiled submodules).
 """
 
@@ -20,8 +20,8 @@ from ..errors import OffloadBudgetWarning, OffloadSessionError, ReplayMismatchEr
 _LAZY = {
     "OffloadSession": ".session",
     "StepStats": ".executor_base",
-    "current_session": ".active",
-    "skip_offload": ".skip",
+    "current_session": ".executor_base",
+    "skip_offload": ".opaque",
 }
 
 __all__ = [

@@ -13,12 +13,15 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map_only
 
 __all__ = [
     "ActivationDispatchMode",
     "OpDispatcher",
+    "PARAMETER_MEMORY",
     "device_test",
+    "estimate_new_bytes",
     "flat_tensors",
     "owns_storage",
     "result_tensors",
@@ -166,3 +169,61 @@ def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
         for position, argument in enumerate(schema.arguments)
         if argument.alias_info is not None and argument.alias_info.is_write
     )
+
+
+PARAMETER_MEMORY = frozenset({"fsdp"})
+"""Namespaces of ops that make or fill parameters' memory (FSDP2's all-gather and
+reduce-scatter buffers): what they create or touch is left untracked, in place."""
+
+
+def argument_tensors(
+    args: tuple[Any, ...], kwargs: dict[str, Any], writes: tuple[tuple[int, str], ...] | None
+) -> list[tuple[torch.Tensor, bool]]:
+    """An op's tensor arguments, each with whether the op writes it: the arguments its
+    schema marks written (``writes``), or every one for a ``Work``-returning op
+    (``writes is None``: ``recv_`` fills tensors its schema does not mark)."""
+    if writes is None:
+        return [(t, True) for t in tensor_leaves((args, kwargs))]
+    written_pos = {p for p, _ in writes}
+    written_names = {n for _, n in writes}
+    tensors: list[tuple[torch.Tensor, bool]] = []
+    for position, value in enumerate(args):
+        tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
+    for key, value in kwargs.items():
+        tensors.extend((t, key in written_names) for t in tensor_leaves(value))
+    return tensors
+
+
+def estimate_new_bytes(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> int:
+    """Bytes of the storages ``func`` will allocate, from a run on meta tensors; 0 when the
+    op has no meta kernel (data-dependent shapes, ops with side effects)."""
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        if t.device != device or not owns_storage(t):
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    with _disable_current_modes():
+        try:
+            meta_args, meta_kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+            if "device" in meta_kwargs:  # factory ops (randn, empty, ...) allocate on meta
+                meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
+            meta_inputs = {t.untyped_storage()._cdata for t in tensor_leaves((meta_args, meta_kwargs)) if t.is_meta}
+            if not meta_inputs and "device" not in meta_kwargs:
+                return 0  # nothing would run on meta: never run the real kernel (RNG, cost)
+            result = func(*meta_args, **meta_kwargs)
+        except Exception:
+            return 0
+        seen: set[int] = set()
+        total = 0
+        for tensor in tensor_leaves(result):
+            if not tensor.is_meta:
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in meta_inputs or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+    return total

@@ -14,6 +14,13 @@ process): every op, traced or not, first passes its tensor arguments through
 (demand paging, the fallback path, counted in ``StepStats.demand_loads``); one whose
 bytes were released for good raises :class:`OffloadSessionError` naming the op and
 the storage. Nothing else ever reads an offloaded storage while the session is active.
+
+The session whose ``with`` block is active in this context, and its step's executor.
+
+A leaf of the eager door: it imports only the executor's type, so the hooks that must
+find the running step (``skip_offload``'s opaque calls, the compiled-module hooks) read
+it here instead of importing the session. One ``ContextVar``: threads and asyncio tasks
+each see their own (none unless they entered a session themselves).
 """
 
 from __future__ import annotations
@@ -22,17 +29,15 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hyper_offload.errors import (
-    HyperOffloadError,
-    OffloadBudgetWarning,
-    OffloadSessionError,
-    TransferIntegrityError,
+    HyperOffloadError, OffloadBudgetWarning, OffloadSessionError, TransferIntegrityError,
 )
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
@@ -43,9 +48,19 @@ from hyper_offload.runtime.physical_buffer import BufferState
 from .dispatch_mode import device_test, flat_tensors, owns_storage
 
 __all__ = [
-    "ACCUMULATE_GRAD", "BaseExecutor", "OffloadBudgetWarning", "OffloadSessionError",
-    "StepStats", "settle_communication",
+    "ACCUMULATE_GRAD",
+    "ActiveSession",
+    "BaseExecutor",
+    "OffloadBudgetWarning",
+    "OffloadSessionError",
+    "StepStats",
+    "activate",
+    "active_executor",
+    "current_session",
+    "deactivate",
+    "settle_communication",
 ]
+
 
 ACCUMULATE_GRAD = "accumulate_grad"
 """The virtual op of one ``AccumulateGrad`` node's ops (:meth:`BaseExecutor.dispatch`)."""
@@ -110,7 +125,7 @@ class StepStats:
     region_bytes: int = 0
     """The most device bytes opaque regions (compiled modules, ``skip_offload``) held at
     once for their backward: saved by their own ops, counted in the resident bytes and
-    planned around, never moved (:mod:`.region_saved`)."""
+    planned around, never moved (:mod:`.plan_result`)."""
     pool: PoolStats | None = None
     """Host pool snapshot at the end of the step."""
     disk: DiskStats | None = None
@@ -245,7 +260,7 @@ class BaseExecutor:
 
     def region_forward_end(self, region: Any, outputs: list[torch.Tensor], start: Any) -> None:
         """An opaque region's forward returned ``outputs`` (its virtual op still open):
-        the warmup counts what the region keeps for its backward (:mod:`.region_saved`)."""
+        the warmup counts what the region keeps for its backward (:mod:`.plan_result`)."""
 
     def region_backward_end(self, region: Any) -> None:
         """An opaque region's backward virtual op ended."""
@@ -424,3 +439,37 @@ class BaseExecutor:
         self.stats.disk = None if disk is None else disk.stats()
         return self.stats
 
+
+class ActiveSession(Protocol):
+    """What the hooks need of an active ``OffloadSession``."""
+
+    @property
+    def executor(self) -> BaseExecutor | None:
+        """The executor of the step in progress (None between steps)."""
+        ...
+
+
+_ACTIVE: ContextVar[ActiveSession | None] = ContextVar("hyper_offload_session", default=None)
+
+
+def current_session() -> ActiveSession | None:
+    """The ``OffloadSession`` whose ``with`` block is active in this context, if any."""
+    return _ACTIVE.get()
+
+
+def active_executor() -> BaseExecutor | None:
+    """The active session's executor while its step runs (None outside a step or once the
+    executor is closed: nothing is tracked then)."""
+    session = _ACTIVE.get()
+    executor = None if session is None else session.executor
+    return None if executor is None or executor.closed else executor
+
+
+def activate(session: ActiveSession) -> Token[ActiveSession | None]:
+    """Make ``session`` the active one; pass the token to :func:`deactivate`."""
+    return _ACTIVE.set(session)
+
+
+def deactivate(token: Token[ActiveSession | None]) -> None:
+    """Restore whatever was active before the matching :func:`activate`."""
+    _ACTIVE.reset(token)

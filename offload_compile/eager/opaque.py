@@ -1,4 +1,6 @@
-"""Opaque regions: a Python callable recorded as ONE virtual op, forward and backward.
+"""Opaque regions: a callable recorded as ONE virtual op (skip_offload, compiled modules).
+
+Opaque regions: a Python callable recorded as ONE virtual op, forward and backward.
 
 Design section 5.2. ``skip_offload``-decorated functions and ``torch.compile``d callables
 inside a session run through :func:`run_opaque_region`::
@@ -24,33 +26,78 @@ Inside a region ops still pass :meth:`BaseExecutor.guard` (an offloaded storage 
 through a closure is paged back, never read at 0 bytes), except in compiled callables,
 which run with every dispatch mode disabled so that their compiled code executes: their
 tensor arguments are paged in before the call.
+
+``@hyper_offload.skip_offload``: keep a function out of offloading.
+
+Under ``torch.compile`` the decorated function is a forced graph break
+(``torch.compiler.disable``): it runs eagerly between two compiled regions, nothing
+inside it is offloaded, and each compiled region is planned under the budget on its
+own; ``torch._dynamo.explain`` lists the break. Eagerly, inside an active
+``OffloadSession``, it runs as one virtual op (see :mod:`hyper_offload.eager.opaque`);
+outside any session it is a plain call.
+
+Run ``torch.compile``d modules inside an ``OffloadSession`` as compiled opaque ops.
+
+While a ``TorchDispatchMode`` is active, Dynamo does not run compiled code: a compiled
+module silently runs its original Python (TORCH_NOTES). The session therefore installs
+two module-global hooks for the duration of each step; for an ``OptimizedModule``
+(the result of ``torch.compile(module)``) they turn the call into one virtual op:
+
+* forward pre-hook: :func:`~hyper_offload.eager.opaque.begin_region` (record the virtual op,
+  page its inputs in, alias them through ``OpaqueRegionStart``, switch every dispatch
+  mode off so that Dynamo runs the compiled code);
+* forward hook (``always_call``): :func:`~hyper_offload.eager.opaque.end_region`.
+
+For every other module both hooks return at once; they are module-level functions
+(stable identity), so Dynamo, which traces them when it inlines ``_orig_mod``, compiles
+once with and once without them and then never recompiles.
+
+torch calls ``always_call`` hooks for an ``Exception`` only: a ``KeyboardInterrupt``
+(any ``BaseException``) raised inside a compiled module skips the forward hook, which
+left the dispatch modes switched off and the session unable to leave its mode (found by
+the lifecycle state machine). The session closes such regions itself when the step
+ends (:func:`close_open_regions`).
+
+Limits: the global pre-hook sees positional arguments only, so a tensor passed to a
+compiled module *by keyword* is neither aliased nor paged in; pass tensors positionally
+or wrap the call in ``skip_offload``. ``module.compile()`` (in-place compilation) wraps
+the hooks themselves, so it cannot be detected here: wrap such modules in
+``skip_offload``. torch warns once that global hooks fire an extra time for an
+``OptimizedModule``: that extra firing is exactly what these hooks use.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
+from hyper_offload.errors import ConfigurationTypeError
 from hyper_offload.passes.ir.trace import StorageId
 from hyper_offload.runtime.physical_buffer import byte_view
 
-from .active import active_executor
-from .executor_base import BaseExecutor
+from .executor_base import BaseExecutor, active_executor
 
 __all__ = [
-    "OpenRegion",
-    "begin_region",
-    "end_region",
     "OpaqueRegionEnd",
     "OpaqueRegionStart",
+    "OpenRegion",
+    "begin_region",
     "call_opaque",
+    "close_open_regions",
+    "end_region",
+    "install_compiled_module_hooks",
     "is_compiled",
     "opaque_name",
     "run_opaque_region",
+    "skip_offload",
 ]
 
 
@@ -81,7 +128,7 @@ class _Region:
         self.input_keys: frozenset[int] = frozenset()
         """``_cdata`` of the forward's input storages (alive while it runs)."""
         self.held: tuple[StorageId, int] | None = None
-        """The id and bytes the warmup counts for what the region keeps (.region_saved)."""
+        """The id and bytes the warmup counts for what the region keeps (.plan_result)."""
 
     def backward_begin(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
         executor = self.executor = self.executor.current()  # a warmup may have taken over
@@ -264,3 +311,97 @@ def call_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     if executor is None:
         return fn(*args, **kwargs)
     return run_opaque_region(executor, fn, args, kwargs, opaque_name(fn), compiled=is_compiled(fn))
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def skip_offload(fn: F) -> F:
+    """Run ``fn`` without offloading, as one opaque op (see the module docstring).
+
+    Also the way to keep a ``torch.compile``d function or module compiled inside an
+    eager ``OffloadSession``: ``block = skip_offload(torch.compile(block))``.
+    """
+    if not callable(fn):
+        raise ConfigurationTypeError(
+            f"skip_offload: expected a function or method to decorate, got "
+            f"{type(fn).__name__}; use it as @hyper_offload.skip_offload"
+        )
+
+    @functools.wraps(fn)
+    def call_as_opaque_region(*args: Any, **kwargs: Any) -> Any:
+        return call_opaque(fn, args, kwargs)
+
+    return torch.compiler.disable(call_as_opaque_region, recursive=True)  # type: ignore[return-value]
+
+
+_OPEN_ATTR = "_hyper_offload_open_regions"
+
+
+class _NotLoaded:
+    """Stands in for ``OptimizedModule`` until Dynamo is imported (nothing is compiled)."""
+
+
+# ``torch._dynamo`` costs seconds to import; a process that never compiled anything has
+# no OptimizedModule, so the class is looked up when a session installs its hooks.
+# Bound once, never changed afterwards: the class itself, not configuration.
+OptimizedModule: type = _NotLoaded
+
+
+def _bind_optimized_module() -> bool:
+    global OptimizedModule
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return False
+    OptimizedModule = eval_frame.OptimizedModule
+    return True
+
+
+def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if not isinstance(module, OptimizedModule):
+        return None
+    executor = active_executor()
+    if executor is None:
+        return None
+    where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    open_region, aliases = begin_region(
+        executor, opaque_name(module), [args[i] for i in where], compiled=True
+    )
+    owner = executor.current()  # the step's executor once the region began
+    stack: list[OpenRegion] = owner.__dict__.setdefault(_OPEN_ATTR, [])
+    stack.append(open_region)
+    new_args = list(args)
+    for index, alias in zip(where, aliases):
+        new_args[index] = alias
+    return tuple(new_args)
+
+
+def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if not isinstance(module, OptimizedModule):
+        return None
+    executor = active_executor()
+    stack = None if executor is None else executor.__dict__.get(_OPEN_ATTR)
+    if not stack:
+        return None
+    open_region = stack.pop()
+    # always_call: on an exception torch calls this hook with ``output=None``; restoring
+    # the modes and the depth is all that is needed (the step is aborted).
+    return end_region(open_region, output, failed=output is None)
+
+
+def install_compiled_module_hooks() -> tuple[RemovableHandle, ...]:
+    """Register the two hooks; the caller removes the handles at the end of the step.
+    Without Dynamo loaded there is no compiled module, and no hook is installed."""
+    if not _bind_optimized_module():
+        return ()
+    pre = register_module_forward_pre_hook(_pre_hook)
+    post = register_module_forward_hook(_post_hook, always_call=True)
+    return pre, post
+
+
+def close_open_regions(executor: Any) -> None:
+    """End the compiled regions of ``executor`` whose forward hook never ran (innermost
+    first): restore the dispatch modes and the region depth. Only on the exception path."""
+    stack: list[OpenRegion] = executor.__dict__.get(_OPEN_ATTR) or []
+    while stack:
+        end_region(stack.pop(), None, failed=True)

@@ -26,10 +26,10 @@ still in flight first makes the compute stream wait for that H2D
 WAIT_H2D then costs nothing.
 
 Last copies. A planned drop of a storage's only copy waits until nothing references the
-storage (:mod:`.last_copy`); one still referenced where its warmup saw it die is kept,
+storage (:mod:`.replay_checks`); one still referenced where its warmup saw it die is kept,
 and a read of it is a step whose ops changed, reported before any kernel reads it.
 
-The end of the step is the plan's last op (:data:`~hyper_offload.passes.ir.step_end.STEP_END`):
+The end of the step is the plan's last op (:data:`~hyper_offload.passes.ir.trace.STEP_END`):
 :meth:`ReplayExecutor.finish` runs its actions (reloads of retained storages the plan
 moved out in their last gap) and samples the resident bytes there.
 
@@ -53,18 +53,20 @@ from torch.utils._python_dispatch import _disable_current_modes
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import StorageId
-from hyper_offload.passes.plan.protocol import ResidencyPlanner
+from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager
 from hyper_offload.runtime.physical_buffer import BufferState
 
-from .dispatch_mode import flat_tensors, owns_storage, result_tensors, tensor_leaves
+from .dispatch_mode import (
+    estimate_new_bytes, flat_tensors, owns_storage, result_tensors, tensor_leaves,
+)
 from .executor_base import BaseExecutor, settle_communication
-from .last_copy import LastCopies, drop_if_unreferenced
-from .op_guide import OpGuide, mismatch_error
-from .region_saved import region_saved_bytes
-from .size_drift import SizeDrift, grown_sizes
-from .plan_result import WarmupResult, replan
-from .warmup import WarmupExecutor, estimate_new_bytes
+from .plan_result import WarmupResult, region_saved_bytes, replan
+from .replay_checks import (
+    LastCopies, OpGuide, SizeDrift, drop_if_unreferenced, grown_sizes, mismatch_error,
+    short_step_error, wait_for_early_reloads,
+)
+from .warmup import WarmupExecutor
 
 __all__ = ["ReplayExecutor"]
 
@@ -88,7 +90,7 @@ class ReplayExecutor(BaseExecutor):
         over, because its ops changed (``ops_changed``; only if ``rewarm_allowed``: the
         session settling, or ``OffloadConfig.rewarm_on_mismatch``; else the mismatch
         raises) or an op raised inside it (the user caught the error).
-        ``planner``: remakes the plan after a step with larger sizes (:mod:`.size_drift`)."""
+        ``planner``: remakes the plan after a step with larger sizes (:mod:`.replay_checks`)."""
         super().__init__(manager, device)
         self.plan = plan
         self.take_over = take_over
@@ -98,7 +100,7 @@ class ReplayExecutor(BaseExecutor):
         """The warmup executor that took the step over after a mismatch, if any."""
         self._region_holds = {plan.trace.accesses_of(sid)[0][0]: (sid, nbytes)
                               for sid, nbytes in plan.virtual.items()}
-        """Op -> the virtual storage an opaque region's forward op there holds (.region_saved)."""
+        """Op -> the virtual storage an opaque region's forward op there holds (.plan_result)."""
         self._region_end: tuple[Any, ...] | None = None  # a region's forward end, until its op ends
         self._region_extra: dict[int, int] = {}  # release op -> region bytes beyond the plan's
         self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
@@ -109,7 +111,7 @@ class ReplayExecutor(BaseExecutor):
         self._post = plan.replay_post
         self._virtual = plan.virtual_delta
         """Op -> (bytes an opaque region's forward op holds from there, bytes released
-        after the op): counted like the warmup counted them (.region_saved)."""
+        after the op): counted like the warmup counted them (.plan_result)."""
         self._held = 0
         self._num_ops = len(self._funcs)
         """Ops of the model the plan replays (its trace also has the step-end op)."""
@@ -221,7 +223,7 @@ class ReplayExecutor(BaseExecutor):
         backward by whoever runs the step then), keep what a warmup taking the step over
         at this op must record, and count what the region keeps beyond the plan's bytes
         (larger sizes, or a recompiled body that saves more: like a storage larger than
-        planned, :mod:`.size_drift`), so the step's count stays what the device holds."""
+        planned, :mod:`.replay_checks`), so the step's count stays what the device holds."""
         held = region.held = self._region_holds.get(self.index)
         self._region_end = (region, outputs, start)
         if held is None:
@@ -331,7 +333,7 @@ class ReplayExecutor(BaseExecutor):
     def apply_actions(self, actions: tuple[ResidencyAction, ...]) -> None:
         """Run schedule actions and keep :attr:`_loading` (reloads in flight) current;
         a drop of a storage's last copy waits until nothing references it
-        (:mod:`.last_copy`; counted as done, as the plan counts it)."""
+        (:mod:`.replay_checks`; counted as done, as the plan counts it)."""
         if self.drift.evicted:
             actions = tuple(a for a in actions if self.drift.applicable(self.manager, a))
         batch: list[ResidencyAction] = []
@@ -372,10 +374,12 @@ class ReplayExecutor(BaseExecutor):
             if self.last_copies:
                 self._settle(tensors)
             if self._loading:
-                self._wait_for_early_reloads(tensors)
+                self.early_reload_waits += wait_for_early_reloads(self.manager, self._loading,
+                                                                  tensors)
         keys = super().guard(where, tensors)
-        if self.last_copies.kept:
-            self._note_kept_reads(keys, where)
+        if self.last_copies.kept and self._diverged is None:
+            self._diverged = self.last_copies.divergence(
+                (self.bound.get(key) for key in keys), self.index, where)
         return keys
 
     def _settle(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -389,26 +393,6 @@ class ReplayExecutor(BaseExecutor):
             self.stats.bytes_d2h += settled.copied
             self.stats.transfers += len(settled.kept)
         self.stats.rescued += len(settled.kept)
-
-    def _note_kept_reads(self, keys: set[int], where: Any) -> None:
-        read = self.last_copies.first_read(self.bound.get(key) for key in keys)
-        if read is not None and self._diverged is None:
-            sid, dropped_after = read
-            self._diverged = (
-                f"replay op {self.index} ({where}): reads storage {sid}, which its warmup saw "
-                f"freed after op {dropped_after} (its last use); the step runs other ops than "
-                "its warmup (another branch, a layer frozen or unfrozen)")
-
-    def _wait_for_early_reloads(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        loading = self._loading
-        for tensor in tensors:
-            if not owns_storage(tensor):
-                continue
-            sid = loading.pop(tensor.untyped_storage()._cdata, None)
-            if sid is not None:
-                with _disable_current_modes():  # a stream wait: never an op of the model
-                    self.manager.wait_h2d(sid)
-                self.early_reload_waits += 1
 
     def storage_ids(self, tensors: Any) -> tuple[int, ...]:
         sids: dict[int, None] = {}
@@ -444,7 +428,7 @@ class ReplayExecutor(BaseExecutor):
 
     def _make_room(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A larger-than-planned step: evict online until op ``i``'s outputs fit the
-        budget (:mod:`.size_drift`), sized from the arguments it is about to run on (a
+        budget (:mod:`.replay_checks`), sized from the arguments it is about to run on (a
         meta run), not from the plan, whose sizes this step outgrows."""
         incoming = sum(self._sizes[sid] for sid in self._entries[i].leaf_storages)
         if incoming and not isinstance(func, str):
@@ -453,20 +437,9 @@ class ReplayExecutor(BaseExecutor):
         excess = self._resident + incoming - bound
         if excess <= 0:
             return
-        manager, stats = self.manager, self.stats
         with _disable_current_modes():
-            for sid in self.drift.victims(manager, i, set(self._loading.values())):
-                if excess <= 0:
-                    break
-                nbytes = manager.buffer(sid).nbytes
-                manager.copy_d2h(sid)
-                manager.release_device(sid)
-                self.drift.evicted.add(sid)
-                self._resident -= nbytes
-                excess -= nbytes
-                stats.evictions += 1
-                stats.bytes_d2h += nbytes
-                stats.transfers += 1
+            self._resident -= self.drift.evict(self.manager, i, set(self._loading.values()),
+                                               excess, self.stats)
 
     # ------------------------------------------------------------------ end of step
 
@@ -506,11 +479,7 @@ class ReplayExecutor(BaseExecutor):
             return self._successor(
                 f"replay: the step ended after {self.index} ops, the warmup recorded "
                 f"{self._num_ops}", True).finish()
-        raise ReplayMismatchError(
-            f"replay: the step ended after {self.index} ops, but the warmup step recorded "
-            f"{self._num_ops} (next expected: op {self.index}, {self._entries[self.index].name}); "
-            "run the same forward and backward every step, or call session.reset()"
-        )
+        raise short_step_error(self._entries, self.index, self._num_ops)
 
     def _run_step_end(self) -> None:
         """The plan's step-end op: reload what it moved out of the device in a retained

@@ -55,13 +55,14 @@ from hyper_offload.runtime.device import require_usable
 from hyper_offload.runtime.disk_store import DiskStore
 from hyper_offload.runtime.verify import VerifySteps
 
-from .active import activate, current_session, deactivate
-from .compiled_modules import close_open_regions, install_compiled_module_hooks
 from .dispatch_mode import ActivationDispatchMode
-from .executor_base import BaseExecutor, OffloadSessionError, StepStats
+from .executor_base import (
+    BaseExecutor, OffloadSessionError, StepStats, activate, current_session, deactivate,
+)
 from .lifecycle import StepKind, StepLifecycle, StepRecord, StepState
-from .op_guide import OpGuide
+from .opaque import close_open_regions, install_compiled_module_hooks
 from .replay import ReplayExecutor
+from .replay_checks import OpGuide
 from .warmup import WarmupExecutor, WarmupResult
 
 __all__ = ["OffloadSession"]
@@ -151,7 +152,7 @@ class OffloadSession:
     @property
     def replans(self) -> int:
         """Plans remade after a replayed step ran the same ops with larger sizes (no
-        re-trace: :mod:`.size_drift`)."""
+        re-trace: :mod:`.replay_checks`)."""
         return self.lifecycle.replans
 
     @property

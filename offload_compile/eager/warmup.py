@@ -3,7 +3,7 @@
 Design section 4.3. Step 1 runs the model for real; for every op the executor records
 which tracked storages it READs or WRITEs (WRITE for arguments the op schema marks
 ``Tensor(a!)``, and for the storages it creates), the storage of each output leaf, and
-the op's duration (:class:`~hyper_offload.runtime.op_clock.OpClock`: wall clock on CPU,
+the op's duration (:class:`~hyper_offload.runtime.device.OpClock`: wall clock on CPU,
 timing events read once at the end of the step on an accelerator, where the wall clock
 would only time the launch); the planning pipeline prices the step with them. Storages are tracked by :class:`ActivationTracker`.
 
@@ -18,7 +18,7 @@ unbound again so that its bytes are freed when its last tensor dies.
 Holds. The tracker reports when each storage dies; one that dies ops after its last
 access (a variable, autograd kept it) is *held* there (``ActivationTrace.held_until``):
 the plan frees its bytes only after that op, so a replay that finds it still referenced
-there knows the step changed (:mod:`.last_copy`). An offloaded storage (held by the
+there knows the step changed (:mod:`.replay_checks`). An offloaded storage (held by the
 manager, whose reference hides its death) is checked at every op.
 
 ``finish`` pages back what is still referenced, reads which storages survive the step
@@ -34,44 +34,37 @@ replay then issues each ``COPY_H2D`` some ops before the ``WAIT_H2D`` of its rea
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map_only
 
-from hyper_offload.config import MIB
-from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.fx.collectives import PendingCollectives, returns_work, wait_accesses
-from hyper_offload.passes.ir.step_end import with_step_end
 from hyper_offload.passes.ir.trace import (
-    AccessKind,
-    ActivationTrace,
-    StorageAccess,
-    StorageId,
-    TraceOp,
+    AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp,
 )
-from hyper_offload.passes.plan.planning import PlannedSchedule, PlanningError
-from hyper_offload.passes.plan.protocol import ResidencyPlanner
+from hyper_offload.passes.plan.report import ResidencyPlanner
 from hyper_offload.runtime import ResidencyManager, profile_transfer_bandwidth
-from hyper_offload.runtime.op_clock import OpClock
-from hyper_offload.runtime.pipeline.hooks import swap_step_running
+from hyper_offload.runtime.device import OpClock
 from hyper_offload.runtime.physical_buffer import BufferState, byte_view
+from hyper_offload.runtime.pipeline.session import swap_step_running
 
-from .dispatch_mode import owns_storage, tensor_leaves, written_arguments
-from .executor_base import (
-    ACCUMULATE_GRAD,
-    BaseExecutor,
-    OffloadBudgetWarning,
-    OffloadSessionError,
-    settle_communication,
+from .dispatch_mode import (
+    PARAMETER_MEMORY, argument_tensors, estimate_new_bytes, owns_storage, tensor_leaves,
+    written_arguments,
 )
-from .plan_result import WarmupResult, first_outputs_only, hand_back, plan_step, replan
-from .region_saved import region_saved_bytes
+from .executor_base import BaseExecutor, settle_communication
+from .plan_result import (
+    WarmupResult, hand_back, plan_warmup, refuse_swap_step, region_saved_bytes, replan,
+    warmup_trace,
+)
 from .tracker import ActivationTracker
 
-__all__ = ["WarmupExecutor", "WarmupResult", "estimate_new_bytes", "replan"]
+__all__ = [
+    "WarmupExecutor",
+    "WarmupResult",
+    "replan",
+]
 
 
 class WarmupExecutor(BaseExecutor):
@@ -117,7 +110,7 @@ class WarmupExecutor(BaseExecutor):
         self._parameter_op = False  # whether the op in progress is an fsdp:: op
         self.held: dict[StorageId, int] = {}
         """Virtual storages of what open opaque regions keep for their backward (id ->
-        bytes, :mod:`.region_saved`): read by every op until their backward op ends."""
+        bytes, :mod:`.plan_result`): read by every op until their backward op ends."""
         self.virtual: dict[StorageId, int] = {}
         """Every such virtual storage of the step."""
         self._region_work: set[int] = set()  # storage keys a Work op used in the open region
@@ -134,14 +127,14 @@ class WarmupExecutor(BaseExecutor):
     def on_op_begin(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         name = func if isinstance(func, str) else str(func)
         if swap_step_running():
-            _refuse_swap_step(name, self.index)
+            refuse_swap_step(name, self.index)
         if self.bound:
             self._reap_offloaded()
         if func in self._writes:
             writes = self._writes[func]
         else:  # the first call of this op in the step
             writes = self._writes[func] = None if returns_work(func) else written_arguments(func)
-        tensors = _argument_tensors(args, kwargs, writes)
+        tensors = argument_tensors(args, kwargs, writes)
         keys: Any = self.guard(name, (t for t, _ in tensors))
         if isinstance(func, str):
             keys = self.live_inputs((t for t, _ in tensors), self.device)
@@ -277,7 +270,7 @@ class WarmupExecutor(BaseExecutor):
         the step WRITTEN by ``add_``); what it creates is not tracked."""
         if func not in self._writes:
             self._writes[func] = None if returns_work(func) else written_arguments(func)
-        tensors = _argument_tensors(args, kwargs, self._writes[func])
+        tensors = argument_tensors(args, kwargs, self._writes[func])
         self.guard_region_op(func, [t for t, _ in tensors])
         assert self._current is not None
         accesses = self._current[2]
@@ -394,7 +387,7 @@ class WarmupExecutor(BaseExecutor):
 
         Resident storages become tracked activations; offloaded ones stay bound (an op
         that needs one pages it back); storages the schedule released for good are dead
-        (the replay drops a last copy only once nothing references it: :mod:`.last_copy`)
+        (the replay drops a last copy only once nothing references it: :mod:`.replay_checks`)
         and keep the hold the plan recorded for them."""
         manager, trace = self.manager, plan.trace
         self.ops = list(trace.ops[:num_ops])
@@ -447,47 +440,26 @@ class WarmupExecutor(BaseExecutor):
 
     # ------------------------------------------------------------------ end of step
 
-    def _timed_ops(self) -> tuple[TraceOp, ...]:
-        """The recorded ops with the durations the clock measured (ops kept from a
-        replayed step by ``continue_from`` keep theirs)."""
-        durations = self.clock.durations()
-        return tuple(
-            dataclasses.replace(op, duration_s=durations[self._timed[index]])
-            if index in self._timed else op
-            for index, op in enumerate(self.ops)
-        )
-
     def _build_trace(self) -> ActivationTrace:
-        """The step's trace. ``retained``: what is alive now, and what the plan must never
-        release: pinned storages (their communication may still use them; the library
-        frees them through its own reference once done), incoming gradients last read
-        by their accumulation (whether this step created the ``.grad``, which keeps one,
-        or accumulated into one, where it dies: the same trace either way; the replay
-        hands them back to autograd there) and FSDP's buffers (at 0 bytes: parameters'
-        memory, never bound by the replay); those are outputs of their creating op only."""
+        """The step's trace (:func:`~.plan_result.warmup_trace`). ``retained``: what is
+        alive now, and what the plan must never release: pinned storages (their
+        communication may still use them; the library frees them through its own reference
+        once done), incoming gradients last read by their accumulation (whether this step
+        created the ``.grad``, which keeps one, or accumulated into one, where it dies: the
+        same trace either way; the replay hands them back to autograd there) and FSDP's
+        buffers (at 0 bytes: parameters' memory, never bound by the replay); those are
+        outputs of their creating op only. Ops keep the durations the clock measured (ops
+        kept from a replayed step by ``continue_from`` keep theirs)."""
         handed = (s for sids in hand_back(self.ops, self.pinned).values() for s in sids)
         retained = frozenset(e.sid for e in self.tracker if e.alive).union(
             self.pinned, handed, self.foreign)
-        sizes = self.tracker.sizes()
-        ops = self._timed_ops()
-        if self.foreign:
-            sizes.update(dict.fromkeys(self.foreign, 0))
-            ops = first_outputs_only(ops, self.foreign)
+        durations = self.clock.durations()
+        ops = tuple(dataclasses.replace(op, duration_s=durations[self._timed[index]])
+                    if index in self._timed else op for index, op in enumerate(self.ops))
         bandwidth = profile_transfer_bandwidth(self.device) if self.profile_bandwidth else None
-        trace = with_step_end(ActivationTrace(
-            ops=ops,
-            storage_sizes=sizes,
-            budget_bytes=self.budget_bytes,
-            retained=retained,
-            held_until=_holds(ops, self.ends, retained),
-            **(
-                {}
-                if bandwidth is None
-                else {"d2h_bandwidth_gbps": bandwidth.d2h_gbps,
-                      "h2d_bandwidth_gbps": bandwidth.h2d_gbps}
-            ),
-        ))
-        return trace if self.disk is None else trace.with_disk(*self.disk)
+        return warmup_trace(ops, self.tracker.sizes(), retained=retained, foreign=self.foreign,
+                            ends=self.ends, budget_bytes=self.budget_bytes, bandwidth=bandwidth,
+                            disk=self.disk)
 
     def finish(self) -> WarmupResult:
         """Page back live offloaded storages, build the trace and plan it."""
@@ -513,22 +485,9 @@ class WarmupExecutor(BaseExecutor):
         # moment is part of the step's peak, as it is of the trace's model.
         self.stats.end_resident_bytes = trace.retained_bytes
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, trace.retained_bytes)
-        try:
-            planned = plan_step(trace, self.planner, where="eager warmup",
-                                host_budget_bytes=self.host_budget_bytes,
-                                measured_peak=self.stats.peak_resident_bytes)
-        except PlanningError as error:
-            raise OffloadSessionError(f"{error}\nThe session stays in warmup.") from error
-        if planned.binding == "host" or self.host_limited:
-            warnings.warn(OffloadBudgetWarning(_host_message(planned, self.host_limited)),
-                          stacklevel=3)
-        if planned.check.infeasible_ops:
-            warnings.warn(
-                OffloadBudgetWarning(
-                    _infeasible_message(trace, planned.check, self.stats.peak_resident_bytes)
-                ),
-                stacklevel=3,  # the user's `with session:` (through OffloadSession.__exit__)
-            )
+        planned = plan_warmup(trace, self.planner, host_budget_bytes=self.host_budget_bytes,
+                              measured_peak=self.stats.peak_resident_bytes,
+                              host_limited=self.host_limited)
         self.tracker.clear()
         return WarmupResult(
             trace, planned.schedule, planned.check, self.funcs,
@@ -537,128 +496,3 @@ class WarmupExecutor(BaseExecutor):
         )
 
 
-def _holds(
-    ops: tuple[TraceOp, ...], ends: dict[StorageId, int], retained: frozenset[StorageId]
-) -> dict[StorageId, int]:
-    """``held_until`` of the step: storages that died ops after their last access (and
-    did not outlive the step)."""
-    last: dict[StorageId, int] = {}
-    for index, op in enumerate(ops):
-        for sid in op.storages:
-            last[sid] = index
-    return {sid: end for sid, end in ends.items()
-            if sid in last and sid not in retained and last[sid] < end < len(ops)}
-
-
-def _host_message(planned: PlannedSchedule, refused: int) -> str:
-    """The host budget binds: what it kept on the device, and the fixes."""
-    requested = planned.requested_budget_bytes or planned.trace.budget_bytes
-    return (
-        f"OffloadSession warmup: the host budget of {planned.host_budget_bytes} B "
-        "(OffloadConfig.max_host_activation_mb, per rank; counted in host pool buckets) "
-        "cannot hold what the device budget of "
-        f"{requested} B would move: the plan keeps {planned.peak_host_bytes} B on the host "
-        f"and peaks at {planned.trace.budget_bytes} B on the device"
-        + (f" (the warmup step itself kept {refused} storage(s) on the device for want of "
-           "host room)" if refused else "")
-        + ". Every step stays exact. Raise max_host_activation_mb (or lower "
-        "local_world_size if fewer ranks share this machine), raise "
-        "max_resident_activation_mb, or recompute instead: the compile door "
-        "(torch.compile(backend=\"hyper_offload\"), recompute=\"auto\") recomputes what "
-        "neither budget holds"
-    )
-
-
-def _infeasible_message(trace: ActivationTrace, check: ScheduleReport, measured_peak: int) -> str:
-    """Why the budget cannot be met, with the figures a user needs to fix it."""
-    worst = max(check.infeasible_ops, key=lambda op: op.required_bytes)
-    message = (
-        f"OffloadSession warmup: no schedule meets the budget of {trace.budget_bytes} B at "
-        f"{len(check.infeasible_ops)} op(s) (the most: op {worst.op_index}, "
-        f"{trace.ops[worst.op_index].name}, needs {worst.required_bytes} B on the device). "
-        f"Later steps run exactly, at the plan's peak of {check.peak_resident_bytes} B; "
-        f"the warmup step itself reached {measured_peak} B, counting the end of the step."
-    )
-    if trace.retained_bytes > trace.budget_bytes:
-        message += (
-            f" At the end of the step every tensor that outlives it is on the device: "
-            f"{trace.retained_bytes} B here (gradients, outputs, anything still referenced), "
-            "above the budget by itself. Free what the next step does not need before leaving the "
-            "session (e.g. optimizer.zero_grad(set_to_none=True) after optimizer.step()), or"
-        )
-    else:
-        message += " Split the op's inputs (e.g. a smaller micro-batch), or"
-    return message + (
-        f" raise max_resident_activation_mb to at least {check.peak_resident_bytes / MIB:.4g}"
-    )
-
-
-def _refuse_swap_step(name: str, index: int) -> None:
-    """Fail at the first op of a swapping ``PipelineSwapSchedule.step()``: its swap groups
-    resize the chunks' saved storages themselves, the session would move the same ones."""
-    raise OffloadSessionError(
-        f"OffloadSession warmup, op {index} ({name}): runs inside PipelineSwapSchedule(swap=True)."
-        "step(), whose swap groups offload each chunk's saved activations themselves; the "
-        "session would plan and move the same storages. Fix: build the schedule with "
-        "swap=False inside the session (the session then plans every activation of the "
-        "rank, the chunks across micro-batches included, under its one budget), or run the "
-        "swap schedule outside `with session:`"
-    )
-
-
-PARAMETER_MEMORY = frozenset({"fsdp"})
-"""Namespaces of ops that make or fill parameters' memory (FSDP2's all-gather and
-reduce-scatter buffers): what they create or touch is left untracked, in place."""
-
-
-def _argument_tensors(
-    args: tuple[Any, ...], kwargs: dict[str, Any], writes: tuple[tuple[int, str], ...] | None
-) -> list[tuple[torch.Tensor, bool]]:
-    """An op's tensor arguments, each with whether the op writes it: the arguments its
-    schema marks written (``writes``), or every one for a ``Work``-returning op
-    (``writes is None``: ``recv_`` fills tensors its schema does not mark)."""
-    if writes is None:
-        return [(t, True) for t in tensor_leaves((args, kwargs))]
-    written_pos = {p for p, _ in writes}
-    written_names = {n for _, n in writes}
-    tensors: list[tuple[torch.Tensor, bool]] = []
-    for position, value in enumerate(args):
-        tensors.extend((t, position in written_pos) for t in tensor_leaves(value))
-    for key, value in kwargs.items():
-        tensors.extend((t, key in written_names) for t in tensor_leaves(value))
-    return tensors
-
-
-def estimate_new_bytes(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
-) -> int:
-    """Bytes of the storages ``func`` will allocate, from a run on meta tensors; 0 when the
-    op has no meta kernel (data-dependent shapes, ops with side effects)."""
-    def to_meta(t: torch.Tensor) -> torch.Tensor:
-        if t.device != device or not owns_storage(t):
-            return t
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-    with _disable_current_modes():
-        try:
-            meta_args, meta_kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
-            if "device" in meta_kwargs:  # factory ops (randn, empty, ...) allocate on meta
-                meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
-            meta_inputs = {t.untyped_storage()._cdata for t in tensor_leaves((meta_args, meta_kwargs)) if t.is_meta}
-            if not meta_inputs and "device" not in meta_kwargs:
-                return 0  # nothing would run on meta: never run the real kernel (RNG, cost)
-            result = func(*meta_args, **meta_kwargs)
-        except Exception:
-            return 0
-        seen: set[int] = set()
-        total = 0
-        for tensor in tensor_leaves(result):
-            if not tensor.is_meta:
-                continue
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            if key in meta_inputs or key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-    return total

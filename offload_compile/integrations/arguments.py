@@ -1,21 +1,29 @@
-"""``OffloadArguments``: the settings a trainer integration reads, in one small dataclass.
+"""What an integration needs before torch: its settings, and the trainer packages.
 
+``OffloadArguments``: the settings a trainer integration reads, in one small dataclass.
 It reads like ``TrainingArguments`` and ``HfArgumentParser`` parses it beside them
 (``--offload_door eager --max_resident_activation_mb 512``); the names are those of
 :class:`~hyper_offload.OffloadConfig` and the compile ``options=``, so a setting means the
 same thing in every door. Options beyond these (``recompute``, ``verify``, a planner)
 are the backend's and the session's own: build an :class:`~.door.OffloadDoor` from a
 ``hyper_offload.backend(...)`` or an ``OffloadSession(...)`` for those.
+
+:func:`require`: the trainer packages, imported where an integration needs them: the one
+place a missing optional dependency becomes an error that names the extra to install.
+
+Imports neither torch nor a trainer package.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import import_module
+from types import ModuleType
 from typing import Any
 
-from hyper_offload.errors import ConfigurationError
+from hyper_offload.errors import ConfigurationError, OptionalDependencyError
 
-__all__ = ["DOORS", "OffloadArguments"]
+__all__ = ["DOORS", "OffloadArguments", "require"]
 
 DOORS = ("compile", "eager")
 
@@ -83,3 +91,18 @@ class OffloadArguments:
         names = ("max_resident_activation_mb", "max_host_activation_mb")
         return OffloadConfig(**{name: getattr(self, name) for name in names
                                 if getattr(self, name) is not None})
+
+
+def require(package: str, *, extra: str, feature: str) -> ModuleType:
+    """The module ``package``, imported for ``feature``.
+
+    Raises :class:`OptionalDependencyError` (an ``ImportError``) naming ``extra`` when it
+    is not installed.
+    """
+    try:
+        return import_module(package)
+    except ImportError as error:
+        raise OptionalDependencyError(
+            f"{feature} needs the {package!r} package, which is not installed; install it "
+            f'with `pip install "hyper-offload[{extra}]"`'
+        ) from error

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 
@@ -35,7 +35,10 @@ if TYPE_CHECKING:
     from hyper_offload.eager.executor_base import StepStats
     from hyper_offload.eager.session import OffloadSession
 
-__all__ = ["OffloadDoor"]
+__all__ = [
+    "OffloadDoor",
+]
+
 
 _MIB = float(1 << 20)
 
@@ -154,3 +157,5 @@ class OffloadDoor:
             "offload_measured_peak_mb": report.peak_resident_bytes / _MIB,
             "offload_measured_moved_mb": report.bytes_d2h / _MIB,
         }
+
+

@@ -31,8 +31,8 @@ import torch
 
 from hyper_offload.errors import ConfigurationError
 
-from ._extras import require
 from .door import OffloadDoor
+from .arguments import require
 
 _FEATURE = "hyper_offload.integrations.HyperOffloadTrainer"
 transformers = require("transformers", extra="hf", feature=_FEATURE)

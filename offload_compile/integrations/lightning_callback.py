@@ -38,8 +38,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._extras import require
 from .door import OffloadDoor
+from .arguments import require
 
 pl = require("lightning.pytorch", extra="lightning",
              feature="hyper_offload.integrations.HyperOffloadCallback")

@@ -33,7 +33,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from hyper_offload.errors import ConfigurationTypeError, SwapOutsideGroupWarning
-from hyper_offload.runtime.pipeline.hooks import (
+from hyper_offload.runtime.pipeline.session import (
     current_group,
     in_pipeline_forward,
     saved_tensor_hooks,

@@ -3,7 +3,7 @@ trace's op durations and its D2H/H2D bandwidths. Pure: data in, data out.
 :func:`predict_timeline` runs a whole schedule; :class:`TimelineSimulator` is the same
 model one slot at a time, for passes that decide as they walk.
 
-The model is the runtime's (``runtime/device.py``, ``runtime/physical_buffer.py``):
+The model is the runtime's (``runtime/transfer.py``, ``runtime/physical_buffer.py``):
 
 * **One compute stream.** Ops run back to back in trace order; op ``i`` takes
   ``trace.ops[i].duration_s``. **The one default** for an op without a duration

@@ -39,7 +39,7 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from ..ir.trace import ActivationTrace
-from .candidates import OffloadCandidate, budget_excess, offload_candidates
+from .liveness import OffloadCandidate, budget_excess, offload_candidates
 from .predicted_timeline import op_start_times
 
 __all__ = ["StallBound", "stall_lower_bound"]

@@ -35,6 +35,26 @@ differ from their defaults (0: no disk tier; :data:`DEFAULT_DISK_BANDWIDTH_GBPS`
 unknown fields (a misspelt ``retained`` must not vanish silently), a storage named twice
 by one op or in ``storage_sizes`` (``"1"`` and ``"01"``), and non-finite numbers. Bandwidths are in GB/s (10^9 bytes per second); the ``_gbps`` names and
 the 16 default follow the design document, which means bytes, not bits.
+
+The end of the step as an op: lets a plan offload retained storages in their last gap.
+
+Under the residency model of :mod:`.trace`, a retained storage (a gradient, an output)
+must be on the device after the last op, and nothing between its last access and the
+end of the step may move it: ``required_bytes`` counts it there, so a step whose
+gradients are a large share of its bytes cannot be planned under a budget that a step
+moving them out and back can meet (the eager warmup's online eviction met it; a plan could not).
+
+A door that can run actions *after* the step's last op (the eager replay, at the end of
+its ``with`` block) appends :data:`STEP_END`: one op that reads every retained storage.
+Each retained storage's stretch from its last access to the end of the step is then an
+ordinary gap; a planner may offload it, the reload runs before :data:`STEP_END`, and
+``check_schedule`` judges it like any other. Nothing else changes: a trace without the
+op is planned as before, so a door that cannot reload at its end (the compile door,
+whose graph outputs leave with the graph) never gets such a plan.
+
+Example: ops ``0: W0``, ``1: R0``, ``2..9`` unrelated, storage 0 retained. Without the
+end op storage 0 is pinned over ops 2..9; with it (op 10 reads 0) the gap 1 -> 10 is a
+candidate: ``post[1]: COPY_D2H 0, RELEASE_DEVICE 0``, ``pre[10]: COPY_H2D 0, WAIT_H2D 0``.
 """
 
 from __future__ import annotations
@@ -42,16 +62,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any
 
 from hyper_offload.errors import TraceFormatError
 
-TRACE_FORMAT = "hyper-offload.trace"
-TRACE_VERSION = 1
+from .trace_op import (
+    AccessKind, StorageAccess, StorageId, TRACE_FORMAT, TRACE_VERSION, TraceOp, is_number,
+    op_from_dict, parse_accesses, parse_sid, reject_unknown_fields,
+)
+
+__all__ = [
+    "AccessKind",
+    "ActivationTrace",
+    "BACKWARD_GRAPH",
+    "DEFAULT_BANDWIDTH_GBPS",
+    "DEFAULT_DISK_BANDWIDTH_GBPS",
+    "FORWARD_GRAPH",
+    "STEP_END",
+    "StorageAccess",
+    "StorageId",
+    "TRACE_FORMAT",
+    "TRACE_VERSION",
+    "TraceOp",
+    "has_step_end",
+    "with_step_end",
+]
+
+
 DEFAULT_BANDWIDTH_GBPS = 16.0
 DEFAULT_DISK_BANDWIDTH_GBPS = 2.0
 """The disk tier's bandwidth when none was measured or given: a conservative NVMe SSD
@@ -62,66 +101,6 @@ FORWARD_GRAPH, BACKWARD_GRAPH = "fw", "bw"
 """Graph tags of a compile-path trace: :mod:`..fx.graph_trace` names each op ``"<tag>:<node>"``
 (forward ops first), a JSON dump keeps the names, and
 :func:`..plan.planning.backward_start` reads where the backward begins from them."""
-
-StorageId = int
-
-
-class AccessKind(str, Enum):
-    """How an op touches a storage. ``WRITE`` includes read-modify-write."""
-
-    READ = "R"
-    WRITE = "W"
-
-    def __repr__(self) -> str:
-        return self.value
-
-
-class StorageAccess(NamedTuple):
-    """One op's access to one storage."""
-
-    storage: StorageId
-    kind: AccessKind
-
-    def __repr__(self) -> str:
-        return f"{self.kind.value}{self.storage}"
-
-
-@dataclass(frozen=True)
-class TraceOp:
-    """One op of the step.
-
-    Invariant: ``accesses`` names each storage at most once (sorted by storage id, each
-    kind an :class:`AccessKind`); ``outputs`` lists the storage of each output tensor
-    leaf in leaf order and every output storage is also in ``accesses``. Construction
-    sorts the accesses and turns ``"R"`` / ``"W"`` into ``AccessKind``: the planners
-    and the validator test ``kind is AccessKind.WRITE``, and a plain ``"W"`` would
-    otherwise read as a READ and hide a write epoch.
-    """
-
-    name: str
-    accesses: tuple[StorageAccess, ...]
-    outputs: tuple[StorageId, ...] = ()
-    duration_s: float | None = None
-
-    def __post_init__(self) -> None:
-        accesses = tuple(self.accesses)
-        if any(type(a) is not StorageAccess or type(a.kind) is not AccessKind for a in accesses):
-            accesses = tuple(
-                StorageAccess(storage, _access_kind(kind, f"TraceOp({self.name})"))
-                for storage, kind in accesses
-            )
-        if any(a.storage > b.storage for a, b in zip(accesses, accesses[1:])):
-            accesses = tuple(sorted(accesses, key=lambda a: a.storage))
-        object.__setattr__(self, "accesses", accesses)
-        object.__setattr__(self, "outputs", tuple(self.outputs))
-
-    def __repr__(self) -> str:
-        acc = " ".join(repr(a) for a in self.accesses)
-        return f"TraceOp({self.name}: {acc})"
-
-    @property
-    def storages(self) -> tuple[StorageId, ...]:
-        return tuple(a.storage for a in self.accesses)
 
 
 @dataclass(frozen=True)
@@ -261,7 +240,7 @@ class ActivationTrace:
             if not isinstance(accesses, Mapping):
                 raise TraceFormatError(f"{where}: expected a mapping storage -> 'R'|'W'")
             trace_ops.append(
-                TraceOp(name=f"op{index}", accesses=_parse_accesses(accesses, where))
+                TraceOp(name=f"op{index}", accesses=parse_accesses(accesses, where))
             )
         return cls(
             ops=tuple(trace_ops),
@@ -327,12 +306,12 @@ class ActivationTrace:
         for key in ("budget_bytes", "storage_sizes", "ops"):
             if key not in data:
                 raise TraceFormatError(f"trace.{key}: required field is missing")
-        _reject_unknown_fields(data, _TRACE_FIELDS, "trace")
+        reject_unknown_fields(data, _TRACE_FIELDS, "trace")
         sizes = _parse_sizes(data["storage_sizes"], "trace.storage_sizes")
         raw_ops = data["ops"]
         if not isinstance(raw_ops, list):
             raise TraceFormatError("trace.ops: expected a list of op objects")
-        ops = tuple(_op_from_dict(entry, index) for index, entry in enumerate(raw_ops))
+        ops = tuple(op_from_dict(entry, index) for index, entry in enumerate(raw_ops))
         retained = data.get("retained", [])
         if not isinstance(retained, list):
             raise TraceFormatError("trace.retained: expected a list of storage ids")
@@ -364,21 +343,6 @@ class ActivationTrace:
 # -- parsing helpers ---------------------------------------------------------------------
 
 
-# A storage id written as text: optional minus sign, ASCII digits (``str.isdigit`` also
-# accepts characters such as "²" that ``int`` rejects).
-_SID_TEXT = re.compile(r"-?[0-9]+")
-
-
-def _parse_sid(value: Any, where: str) -> StorageId:
-    if isinstance(value, bool):
-        raise TraceFormatError(f"{where}: storage id {value!r} is not an integer")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and _SID_TEXT.fullmatch(value.strip()):
-        return int(value)
-    raise TraceFormatError(f"{where}: storage id {value!r} is not an integer")
-
-
 def _parse_sizes(sizes: Any, where: str) -> dict[StorageId, int]:
     """``{storage: bytes}``; two keys naming one storage ("1" and 1, "0" and "00") are
     rejected rather than silently merged."""
@@ -386,7 +350,7 @@ def _parse_sizes(sizes: Any, where: str) -> dict[StorageId, int]:
         raise TraceFormatError(f"{where}: expected a mapping storage id -> bytes")
     parsed: dict[StorageId, int] = {}
     for sid, size in sizes.items():
-        storage = _parse_sid(sid, where)
+        storage = parse_sid(sid, where)
         if storage in parsed:
             raise TraceFormatError(
                 f"{where}: storage {storage} is listed twice (as {sid!r} and an earlier key); "
@@ -400,7 +364,7 @@ def _parse_retained(retained: Any, where: str) -> frozenset[StorageId]:
     # A string is iterable, but "12" means neither storage 12 nor storages 1 and 2.
     if isinstance(retained, (str, bytes)) or not isinstance(retained, Iterable):
         raise TraceFormatError(f"{where}: expected a list of storage ids, got {retained!r}")
-    return frozenset(_parse_sid(s, where) for s in retained)
+    return frozenset(parse_sid(s, where) for s in retained)
 
 
 def _parse_size(value: Any, where: str) -> int:
@@ -413,7 +377,7 @@ def _parse_bandwidth(
     data: Mapping[str, Any], key: str, default: float = DEFAULT_BANDWIDTH_GBPS
 ) -> float:
     value = data.get(key, default)
-    if not _is_number(value) or not 0 < value < math.inf:
+    if not is_number(value) or not 0 < value < math.inf:
         raise TraceFormatError(f"trace.{key}: expected a positive finite number, got {value!r}")
     return float(value)
 
@@ -423,76 +387,6 @@ _TRACE_FIELDS = frozenset(
      "disk_budget_bytes", "disk_bandwidth_gbps", "storage_sizes", "retained", "held_until",
      "ops"}
 )
-_OP_FIELDS = frozenset({"name", "accesses", "outputs", "duration_s"})
-
-
-def _reject_unknown_fields(data: Mapping[Any, Any], known: frozenset[str], where: str) -> None:
-    # A misspelt optional field ("retaind") would otherwise vanish silently, and with it
-    # the storages that must survive the step.
-    for key in data:
-        if key not in known:
-            raise TraceFormatError(
-                f"{where}.{key}: unknown field in a version-{TRACE_VERSION} trace; "
-                f"expected only {', '.join(sorted(known))}"
-            )
-
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float))
-
-
-def _access_kind(kind: Any, where: str) -> AccessKind:
-    try:
-        return AccessKind(kind)
-    except ValueError:
-        raise TraceFormatError(f"{where}: access kind {kind!r} is not 'R' or 'W'") from None
-
-
-def _parse_accesses(accesses: Mapping[Any, Any], where: str) -> tuple[StorageAccess, ...]:
-    parsed: dict[StorageId, AccessKind] = {}
-    for sid, kind in accesses.items():
-        storage = _parse_sid(sid, f"{where}.accesses")
-        if storage in parsed:
-            # Merging would keep whichever kind came last: a WRITE read back as a READ
-            # hides a new write epoch, and a planner would then reload a stale host copy.
-            raise TraceFormatError(
-                f"{where}.accesses: storage {storage} is listed twice (key {sid!r}); "
-                "list each storage once, as 'W' if the op writes it at all"
-            )
-        try:
-            parsed[storage] = AccessKind(kind)
-        except ValueError:
-            raise TraceFormatError(
-                f"{where}.accesses[{sid!r}]: expected 'R' or 'W', got {kind!r}"
-            ) from None
-    return tuple(StorageAccess(s, parsed[s]) for s in sorted(parsed))
-
-
-def _op_from_dict(entry: Any, index: int) -> TraceOp:
-    where = f"trace.ops[{index}]"
-    if not isinstance(entry, Mapping):
-        raise TraceFormatError(f"{where}: expected an object")
-    _reject_unknown_fields(entry, _OP_FIELDS, where)
-    accesses = entry.get("accesses")
-    if not isinstance(accesses, Mapping):
-        raise TraceFormatError(f"{where}.accesses: expected an object id -> 'R'|'W'")
-    outputs = entry.get("outputs", [])
-    if not isinstance(outputs, list):
-        raise TraceFormatError(f"{where}.outputs: expected a list of storage ids")
-    duration = entry.get("duration_s")
-    if duration is not None and (not _is_number(duration) or not 0 <= duration < math.inf):
-        raise TraceFormatError(
-            f"{where}.duration_s: expected a finite number >= 0, got {duration!r}"
-        )
-    name = entry.get("name", f"op{index}")
-    if not isinstance(name, str):
-        raise TraceFormatError(f"{where}.name: expected a string, got {name!r}")
-    return TraceOp(
-        name=name,
-        accesses=_parse_accesses(accesses, where),
-        outputs=tuple(_parse_sid(s, f"{where}.outputs") for s in outputs),
-        duration_s=None if duration is None else float(duration),
-    )
 
 
 def _validate(trace: ActivationTrace) -> None:
@@ -510,7 +404,7 @@ def _validate(trace: ActivationTrace) -> None:
         )
     for key in ("d2h_bandwidth_gbps", "h2d_bandwidth_gbps", "disk_bandwidth_gbps"):
         value = getattr(trace, key)
-        if not _is_number(value) or not 0 < value < math.inf:
+        if not is_number(value) or not 0 < value < math.inf:
             raise TraceFormatError(f"trace.{key}: must be positive and finite, got {value!r}")
     for storage, size in trace.storage_sizes.items():
         _parse_size(size, f"trace.storage_sizes[{storage}]")
@@ -557,3 +451,24 @@ def _validate_held(trace: ActivationTrace, accessed: set[StorageId]) -> None:
                 f"{where}: expected an op index after the storage's last access "
                 f"({last[storage]}) and before num_ops ({trace.num_ops}), got {op!r}"
             )
+
+
+STEP_END = "step_end"
+"""Name of the op that reads every retained storage at the end of the step."""
+
+
+def with_step_end(trace: ActivationTrace) -> ActivationTrace:
+    """``trace`` with :data:`STEP_END` appended (duration 0, no outputs): it reads every
+    retained storage. Invariant: the other ops, sizes, holds and the budget are
+    unchanged, so the result's ``num_ops`` is ``trace.num_ops + 1``."""
+    end = TraceOp(
+        name=STEP_END,
+        accesses=tuple(StorageAccess(s, AccessKind.READ) for s in sorted(trace.retained)),
+        duration_s=0.0,
+    )
+    return dataclasses.replace(trace, ops=(*trace.ops, end))
+
+
+def has_step_end(trace: ActivationTrace) -> bool:
+    """Whether the trace's last op is :data:`STEP_END`."""
+    return bool(trace.ops) and trace.ops[-1].name == STEP_END

@@ -14,7 +14,7 @@ and the bridge to torch's pipelining actions. The individual passes (``compute_o
 from hyper_offload._lazy import lazy_getattr
 from hyper_offload.errors import OrderError, StepFormatError, TimelineError
 
-from .build import build_rank_orders
+from .build import TRANSPORTS, build_rank_orders
 from .check_order import (
     OrderRule,
     OrderViolation,
@@ -24,18 +24,22 @@ from .check_order import (
 )
 from .meta_step import MetaStep, StepKind, format_order, parse_order
 from .orders import SCHEDULES, PipelineLayout, layout_for
-from .residency import StageFootprint, StageFootprints, predicted_peak, step_curve
-from .send_release import SendReleases, send_releases
-from .swap_cost import (
+from .residency import (
     ActivationSizes,
+    StageFootprint,
+    StageFootprints,
+    predicted_peak,
+    resident_curve,
+    step_curve,
+)
+from .execution import SendReleases, send_releases
+from .swap_cost import (
     SwapCostModel,
     SwapCostReport,
     plan_rank_swaps,
     plan_swaps,
-    resident_curve,
 )
 from .timeline import Timeline, build_timeline
-from .transport import TRANSPORTS
 
 __all__ = [
     "ActivationSizes",

@@ -24,7 +24,7 @@ stage)::
 The levels count a chunk's sent tensors as if every send were waited at the end of the
 step: its output (``sent_output``, alive from FWD) and its input gradient (``sent_grad``,
 alive from BWD / BWD_INPUT) are part of what the chunk keeps until then. With ``releases``
-(:func:`~.send_release.send_releases`, the executor's default) a send is waited, and its
+(:func:`~.execution.send_releases`, the executor's default) a send is waited, and its
 tensor dropped, right after the receive that proves its peer has it: the input gradient
 leaves the level there; the output leaves it there too if the chunk's backward (BWD, or
 BWD_WEIGHT under dx/dw split, which is when torch's stage drops its own reference) ran
@@ -56,8 +56,17 @@ from typing import Protocol
 
 from hyper_offload.errors import ConfigurationError
 
-from .meta_step import COMPUTE_KINDS, RECV_KINDS, SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
-from .send_release import SendReleases
+from .execution import SendReleases
+from .meta_step import (
+    COMPUTE_KINDS,
+    MetaStep,
+    RECV_KINDS,
+    SWAP_INDEX_OF,
+    SWAP_PHASE_OF,
+    StepKind,
+    SwapPhase,
+)
+
 
 ChunkKey = tuple[int, int]
 
@@ -305,7 +314,155 @@ def check_bytes(name: str, value: object) -> None:
 
 
 __all__ = [
-    "OUTPUT_FREEING_KINDS", "WEIGHT_GRAD_KINDS", "ChunkSizes", "StageFootprint", "StageFootprints",
-    "check_bytes", "predicted_peak", "step_curve",
+    "ActivationSizes",
+    "ChunkLife",
+    "ChunkSizes",
+    "OUTPUT_FREEING_KINDS",
+    "StageFootprint",
+    "StageFootprints",
+    "WEIGHT_GRAD_KINDS",
+    "check_bytes",
+    "chunk_lives",
+    "peak_bytes",
+    "predicted_peak",
+    "resident_curve",
+    "step_curve",
 ]
 
+
+_CONSUMER_KINDS = (StepKind.BWD, StepKind.BWD_INPUT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationSizes:
+    """Activation bytes of each chunk: ``per_chunk``, else ``per_stage``, else ``default_bytes``."""
+
+    default_bytes: int = 0
+    """Bytes of a chunk with no entry below."""
+
+    per_stage: Mapping[int, int] = field(default_factory=dict)
+    """``stage -> bytes`` of every micro-batch of that stage."""
+
+    per_chunk: Mapping[ChunkKey, int] = field(default_factory=dict)
+    """``(stage, micro) -> bytes``; wins over ``per_stage``."""
+
+    def __post_init__(self) -> None:
+        check_bytes("ActivationSizes.default_bytes", self.default_bytes)
+        for name in ("per_stage", "per_chunk"):
+            table = dict(getattr(self, name))
+            for key, value in table.items():
+                check_bytes(f"ActivationSizes.{name}[{key!r}]", value)
+            object.__setattr__(self, name, MappingProxyType(table))
+
+    def bytes_of(self, chunk: ChunkKey) -> int:
+        if chunk in self.per_chunk:
+            return self.per_chunk[chunk]
+        return self.per_stage.get(chunk[0], self.default_bytes)
+
+    def footprint(self, chunk: ChunkKey) -> StageFootprint:
+        """Activations only: every other level of the residency model is 0."""
+        return StageFootprint(activations=self.bytes_of(chunk))
+
+
+@dataclass(frozen=True)
+class ChunkLife:
+    """Top-level positions of one chunk's FWD, first consumer, BWD_WEIGHT and swap steps."""
+
+    stage: int
+    micro: int
+    forward: int
+    consumer: int | None
+    swaps: Mapping[SwapPhase, tuple[int | None, ...]] = field(default_factory=dict)
+    """Per phase: positions of its LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
+
+    @property
+    def key(self) -> ChunkKey:
+        return (self.stage, self.micro)
+
+    def has_swap_steps(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> bool:
+        positions = self.swaps.get(phase)
+        return positions is not None and None not in positions
+
+    def swap_positions(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> tuple[int, int, int, int]:
+        """Positions of the phase's LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
+        if not self.has_swap_steps(phase):
+            raise ConfigurationError(
+                f"stage {self.stage} micro-batch {self.micro} is treated as swapped ({phase.value}) but "
+                "the order lacks some of its four swap steps; inject them first (inject_swap_steps)"
+            )
+        return self.swaps[phase]  # type: ignore[return-value]
+
+    def away_span(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> range:
+        """Positions at which the window's bytes are off the device (empty without swap steps)."""
+        if not self.has_swap_steps(phase):
+            return range(0)
+        _, wait_offload, launch_load, _ = self.swap_positions(phase)
+        return range(wait_offload, launch_load)
+
+
+def chunk_lives(order: Sequence[MetaStep]) -> dict[ChunkKey, ChunkLife]:
+    """Where each chunk's FWD, first consumer and swap steps sit (top-level positions)."""
+    forward: dict[ChunkKey, int] = {}
+    consumer: dict[ChunkKey, int] = {}
+    swaps: dict[ChunkKey, dict[SwapPhase, list[int | None]]] = {}
+    for position, step in enumerate(order):
+        for leaf in step.leaves():
+            key = leaf.chunk
+            if key is None:
+                continue
+            if leaf.kind is StepKind.FWD:
+                forward.setdefault(key, position)
+            elif leaf.kind in _CONSUMER_KINDS:
+                consumer.setdefault(key, position)
+            elif leaf.kind in SWAP_PHASE_OF:
+                slots = swaps.setdefault(key, {}).setdefault(SWAP_PHASE_OF[leaf.kind], [None] * 4)
+                index = SWAP_INDEX_OF[leaf.kind]
+                if slots[index] is None:
+                    slots[index] = position
+    return {
+        key: ChunkLife(
+            key[0], key[1], forward[key], consumer.get(key),
+            {phase: tuple(p) for phase, p in swaps.get(key, {}).items()},
+        )
+        for key in sorted(forward)
+    }
+
+
+def resident_curve(
+    order: Sequence[MetaStep],
+    sizes: ChunkSizes,
+    swapped: Iterable[ChunkKey] | None = None,
+    weight_swapped: Iterable[ChunkKey] | None = None,
+    releases: SendReleases | None = None,
+) -> list[int]:
+    """The residency model's curve of ``order`` (:func:`.residency.step_curve`), after
+    checking that every window counted as swapped has its four steps in ``order``.
+
+    ``swapped`` / ``weight_swapped`` list the chunks whose activation / dW-state window
+    counts as swapped; ``None`` means every window that has its swap steps. ``releases``:
+    the rank's send release points (``None``: sends waited at the end of the step).
+    """
+    lives = chunk_lives(order)
+    for name, chosen, phase in (
+        ("swapped", swapped, SwapPhase.ACTIVATIONS), ("weight_swapped", weight_swapped, SwapPhase.WEIGHT_STATE)
+    ):
+        if chosen is None:
+            continue
+        unknown = sorted(set(chosen) - set(lives))
+        if unknown:
+            raise ConfigurationError(
+                f"resident_curve: {name} chunks {unknown} have no FWD in the order; known: {sorted(lives)}"
+            )
+        for key in chosen:
+            lives[key].swap_positions(phase)  # raises, naming the chunk, if a swap step is missing
+    return step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped, releases=releases)
+
+
+def peak_bytes(
+    order: Sequence[MetaStep],
+    sizes: ChunkSizes,
+    swapped: Iterable[ChunkKey] | None = None,
+    weight_swapped: Iterable[ChunkKey] | None = None,
+    releases: SendReleases | None = None,
+) -> int:
+    return max(resident_curve(order, sizes, swapped, weight_swapped, releases), default=0)

@@ -4,7 +4,7 @@ The gap rule (``gap >= min_gap``) says when a window *may* be swapped: a chunk's
 activation window (FWD → first backward consumer) or, under dx/dw split, its dW-state
 window (BWD_INPUT → BWD_WEIGHT). This module, the design document's own future work,
 decides which eligible windows are *worth* swapping on one rank, from three inputs: the
-bytes each chunk keeps alive (:class:`ActivationSizes` for activations only, or the full
+bytes each chunk keeps alive (:class:`~.residency.ActivationSizes` for activations only, or the full
 :class:`~.residency.StageFootprints`), D2H / H2D bandwidth and per-step compute durations
 (:class:`SwapCostModel`).
 
@@ -46,15 +46,15 @@ from types import MappingProxyType
 
 from hyper_offload.errors import ConfigurationError
 
-from .meta_step import SWAP_INDEX_OF, SWAP_PHASE_OF, MetaStep, StepKind, SwapPhase
-from .residency import ChunkSizes, StageFootprint, check_bytes, step_curve
-from .send_release import SendReleases, send_releases
+from .execution import SendReleases, send_releases
+from .meta_step import MetaStep, StepKind, SwapPhase
+from .residency import ChunkLife, ChunkSizes, check_bytes, chunk_lives, step_curve
 from .swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, inject_swap_steps
+
 
 ChunkKey = tuple[int, int]
 """``(stage, micro)``: the unit the swap pass works on."""
 
-_CONSUMER_KINDS = (StepKind.BWD, StepKind.BWD_INPUT)
 
 #: Default compute time per step kind in seconds: backward ≈ 2× forward, as in a transformer.
 DEFAULT_STEP_SECONDS: Mapping[StepKind, float] = MappingProxyType(
@@ -65,37 +65,6 @@ DEFAULT_STEP_SECONDS: Mapping[StepKind, float] = MappingProxyType(
         StepKind.BWD_WEIGHT: 0.010,
     }
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActivationSizes:
-    """Activation bytes of each chunk: ``per_chunk``, else ``per_stage``, else ``default_bytes``."""
-
-    default_bytes: int = 0
-    """Bytes of a chunk with no entry below."""
-
-    per_stage: Mapping[int, int] = field(default_factory=dict)
-    """``stage -> bytes`` of every micro-batch of that stage."""
-
-    per_chunk: Mapping[ChunkKey, int] = field(default_factory=dict)
-    """``(stage, micro) -> bytes``; wins over ``per_stage``."""
-
-    def __post_init__(self) -> None:
-        check_bytes("ActivationSizes.default_bytes", self.default_bytes)
-        for name in ("per_stage", "per_chunk"):
-            table = dict(getattr(self, name))
-            for key, value in table.items():
-                check_bytes(f"ActivationSizes.{name}[{key!r}]", value)
-            object.__setattr__(self, name, MappingProxyType(table))
-
-    def bytes_of(self, chunk: ChunkKey) -> int:
-        if chunk in self.per_chunk:
-            return self.per_chunk[chunk]
-        return self.per_stage.get(chunk[0], self.default_bytes)
-
-    def footprint(self, chunk: ChunkKey) -> StageFootprint:
-        """Activations only: every other level of the residency model is 0."""
-        return StageFootprint(activations=self.bytes_of(chunk))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,110 +187,6 @@ class SwapCostReport:
         return self.peak_without - self.peak_with
 
 
-@dataclass(frozen=True)
-class ChunkLife:
-    """Top-level positions of one chunk's FWD, first consumer, BWD_WEIGHT and swap steps."""
-
-    stage: int
-    micro: int
-    forward: int
-    consumer: int | None
-    swaps: Mapping[SwapPhase, tuple[int | None, ...]] = field(default_factory=dict)
-    """Per phase: positions of its LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
-
-    @property
-    def key(self) -> ChunkKey:
-        return (self.stage, self.micro)
-
-    def has_swap_steps(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> bool:
-        positions = self.swaps.get(phase)
-        return positions is not None and None not in positions
-
-    def swap_positions(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> tuple[int, int, int, int]:
-        """Positions of the phase's LAUNCH_OFFLOAD, WAIT_OFFLOAD, LAUNCH_LOAD, WAIT_LOAD."""
-        if not self.has_swap_steps(phase):
-            raise ConfigurationError(
-                f"stage {self.stage} micro-batch {self.micro} is treated as swapped ({phase.value}) but "
-                "the order lacks some of its four swap steps; inject them first (inject_swap_steps)"
-            )
-        return self.swaps[phase]  # type: ignore[return-value]
-
-    def away_span(self, phase: SwapPhase = SwapPhase.ACTIVATIONS) -> range:
-        """Positions at which the window's bytes are off the device (empty without swap steps)."""
-        if not self.has_swap_steps(phase):
-            return range(0)
-        _, wait_offload, launch_load, _ = self.swap_positions(phase)
-        return range(wait_offload, launch_load)
-
-
-def chunk_lives(order: Sequence[MetaStep]) -> dict[ChunkKey, ChunkLife]:
-    """Where each chunk's FWD, first consumer and swap steps sit (top-level positions)."""
-    forward: dict[ChunkKey, int] = {}
-    consumer: dict[ChunkKey, int] = {}
-    swaps: dict[ChunkKey, dict[SwapPhase, list[int | None]]] = {}
-    for position, step in enumerate(order):
-        for leaf in step.leaves():
-            key = leaf.chunk
-            if key is None:
-                continue
-            if leaf.kind is StepKind.FWD:
-                forward.setdefault(key, position)
-            elif leaf.kind in _CONSUMER_KINDS:
-                consumer.setdefault(key, position)
-            elif leaf.kind in SWAP_PHASE_OF:
-                slots = swaps.setdefault(key, {}).setdefault(SWAP_PHASE_OF[leaf.kind], [None] * 4)
-                index = SWAP_INDEX_OF[leaf.kind]
-                if slots[index] is None:
-                    slots[index] = position
-    return {
-        key: ChunkLife(
-            key[0], key[1], forward[key], consumer.get(key),
-            {phase: tuple(p) for phase, p in swaps.get(key, {}).items()},
-        )
-        for key in sorted(forward)
-    }
-
-
-def resident_curve(
-    order: Sequence[MetaStep],
-    sizes: ChunkSizes,
-    swapped: Iterable[ChunkKey] | None = None,
-    weight_swapped: Iterable[ChunkKey] | None = None,
-    releases: SendReleases | None = None,
-) -> list[int]:
-    """The residency model's curve of ``order`` (:func:`.residency.step_curve`), after
-    checking that every window counted as swapped has its four steps in ``order``.
-
-    ``swapped`` / ``weight_swapped`` list the chunks whose activation / dW-state window
-    counts as swapped; ``None`` means every window that has its swap steps. ``releases``:
-    the rank's send release points (``None``: sends waited at the end of the step).
-    """
-    lives = chunk_lives(order)
-    for name, chosen, phase in (
-        ("swapped", swapped, SwapPhase.ACTIVATIONS), ("weight_swapped", weight_swapped, SwapPhase.WEIGHT_STATE)
-    ):
-        if chosen is None:
-            continue
-        unknown = sorted(set(chosen) - set(lives))
-        if unknown:
-            raise ConfigurationError(
-                f"resident_curve: {name} chunks {unknown} have no FWD in the order; known: {sorted(lives)}"
-            )
-        for key in chosen:
-            lives[key].swap_positions(phase)  # raises, naming the chunk, if a swap step is missing
-    return step_curve(order, sizes, swapped=swapped, weight_swapped=weight_swapped, releases=releases)
-
-
-def peak_bytes(
-    order: Sequence[MetaStep],
-    sizes: ChunkSizes,
-    swapped: Iterable[ChunkKey] | None = None,
-    weight_swapped: Iterable[ChunkKey] | None = None,
-    releases: SendReleases | None = None,
-) -> int:
-    return max(resident_curve(order, sizes, swapped, weight_swapped, releases), default=0)
-
-
 def _window_bytes(sizes: ChunkSizes, window: WindowKey) -> int:
     """Bytes a window moves: its chunk's footprint field named by the phase."""
     return getattr(sizes.footprint(window[:2]), window[2].value)  # type: ignore[arg-type]
@@ -409,7 +274,7 @@ def choose_swaps(
     rejected as ``NOT_ELIGIBLE`` (``ineligible_detail`` may say why, e.g. their gap), and
     so are dW windows without DW_* steps. The greedy stops early once the peak is
     ``<= target_peak_bytes``. ``releases``: the rank's send release points
-    (:func:`.send_release.send_releases`), which the executor applies by default.
+    (:func:`.execution.send_releases`), which the executor applies by default.
     """
     if target_peak_bytes is not None:
         check_bytes("choose_swaps: target_peak_bytes", target_peak_bytes)
@@ -506,7 +371,7 @@ def plan_rank_swaps(
 ) -> dict[int, SwapCostReport]:
     """:func:`plan_swaps` for every rank; ``{rank: report}``. ``orders`` are every rank's
     orders of one pipeline; ``release_sends`` prices each rank's sends as the executor
-    waits them by default (once proven received, :func:`.send_release.send_releases`)."""
+    waits them by default (once proven received, :func:`.execution.send_releases`)."""
     releases = send_releases(orders) if release_sends else {}
     return {
         rank: plan_swaps(

@@ -28,7 +28,7 @@ from typing import Any
 
 from hyper_offload.errors import OptimalPlannerError, OptionalDependencyError
 
-from ..analysis.candidates import OffloadCandidate
+from ..analysis.liveness import OffloadCandidate
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import ActivationTrace
 from .report import PlanReport, plan_by_choice

@@ -20,7 +20,7 @@ trace, planner and ``earliest_prefetch_op`` give the same schedule whichever doo
         └─ check_schedule                        that wait longest go to files)
       keep the lowest device peak, then the least stall
 
-Placement (:func:`~.prefetch.hoist_prefetches`) moves each ``COPY_H2D`` earlier:
+Placement (:func:`~.placement.hoist_prefetches`) moves each ``COPY_H2D`` earlier:
 as late as the timeline model says its copy still arrives in time, never earlier than
 the budget allows, in the order the reloads are waited for, never before the op after
 the storage's release nor before op ``E``; each ``WAIT_H2D`` stays at the reading op.
@@ -46,12 +46,9 @@ from ..analysis.validator import Rule, ScheduleError, ScheduleReport, check_sche
 from ..ir.limits import OpLimit
 from ..ir.schedule import ResidencySchedule
 from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
-from .disk_tier import spill_to_disk
-from .host_budget import host_curve
-from .prefetch import PrefetchError, hoist_prefetches, prefetch_leads
-from .protocol import ResidencyPlanner
-from .release_delay import delay_releases
-from .summary import binding
+from .host_budget import host_curve, spill_to_disk
+from .placement import PrefetchError, delay_releases, hoist_prefetches, prefetch_leads
+from .report import ResidencyPlanner, binding
 
 __all__ = [
     "PlannedSchedule",
@@ -159,7 +156,7 @@ def plan_residency(
     """Plan ``trace`` under its budget with ``planner`` and check; where a release waits
     for its D2H (``release_waits_for_d2h``: the compile lowering), hold each release until
     its copy is predicted done, within budget and never past ``latest_release_op``
-    (:mod:`.release_delay`), and check again; place the prefetches on the door's timeline
+    (:mod:`.placement`), and check again; place the prefetches on the door's timeline
     (no reload before ``earliest_prefetch_op``) and check again. With several proposals
     (module docstring) the one predicted to stall least is kept.
 
@@ -175,7 +172,7 @@ def plan_residency(
     (:attr:`PlannedSchedule.binding` ``"host"``). Where the host budget binds and
     ``trace`` has a disk tier (``trace.disk_budget_bytes``), the disk stage
     (:func:`_with_disk_tier`) plans again with more host room and spills what does not
-    fit to disk (:mod:`.disk_tier`), keeping whichever plan reaches the lowest device
+    fit to disk (:mod:`.host_budget`), keeping whichever plan reaches the lowest device
     peak (then stalls least).
     ``fixed``: storages whose actions no placement stage moves (a lowering compiled
     already: a step's regions invoked several times run their own schedule).
@@ -262,7 +259,7 @@ def _with_disk_tier(
 ) -> PlannedSchedule:
     """The host budget binds ``base``: plan again as if the host had up to the disk
     budget more room (``planner.with_host_budget``), spill what that holds past the real
-    host budget to disk (:func:`.disk_tier.spill_to_disk`, stage ``"spill_to_disk"``,
+    host budget to disk (:func:`.host_budget.spill_to_disk`, stage ``"spill_to_disk"``,
     checked), and keep the plan with the lowest device peak (no lower than the budget
     asked for), then the least predicted stall, then the fewest bytes spilled; ``base``
     among them. Host budgets tried: ``host + disk`` first, then a bisection down to

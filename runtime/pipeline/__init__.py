@@ -12,7 +12,7 @@
 
 The user-facing door is :mod:`hyper_offload.pipeline` (``swap_wrapper``,
 ``swap_tensor_wrapper`` and this schedule); the saved-tensor hooks it installs are in
-:mod:`.hooks`.
+:mod:`.session`.
 """
 
 from hyper_offload._lazy import lazy_getattr

@@ -11,7 +11,7 @@
   batch (see docs/architecture.md). Where the backend coalesces the batch into a single
   request (NCCL), that one request covers the sends too and is waited as a whole.
 * A pending send is waited for as soon as the order proves its receiver has it
-  (:func:`~hyper_offload.passes.pipeline.send_release.send_releases`: after the step of
+  (:func:`~hyper_offload.passes.pipeline.execution.send_releases`: after the step of
   a receive whose message the receiver posted after its matching receive). That wait
   returns at once, and dropping the request frees the sent tensor there instead of at the
   end of the step. Sends never proven are waited at the end of the step.
@@ -40,9 +40,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from hyper_offload.errors import ConfigurationError, PipelineCommError
-from hyper_offload.passes.pipeline.execution import P2PKey, p2p_key
+from hyper_offload.passes.pipeline.execution import P2PKey, SendReleases, p2p_key
 from hyper_offload.passes.pipeline.meta_step import RECV_KINDS, MetaStep, StepKind
-from hyper_offload.passes.pipeline.send_release import SendReleases
 
 __all__ = ["P2PTracker", "PipelineCommError", "SentTensor"]
 
@@ -61,7 +60,7 @@ class P2PTracker:
     """Posts the P2P ops of one step and remembers what is still to be waited for.
 
     ``releases`` (this rank's
-    :func:`~hyper_offload.passes.pipeline.send_release.send_releases` table) says after
+    :func:`~hyper_offload.passes.pipeline.execution.send_releases` table) says after
     which receive each send is proven received; ``None`` waits every send at the end of the
     step. ``sent`` records every send leaf of the step (its bytes, where it was released).
     """

@@ -61,7 +61,7 @@ from hyper_offload.errors import (
     TransferFailedError,
 )
 
-from ..device import Transfer, TransferEngine
+from ..transfer import Transfer, TransferEngine
 from ..physical_buffer import AllDone, byte_view
 from ..pinned_pool import PinnedMemoryPool
 from ..verify import checksum, require_checksum

@@ -47,13 +47,12 @@ from hyper_offload.passes.pipeline import (
     plan_rank_swaps,
 )
 from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
-from hyper_offload.passes.pipeline.send_release import SendReleases, send_releases
+from hyper_offload.passes.pipeline.execution import SendReleases, send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
 from ..pinned_pool import PinnedMemoryPool
-from .hooks import group_scope, swap_step_scope
+from .session import PipelineSwapSession, group_scope, swap_step_scope
 from .p2p import SentTensor
-from .session import PipelineSwapSession
 from .step_runner import StepContext, StepObserver, StepRun
 
 __all__ = ["PipelineSwapSchedule", "UnsupportedScheduleError"]
@@ -140,7 +139,7 @@ class PipelineSwapSchedule(PipelineScheduleMulti):
             send_releases(orders)[self.rank] if release_sends else None
         )
         """After which receive each of this rank's sends is proven received and waited
-        (:func:`~hyper_offload.passes.pipeline.send_release.send_releases`); ``None`` with
+        (:func:`~hyper_offload.passes.pipeline.execution.send_releases`); ``None`` with
         ``release_sends=False``: every send is waited at the end of the step."""
         self.last_sends: Mapping[tuple[StepKind, int, int], SentTensor] = MappingProxyType({})
         """The last step's send leaves: bytes sent and where each was released."""

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from hyper_offload.errors import ConfigurationError, PipelineStateError
 from hyper_offload.passes.pipeline.meta_step import OVERLAP_KINDS, MetaStep, StepKind
-from hyper_offload.passes.pipeline.send_release import SendReleases
+from hyper_offload.passes.pipeline.execution import SendReleases
 
 from .p2p import P2PTracker
 

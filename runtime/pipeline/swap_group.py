@@ -2,7 +2,7 @@
 
 A group belongs to one ``(stage, micro)`` chunk of one ``step()`` (its *generation*) and is
 named ``pp_swap_run{generation}_s{stage}_m{micro}``. It collects storages while the
-chunk's FWD leaf runs (through the saved-tensor hooks of :mod:`.hooks`), then moves them
+chunk's FWD leaf runs (through the saved-tensor hooks of :mod:`.session`), then moves them
 through a :class:`~hyper_offload.runtime.residency.ResidencyManager`:
 
 ====================  ==========================================  ================

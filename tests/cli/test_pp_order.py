@@ -247,7 +247,7 @@ def test_zero_bubble_orders_swap_the_dw_state_and_the_peak_counts_it(capsys) -> 
     # The reported peak counts the dW swap: it is what the model gives with it, lower than
     # without it on some rank (same sizes: one unit of dW state per chunk).
     from hyper_offload.passes.pipeline import StageFootprint, StageFootprints
-    from hyper_offload.passes.pipeline.swap_cost import peak_bytes
+    from hyper_offload.passes.pipeline.residency import peak_bytes
 
     sizes = StageFootprints(default=StageFootprint(activations=1, weight_state=1))
     lowered = []
@@ -275,7 +275,7 @@ def test_sized_sends_count_in_the_peak_and_leave_once_proven_received(capsys) ->
     assert any(released[r]["with"] < at_end[r]["with"] for r in unsent)
     # The same figure as the residency model with send_releases over all ranks' orders.
     from hyper_offload.passes.pipeline import send_releases
-    from hyper_offload.passes.pipeline.swap_cost import peak_bytes
+    from hyper_offload.passes.pipeline.residency import peak_bytes
     from hyper_offload.cli.pp_order import _sizes
 
     result = run_json(capsys, *argv, "--send-mb", "0.25")

@@ -14,7 +14,7 @@ from torch._inductor.utils import run_and_get_code
 
 import hyper_offload
 from hyper_offload.compiler.saved_bytes import saved_device_bytes
-from hyper_offload.passes.analysis.candidates import offload_candidates
+from hyper_offload.passes.analysis.liveness import offload_candidates
 from hyper_offload.passes.fx.sizes import SizeBound
 
 from .compile_models import INNER_COMPILERS, deterministic, mlp, moved_storages, offload_backend  # noqa: F401 (autouse)

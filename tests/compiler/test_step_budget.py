@@ -20,7 +20,7 @@ from hyper_offload.compiler.backend import HyperOffloadBackend
 from hyper_offload.compiler.registry import shared_backend
 from hyper_offload.compiler.options import parse_backend_options
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 from .step_models import (
     LAYOUTS,

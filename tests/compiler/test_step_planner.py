@@ -25,7 +25,7 @@ from hyper_offload.passes.plan.step import (
     BetweenRegions, Invocation, RegionFloor, StepEvent, StepEventKind, StepTimeline,
     lay_out_step, plan_step,
 )
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 GPU = DeviceThroughput(flops_per_s=400e12, bytes_per_s=3e12)
 F, B = StepEventKind.FORWARD, StepEventKind.BACKWARD

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_offload.eager.op_guide import OpGuide
+from hyper_offload.eager.replay_checks import OpGuide
 from hyper_offload.errors import ReplayMismatchError
 from hyper_offload.passes import AccessKind, ActivationTrace, StorageAccess, TraceOp
 

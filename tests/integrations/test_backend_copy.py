@@ -14,7 +14,7 @@ from torch import nn
 import hyper_offload
 from hyper_offload.compiler import HyperOffloadBackend
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
-from hyper_offload.runtime.bandwidth import TransferBandwidth
+from hyper_offload.runtime.device import TransferBandwidth
 
 OPTIONS = dict(inner_compiler="aot_eager", max_resident_activation_mb=0.01)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
-from hyper_offload.runtime.device import Transfer, TransferDirection, TransferEngine
+from hyper_offload.runtime.transfer import Transfer, TransferDirection, TransferEngine
 
 
 class FakeEvent:

@@ -1,6 +1,6 @@
 """A scripted CUDA for CPU tests: one compute stream, one copy stream, events, and an
 allocator model that catches use-after-free, so that the copy-stream logic of
-:class:`~hyper_offload.runtime.device.TransferEngine` runs (and fails) as on a GPU.
+:class:`~hyper_offload.runtime.transfer.TransferEngine` runs (and fails) as on a GPU.
 
 The model (what a test may rely on):
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hyper_offload.runtime.device import TransferDirection, TransferEngine
+from hyper_offload.runtime.transfer import TransferDirection, TransferEngine
 
 JUNK = 0xEE
 

@@ -9,7 +9,7 @@ import torch
 
 from hyper_offload.errors import OffloadRuntimeError
 from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
-from hyper_offload.runtime.bandwidth import (
+from hyper_offload.runtime.device import (
     DEFAULT_TRANSFER_BANDWIDTH,
     DeviceTimer,
     TransferBandwidth,

@@ -18,8 +18,8 @@ import torch
 
 from hyper_offload.passes import ActivationTrace, GreedyResidencyPlanner, check_schedule
 from hyper_offload.runtime import ops
-from hyper_offload.runtime.device import TransferDirection
-from hyper_offload.runtime.host_sync import SyncReason
+from hyper_offload.runtime.transfer import TransferDirection
+from hyper_offload.runtime.stats import SyncReason
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.residency import ResidencyManager
 from hyper_offload.runtime.transfer_context import TransferRuntime

@@ -8,14 +8,12 @@ import weakref
 import pytest
 import torch
 
-from hyper_offload.runtime.device import (
+from hyper_offload.runtime.device import is_accelerator, pin_memory_available, resolve_device
+from hyper_offload.runtime.transfer import (
     Transfer,
     TransferDirection,
     TransferEngine,
     completed_transfer,
-    is_accelerator,
-    pin_memory_available,
-    resolve_device,
 )
 
 HAS_ACCELERATOR = torch.accelerator.is_available()
@@ -220,7 +218,7 @@ class _ScriptedModule:
 
 
 def _scripted_engine(monkeypatch, records: bool) -> tuple[TransferEngine, _ScriptedModule]:  # noqa: ANN001
-    from hyper_offload.runtime import device as device_module
+    from hyper_offload.runtime import transfer as device_module
 
     engine = TransferEngine("cpu")
     module = _ScriptedModule()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hyper_offload.errors import ResidencyMisuseError, TransferFailedError
-from hyper_offload.runtime.device import TransferEngine
+from hyper_offload.runtime.transfer import TransferEngine
 from hyper_offload.runtime.disk_store import DiskStore, profile_disk_bandwidth
 from hyper_offload.runtime.physical_buffer import BufferState
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool

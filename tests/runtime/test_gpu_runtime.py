@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from hyper_offload.runtime.bandwidth import DeviceTimer, profile_transfer_bandwidth
-from hyper_offload.runtime.device import TransferEngine
+from hyper_offload.runtime.device import DeviceTimer, profile_transfer_bandwidth
+from hyper_offload.runtime.transfer import TransferEngine
 from hyper_offload.runtime.pinned_pool import PageableFallbackWarning, PinnedMemoryPool
 from hyper_offload.runtime.residency import ResidencyManager
 

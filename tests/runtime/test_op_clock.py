@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from hyper_offload.runtime.op_clock import OpClock
+from hyper_offload.runtime.device import OpClock
 
 
 def test_cpu_durations_are_the_wall_time_between_start_and_stop() -> None:

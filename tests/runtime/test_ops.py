@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hyper_offload.errors import TransferFailedError
 from hyper_offload.runtime import ops
-from hyper_offload.runtime.device import TransferEngine
+from hyper_offload.runtime.transfer import TransferEngine
 from hyper_offload.runtime.memory_meter import DeviceMemoryMeter
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.transfer_context import (

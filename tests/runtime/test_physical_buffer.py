@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hyper_offload.errors import DataLostError, ResidencyMisuseError
-from hyper_offload.runtime.device import TransferDirection, TransferEngine
+from hyper_offload.runtime.transfer import TransferDirection, TransferEngine
 from hyper_offload.runtime.physical_buffer import BufferState, PhysicalBuffer
 
 

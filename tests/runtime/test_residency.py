@@ -26,7 +26,7 @@ from hyper_offload.passes import (
     check_schedule,
     resident_bytes_without_offload,
 )
-from hyper_offload.runtime.device import TransferEngine
+from hyper_offload.runtime.transfer import TransferEngine
 from hyper_offload.runtime.memory_meter import DeviceMemoryMeter
 from hyper_offload.runtime.physical_buffer import BufferState
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool

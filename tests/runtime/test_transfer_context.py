@@ -18,7 +18,7 @@ import torch
 
 from hyper_offload.errors import TransferFailedError
 from hyper_offload.runtime import ops
-from hyper_offload.runtime.device import TransferDirection
+from hyper_offload.runtime.transfer import TransferDirection
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.transfer_context import (
     HostCopyState,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hyper_offload import TransferIntegrityError
-from hyper_offload.runtime.device import TransferEngine
+from hyper_offload.runtime.transfer import TransferEngine
 from hyper_offload.runtime.physical_buffer import PhysicalBuffer
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.verify import BLOCK_WORDS, checksum, same_checksum

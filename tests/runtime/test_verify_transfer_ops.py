@@ -20,7 +20,7 @@ import torch
 
 from hyper_offload import TransferIntegrityError
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
-from hyper_offload.runtime.device import Transfer, TransferDirection, TransferEngine
+from hyper_offload.runtime.transfer import Transfer, TransferDirection, TransferEngine
 from hyper_offload.runtime.ops import copy_d2h, copy_h2d, release_host, wait_transfer
 
 from .scripted_cuda import JUNK, ScriptedCudaEngine

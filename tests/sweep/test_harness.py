@@ -13,7 +13,7 @@ import torch
 from torch.testing._internal.opinfo.core import SampleInput
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from hyper_offload.eager.active import current_session
+from hyper_offload.eager.executor_base import current_session
 
 from .doors import MODE_CAUSE, CaseResult, run_case
 from .exact import StepResult, first_mismatch, same

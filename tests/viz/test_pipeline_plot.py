@@ -10,7 +10,7 @@ import pytest
 
 from hyper_offload.passes.pipeline.build import build_rank_orders
 from hyper_offload.passes.pipeline.timeline import Timeline, WindowKind, build_timeline
-from hyper_offload.viz.pipeline_plot import (
+from hyper_offload.viz import (
     GID_BUBBLE,
     GID_COMPUTE,
     GID_WINDOW,

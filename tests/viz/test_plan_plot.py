@@ -10,7 +10,7 @@ import pytest
 
 from hyper_offload.cli import main
 from hyper_offload.passes import ActivationTrace, GreedyResidencyPlanner
-from hyper_offload.viz.plan_plot import PlotDependencyError, draw_plan, plot_plan
+from hyper_offload.viz import PlotDependencyError, draw_plan, plot_plan
 
 MIB = 1 << 20
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ...analysis.candidates import OffloadCandidate
-from ...ir.host import host_bucket_bytes
+from ...analysis.liveness import OffloadCandidate
+from ...ir.limits import host_bucket_bytes
 from ...ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ...ir.trace import StorageId
 from ..host_budget import HostLedger

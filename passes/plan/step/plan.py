@@ -31,7 +31,7 @@ from ...analysis.liveness import resident_bytes_without_offload
 from ...analysis.validator import ScheduleReport, check_schedule
 from ...ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..planning import plan_residency
-from ..summary import PlanSummary
+from ..report import PlanSummary
 from .keep import kept_bytes_curve
 from .layout import StepTrace, lay_out_step, replace_storages, tailorable
 from .model import Invocation, RegionFloor, StepTimeline, slots_of

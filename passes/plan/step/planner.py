@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from hyper_offload.errors import HyperOffloadError
 
-from ...analysis.candidates import offload_candidates
+from ...analysis.liveness import offload_candidates
 from ...analysis.validator import check_schedule
 from ...ir.schedule import ResidencySchedule
 from ...ir.trace import ActivationTrace
@@ -59,7 +59,7 @@ class StepProposal(NamedTuple):
 
 
 class StepPlanner:
-    """A :class:`~..protocol.ResidencyPlanner` of one :class:`~.layout.StepTrace` (module
+    """A :class:`~..report.ResidencyPlanner` of one :class:`~.layout.StepTrace` (module
     docstring). ``cap``: the bytes no op may exceed (the budget, or the floor's peak where
     that is higher); ``host_budget_bytes``: the host budget every proposal keeps.
     :attr:`made` holds the proposals of the last :meth:`proposals` call, in order."""

@@ -26,9 +26,9 @@ from hyper_offload.passes import (
     required_bytes,
     resident_bytes_without_offload,
 )
-from hyper_offload.passes.analysis.candidates import is_hold_gap, offload_candidates, op_byte_profile
+from hyper_offload.passes.analysis.liveness import is_hold_gap, offload_candidates, op_byte_profile
 from hyper_offload.passes.analysis.validator import Rule
-from hyper_offload.passes.plan.floor import FloorPlanner
+from hyper_offload.passes.plan.choice_lowering import FloorPlanner
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
 from hyper_offload.passes.plan.planning import plan_residency
 

@@ -19,7 +19,7 @@ from hyper_offload.passes.fx.cost_model import exposed_transfer_time
 from hyper_offload.passes.fx.graph_trace import build_fx_trace
 from hyper_offload.passes.fx.lowering import LoweringError, lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering, derive_schedule
-from hyper_offload.passes.plan.prefetch import hoist_prefetches
+from hyper_offload.passes.plan.placement import hoist_prefetches
 from hyper_offload.runtime.ops import COPY_D2H, COPY_H2D, RELEASE_HOST, WAIT_TRANSFER
 
 

@@ -14,7 +14,7 @@ from hyper_offload.passes import (
     check_schedule,
     required_bytes,
 )
-from hyper_offload.passes.ir.step_end import STEP_END, has_step_end, with_step_end
+from hyper_offload.passes.ir.trace import STEP_END, has_step_end, with_step_end
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
 from hyper_offload.passes.plan.planning import plan_residency
 

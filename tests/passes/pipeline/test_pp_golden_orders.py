@@ -17,7 +17,7 @@ from hyper_offload.passes.pipeline import (
 )
 from hyper_offload.passes.pipeline.orders import compute_orders
 from hyper_offload.passes.pipeline.swap import strip_swap_steps
-from hyper_offload.passes.pipeline.transport import rewrite_transport
+from hyper_offload.passes.pipeline.build import rewrite_transport
 
 
 def _build(schedule: str, rank: int, **kwargs: object) -> list[str]:

@@ -17,7 +17,7 @@ from hyper_offload.passes.pipeline import (
 )
 from hyper_offload.passes.pipeline.meta_step import SwapPhase
 from hyper_offload.passes.pipeline.swap import find_weight_windows, inject_swap_steps
-from hyper_offload.passes.pipeline.swap_cost import ActivationSizes, chunk_lives, resident_curve
+from hyper_offload.passes.pipeline.residency import ActivationSizes, chunk_lives, resident_curve
 
 # One stage, dx/dw split, 1F1B-like: W of micro 0 waits five slots after its I.
 SPLIT = parse_order("0F0 0F1 0I0 0F2 0I1 0F3 0I2 0W0 0I3 0W1 0W2 0W3")

@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyper_offload.passes.pipeline import SCHEDULES, StepKind, build_rank_orders, layout_for, parse_order
-from hyper_offload.passes.pipeline.execution import matching_p2p
-from hyper_offload.passes.pipeline.send_release import send_releases
+from hyper_offload.passes.pipeline.execution import matching_p2p, send_releases
 
 F, B = StepKind.SEND_F, StepKind.SEND_B
 

@@ -9,20 +9,23 @@ from hypothesis import strategies as st
 from hyper_offload.passes.pipeline.build import build_rank_orders
 from hyper_offload.passes.pipeline.check_order import check_order
 from hyper_offload.passes.pipeline.meta_step import StepKind, SwapPhase
-from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints
+from hyper_offload.passes.pipeline.residency import (
+    ActivationSizes,
+    StageFootprint,
+    StageFootprints,
+    chunk_lives,
+    peak_bytes,
+    resident_curve,
+)
 from hyper_offload.passes.pipeline.swap import find_swap_chunks, find_weight_windows, inject_swap_steps
 from hyper_offload.passes.pipeline.swap_cost import (
-    ActivationSizes,
     RejectReason,
     SwapCostModel,
     chunk_windows,
     choose_swaps,
     copy_stream_misses,
-    chunk_lives,
-    peak_bytes,
     plan_rank_swaps,
     plan_swaps,
-    resident_curve,
 )
 
 from .swap_order_text import order

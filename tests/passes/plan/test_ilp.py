@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from hyper_offload.passes import ActivationTrace, Rule, check_schedule
-from hyper_offload.passes.analysis.candidates import budget_excess, offload_candidates
+from hyper_offload.passes.analysis.liveness import budget_excess, offload_candidates
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
 from hyper_offload.passes.plan.ilp import OptimalResidencyPlanner, solve_optimal_choice
 

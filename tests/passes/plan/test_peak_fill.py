@@ -1,4 +1,4 @@
-"""The exact fill at the peak (passes/plan/peak_fill.py): fewer bytes where the greedy's
+"""The exact fill at the peak (passes/plan/refine.py): fewer bytes where the greedy's
 last pick overshoots, never infeasible, never more bytes."""
 
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_offload.passes.analysis.candidates import OffloadCandidate
+from hyper_offload.passes.analysis.liveness import OffloadCandidate
 from hyper_offload.passes.plan.greedy import select_greedy
-from hyper_offload.passes.plan.peak_fill import fill_peak
-from hyper_offload.passes.plan.refine import refine_choice
+from hyper_offload.passes.plan.refine import fill_peak, refine_choice
 
 
 def _covered(choice: list[OffloadCandidate], excess: list[int]) -> bool:

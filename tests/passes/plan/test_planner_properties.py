@@ -20,12 +20,9 @@ from hyper_offload.passes import (
     required_bytes,
     resident_bytes_without_offload,
 )
-from hyper_offload.passes.analysis.candidates import (
-    budget_excess,
-    offload_candidates,
-    op_byte_profile,
+from hyper_offload.passes.analysis.liveness import (
+    access_gaps, budget_excess, infeasible_ops, offload_candidates, op_byte_profile,
 )
-from hyper_offload.passes.analysis.liveness import access_gaps, infeasible_ops
 from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner, select_greedy
 from hyper_offload.passes.plan.refine import refine_choice

@@ -26,7 +26,7 @@ from hyper_offload.passes import (
 )
 from hyper_offload.passes.plan import planning
 from hyper_offload.passes.plan.planning import backward_start, prefetch_leads
-from hyper_offload.passes.plan.prefetch import hoist_prefetches
+from hyper_offload.passes.plan.placement import hoist_prefetches
 
 from ..benchmark_modules import benchmark_module
 from ..planner_strategies import traces

@@ -16,7 +16,7 @@ from hyper_offload.passes import (
     required_bytes,
 )
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
-from hyper_offload.passes.plan.prefetch import (
+from hyper_offload.passes.plan.placement import (
     PrefetchError,
     earliest_slots,
     hoist_prefetches,

@@ -18,8 +18,7 @@ from hyper_offload.passes import (
     plan_residency,
     predict_timeline,
 )
-from hyper_offload.passes.plan.prefetch import hoist_prefetches
-from hyper_offload.passes.plan.release_delay import delay_releases, release_slots
+from hyper_offload.passes.plan.placement import delay_releases, hoist_prefetches, release_slots
 
 from ..planner_strategies import pressured_traces
 

@@ -15,8 +15,8 @@ from hyper_offload.passes import (
     ResidencySchedule,
     plan_residency,
 )
-from hyper_offload.passes.analysis.candidates import budget_excess, offload_candidates
-from hyper_offload.passes.plan.time_rank import copy_fits
+from hyper_offload.passes.analysis.liveness import budget_excess, offload_candidates
+from hyper_offload.passes.plan.greedy import copy_fits
 
 from ..planner_strategies import timed_pressured
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hyper_offload.errors import ResidencyMisuseError
-from hyper_offload.runtime.device import Transfer, TransferDirection, TransferEngine
+from hyper_offload.runtime.transfer import Transfer, TransferDirection, TransferEngine
 from hyper_offload.runtime.memory_meter import DeviceMemoryMeter
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool, bucket_bytes
 from hyper_offload.runtime.pipeline.packed_copy import PackedCopy, PackState

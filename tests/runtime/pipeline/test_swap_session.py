@@ -16,7 +16,7 @@ from hyper_offload.pipeline import SwapOutsideGroupWarning, swap_tensor_wrapper,
 from hyper_offload.passes.pipeline import MetaStep, StepKind, build_rank_orders
 from hyper_offload.passes.pipeline.meta_step import SwapPhase
 from hyper_offload.runtime.pipeline import GroupState, PipelineSwapSession, SwapStateError
-from hyper_offload.runtime.pipeline.hooks import current_group
+from hyper_offload.runtime.pipeline.session import current_group
 
 MICRO = 5
 

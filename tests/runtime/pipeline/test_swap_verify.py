@@ -15,7 +15,7 @@ import torch
 from hyper_offload import TransferIntegrityError
 from hyper_offload.passes.pipeline import MetaStep, StepKind
 from hyper_offload.pipeline import swap_wrapper
-from hyper_offload.runtime.device import TransferEngine
+from hyper_offload.runtime.transfer import TransferEngine
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.pipeline import PipelineSwapSession
 from hyper_offload.runtime.pipeline.packed_copy import PackedCopy
