@@ -57,7 +57,10 @@ def test_every_step_fits_the_ranks_budget_and_is_exact(results, kind, rank, frac
         assert report["kept_bytes"] > 0  # once planned, the step keeps what fits
     else:  # a block's own working memory is over the budget: the floor's peak is reached
         assert report["predicted_peak_bytes"] == report["floor_peak_bytes"]
-    assert moved[0] == max(moved)  # the first step ran at the floor, moving the most
+    # The first step runs before any plan: under this absolute budget it keeps what the
+    # budget surely holds (issue 49 case 9: a budget above the peak moves nothing at the
+    # first step), so it no longer moves the most; it moves, and stays within the budget.
+    assert moved[0] > 0
 
 @pytest.mark.parametrize("kind", list(worker_module.LAYERS))
 def test_the_step_spans_several_regions_and_every_layer(results, kind):

@@ -79,7 +79,11 @@ def test_ranks_plan_the_same_schedule_where_their_traces_agree(results, mesh, na
         compared = [(plans[0], p) for p in plans[1:]]
         assert all(p["settled"] and p["warmups"] <= 3 for p in plans)  # the last step replayed
     agreeing = [(a, b) for a, b in compared if (a["trace"], a["sizes"]) == (b["trace"], b["sizes"])]
-    assert agreeing  # same shapes on every rank: the traces agree
+    if "eager" not in name:
+        assert agreeing  # same shapes on every rank: the traces agree
+    # The eager door plans from what each rank's warmup measured (op wall times, its
+    # link), which differ between ranks: their plans may differ (each moves its own
+    # tensors, which no collective reads), and only plans of equal input must agree.
     for a, b in agreeing:
         assert a["schedule"] == b["schedule"]
 

@@ -73,8 +73,12 @@ def _eager_plan(session: hyper_offload.OffloadSession) -> dict[str, Any]:
     foreign = session.foreign
     assert all(trace.storage_sizes[sid] == 0 for sid in foreign)
     assert not any(a.storage in foreign for _, _, a in schedule.actions())
+    # The eager planner also reads what the warmup measured on this rank (op durations,
+    # the link): part of its input, so part of what must agree before plans must.
+    measured = ([op.duration_s for op in trace.ops], trace.d2h_bandwidth_gbps,
+                trace.h2d_bandwidth_gbps)
     return {
-        "trace": _trace_fingerprint(trace),
+        "trace": (_trace_fingerprint(trace), measured),
         "sizes": sorted(trace.storage_sizes.items()),
         "schedule": [(i, a.kind.value, a.storage) for i, _, a in schedule.actions()],
         "foreign": len(foreign), "settled": session.settled, "warmups": session.warmups,
