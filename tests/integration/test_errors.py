@@ -25,6 +25,7 @@ BUILTIN_OF_ERROR = {
     "DynamicShapeError": ValueError,
     "HostBudgetError": MemoryError,
     "LoweringError": ValueError,
+    "TilingError": ValueError,
     "OffloadRuntimeError": RuntimeError,
     "OffloadSessionError": RuntimeError,
     "OptimalPlannerError": RuntimeError,
