@@ -61,6 +61,7 @@ from __future__ import annotations
 import logging
 import threading
 import contextlib
+import gc
 import dataclasses
 from collections.abc import Callable, Iterator
 from enum import Enum
@@ -370,6 +371,13 @@ class StepController:
         if self.meter is None:
             self.meter = EagerMeter(self._device(), self._fake_mode)
         meter = self.meter
+        # Cyclic garbage (an output object and its tensors in a reference cycle) dies when
+        # the collector happens to run, which depends on everything allocated before: with
+        # the collector paused, what a measured step holds is what its references hold,
+        # the same in the estimate's fake steps and in a real step.
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
         meter.start()
         self.recorder.observer = meter
         try:
@@ -377,6 +385,8 @@ class StepController:
         finally:
             self.recorder.observer = None
             meter.stop()
+            if collecting:
+                gc.enable()
 
     def _with_between(self, timeline: StepTimeline) -> StepTimeline:
         """``timeline`` with the eager bytes measured for its shape (this step's, or an
