@@ -68,9 +68,12 @@ ACCUMULATE_GRAD = "accumulate_grad"
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 _current_node = torch._C._current_autograd_node
 
-COMM_SETTLE_S = 0.05
+COMM_SETTLE_S = 1.0
 """How long the end of a step waits, at most, for the communication library to drop its
-references to a finished collective's buffers (see :func:`settle_communication`)."""
+references to a finished collective's buffers (see :func:`settle_communication`). The
+wait ends as soon as none is held, so a long bound costs nothing where none is; 50 ms was
+too short on a loaded 2-core machine (12-07: a gloo buffer still held at the end of a
+tensor-parallel replay was free 200 ms later)."""
 
 
 def settle_communication(held: Callable[[], bool], timeout_s: float = COMM_SETTLE_S) -> None:

@@ -71,6 +71,10 @@ from .warmup import WarmupExecutor
 __all__ = ["ReplayExecutor"]
 
 _RELEASES = (ActionKind.RELEASE_DEVICE, ActionKind.RELEASE_HOST)
+_STEP_COUNTERS = ("bytes_d2h", "bytes_h2d", "transfers", "bytes_to_disk", "bytes_from_disk",
+                  "demand_loads", "rescued")
+"""The :class:`StepStats` counters a step that a warmup took over sums: what the replayed
+ops did, then what the warmup did."""
 
 
 class ReplayExecutor(BaseExecutor):
@@ -197,7 +201,8 @@ class ReplayExecutor(BaseExecutor):
         successor = self.take_over(reason, ops_changed)
         successor.continue_from(self.plan, self.index, self.bound)
         stats = successor.stats  # the step's figures: the replayed ops', then the warmup's
-        stats.demand_loads, stats.rescued = self.stats.demand_loads, self.stats.rescued
+        for counter in _STEP_COUNTERS:
+            setattr(stats, counter, getattr(stats, counter) + getattr(self.stats, counter))
         stats.peak_resident_bytes = max(stats.peak_resident_bytes, self.stats.peak_resident_bytes)
         stats.region_bytes = max(stats.region_bytes, self.stats.region_bytes)
         stats.resident_curve[:0] = self.stats.resident_curve
@@ -452,8 +457,7 @@ class ReplayExecutor(BaseExecutor):
         with _disable_current_modes():
             manager.wait_for_transfers()
             comm = self.plan.comm_buffers
-            settle_communication(lambda: any(  # a collective's thread may still hold one
-                s in comm and manager.buffer(s).referenced() for s in self.last_copies.pending))
+            settle_communication(lambda: self.last_copies.held_by_communication(comm))
             if self.last_copies:
                 self._settle(())
         kept = self.last_copies.still_referenced()

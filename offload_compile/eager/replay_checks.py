@@ -333,6 +333,14 @@ class LastCopies:
                         "other ops than its warmup (another branch, a layer frozen or unfrozen)")
         return None
 
+    def held_by_communication(self, comm: Collection[StorageId]) -> bool:
+        """Whether a collective's buffer (``comm``) among the pending and kept last copies
+        is still referenced: a gloo thread holds it a moment past the collective's wait
+        (:func:`~.executor_base.settle_communication`)."""
+        manager = self.manager
+        return any(sid in comm and sid in manager and manager.buffer(sid).referenced()
+                   for sid in (*self.pending, *self.kept))
+
     def still_referenced(self) -> list[StorageId]:
         """Kept storages something still references (at the end of the step: the step
         keeps tensors its warmup saw freed)."""

@@ -336,14 +336,15 @@ class OffloadSession:
         the mismatch; a re-warm), or an op raised inside it (the step is tainted and
         finishes as a warmup that never becomes a plan)."""
         step = self.lifecycle.step
-        assert step is not None and step.mode is not None
+        assert step is not None
         if ops_changed:
             self.lifecycle.ops_changed(reason)
             LOGGER.info("OffloadSession: step %d ran other ops than the plan's warmup (%s); "
                         "re-warming (warmup %d, settling: at most %d)", self.steps, reason,
                         self.warmups + 1, self.config.max_warmups)
         warm = self._new_warmup()
-        step.mode.executor = warm
+        if step.mode is not None:  # None at finish(): the mode has exited, no op is left
+            step.mode.executor = warm
         step.executor = warm
         return warm
 

@@ -428,3 +428,51 @@ def test_a_region_that_keeps_more_than_planned_is_counted() -> None:
     assert stats.phase == "replay" and stats.region_bytes >= 3 * 16 * 32 * 4 > planned
     assert stats.peak_resident_bytes >= stats.region_bytes
     assert session.replans == 1 and list(session.region_holds.values()) == [stats.region_bytes]
+
+
+class Stashing(nn.Module):
+    """On the steps ``stash_on`` names, the forward keeps ``h0`` in ``self.stash`` past the
+    step (a user logging an activation), where its warmup saw ``h0`` freed."""
+
+    def __init__(self, stash_on: tuple[int, ...]) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2 = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 1)
+        self.stash_on, self.step, self.stash = stash_on, 0, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = self.l0(x)
+        if self.step in self.stash_on:
+            self.stash = h0
+        return self.l2(torch.tanh(self.l1(h0 + 1.0))).pow(2).mean()
+
+
+@pytest.mark.filterwarnings("ignore::hyper_offload.OffloadBudgetWarning")  # budget 0
+@pytest.mark.parametrize("rewarm_on_mismatch", [False, True])
+def test_a_replay_that_keeps_a_freed_activation_past_the_step_keeps_its_bytes(
+    rewarm_on_mismatch,
+):
+    """Found by the tensor-parallel test (a gloo thread held a buffer at the step's end):
+    a replay whose step keeps a tensor its warmup saw freed finds it at ``finish()``, after
+    the dispatch mode exited. With ``rewarm_on_mismatch`` a warmup takes the step over
+    there (it asserted that the mode was still open), and the step's figures are the
+    replayed ops' and the warmup's; strict, the bytes stay on the device. Either way the kept tensor holds its values and the next steps replay."""
+    torch.manual_seed(0)
+    model, x = Stashing(stash_on=(2,)), torch.randn(16, 32)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0,
+                                           rewarm_on_mismatch=rewarm_on_mismatch))
+
+    twin, phases = copy.deepcopy(model), []
+    for step in range(5):
+        model.step = twin.step = step
+        with session:
+            loss = _step(model, x, step)
+        assert torch.equal(loss, _step(twin, x, step)), step
+        assert_same_state(model, twin, f"step {step}")
+        assert torch.equal(model.stash, twin.stash) if step >= 2 else model.stash is None
+        phases.append(session.last_stats.phase)
+        # Budget 0: every step moves, the one a warmup took over at its end too (it
+        # reported 0 B moved: the warmup's figures only; the tensor-parallel test saw it).
+        assert session.last_stats.bytes_d2h > 0 and session.last_stats.transfers > 0, step
+    assert phases[:2] == ["warmup", "replay"] and phases[3:] == ["replay", "replay"]
+    assert phases[2] == ("warmup" if rewarm_on_mismatch else "replay")
+    assert session.settled and session.pool.stats().buffers_in_use == 0
