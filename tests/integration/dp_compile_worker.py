@@ -174,8 +174,9 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             try:
                 results[f"{kind}-{inner}"] = run_case(kind, inner, rank)
                 results[f"{kind}-{inner}"]["seconds"] = time.perf_counter() - started
-            except Exception:  # reported to the parent, which fails with it
+            except Exception:  # saved, then this job ends: see ranks.py
                 results[f"{kind}-{inner}"] = {"error": traceback.format_exc()}
+                raise
             dist.barrier()
     finally:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")

@@ -2,7 +2,12 @@
 
 The data-parallel and tensor-parallel tests (``test_compile_data_parallel.py``,
 ``test_step_budget_distributed.py``, ``test_tensor_parallel.py``) spawn one job whose ``worker(rank, world, port,
-out_dir)`` saves ``rank<r>.pt`` (case name -> results, or ``{"error": traceback}``)."""
+out_dir)`` saves ``rank<r>.pt`` (case name -> results, or ``{"error": traceback}``).
+
+A case that raises on one rank ends that rank's job (after saving): the other ranks may
+be waiting in one of the case's collectives, which would hold them until the gloo
+timeout (10 minutes; CI once failed that way, 12-07, with only "timed out" to show), while
+``spawn`` terminates them at once and re-raises the rank's traceback here."""
 
 from __future__ import annotations
 

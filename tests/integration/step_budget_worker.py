@@ -89,8 +89,9 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for kind in LAYERS:
             try:
                 results[kind] = run_case(kind, rank)
-            except Exception:  # reported to the parent, which fails with it
+            except Exception:  # saved, then this job ends: see ranks.py
                 results[kind] = {"error": traceback.format_exc()}
+                raise
             dist.barrier()
     finally:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")

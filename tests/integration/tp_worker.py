@@ -162,8 +162,9 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 name = f"{model_name}-{door}"
                 try:
                     results[name] = run_case(model_name, door, tp_mesh, dp_mesh, dp_rank)
-                except Exception:  # reported to the parent, which fails with it
+                except Exception:  # saved, then this job ends: see ranks.py
                     results[name] = {"error": traceback.format_exc()}
+                    raise
                 dist.barrier()
         if dp_mesh is None:
             for name, case in (("llama-search", lambda: run_search_case(tp_mesh)),
@@ -172,6 +173,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     results[name] = case()
                 except Exception:
                     results[name] = {"error": traceback.format_exc()}
+                    raise
                 dist.barrier()
     finally:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
