@@ -13,6 +13,8 @@ methods, with plain ``torch.compile`` using the same inner compiler). Methods:
   the host at pack time (side stream on CUDA), and comes back at unpack time.
 * ``checkpoint`` — ``torch.utils.checkpoint`` (non-reentrant) on the fewest leading blocks
   whose measured peak meets the budget (``checkpoint_blocks`` says how many).
+
+  (These two baselines, which torch ships no method for, are in ``anchor_baselines.py``.)
 * ``hyper_offload_eager`` — ``OffloadSession`` at the budget (timed steps are replays).
 * ``compile`` — plain ``torch.compile`` (the numerics reference of the compile methods).
 * ``torch_aot_offload`` — AOTAutograd's ``enable_activation_offloading`` with every node
@@ -58,103 +60,20 @@ import copy
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
+from anchor_baselines import HookOffloader, checkpointed_model
 from bench_common import gpt_module, mark_all_partitioner, min_cut_partitioner, run_isolated, torch_offload_backend
 
 EAGER_METHODS = ("no_offload", "save_on_cpu", "hook_offload", "checkpoint", "hyper_offload_eager")
 COMPILE_METHODS = ("compile", "torch_aot_offload", "compile_memory_budget", "hyper_offload_compile")
 METHODS = EAGER_METHODS + COMPILE_METHODS
 Step = Callable[[], torch.Tensor]
-
-
-# -- the torchtune-style baseline ------------------------------------------------------
-
-
-class HookOffloader(torch.autograd.graph.saved_tensors_hooks):
-    """Offload every saved activation at pack time, bring it back at unpack time.
-
-    Written after torchtune's ``OffloadActivations``: tensors under ``min_bytes`` and
-    parameters (by storage, so ``weight.t()`` counts as a parameter) stay; everything else
-    is copied to a host buffer. On CUDA the copy runs on a side stream into pinned memory;
-    the device tensor is kept in a stash until the next pack makes the compute stream wait
-    for the copy (so its block is not reused before the copy read it). Unpack copies back
-    on the side stream and makes the compute stream wait. On CPU the "host" buffer is a
-    second CPU buffer (a host-to-host copy), allocated outside any dispatch mode and
-    host-labelled so that ``DeviceMemoryMeter`` does not count it as device memory.
-    """
-
-    def __init__(self, params: Iterator[nn.Parameter], min_bytes: int = 1024) -> None:
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
-        self.min_bytes = min_bytes
-        self.moved = 0
-        self.cuda = torch.cuda.is_available()
-        self.stream = torch.cuda.Stream() if self.cuda else None
-        self.stash: list[tuple[torch.Tensor, Any]] = []
-        super().__init__(self.pack, self.unpack)
-
-    def _drain_stash(self) -> None:
-        for _, event in self.stash:
-            torch.cuda.current_stream().wait_event(event)
-        self.stash.clear()
-
-    def pack(self, t: torch.Tensor) -> Any:
-        nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or t.untyped_storage().data_ptr() in self.param_storages:
-            return t
-        self.moved += 2 * nbytes
-        if t.device.type == "cuda":
-            self._drain_stash()
-            assert self.stream is not None
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            self.stash.append((t, event))
-            return t.device, host
-        with _disable_current_modes():  # the host buffer is not device memory
-            host = torch.empty(t.shape, dtype=t.dtype)
-            from hyper_offload.runtime import label_host
-
-            label_host(host)
-            host.copy_(t)
-        return t.device, host
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        if device.type == "cuda":
-            self._drain_stash()
-            assert self.stream is not None
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                back = host.to(device, non_blocking=True)
-            torch.cuda.current_stream().wait_stream(self.stream)
-            back.record_stream(torch.cuda.current_stream())
-            return back
-        return host.clone()  # the reload allocates device memory, as on an accelerator
-
-
-class Checkpointed(nn.Module):
-    """Run ``inner`` under non-reentrant ``torch.utils.checkpoint`` (same parameters)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.inner, x, use_reentrant=False)
 
 
 # -- measuring ------------------------------------------------------------------------
@@ -272,14 +191,6 @@ class Bench:
 
     def exclude(self, setup: Setup) -> list[torch.Tensor]:
         return [*setup.model.parameters(), *self.batch]
-
-
-def checkpointed_model(model: nn.Module, blocks: int) -> nn.Module:
-    """A copy of the GPT whose first ``blocks`` blocks run under checkpoint."""
-    model = copy.deepcopy(model)
-    for i in range(blocks):
-        model.blocks[i] = Checkpointed(model.blocks[i])
-    return model
 
 
 def eager_setup(bench: Bench, method: str, budget_bytes: int) -> Setup:

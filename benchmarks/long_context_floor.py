@@ -39,7 +39,8 @@ from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
 from hyper_offload.compiler.recompute_search import _unrepeatable, copy_joint  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds  # noqa: E402
 from hyper_offload.passes.fx.floor_detail import floor_detail  # noqa: E402
-from hyper_offload.passes.fx.graph_trace import FxTrace, build_fx_trace  # noqa: E402
+from hyper_offload.passes.fx.fx_trace import FxTrace  # noqa: E402
+from hyper_offload.passes.fx.graph_trace import build_fx_trace  # noqa: E402
 
 PRICES = DeviceThroughput(flops_per_s=400e12, bytes_per_s=2.6e12)
 

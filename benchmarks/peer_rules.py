@@ -44,7 +44,7 @@ from torch import fx
 from hyper_offload.passes import ResidencySchedule, check_schedule
 from hyper_offload.passes.analysis.liveness import OffloadCandidate, offload_candidates
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
-from hyper_offload.passes.fx.graph_trace import FxTrace
+from hyper_offload.passes.fx.fx_trace import FxTrace
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
 from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
 from hyper_offload.passes.plan.placement import with_reload_starts

@@ -59,7 +59,7 @@ from hyper_offload.passes.plan.step.model import (  # noqa: E402
 from hyper_offload.passes.plan.step.plan import plan_step  # noqa: E402
 from hyper_offload.passes.analysis.stall_bound import stall_lower_bound  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput  # noqa: E402
-from hyper_offload.passes.fx.graph_trace import FxTrace  # noqa: E402
+from hyper_offload.passes.fx.fx_trace import FxTrace  # noqa: E402
 from hyper_offload.runtime.device import TransferBandwidth  # noqa: E402
 
 GPU = DeviceThroughput(flops_per_s=400e12, bytes_per_s=3e12)

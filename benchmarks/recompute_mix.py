@@ -66,7 +66,8 @@ from hyper_offload.compiler.recompute_search import (  # noqa: E402
 from hyper_offload.compiler.region_report import RecomputeReport  # noqa: E402
 from hyper_offload.passes import GreedyResidencyPlanner, plan_residency  # noqa: E402
 from hyper_offload.passes.analysis.predicted_timeline import op_durations  # noqa: E402
-from hyper_offload.passes.fx.graph_trace import FxTrace, build_fx_trace  # noqa: E402
+from hyper_offload.passes.fx.fx_trace import FxTrace  # noqa: E402
+from hyper_offload.passes.fx.graph_trace import build_fx_trace  # noqa: E402
 from hyper_offload.runtime.device import TransferBandwidth  # noqa: E402
 
 GRID = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)

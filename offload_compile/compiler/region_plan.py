@@ -31,7 +31,8 @@ from hyper_offload.passes import (
 )
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, exposed_transfer_time
-from hyper_offload.passes.fx.graph_trace import FxTrace, build_fx_trace
+from hyper_offload.passes.fx.fx_trace import FxTrace
+from hyper_offload.passes.fx.graph_trace import build_fx_trace
 from hyper_offload.passes.fx.lowering import lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering
 from hyper_offload.passes.fx.sizes import SymbolicSize, symbolic_sizes

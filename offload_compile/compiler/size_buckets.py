@@ -6,7 +6,7 @@ A region compiled with symbolic sizes (``dynamic=True``, automatic dynamic, or
 runtime. So one compiled graph serves every size, and only *which slots to keep* depends
 on the sizes. The backend therefore plans a step for the sizes it ran at (each region's
 trace with its symbolic storages evaluated there,
-:meth:`~hyper_offload.passes.fx.graph_trace.FxTrace.at_sizes`) and keeps one plan per *size
+:meth:`~hyper_offload.passes.fx.fx_trace.FxTrace.at_sizes`) and keeps one plan per *size
 bucket*: the step's events and each invocation's sizes (its graph inputs that are sizes,
 which Dynamo passes as ints). A later step with the same sizes reuses that plan; one with
 sizes never seen runs at the floor (nothing kept: the least any plan keeps) and is planned

@@ -4,7 +4,7 @@ there: the floor report names what remains, which op and which operands.
 
 The floor is the region's plan with everything movable moved: a saved activation is on
 the device from its first backward reader to its last, any other value from the op that
-makes it to its last reader. Pure: reads an :class:`~.graph_trace.FxTrace`, nothing else.
+makes it to its last reader. Pure: reads an :class:`~.fx_trace.FxTrace`, nothing else.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import fx
 
 from ..ir.ops import MATERIALIZE
 from ..ir.trace import AccessKind, StorageId
-from .graph_trace import FxTrace
+from .fx_trace import FxTrace
 
 __all__ = ["FloorDetail", "FloorValue", "floor_detail"]
 

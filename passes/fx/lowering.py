@@ -85,11 +85,11 @@ from ..ir.ops import (
 )
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..ir.trace import AccessKind, StorageId
+from .fx_trace import FxTrace
 from .graph_trace import (
     REBUILT_VIEW_META,
     RELOADED_AS_META,
     SAVED_NAMES_META,
-    FxTrace,
     saved_output_names,
 )
 from .saved import RebuildStep, SavedActivation, rebuild_steps

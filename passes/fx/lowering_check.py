@@ -47,7 +47,8 @@ from ..ir.ops import (
     WAIT_TRANSFER,
 )
 from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
-from .graph_trace import RELOADED_AS_META, FxTrace, build_fx_trace, fw_outputs, is_rebuilt_view
+from .fx_trace import FxTrace
+from .graph_trace import RELOADED_AS_META, build_fx_trace, fw_outputs, is_rebuilt_view
 from .lowering import LoweringError
 from .saved import TensorProperties
 

@@ -21,10 +21,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import hyper_offload.runtime.ops  # noqa: F401  (real kernels of the transfer ops)
 from hyper_offload.passes import GreedyResidencyPlanner, check_schedule, plan_residency
 from hyper_offload.errors import LoweringError
+from hyper_offload.passes.fx.fx_trace import FxTrace
 from hyper_offload.passes.fx.graph_trace import (
     REBUILT_VIEW_META,
     RELOADED_AS_META,
-    FxTrace,
     build_fx_trace,
     is_rebuilt_view,
 )
