@@ -18,7 +18,8 @@
 * :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
   autograd's graph (:func:`saved_device_bytes`);
 * :mod:`.fake_capture` / :mod:`.fit_estimate` / :mod:`.step_estimate` — the same graphs
-  on fake tensors, and :func:`estimate` (does a step fit under a budget?) built on them.
+  on fake tensors, and :func:`estimate` (does a step fit under a budget?) built on them;
+  :mod:`.estimate_report` — what it returns (:class:`EstimateReport`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _LAZY = {
     "step_report": ".registry",
     "StepReport": ".step_report",
     "RegionReport": ".region_report",
-    "EstimateReport": ".fit_estimate",
+    "EstimateReport": ".estimate_report",
     "estimate": ".fit_estimate",
     "saved_device_bytes": ".saved_bytes",
     "autograd_saved_device_bytes": ".saved_bytes",
