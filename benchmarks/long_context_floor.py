@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.llama_model import LLAMA3_8B, Block  # noqa: E402
 from hyper_offload.compiler import recompute_splice as rs  # noqa: E402
 from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
-from hyper_offload.compiler.recompute_search import _unrepeatable, copy_joint  # noqa: E402
+from hyper_offload.compiler.recompute_candidates import copy_joint  # noqa: E402
+from hyper_offload.compiler.recompute_exactness import unrepeatable  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds  # noqa: E402
 from hyper_offload.passes.fx.floor_detail import floor_detail  # noqa: E402
 from hyper_offload.passes.fx.fx_trace import FxTrace  # noqa: E402
@@ -114,7 +115,7 @@ def main() -> None:
     x = next(n.name for n in fw.graph.find_nodes(op="placeholder")
              if n.meta["val"].shape[-2:] == (args.seq, LLAMA3_8B.dim))
     options = rs.recompute_order(rs.splice_options(
-        fw, bw, zero_bw, unrepeatable=_unrepeatable,
+        fw, bw, zero_bw, unrepeatable=unrepeatable,
         seconds=partial(node_seconds, throughput=PRICES)))
     held = rs.held_options(options, args.link_gbps)
     rows = [_row("default partition (offload only)", fw, bw, got["n"], x, args.seq),

@@ -138,7 +138,8 @@ class _ProductSplice(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         from hyper_offload.compiler import recompute_splice as rs
-        from hyper_offload.compiler.recompute_search import copy_joint, draws_random
+        from hyper_offload.compiler.recompute_candidates import copy_joint
+        from hyper_offload.compiler.recompute_exactness import draws_random
         from hyper_offload.passes.fx.cost_model import node_seconds, throughput_for
 
         graphs = {}
@@ -190,7 +191,7 @@ class _SplicingPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from hyper_offload.compiler.recompute_search import copy_joint
+        from hyper_offload.compiler.recompute_candidates import copy_joint
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)
@@ -296,7 +297,8 @@ class _TappingPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from hyper_offload.compiler.recompute_search import copy_joint, recomputed_nodes
+        from hyper_offload.compiler.recompute_candidates import copy_joint
+        from hyper_offload.compiler.recompute_exactness import recomputed_nodes
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)
@@ -347,7 +349,8 @@ class _RealizingPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from hyper_offload.compiler.recompute_search import copy_joint, recomputed_nodes
+        from hyper_offload.compiler.recompute_candidates import copy_joint
+        from hyper_offload.compiler.recompute_exactness import recomputed_nodes
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)

@@ -58,11 +58,8 @@ from stall import GPU, MIB, MODELS  # noqa: E402
 
 from hyper_offload.compiler.fake_capture import StockPartition, capture_graphs  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
-from hyper_offload.compiler.recompute_search import (  # noqa: E402
-    choose_partition,
-    copy_joint,
-    graph_planner,
-)
+from hyper_offload.compiler.recompute_candidates import copy_joint  # noqa: E402
+from hyper_offload.compiler.recompute_search import choose_partition, graph_planner  # noqa: E402
 from hyper_offload.compiler.region_report import RecomputeReport  # noqa: E402
 from hyper_offload.passes import GreedyResidencyPlanner, plan_residency  # noqa: E402
 from hyper_offload.passes.analysis.predicted_timeline import op_durations  # noqa: E402

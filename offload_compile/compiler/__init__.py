@@ -12,11 +12,14 @@
   is learnt (recorder, eager meter) and the lowerings its plans want; planning itself is
   the step model of :mod:`hyper_offload.passes.plan.step`; :mod:`.step_report` shows the
   plan in force (:class:`StepReport`);
-* :mod:`.recompute_search` / :mod:`.recompute_splice` — keep, move or recompute;
+* :mod:`.recompute_search` / :mod:`.recompute_candidates` / :mod:`.recompute_exactness` /
+  :mod:`.recompute_splice` — keep, move or recompute: the search, the partitions it
+  prices, what may be recomputed exactly, the spliced backward;
 * :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
   autograd's graph (:func:`saved_device_bytes`);
 * :mod:`.fake_capture` / :mod:`.fit_estimate` / :mod:`.step_estimate` — the same graphs
-  on fake tensors, and :func:`estimate` (does a step fit under a budget?) built on them.
+  on fake tensors, and :func:`estimate` (does a step fit under a budget?) built on them;
+  :mod:`.estimate_report` — what it returns (:class:`EstimateReport`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ _LAZY = {
     "step_report": ".registry",
     "StepReport": ".step_report",
     "RegionReport": ".region_report",
-    "EstimateReport": ".fit_estimate",
+    "EstimateReport": ".estimate_report",
     "estimate": ".fit_estimate",
     "saved_device_bytes": ".saved_bytes",
     "autograd_saved_device_bytes": ".saved_bytes",

@@ -26,7 +26,8 @@ from hyper_offload.runtime.device import TransferBandwidth
 
 from . import region_cache
 from .options import BackendOptions
-from .recompute_search import Scorer, search_region
+from .recompute_candidates import Scorer
+from .recompute_search import search_region
 from .region_plan import GraphPlan, PlannedRegion, lower_region, plan_with_schedule
 from .region_report import log_region_report
 

@@ -107,7 +107,7 @@ class RecomputeReport:
     spliced: int = 0
     work_bounded: bool = False
     """True when the search stopped at its work bound (:mod:`.recompute_search`,
-    :data:`~.recompute_search.SEARCH_MIN_WORK`) before trying every partition."""
+    :data:`~.recompute_candidates.SEARCH_MIN_WORK`) before trying every partition."""
 
     def summary(self) -> dict[str, object]:
         data = dict(self.__dict__)

@@ -29,7 +29,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 import hyper_offload.runtime.ops  # noqa: F401 (materialize/discard real kernels)
 from hyper_offload.compiler import recompute_splice as rs
-from hyper_offload.compiler.recompute_search import copy_joint, draws_random
+from hyper_offload.compiler.recompute_candidates import copy_joint
+from hyper_offload.compiler.recompute_exactness import draws_random
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
 
 from .compile_models import deterministic  # noqa: F401 (autouse)
@@ -215,7 +216,7 @@ def test_a_tiny_llama_recomputed_op_by_op_is_bit_exact(inner):
 
 
 def test_where_nothing_fits_the_search_cuts_the_backward_where_it_peaks():
-    """The last resort of the splice search (:func:`recompute_search._splice_search`):
+    """The last resort of the splice search (:func:`recompute_candidates.splice_candidates`):
     when no candidate meets the budget, every option recomputed with a stage barrier at
     the backward op where that plan peaks, so that no value recomputed before it is alive
     there: a held value a chain needs early is recomputed privately instead. Here every
@@ -223,7 +224,7 @@ def test_where_nothing_fits_the_search_cuts_the_backward_where_it_peaks():
     chain needs ``h`` early, and only a backward with a private copy "fits"."""
     from types import SimpleNamespace
 
-    from hyper_offload.compiler import recompute_search as search
+    from hyper_offload.compiler import recompute_candidates as candidates
 
     captured: dict[str, Any] = {}
 
@@ -246,14 +247,14 @@ def test_where_nothing_fits_the_search_cuts_the_backward_where_it_peaks():
             check=SimpleNamespace(bytes_d2h=0, resident_bytes=resident),
             fx_trace=SimpleNamespace(peak_without_offload=0, op_nodes=names))
 
-    def score(planned: Any) -> search.PlanScore:
-        return search.PlanScore(1.0, 0.0, planned.feasible, 0)
+    def score(planned: Any) -> candidates.PlanScore:
+        return candidates.PlanScore(1.0, 0.0, planned.feasible, 0)
 
     fw, bw = partition(copy_joint(captured["joint"]))
     default_plan = plan(fw, bw, None)
-    default = search._Candidate(search._partition_report(1.0, default_plan, 0, score), fw, bw,
+    default = candidates.Candidate(candidates.partition_report(1.0, default_plan, 0, score), fw, bw,
                                 default_plan)
-    found = search._splice_search(captured["joint"], partition, plan, default, 1.0,
+    found = candidates.splice_candidates(captured["joint"], partition, plan, default, 1.0,
                                   seconds=lambda n: 1e-6, score=score, reload_gbps=lambda g: 16.0)
     assert [c.report.feasible for c in found] == [False, True]  # every option; the last resort
     assert found[1].report.spliced == found[0].report.spliced  # both recompute every option
