@@ -136,11 +136,11 @@ MUTATIONS = (
     Mutation("host-sync-counter-silent", "runtime/stats.py",
              "            self._counts[reason] = self._counts.get(reason, 0) + 1",
              "            pass", (COPY,), "the host-sync counter counts nothing"),
-    Mutation("host-copy-death-keeps-buffer", "runtime/transfer_context.py",
+    Mutation("host-copy-death-keeps-buffer", "runtime/transfer_records.py",
              "                pool.release_soon(holder.pop())\n", "                pass\n",
              (RT + "test_ops.py", RT + "test_transfer_context.py"),
              "a dead host copy's buffer never goes back to the pool (issue 18, leaked buffers)"),
-    Mutation("release-host-after-release-refused", "runtime/transfer_context.py",
+    Mutation("release-host-after-release-refused", "runtime/transfer_records.py",
              "            record.state = HostCopyState.RELEASED\n",
              "            if record.state is HostCopyState.RELEASED:\n"
              "                raise TransferMisuseError('already released')\n"

@@ -13,17 +13,13 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hyper_offload.errors import TransferFailedError
+from hyper_offload.errors import TransferFailedError, TransferMisuseError
 from hyper_offload.runtime import ops
 from hyper_offload.runtime.transfer import TransferEngine
 from hyper_offload.runtime.memory_meter import DeviceMemoryMeter
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
-from hyper_offload.runtime.transfer_context import (
-    HostCopyState,
-    TransferMisuseError,
-    TransferRuntime,
-    current_transfer_runtime,
-)
+from hyper_offload.runtime.transfer_context import TransferRuntime, current_transfer_runtime
+from hyper_offload.runtime.transfer_records import HostCopyState
 
 ROUND_TRIP = [ops.COPY_D2H, ops.WAIT_TRANSFER, ops.COPY_H2D, ops.WAIT_TRANSFER, ops.RELEASE_HOST]
 
