@@ -145,7 +145,7 @@ MUTATIONS = (
              "            if record.state is HostCopyState.RELEASED:\n"
              "                raise TransferMisuseError('already released')\n"
              "            record.state = HostCopyState.RELEASED\n",
-             (RT + "test_ops.py", "tests/compiler/test_host_copy_lifetime.py"),
+             (RT + "test_ops_misuse.py", "tests/compiler/test_host_copy_lifetime.py"),
              "a retained graph's second backward fails (issue 18, double backward)"),
     Mutation("h2d-pending-holds-its-destination", "runtime/transfer_context.py",
              '"copy_h2d", transfer, host, device_tensor, host_key, expect=expect,\n',
