@@ -11,9 +11,9 @@ Helpers stay in their defining submodule and are imported from there, never from
 package: the op handles and ``dense_layout`` (declared in :mod:`hyper_offload.passes.ir.ops`,
 which the pure passes import, and re-exported by :mod:`.ops` with the real kernels), buffer states
 (:mod:`.physical_buffer`), host-sync accounting (:mod:`.stats`), pool sizing
-(``bucket_bytes``, ``pinned_cost`` in :mod:`.pinned_pool`), host-copy states and
-``current_transfer_runtime`` (:mod:`.transfer_context`), ``DeviceTimer``
-(:mod:`.device`).
+(``bucket_bytes``, ``pinned_cost`` in :mod:`.pinned_pool`), host-copy states
+(:mod:`.transfer_records`), ``current_transfer_runtime`` (:mod:`.transfer_context`),
+``current_keep`` (:mod:`.transfer_scope`), ``DeviceTimer`` (:mod:`.device`).
 
 Invariant: importing this package imports none of its submodules (nor torch). Each
 public name is loaded on first access (PEP 562), so ``from hyper_offload.runtime import

@@ -44,24 +44,18 @@ import torch
 from hyper_offload.errors import TransferMisuseError
 
 from .disk_store import DiskStore
+from .transfer_records import HostCopy, TransferRecords
+from .transfer_scope import link_runtime
 
 __all__ = ["DiskTransfers"]
-
-_RUNTIME_LINK = "_hyper_offload_runtime"  # as in .transfer_context (a storage attribute)
 
 
 class _Runtime(Protocol):
     """What this module needs of a ``TransferRuntime`` (no import: it imports us)."""
 
-    pool: Any
-
-    def is_kept(self, tensor: torch.Tensor) -> bool: ...
-
-    def take_host_buffer(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
-
     def adopt_host_copy(self, buffer: torch.Tensor, nbytes: int, dtype: torch.dtype,
                         shape: tuple[int, ...], stride: tuple[int, ...], read: Any,
-                        like: Any) -> torch.Tensor: ...
+                        like: HostCopy) -> torch.Tensor: ...
 
 
 @dataclass(eq=False)
@@ -76,10 +70,12 @@ class _Spilled:
 
 
 class DiskTransfers:
-    """The disk tier's ops on ``runtime`` with ``store`` (module docstring)."""
+    """The disk tier's ops on ``runtime`` (whose host copies ``records`` holds) with
+    ``store`` (module docstring)."""
 
-    def __init__(self, runtime: _Runtime, store: DiskStore) -> None:
+    def __init__(self, runtime: _Runtime, records: TransferRecords, store: DiskStore) -> None:
         self._runtime = weakref.ref(runtime)  # the runtime owns us
+        self._records = records
         self.store = store
         self._lock = threading.Lock()
         self._spilled: dict[int, _Spilled] = {}
@@ -92,24 +88,25 @@ class DiskTransfers:
         pool once written; return the handle."""
         runtime = self._owner()
         key = next(self._keys)
-        if runtime.is_kept(host):
+        pool = self._records.pool
+        if self._records.is_kept(host):
             spilled = _Spilled(0, kept=host)
         else:
-            buffer, record = runtime.take_host_buffer(host)
+            buffer, record = self._records.take_host_buffer(host)
             nbytes = host.numel() * host.element_size()
             d2h = record.d2h
             ready = None if d2h.event is None or d2h.query() else d2h.event.synchronize
             try:
                 write = self.store.write(key, buffer, nbytes, ready=ready)
             except BaseException:
-                runtime.pool.release(buffer, d2h)
+                pool.release(buffer, d2h)
                 raise
-            runtime.pool.release(buffer, write)  # reused once on disk; the pool waits at its cap
+            pool.release(buffer, write)  # reused once on disk; the pool waits at its cap
             spilled = _Spilled(nbytes, record)
             self.bytes_to_disk += nbytes
         handle = torch.full((1,), key, dtype=torch.int64)
         storage = handle.untyped_storage()
-        setattr(storage, _RUNTIME_LINK, weakref.ref(runtime))
+        link_runtime(storage, runtime)
         weakref.finalize(storage, self._handle_died(key))
         with self._lock:
             self._spilled[key] = spilled
@@ -124,11 +121,11 @@ class DiskTransfers:
         if spilled.kept is not None:
             return spilled.kept
         runtime = self._owner()
-        buffer = runtime.pool.acquire(spilled.nbytes)
+        buffer = self._records.pool.acquire(spilled.nbytes)
         try:
             read = self.store.read(key, buffer, spilled.nbytes)
         except BaseException:
-            runtime.pool.release(buffer)
+            self._records.pool.release(buffer)
             raise
         self.bytes_from_disk += spilled.nbytes
         return runtime.adopt_host_copy(buffer, spilled.nbytes, dtype, tuple(shape),

@@ -9,13 +9,9 @@ here, in an object the caller owns and makes current for a forward pass::
         loss = compiled_model(x)
     loss.backward()  # the backward reaches the runtime through its host copies
 
-How an op finds its runtime: ``copy_d2h`` uses the *current* one (a
-:class:`contextvars.ContextVar` set by ``with runtime``: no module-level mutable state,
-threads that do not inherit the context see none). Every tensor a runtime creates (host
-copies, H2D destinations) carries a weak link to it on its storage, and the other ops
-follow that link first, so a backward needs no ``with`` block: it may run on the
-autograd engine's device thread, from a graph served by a compile cache, long after the
-forward's block closed (a retained graph's second backward).
+How an op finds its runtime (:mod:`.transfer_scope`): ``copy_d2h`` uses the *current*
+one, made current by ``with runtime``; the other ops follow the weak link that every
+tensor a runtime creates carries on its storage, so a backward needs no ``with`` block.
 
 Lifetime of a host copy: its pool buffer is **tied to the tensor**. ``copy_d2h`` hands
 out a tensor on a storage of its own (a view of the pool buffer's bytes that keeps the
@@ -26,11 +22,9 @@ alive until it is observed complete. So a host copy is readable for exactly as l
 something can read it, and a buffer is never handed out while a stale reference to it
 exists.
 
-State machine of one host copy (keyed by its storage)::
-
-    copy_d2h ─► FILLING ─wait_transfer─► VALID ─release_host─► RELEASED
-                 └── copy_h2d allowed from FILLING, VALID and RELEASED ──┘
-
+A host copy goes FILLING ─wait_transfer─► VALID ─release_host─► RELEASED and may be
+prefetched by ``copy_h2d`` in each state (the records of host copies, pending transfers
+and kept copies, and how a storage's death ends each, are :mod:`.transfer_records`).
 ``release_host`` marks the program's last use (the lowering places it after the last
 prefetch of one backward); a retained graph's second backward prefetches and releases
 the same copy again, which is why neither is an error. One transfer is started by
@@ -55,11 +49,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from contextvars import ContextVar, Token
-from dataclasses import dataclass
-from enum import Enum
+from collections.abc import Iterable, Mapping
+from contextvars import Token
 from typing import Any
 
 import torch
@@ -72,54 +63,29 @@ from .transfer import Transfer, TransferDirection, TransferEngine, completed_tra
 from .disk_ops import DiskTransfers
 from .disk_store import DiskStore
 from .memory_meter import label_host
-from .physical_buffer import AllDone
 from .pinned_pool import PinnedMemoryPool
 from .stats import RuntimeStats, runtime_stats
-from .verify import checksum, dense_bytes, require_checksum, require_properties
+from .transfer_records import (
+    HostCopy,
+    HostCopyState,
+    PendingTransfer,
+    TransferRecords,
+    describe,
+    storage_key,
+)
+from .transfer_scope import (
+    TransferScope,
+    current_scope,
+    enter_scope,
+    leave_scope,
+    link_runtime,
+    linked_runtime,
+)
+from .verify import checksum, dense_bytes
 
-__all__ = [
-    "HostCopyState",
-    "TransferMisuseError",
-    "TransferRuntime",
-    "current_keep",
-    "current_transfer_runtime",
-    "runtime_of",
-]
-
-
-class HostCopyState(str, Enum):
-    FILLING = "FILLING"  # D2H started, not yet waited
-    VALID = "VALID"  # D2H waited: the host copy may be prefetched any number of times
-    RELEASED = "RELEASED"  # the program's last use passed; readable while referenced
-
-    def __repr__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True, eq=False)
-class _Scope:
-    """One ``with runtime`` block (compared by identity): the transfers it started are
-    drained at its exit. ``keep``: the ``copy_d2h`` slots this block keeps on the device
-    (:meth:`TransferRuntime.keeping`); ``where`` and ``slot_names`` name the block and its
-    copies in ``verify``'s errors."""
-
-    runtime: TransferRuntime
-    keep: frozenset[int] = frozenset()
-    where: str = ""
-    slot_names: Mapping[int, str] = dataclasses.field(default_factory=dict)
-
-    def origin(self, slot: int) -> str:
-        """Where the ``copy_d2h`` of ``slot`` ran, for ``verify``'s errors."""
-        name = self.slot_names.get(slot, f"slot {slot}" if slot >= 0 else "")
-        return ", ".join(part for part in (self.where, f"copy_d2h {name}".strip()) if part)
+__all__ = ["TransferRuntime", "current_transfer_runtime", "runtime_of"]
 
 
-_CURRENT: ContextVar[_Scope | None] = ContextVar("hyper_offload_transfer_runtime", default=None)
-
-_RUNTIME_LINK = "_hyper_offload_runtime"
-"""Attribute, on the storage of every tensor a runtime creates, holding a weak reference
-to that runtime (torch keeps a storage's Python object, and so its attributes, for as
-long as the storage lives, whichever tensor object reaches it)."""
 _HOST_BUFFER = "_hyper_offload_pool_buffer"
 """Attribute, on a host copy's storage, holding its pool buffer: the bytes stay valid
 for as long as any tensor on the copy lives, even past its runtime and pool."""
@@ -127,103 +93,22 @@ for as long as any tensor on the copy lives, even past its runtime and pool."""
 
 def current_transfer_runtime(op: str = "hyper_offload transfer op") -> TransferRuntime:
     """The runtime made current by ``with TransferRuntime(...)``; raises if there is none."""
-    scope = _CURRENT.get()
+    scope = current_scope()
     if scope is None:
         raise TransferMisuseError(
             f"{op}: no TransferRuntime is active in this context. Rule: a forward pass "
             "that offloads runs inside `with TransferRuntime(pool=...)`, which owns the "
             "copy engines and the host pool. Fix: wrap the forward pass in that block"
         )
-    return scope.runtime
+    runtime: TransferRuntime = scope.runtime
+    return runtime
 
 
 def runtime_of(op: str, *tensors: torch.Tensor | None) -> TransferRuntime:
     """The runtime that created the first of ``tensors`` made by a runtime, else the
-    current one (see the module docstring)."""
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        link = getattr(tensor.untyped_storage(), _RUNTIME_LINK, None)
-        if link is None:
-            continue
-        runtime = link()
-        if runtime is None:
-            raise TransferMisuseError(
-                f"{op}: {_describe(tensor)} was made by a TransferRuntime that no longer "
-                "exists. Rule: a runtime outlives the graphs that use its host copies. "
-                "Fix: keep the runtime (the compiled model's backend) alive until their "
-                "backward has run"
-            )
-        return runtime
-    return current_transfer_runtime(op)
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device}"
-
-
-def _key(tensor: torch.Tensor) -> int:
-    # The storage's Python object lives as long as the storage, and every record below
-    # is dropped (by a weakref callback) when its storage dies, so the id is unique for
-    # the record's lifetime.
-    return id(tensor.untyped_storage())
-
-
-@dataclass(eq=False)
-class _HostCopy:
-    """One host copy made by ``copy_d2h``: its state, the D2H that fills it (a prefetch
-    is ordered after it) and the weak reference whose callback returns its buffer."""
-
-    state: HostCopyState
-    d2h: Transfer
-    lifetime: weakref.ref[torch.UntypedStorage]
-    """To the copy's storage; its death ends the record (and returns the buffer)."""
-    sent: torch.Tensor | None = None
-    """``verify``: the checksum of the bytes the D2H copies (None when unverified)."""
-    origin: str = ""
-    """Where the D2H was issued (door, region, copy), for ``verify``'s errors."""
-    sent_properties: TensorProperties | None = None
-    """``verify``: what left (its dtype, sizes and bits) in the host copy's layout: what
-    a reload must be."""
-    holder: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    """The pool buffer, until the copy's death (or a spill,
-    :meth:`TransferRuntime.take_host_buffer`) gives it back: whoever pops it returns it,
-    exactly once."""
-    read: Any = None
-    """A disk read filling the buffer (:mod:`.disk_ops`); the first H2D waits for it."""
-    readers: list[Transfer] = dataclasses.field(default_factory=list)
-    """The H2Ds started from this copy (a buffer given back waits for them)."""
-    loaded: bool = False
-    """Read back from disk: ``release_host`` gives its buffer back at once (no second
-    backward can read it: its file is gone)."""
-
-
-@dataclass(eq=False)
-class _Pending:
-    """A started transfer whose ``wait_transfer`` has not run yet.
-
-    A D2H holds its source and host copy (``keep``): both live until the wait whatever
-    the caller drops, and ``copy_d2h`` runs only inside a block, whose exit drains it. An
-    H2D holds neither: it runs in a backward, outside any block, and one whose
-    destination died unwaited (a backward that raised) must not keep its device tensor
-    or host copy from being freed; its handle keeps the host side alive until it
-    completes, which is all the bytes need.
-    """
-
-    op: str
-    transfer: Transfer
-    label: str
-    source: weakref.ref[torch.UntypedStorage]
-    lifetime: weakref.ref[torch.UntypedStorage]
-    """To the destination's storage; its death (unwaited) ends the record."""
-    host_key: int
-    scope: _Scope | None
-    keep: tuple[torch.Tensor, ...]
-    expect: torch.Tensor | None = None
-    """``verify``: the checksum the destination must have once waited (None: unchecked)."""
-    origin: str = ""
-    expect_properties: TensorProperties | None = None
-    """``verify``, an H2D: the properties its destination must have."""
+    current one (:mod:`.transfer_scope`)."""
+    runtime: TransferRuntime | None = linked_runtime(op, tensors)
+    return current_transfer_runtime(op) if runtime is None else runtime
 
 
 class TransferRuntime:
@@ -242,7 +127,9 @@ class TransferRuntime:
         verify: bool = False, disk: DiskStore | None = None,
     ) -> None:
         self.pool = pool
-        self.disk = None if disk is None else DiskTransfers(self, disk)
+        self._lock = threading.RLock()
+        self._records = TransferRecords(pool, self._lock)
+        self.disk = None if disk is None else DiskTransfers(self, self._records, disk)
         """The disk tier's ops (:mod:`.disk_ops`; None: no disk tier)."""
         self.verify = verify
         """Checksum every ``copy_d2h`` from now on and check it (module docstring); the
@@ -250,11 +137,6 @@ class TransferRuntime:
         self.checks = 0
         """Checks that passed since the runtime was made (``verify``)."""
         self._engines: dict[torch.device, TransferEngine] = {e.device: e for e in engines}
-        self._lock = threading.RLock()
-        self._pending: dict[int, _Pending] = {}
-        self._hosts: dict[int, _HostCopy] = {}
-        # Kept copies (keep_on_device) by storage, each dropped when its storage dies.
-        self._kept: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.bytes_d2h = 0
         """Bytes copied to the host since the runtime was made (measured, monotonic)."""
         self.bytes_h2d = 0
@@ -265,18 +147,12 @@ class TransferRuntime:
         """Of ``bytes_kept``, those kept because the host budget had no room for them
         (:meth:`host_full`): a plan made without this budget (the step scope's first,
         floor step, a cached graph). Every such byte is over the device budget's plan."""
-        self._tokens: list[Token[_Scope | None]] = []
-        # Keys whose storage died, appended by weakref callbacks (which may run inside
-        # any code, this runtime's included) and applied under the lock by _collect_locked.
-        self._dead: deque[tuple[dict[int, Any], int, weakref.ref[Any]]] = deque()
-        # Transfers not yet seen complete: until then each one's handle holds its host
-        # side, so collect() must look at them for a dead host copy to die.
-        self._unobserved: list[Transfer] = []
+        self._tokens: list[Token[TransferScope[Any] | None]] = []
 
     # ------------------------------------------------------------------ context
 
     def __enter__(self) -> TransferRuntime:
-        self._tokens.append(_CURRENT.set(_Scope(self)))
+        self._tokens.append(enter_scope(TransferScope(self)))
         return self
 
     def keeping(
@@ -289,7 +165,7 @@ class TransferRuntime:
         invocation of a compiled graph resident while another invocation of the same
         graph offloads. ``where`` and ``slot_names`` name the block and its copies in
         ``verify``'s errors."""
-        return _KeepingBlock(_Scope(self, frozenset(slots), where, slot_names or {}))
+        return _KeepingBlock(TransferScope(self, frozenset(slots), where, slot_names or {}))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._exit_scope(exc_type)
@@ -332,26 +208,26 @@ class TransferRuntime:
             engine.synchronize()
             self.pool.release(buffer)
             raise TransferFailedError(
-                f"hyper_offload::copy_d2h of {_describe(src)} failed; the device tensor is "
+                f"hyper_offload::copy_d2h of {describe(src)} failed; the device tensor is "
                 "untouched and still the valid copy, the host buffer went back to the pool"
             ) from exc
-        key = _key(host)
+        key = storage_key(host)
         storage = host.untyped_storage()
         with self._lock:
-            self._collect_locked()
-            scope = _CURRENT.get()
+            self._records.collect_locked()
+            scope = current_scope()
             origin = scope.origin(slot) if scope is not None else ""
             holder = [buffer]
-            self._hosts[key] = _HostCopy(
+            self._records.hosts[key] = HostCopy(
                 HostCopyState.FILLING, transfer,
-                weakref.ref(storage, self._on_host_death(key, holder)), sent, origin,
+                weakref.ref(storage, self._records.on_host_death(key, holder)), sent, origin,
                 sent_properties, holder,
             )
-            self._pending[key] = self._new_pending(
+            self._records.pending[key] = self._new_pending(
                 "copy_d2h", transfer, src, host, key, keep=(src, host), expect=sent,
                 origin=origin,
             )
-            self._unobserved.append(transfer)
+            self._records.unobserved.append(transfer)
             self.bytes_d2h += nbytes
         # Set last: until here a failure leaves a plain tensor that frees its own bytes.
         setattr(storage, _HOST_BUFFER, buffer)
@@ -388,20 +264,17 @@ class TransferRuntime:
         kept = torch.empty_strided(shape, stride, dtype=src.dtype, device=src.device)
         kept.copy_(src)
         storage = kept.untyped_storage()
-        setattr(storage, _RUNTIME_LINK, weakref.ref(self))
-        key, dead, table = _key(kept), self._dead, self._kept
+        link_runtime(storage, self)
+        key, table = storage_key(kept), self._records.kept
         with self._lock:
-            self._collect_locked()
-            table[key] = weakref.ref(storage, lambda ref: dead.append((table, key, ref)))
+            self._records.collect_locked()
+            table[key] = weakref.ref(storage, self._records.on_death(table, key))
             self.bytes_kept += src.numel() * src.element_size()
         return kept
 
     def is_kept(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a kept copy (:meth:`keep_on_device`) of this runtime."""
-        with self._lock:
-            self._collect_locked()
-            ref = self._kept.get(_key(tensor))
-            return ref is not None and ref() is tensor.untyped_storage()
+        return self._records.is_kept(tensor)
 
     def copy_h2d(
         self,
@@ -415,10 +288,10 @@ class TransferRuntime:
         (:meth:`keep_on_device`) is already there: it comes back as it is."""
         if self.is_kept(host):
             return host
-        host_key = _key(host)
+        host_key = storage_key(host)
         with self._lock:
-            self._collect_locked()
-            record = self._host_record("hyper_offload::copy_h2d", host)
+            self._records.collect_locked()
+            record = self._records.host_record("hyper_offload::copy_h2d", host)
             # The D2H that filled the host copy, waited or not: a wait orders only the
             # stream it ran on, so name the D2H explicitly (the engine skips it once done).
             after = [record.d2h]
@@ -434,17 +307,17 @@ class TransferRuntime:
             # Drain before device_tensor is dropped: its bytes may still be written.
             engine.synchronize()
             raise TransferFailedError(
-                f"hyper_offload::copy_h2d of {_describe(host)} to {device} failed; the host "
+                f"hyper_offload::copy_h2d of {describe(host)} to {device} failed; the host "
                 "copy is untouched and still valid, nothing is in flight"
             ) from exc
-        setattr(device_tensor.untyped_storage(), _RUNTIME_LINK, weakref.ref(self))
+        link_runtime(device_tensor.untyped_storage(), self)
         with self._lock:
             record.readers = [t for t in record.readers if not t.query()] + [transfer]
-            self._pending[_key(device_tensor)] = self._new_pending(
+            self._records.pending[storage_key(device_tensor)] = self._new_pending(
                 "copy_h2d", transfer, host, device_tensor, host_key, expect=expect,
                 origin=origin, expect_properties=properties,
             )
-            self._unobserved.append(transfer)
+            self._records.unobserved.append(transfer)
             self.bytes_h2d += device_tensor.numel() * device_tensor.element_size()
         return device_tensor
 
@@ -453,56 +326,15 @@ class TransferRuntime:
         (nothing to wait for on a kept copy)."""
         if self.is_kept(tensor):
             return
-        key = _key(tensor)
-        with self._lock:
-            self._collect_locked()
-            pending = self._pending.get(key)
-            if pending is None:
-                raise TransferMisuseError(
-                    f"hyper_offload::wait_transfer: no transfer into {_describe(tensor)} is "
-                    "pending; it was never started, or was already waited. Rule: each "
-                    "copy_d2h/copy_h2d result is waited exactly once. Fix: pass the tensor "
-                    "returned by copy_d2h or copy_h2d, once"
-                )
-            if keepalive is not None and keepalive.untyped_storage() is not pending.source():
-                raise TransferMisuseError(
-                    f"hyper_offload::wait_transfer: keepalive {_describe(keepalive)} is not "
-                    f"the source of the {pending.op} into {_describe(tensor)}. Rule: the "
-                    "keepalive is the tensor being copied, so that it outlives the copy. "
-                    "Fix: pass the argument given to the matching copy op"
-                )
-            del self._pending[key]
+        pending = self._records.take_pending(tensor, keepalive)
         pending.transfer.wait()
         pending.transfer.query()  # drops the handle's references at once if already done
         if pending.expect is not None:
-            self._check(pending, tensor if pending.op == "copy_h2d" else pending.keep[0])
+            pending.check(tensor if pending.op == "copy_h2d" else pending.keep[0])
+            self.checks += 1
         if pending.op == "copy_d2h":
             with self._lock:
-                self._hosts[pending.host_key].state = HostCopyState.VALID
-
-    def _check(self, pending: _Pending, data: torch.Tensor) -> None:
-        """``verify``: after the wait of ``pending``, ``data`` (a D2H's source, which the
-        graph frees next; an H2D's destination, which ops read next) must still hold, or
-        now hold, the bytes the D2H copied."""
-        assert pending.expect is not None
-        layout = pending.keep[1] if pending.op == "copy_d2h" else data
-        found = dense_bytes(data, tuple(layout.shape), tuple(layout.stride()))
-        subject = f"{_describe(data)} ({data.numel() * data.element_size()} B)"
-        if pending.op == "copy_d2h":
-            require_checksum(
-                found, pending.expect, "write after copy", subject, "the device bytes changed "
-                "after their D2H was issued, so the host copy holds older or torn bytes",
-                pending.origin,
-            )
-        else:
-            where = f"{pending.origin}, reloaded by copy_h2d" if pending.origin else "copy_h2d"
-            if pending.expect_properties is not None:
-                require_properties(data, pending.expect_properties, subject, where)
-            require_checksum(
-                found, pending.expect, "reload", subject,
-                "the reloaded bytes differ from those the D2H read", where,
-            )
-        self.checks += 1
+                self._records.hosts[pending.host_key].state = HostCopyState.VALID
 
     def release_host(self, host: torch.Tensor) -> None:
         """Mark the program's last use of host copy ``host``. Its buffer goes back to the
@@ -510,19 +342,7 @@ class TransferRuntime:
         second backward) changes nothing; nor does releasing a kept copy."""
         if self.is_kept(host):
             return
-        with self._lock:
-            self._collect_locked()
-            record = self._host_record("hyper_offload::release_host", host)
-            if record.state is HostCopyState.FILLING:
-                raise TransferMisuseError(
-                    f"hyper_offload::release_host: the copy_d2h into {_describe(host)} was "
-                    "never waited. Rule: a host copy is released only after its D2H was "
-                    "waited. Fix: call wait_transfer(host, keepalive=source) first"
-                )
-            record.state = HostCopyState.RELEASED
-            loaded = record.loaded
-        if loaded:
-            self.give_back_host_buffer(host)
+        self._records.release(host)
 
     # ------------------------------------------------------------------ lifetimes
 
@@ -531,18 +351,11 @@ class TransferRuntime:
         host copy whose last holder is a finished copy's handle dies now. Costs one
         event query per copy not yet seen complete; ``copy_d2h``, ``stats`` and the
         compile backend (at every forward of every region) call it."""
-        with self._lock:
-            self._collect_locked()
-            transfers, self._unobserved = self._unobserved, []
-        # Outside the lock: a completion drops references, which may run finalizers.
-        running = [transfer for transfer in transfers if not transfer.query()]
-        with self._lock:
-            self._unobserved.extend(running)
+        self._records.collect()
 
     def _exit_scope(self, exc_type: Any) -> None:
-        scope = _CURRENT.get()
-        _CURRENT.reset(self._tokens.pop())
-        leftover = self._drain_pending(scope)
+        scope = leave_scope(self._tokens.pop())
+        leftover = self._records.drain(scope)
         if leftover and exc_type is None:
             started = ", ".join(f"{p.op}→{p.label}" for p in leftover)
             raise TransferMisuseError(
@@ -551,88 +364,39 @@ class TransferRuntime:
                 "wait_transfer on its result. They were synchronized; fix the lowering"
             )
 
-    def _collect_locked(self) -> None:
-        while self._dead:
-            table, key, ref = self._dead.popleft()
-            record = table.get(key)
-            # The key may already name a newer record (ids are reused once a storage dies);
-            # a kept copy's record is its weak reference itself.
-            lifetime = record if isinstance(record, weakref.ref) else getattr(record, "lifetime", None)
-            if record is not None and lifetime is ref:
-                del table[key]
-
-    def _on_host_death(self, key: int, holder: list[torch.Tensor]) -> Callable[[Any], None]:
-        pool, dead, hosts = self.pool, self._dead, self._hosts
-
-        def died(ref: weakref.ref[torch.UntypedStorage]) -> None:
-            # May run inside any code, also while this thread holds the pool's or this
-            # runtime's lock: only non-blocking calls here (list.pop is atomic).
-            if holder:
-                pool.release_soon(holder.pop())
-            dead.append((hosts, key, ref))
-
-        return died
-
     # ------------------------------------------------------------------ the disk tier
-
-    def take_host_buffer(self, host: torch.Tensor) -> tuple[torch.Tensor, _HostCopy]:
-        """The pool buffer of host copy ``host``, taken from the copy (:mod:`.disk_ops`
-        writes it to disk and gives it back to the pool itself): the copy's death no
-        longer returns it. Nothing may read ``host`` afterwards."""
-        with self._lock:
-            self._collect_locked()
-            record = self._host_record("hyper_offload::spill_to_disk", host)
-            if not record.holder:
-                raise TransferMisuseError(
-                    f"hyper_offload::spill_to_disk: the host copy {_describe(host)} was "
-                    "spilled already. Rule: one spill per host copy. Fix: spill the copy_d2h "
-                    "result once")
-            return record.holder.pop(), record
 
     def adopt_host_copy(
         self, buffer: torch.Tensor, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
-        stride: tuple[int, ...], read: Any, like: _HostCopy,
+        stride: tuple[int, ...], read: Any, like: HostCopy,
     ) -> torch.Tensor:
         """A host copy over pool ``buffer`` that ``read`` (a disk read) fills: VALID, its
         first ``copy_h2d`` waits for the read; checked by ``verify`` as ``like`` was."""
         host = self._host_tensor(buffer, nbytes, dtype, shape, stride)
-        key, holder = _key(host), [buffer]
+        key, holder = storage_key(host), [buffer]
         done = completed_transfer(TransferDirection.D2H, buffer.device, nbytes)
         with self._lock:
-            self._collect_locked()
-            self._hosts[key] = _HostCopy(
+            self._records.collect_locked()
+            self._records.hosts[key] = HostCopy(
                 HostCopyState.VALID, done,
-                weakref.ref(host.untyped_storage(), self._on_host_death(key, holder)),
+                weakref.ref(host.untyped_storage(), self._records.on_host_death(key, holder)),
                 like.sent, like.origin, like.sent_properties, holder, read, loaded=True,
             )
         setattr(host.untyped_storage(), _HOST_BUFFER, buffer)
         return host
-
-    def give_back_host_buffer(self, host: torch.Tensor) -> None:
-        """A host copy read back from disk is done with (its ``release_host``): its buffer
-        returns to the pool once the copies reading it completed, not at its death (the
-        file is gone, so no second backward reads it again; nothing reads ``host`` after
-        its last reload)."""
-        with self._lock:
-            record = self._hosts.get(_key(host))
-            if record is None or not record.holder:
-                return
-            buffer = record.holder.pop()
-            readers = [t for t in record.readers if not t.query()]
-        self.pool.release(buffer, AllDone(readers) if readers else None)
 
     def _new_pending(
         self, op: str, transfer: Transfer, source: torch.Tensor, destination: torch.Tensor,
         host_key: int, *, keep: tuple[torch.Tensor, ...] = (),
         expect: torch.Tensor | None = None, origin: str = "",
         expect_properties: TensorProperties | None = None,
-    ) -> _Pending:
-        dead, table, key = self._dead, self._pending, _key(destination)
-        scope = _CURRENT.get()
-        return _Pending(
-            op, transfer, f"{_describe(destination)}",
+    ) -> PendingTransfer:
+        table, key = self._records.pending, storage_key(destination)
+        scope = current_scope()
+        return PendingTransfer(
+            op, transfer, f"{describe(destination)}",
             weakref.ref(source.untyped_storage()),
-            weakref.ref(destination.untyped_storage(), lambda ref: dead.append((table, key, ref))),
+            weakref.ref(destination.untyped_storage(), self._records.on_death(table, key)),
             host_key, scope if scope is not None and scope.runtime is self else None, keep,
             expect, origin, expect_properties,
         )
@@ -647,33 +411,17 @@ class TransferRuntime:
         storage = torch._C._construct_storage_from_data_pointer(
             buffer.data_ptr(), buffer.device, nbytes
         )
-        setattr(storage, _RUNTIME_LINK, weakref.ref(self))
+        link_runtime(storage, self)
         label_host(storage)
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape, stride)
-
-    def _drain_pending(self, scope: _Scope | None) -> list[_Pending]:
-        """Synchronize and forget the unwaited transfers started in ``scope``; returns
-        them. A drained D2H's host copy is complete, hence VALID."""
-        with self._lock:
-            self._collect_locked()
-            keys = [key for key, p in self._pending.items() if p.scope is scope]
-            leftover = [self._pending.pop(key) for key in keys]
-        for pending in leftover:
-            pending.transfer.synchronize()  # nothing stays in flight past this point
-        with self._lock:
-            for pending in leftover:
-                record = self._hosts.get(pending.host_key)
-                if pending.op == "copy_d2h" and record is not None:
-                    record.state = HostCopyState.VALID
-        return leftover
 
     # ------------------------------------------------------------------ inspection
 
     def host_state(self, host: torch.Tensor) -> HostCopyState | None:
         """State of the host copy ``host`` belongs to, or None if this runtime never made it."""
         with self._lock:
-            self._collect_locked()
-            record = self._hosts.get(_key(host))
+            self._records.collect_locked()
+            record = self._records.hosts.get(storage_key(host))
             return None if record is None else record.state
 
     @property
@@ -681,14 +429,14 @@ class TransferRuntime:
         """Host copies alive (some tensor still reaches them), released or not."""
         self.collect()
         with self._lock:
-            return len(self._hosts)
+            return len(self._records.hosts)
 
     @property
     def transfers_pending(self) -> int:
         """Transfers started and not yet waited."""
         with self._lock:
-            self._collect_locked()
-            return len(self._pending)
+            self._records.collect_locked()
+            return len(self._records.pending)
 
     def stats(self) -> RuntimeStats:
         """Host syncs of every engine, the pool's figures (pageable fallbacks included)
@@ -696,7 +444,7 @@ class TransferRuntime:
         self.collect()
         with self._lock:
             counters = [engine.host_syncs for engine in self._engines.values()]
-            pending = len(self._pending)
+            pending = len(self._records.pending)
         stats = runtime_stats(counters, self.pool.stats(), pending)
         moved = {"bytes_d2h": self.bytes_d2h, "bytes_h2d": self.bytes_h2d,
                  "bytes_kept": self.bytes_kept, "bytes_kept_for_host": self.bytes_kept_for_host}
@@ -705,25 +453,14 @@ class TransferRuntime:
     def synchronize(self) -> None:
         """Block until every started transfer has completed (records stay pending)."""
         with self._lock:
-            pending = list(self._pending.values())
+            pending = list(self._records.pending.values())
         for p in pending:
             p.transfer.synchronize()
 
-    def _host_record(self, op: str, host: torch.Tensor) -> _HostCopy:
-        # Caller holds the lock.
-        record = self._hosts.get(_key(host))
-        if record is None:
-            raise TransferMisuseError(
-                f"{op}: {_describe(host)} is not a host copy made by copy_d2h in this "
-                "TransferRuntime. Rule: only tensors returned by copy_d2h are host copies. "
-                "Fix: pass the result of copy_d2h (after its wait_transfer)"
-            )
-        return record
-
     def __repr__(self) -> str:
         with self._lock:
-            live = len(self._hosts)
-            pending = len(self._pending)
+            live = len(self._records.hosts)
+            pending = len(self._records.pending)
         stats = self.stats()
         return (
             f"TransferRuntime(pending={pending}, host_copies={live}, host_syncs="
@@ -734,20 +471,14 @@ class TransferRuntime:
 class _KeepingBlock:
     """The context manager of :meth:`TransferRuntime.keeping`."""
 
-    def __init__(self, scope: _Scope) -> None:
+    def __init__(self, scope: TransferScope[TransferRuntime]) -> None:
         self._scope = scope
 
     def __enter__(self) -> TransferRuntime:
         runtime = self._scope.runtime
-        runtime._tokens.append(_CURRENT.set(self._scope))
+        runtime._tokens.append(enter_scope(self._scope))
         return runtime
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._scope.runtime._exit_scope(exc_type)
 
-
-def current_keep(slot: int) -> bool:
-    """Whether the current block keeps ``copy_d2h`` slot ``slot`` on the device
-    (``TransferRuntime.keeping``)."""
-    scope = _CURRENT.get()
-    return scope is not None and slot in scope.keep

@@ -71,7 +71,7 @@ def _step_with_a_corrupted_host_copy(verify: bool) -> list[torch.Tensor]:
     compiled = torch.compile(model, backend=backend)
     torch.manual_seed(1)
     loss = compiled(torch.randn(BATCH, SEQ, HIDDEN)).pow(2).mean()
-    hosts = [record.lifetime() for record in backend.runtime._hosts.values()]
+    hosts = [record.lifetime() for record in backend.runtime._records.hosts.values()]
     largest = max((s for s in hosts if s is not None), key=lambda s: s.nbytes())
     torch.empty(0, dtype=torch.uint8).set_(largest).fill_(0x3C)
     loss.backward()

@@ -9,13 +9,23 @@
 * :class:`~scripted_cuda.ScriptedCudaEngine` (fixture ``scripted_engine``) - the real
   async engine over a scripted CUDA (streams, events, lazy copies, an allocator model
   that flags use-after-free); see ``scripted_cuda.py``.
+* ``runtime`` - a :class:`TransferRuntime` made current for the whole test, and
+  ``manager`` - a :class:`ResidencyManager` over the CPU engine and ``pool``: what the
+  two modules of the transfer ops' tests (``test_ops*.py``) and of the residency
+  manager's (``test_residency*.py``) share (a module may define its own, as
+  ``test_gpu_ops.py`` and ``test_copy_stream.py`` do).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
+from hyper_offload.runtime.residency import ResidencyManager
+from hyper_offload.runtime.transfer import TransferEngine
+from hyper_offload.runtime.transfer_context import TransferRuntime
 
 from .doubles import (
     DeferredEngine,
@@ -74,3 +84,16 @@ def make_random() -> object:
 @pytest.fixture
 def bits_equal() -> object:
     return same_bits
+
+
+@pytest.fixture
+def runtime() -> Iterator[TransferRuntime]:
+    """A runtime over a 64 MiB pool, current for the whole test."""
+    with TransferRuntime(pool=PinnedMemoryPool(64 << 20)) as rt:
+        yield rt
+
+
+@pytest.fixture
+def manager(pool: PinnedMemoryPool) -> ResidencyManager:
+    """A residency manager over the CPU engine and ``pool``."""
+    return ResidencyManager(TransferEngine("cpu"), pool)

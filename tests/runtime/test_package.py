@@ -4,8 +4,8 @@
 Import effects are process-wide, so every check that depends on what is (not) loaded runs
 in a fresh interpreter (``-W error``: an import that warns, e.g. a kernel overridden in
 place, fails too). The ops' behaviour once the real kernels are loaded is covered by
-``test_ops.py``; here only that loading them makes a round trip work. The declarations
-themselves are ``tests/passes/ir/test_ops.py``'s.
+``test_ops.py`` and ``test_ops_misuse.py``; here only that loading them makes a round trip
+work. The declarations themselves are ``tests/passes/ir/test_ops.py``'s.
 """
 
 from __future__ import annotations

@@ -16,15 +16,12 @@ import weakref
 import pytest
 import torch
 
-from hyper_offload.errors import TransferFailedError
+from hyper_offload.errors import TransferFailedError, TransferMisuseError
 from hyper_offload.runtime import ops
 from hyper_offload.runtime.transfer import TransferDirection
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
-from hyper_offload.runtime.transfer_context import (
-    HostCopyState,
-    TransferMisuseError,
-    TransferRuntime,
-)
+from hyper_offload.runtime.transfer_context import TransferRuntime
+from hyper_offload.runtime.transfer_records import HostCopyState
 
 
 @pytest.fixture
