@@ -39,7 +39,7 @@ from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
 from hyper_offload.compiler.recompute_candidates import copy_joint  # noqa: E402
 from hyper_offload.compiler.recompute_rules import unrepeatable  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds  # noqa: E402
-from hyper_offload.passes.fx.floor_detail import floor_detail  # noqa: E402
+from hyper_offload.passes.fx.fx_trace import floor_detail  # noqa: E402
 from hyper_offload.passes.fx.fx_trace import FxTrace  # noqa: E402
 from hyper_offload.passes.fx.graph_trace import build_fx_trace  # noqa: E402
 
