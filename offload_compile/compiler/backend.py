@@ -27,8 +27,8 @@ around it (its transfer ops reach the runtime through the host copies they read)
 compiled graphs carry no per-process state and AOTAutograd's and Inductor's caches may
 serve them to another region or process. The partitioner's ``uuid()`` (a hash of the
 planning sources and the options) keeps a plain ``torch.compile``, or other options,
-from sharing those entries, and :mod:`.region_cache` stores each region's plan so that a
-cached region still reports it.
+from sharing those entries, and the partitioner stores each region's plan
+(:func:`~.partitioner.store_plan`) so that a cached region still reports it.
 
 **Graphs on the meta device** are compiled as plain ``torch.compile``, nothing planned
 (:func:`on_meta`, :func:`compile_on_meta`). A meta tensor has no bytes, so a region
@@ -61,10 +61,11 @@ from hyper_offload.runtime.disk_store import DiskStore
 from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.verify import VerifySteps
 
-from . import region_cache
 from .fake_capture import compile_graphs_only
 from .options import BackendOptions
-from .partitioner import OffloadPartitioner, PartitionRequest, PartitionResult
+from .partitioner import (
+    OffloadPartitioner, PartitionRequest, PartitionResult, cache_key, load_plan, source_digest,
+)
 from .region import CompiledRegion, Lowering
 from .region_plan import GraphPlan
 from .region_report import LOGGER, RegionReport, log_region_report
@@ -143,7 +144,7 @@ class HyperOffloadBackend:
         lowered as always but no code is generated, and steps run on fake tensors (of
         ``fake_mode``) are the step."""
         self.regions: list[CompiledRegion] = []
-        self.planning_code = region_cache.source_digest(_PLANNING_CODE)
+        self.planning_code = source_digest(_PLANNING_CODE)
         self._verify = VerifySteps(options.config.verify)
         config = options.config
         self.runtime = TransferRuntime(
@@ -304,7 +305,7 @@ class HyperOffloadBackend:
         self.regions.append(region)
         plan_key = None
         if self.options.inner_compiler == "inductor" and not self.fake_steps:
-            plan_key = region_cache.cache_key(
+            plan_key = cache_key(
                 gm, example_inputs, self.options.cache_key(), self.planning_code
             )
         if self.options.drops_cudagraphs and region.index == 0:
@@ -327,7 +328,7 @@ class HyperOffloadBackend:
     def _adopt_cached(self, region: CompiledRegion, compiled: Callable[..., Any],
                       plan_key: str) -> None:
         region.compiled = compiled
-        planned = region_cache.load_plan(plan_key)
+        planned = load_plan(plan_key)
         if planned is None:
             return
         region.from_cache = True
