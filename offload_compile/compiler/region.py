@@ -29,13 +29,12 @@ import torch
 from torch import fx
 
 from hyper_offload.passes import ActionKind, ResidencySchedule
-from hyper_offload.passes.fx.sizes import unbounded_sizes
+from hyper_offload.passes.fx.sizes import Bucket, bucket_of, size_inputs, unbounded_sizes
 from hyper_offload.passes.plan.step import RegionFloor
 
 from .recompute_rules import is_collective
 from .region_plan import GraphPlan, PlannedRegion
 from .region_report import LOGGER, TilingReport
-from .size_buckets import Bucket, bucket_of, size_inputs
 
 __all__ = [
     "CompiledRegion", "Lowering", "TilingSource", "activation_inputs", "fake_example_inputs",
