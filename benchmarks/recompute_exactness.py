@@ -139,7 +139,7 @@ class _ProductSplice(CustomPartitionerFn):
 
         from hyper_offload.compiler import recompute_splice as rs
         from hyper_offload.compiler.recompute_candidates import copy_joint
-        from hyper_offload.compiler.recompute_exactness import draws_random
+        from hyper_offload.compiler.recompute_rules import draws_random
         from hyper_offload.passes.fx.cost_model import node_seconds, throughput_for
 
         graphs = {}
@@ -298,7 +298,7 @@ class _TappingPartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         from hyper_offload.compiler.recompute_candidates import copy_joint
-        from hyper_offload.compiler.recompute_exactness import recomputed_nodes
+        from hyper_offload.compiler.recompute_rules import recomputed_nodes
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)
@@ -350,7 +350,7 @@ class _RealizingPartitioner(CustomPartitionerFn):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         from hyper_offload.compiler.recompute_candidates import copy_joint
-        from hyper_offload.compiler.recompute_exactness import recomputed_nodes
+        from hyper_offload.compiler.recompute_rules import recomputed_nodes
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)

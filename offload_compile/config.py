@@ -1,4 +1,29 @@
-"""``OffloadConfig``: the one knob set every front door reads."""
+"""``OffloadConfig``: the one knob set every front door reads, and how a door resolves the
+defaults that depend on the machine (the disk's bandwidth, this rank's host budget).
+
+**The node view of host memory: a rank's share of the machine it runs on.** Every rank
+of a node stages its offloaded activations in the same physical memory, so a per-rank
+host budget only means something next to how many ranks share the machine.
+:meth:`OffloadConfig.host_budget_bytes` turns ``OffloadConfig.max_host_activation_mb``
+into bytes; when it is ``None`` (the default) the
+budget is the node view::
+
+    host budget = available host memory / local ranks
+
+* available host memory: what the operating system reports as available *now*
+  (``MemAvailable`` of ``/proc/meminfo`` on Linux: free memory plus what the kernel can
+  reclaim; elsewhere ``os.sysconf``'s available physical pages), read when a door
+  resolves its configuration (the eager session's construction, the compile backend's
+  options), never at import;
+* local ranks: ``OffloadConfig.local_world_size`` when given, else, with
+  ``torch.distributed`` initialised, its world size capped at the accelerators this
+  machine has (one rank per device, the usual launch; on a CPU-only build every rank is
+  taken to share this machine), else 1.
+
+Both figures can be overridden (``max_host_activation_mb``, ``local_world_size``): a node
+that also hosts a data loader, or runs several jobs, should set its own. No environment
+variable is read: launchers' ``LOCAL_WORLD_SIZE`` belongs to the launcher.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +79,7 @@ class OffloadConfig:
     together, bytes stay on the device (the compile door's ``recompute="auto"``
     recomputes them instead) and the door says the host budget binds. ``None``
     (default): the node view, this machine's available memory divided by the ranks that
-    share it (:mod:`hyper_offload.host_memory`), read when a door starts."""
+    share it (:func:`node_host_budget_bytes`), read when a door starts."""
 
     local_world_size: int | None = None
     """Ranks sharing this machine's host memory, for the node view of
@@ -234,12 +259,10 @@ class OffloadConfig:
 
     def host_budget_bytes(self) -> int:
         """``max_host_activation_mb`` in bytes, or the node view when it is ``None``
-        (:func:`hyper_offload.host_memory.node_host_budget_bytes`: read from the system
+        (:func:`node_host_budget_bytes`: read from the system
         at this call; a door calls it once, where it starts, and keeps the figure)."""
         if self.max_host_activation_mb is not None:
             return int(self.max_host_activation_mb * MIB)
-        from hyper_offload.host_memory import node_host_budget_bytes
-
         return node_host_budget_bytes(self.local_world_size)
 
     def disk_bandwidth(self) -> float:
@@ -300,3 +323,43 @@ def _unknown_field(key: str, names: list[str]) -> str:
             else f"the fields are {', '.join(names)}")
     return (f"OffloadConfig: unknown field {key!r}; {hint} (see help(OffloadConfig) for "
             "what each field does)")
+
+
+_MEMINFO = Path("/proc/meminfo")
+
+
+def available_host_bytes() -> int:
+    """Host memory the operating system can give this process now, in bytes."""
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux (or no procfs): the portable, more conservative figure below
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ConfigurationError(
+            "OffloadConfig.max_host_activation_mb=None: this system reports no available "
+            f"host memory ({error}); set max_host_activation_mb to this rank's share of it"
+        ) from None
+
+
+def local_world_size() -> int:
+    """Ranks sharing this machine's host memory (module docstring)."""
+    import torch
+
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return 1
+    world = distributed.get_world_size()
+    if torch.accelerator.is_available():
+        return max(1, min(world, torch.accelerator.device_count()))
+    return world
+
+
+def node_host_budget_bytes(local_ranks: int | None = None) -> int:
+    """This rank's share of the machine's available host memory: available bytes over
+    ``local_ranks`` (None: :func:`local_world_size`)."""
+    ranks = local_world_size() if local_ranks is None else local_ranks
+    return available_host_bytes() // max(1, ranks)

@@ -202,7 +202,7 @@ MUTATIONS = (
              "        if random:\n", "        if False:\n",
              ("tests/compiler/test_recompute_search.py",),
              "a partition that re-runs dropout in the backward is used (its mask is drawn again)"),
-    Mutation("low-precision-rule-off", "offload_compile/compiler/recompute_exactness.py",
+    Mutation("low-precision-rule-off", "offload_compile/compiler/recompute_rules.py",
              "        if low_result or fused_low_input:\n", "        if False:\n",
              ("tests/compiler/test_recompute_search.py",),
              "under Inductor bf16 fused values are recomputed (they round differently)"),

@@ -44,10 +44,10 @@ from typing import Any
 # The trace IR's default link speed (torch-free), which the runtime's default bandwidth uses.
 from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 
-from hyper_offload.progress import note
+from hyper_offload.progress import note, progress_line
 
 from .failure import add_debug_flag, describe, quiet_torch_tracebacks, report_bad_input
-from .progress_line import progress_line
+
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT, EXIT_INVALID_SCHEDULE = 0, 1, 2, 3
 

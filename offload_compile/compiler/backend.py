@@ -27,8 +27,15 @@ around it (its transfer ops reach the runtime through the host copies they read)
 compiled graphs carry no per-process state and AOTAutograd's and Inductor's caches may
 serve them to another region or process. The partitioner's ``uuid()`` (a hash of the
 planning sources and the options) keeps a plain ``torch.compile``, or other options,
-from sharing those entries, and :mod:`.region_cache` stores each region's plan so that a
-cached region still reports it.
+from sharing those entries, and the partitioner stores each region's plan
+(:func:`~.partitioner.store_plan`) so that a cached region still reports it.
+
+**Graphs on the meta device** are compiled as plain ``torch.compile``, nothing planned
+(:func:`on_meta`, :func:`compile_on_meta`). A meta tensor has no bytes, so a region
+computing on the meta device has nothing to move (and no host copy a backward could
+reach): the backend compiles such a graph with its inner compiler alone, no region,
+report or step. ``hyper_offload.estimate`` gives what a real step would keep and move
+(its fake tensors are on the device they model, never meta).
 """
 
 from __future__ import annotations
@@ -54,11 +61,11 @@ from hyper_offload.runtime.disk_store import DiskStore
 from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.verify import VerifySteps
 
-from . import region_cache
 from .fake_capture import compile_graphs_only
-from .meta_graphs import compile_on_meta, on_meta
 from .options import BackendOptions
-from .partitioner import OffloadPartitioner, PartitionRequest, PartitionResult
+from .partitioner import (
+    OffloadPartitioner, PartitionRequest, PartitionResult, cache_key, load_plan, source_digest,
+)
 from .region import CompiledRegion, Lowering
 from .region_plan import GraphPlan
 from .region_report import LOGGER, RegionReport, log_region_report
@@ -137,7 +144,7 @@ class HyperOffloadBackend:
         lowered as always but no code is generated, and steps run on fake tensors (of
         ``fake_mode``) are the step."""
         self.regions: list[CompiledRegion] = []
-        self.planning_code = region_cache.source_digest(_PLANNING_CODE)
+        self.planning_code = source_digest(_PLANNING_CODE)
         self._verify = VerifySteps(options.config.verify)
         config = options.config
         self.runtime = TransferRuntime(
@@ -298,7 +305,7 @@ class HyperOffloadBackend:
         self.regions.append(region)
         plan_key = None
         if self.options.inner_compiler == "inductor" and not self.fake_steps:
-            plan_key = region_cache.cache_key(
+            plan_key = cache_key(
                 gm, example_inputs, self.options.cache_key(), self.planning_code
             )
         if self.options.drops_cudagraphs and region.index == 0:
@@ -321,7 +328,7 @@ class HyperOffloadBackend:
     def _adopt_cached(self, region: CompiledRegion, compiled: Callable[..., Any],
                       plan_key: str) -> None:
         region.compiled = compiled
-        planned = region_cache.load_plan(plan_key)
+        planned = load_plan(plan_key)
         if planned is None:
             return
         region.from_cache = True
@@ -386,3 +393,32 @@ def _compile_inductor(
     # this ``with`` (the partitioner runs inside it, at the forward's compile).
     with inductor_config.patch(custom_partitioner_fn=partitioner):
         return compile_fx(gm, example_inputs, config_patches=options.inductor_patches() or None)
+
+
+def on_meta(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph computes on the meta device."""
+    return any(isinstance(value, torch.Tensor) and value.device.type == "meta"
+               for value in example_inputs)
+
+
+def compile_on_meta(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: BackendOptions, *, warn: bool
+) -> Callable[..., Any]:
+    """``gm`` compiled with ``options``' inner compiler alone; ``warn``: say once (the
+    caller keeps the flag) why nothing is planned and what to use instead."""
+    if warn:
+        LOGGER.warning(
+            "hyper_offload: a region computes on the meta device, whose tensors hold no "
+            "bytes: nothing to move, so it is compiled as plain torch.compile with %s (no "
+            "region report). For what a real step would keep and move, use "
+            "hyper_offload.estimate(model, example_inputs, budget=...); to train, "
+            "materialize the model first (model.to_empty(device=...))",
+            options.inner_compiler,
+        )
+    if options.inner_compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=options.inductor_patches() or None)
+    from torch._dynamo.backends.debugging import aot_eager
+
+    return aot_eager(gm, example_inputs)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hyper_offload.errors import ReportScopeError
-from hyper_offload.passes.fx.floor_detail import FloorDetail
+from hyper_offload.passes.fx.fx_trace import FloorDetail
 from hyper_offload.passes.plan.step import FloorOp
 
 from .region_report import RegionReport
@@ -73,7 +73,7 @@ class EstimateReport:
     floor_detail: FloorDetail | None = None
     """Step scope, where a region's op sets the floor: that op's own operands and the
     largest other values on the device there, each named and said how it got there
-    (:mod:`~hyper_offload.passes.fx.floor_detail`). None for eager code or no floor."""
+    (:func:`~hyper_offload.passes.fx.fx_trace.floor_detail`). None for eager code or no floor."""
 
     @property
     def region(self) -> RegionReport:

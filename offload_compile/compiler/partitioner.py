@@ -7,15 +7,43 @@ the request says so, :mod:`.recompute_search`), plans it, and lowers the plan on
 ``hyper_offload::`` transfer ops (:func:`~.region_plan.lower_region`). Everything it needs
 comes in one :class:`PartitionRequest`; what it made comes back as one
 :class:`PartitionResult` (:attr:`OffloadPartitioner.result`). Nothing else is shared.
+
+**The plan it leaves on disk: what a warm restart needs besides the compiled code.**
+AOTAutograd's and Inductor's caches store a region's compiled forward and backward, with
+the transfer ops the plan put in them, and serve them to a later process without running
+the partitioner; the graphs then run as they are (the ops reach their runtime at run
+time, see :mod:`hyper_offload.runtime.transfer_scope`). What those caches do not keep
+is our record of the plan (:class:`~.region_plan.PlannedRegion`: the trace, the schedule,
+the checks, the region report), which ``HyperOffloadBackend.reports`` and
+``regions[i].planned`` show. The partitioner stores it next to Inductor's cache
+(:func:`store_plan`; the backend reads it back with :func:`load_plan`), under a key
+computed from what Dynamo hands the backend, before anything is compiled:
+
+* the Dynamo graph's code, and the metadata of its example inputs and of the graph
+  module's own parameters and buffers (what AOTAutograd's key is computed from too);
+* the options' cache key, a hash of the library's planning sources and torch's version
+  (what our partitioner's ``uuid()`` puts in AOTAutograd's key).
+
+Invariants: a stored plan is only ever *read* for a region whose compiled code came from
+the cache (the partitioner did not run); a region the partitioner planned is stored,
+replacing any older entry. A missing, unreadable or stale entry only costs the report:
+the region still runs its cached, planned code. Files are written atomically (temporary
+file, then rename), so concurrent processes never read a partial entry.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pickle
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
@@ -24,14 +52,16 @@ from hyper_offload.passes import ResidencySchedule, ScheduleError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.device import TransferBandwidth
 
-from . import region_cache
 from .options import BackendOptions
 from .recompute_candidates import Scorer
 from .recompute_search import search_region
 from .region_plan import GraphPlan, PlannedRegion, lower_region, plan_with_schedule
 from .region_report import log_region_report
 
-__all__ = ["OffloadPartitioner", "PartitionRequest", "PartitionResult"]
+__all__ = [
+    "OffloadPartitioner", "PartitionRequest", "PartitionResult", "cache_key", "load_plan",
+    "source_digest", "store_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -110,7 +140,7 @@ class OffloadPartitioner(CustomPartitionerFn):
             choice.plan if request.floor else None, plan,
         )
         if request.plan_key is not None:  # an inner compiler with a cache (Inductor)
-            region_cache.store_plan(request.plan_key, planned)
+            store_plan(request.plan_key, planned)
         log_region_report(planned.report)
         return choice.fw, choice.bw
 
@@ -145,3 +175,68 @@ class OffloadPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         return (self.request.planning_code, self.request.options.cache_key())
+
+
+_SUBDIR = "hyper_offload_plans"
+
+
+def source_digest(paths: Iterable[Path]) -> str:
+    """SHA-256 of the given ``.py`` files and of every ``.py`` file under the given
+    directories (names and contents): any edit to planning or lowering changes the key."""
+    digest = hashlib.sha256()
+    for root in paths:
+        files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
+        for path in files:
+            name = path.name if path == root else str(path.relative_to(root))
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _value_meta(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"T{tuple(value.shape)}{tuple(value.stride())}{value.dtype}{value.device.type}"
+                f"{value.requires_grad}")
+    return f"{type(value).__name__}:{value}"  # SymInts by symbol, plain numbers by value
+
+
+def cache_key(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options_key: str, sources: str
+) -> str:
+    """The key of a region's stored plan (see the module docstring)."""
+    parts = [gm.code, options_key, sources, torch.__version__]
+    parts += [_value_meta(value) for value in example_inputs]
+    parts += [f"{name}={_value_meta(t)}" for name, t in gm.named_parameters()]
+    parts += [f"{name}={_value_meta(t)}" for name, t in gm.named_buffers()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _path(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / _SUBDIR / f"{key}.pickle"
+
+
+def store_plan(key: str, planned: PlannedRegion) -> None:
+    """Write ``planned`` under ``key``, atomically. A disk error is not the step's
+    problem: the plan is then simply not served to the next process."""
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
+            pickle.dump(planned, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(handle.name, path)
+    except OSError:
+        return
+
+
+def load_plan(key: str) -> PlannedRegion | None:
+    """The plan stored under ``key``, or None when there is none (or it cannot be read:
+    written by another version of a class, truncated by a full disk, ...)."""
+    try:
+        with _path(key).open("rb") as handle:
+            planned = pickle.load(handle)  # our own cache directory, like Inductor's pickles
+    except (OSError, pickle.UnpicklingError, AttributeError, EOFError, ImportError,
+            TypeError, ValueError):
+        return None
+    return planned if isinstance(planned, PlannedRegion) else None

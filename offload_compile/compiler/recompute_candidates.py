@@ -5,7 +5,7 @@ priced under a work bound.
 torch's default partition:
 
 * :func:`budget_candidates`: torch's own partition at each ``activation_memory_budget``
-  of the grid, each distinct one planned (or rejected by :mod:`.recompute_exactness`);
+  of the grid, each distinct one planned (or rejected by :mod:`.recompute_rules`);
 * :func:`splice_candidates`: the default partition with its cheapest saved activations
   recomputed by the spliced backward (:mod:`.recompute_splice`), the option count
   bisected around the best of a few byte shares (:func:`share_counts`,
@@ -35,7 +35,7 @@ from torch._functorch import config as functorch_config
 from hyper_offload import progress
 from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 
-from .recompute_exactness import random_nodes, recomputed_nodes, unrepeatable
+from .recompute_rules import random_nodes, recomputed_nodes, unrepeatable
 from .recompute_splice import (
     held_options,
     inductor_uses_templates,

@@ -31,7 +31,7 @@ recompute and the spliced backward (:mod:`.recompute_splice`) recomputes exactly
 
 Exactness (the result must equal plain compile bit for bit: no random op, no collective
 recomputed, and under Inductor in low precision only what rounds the same) is
-:mod:`.recompute_exactness`'s; the candidates are built, planned and priced by
+:mod:`.recompute_rules`'s; the candidates are built, planned and priced by
 :mod:`.recompute_candidates`.
 """
 
@@ -48,7 +48,6 @@ from torch._functorch import config as functorch_config
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
 from hyper_offload.runtime.device import TransferBandwidth
 
-from .collectives import sizing_opaque_inputs, unsizable_inputs
 from .options import BackendOptions
 from .recompute_candidates import (
     SEARCH_MIN_WORK,
@@ -64,7 +63,9 @@ from .recompute_candidates import (
     region_score,
     splice_candidates,
 )
-from .recompute_exactness import partition_bans, recomputed_nodes
+from .recompute_rules import (
+    partition_bans, recomputed_nodes, sizing_opaque_inputs, unsizable_inputs,
+)
 from .region_plan import GraphPlan, plan_graphs
 from .region_report import RecomputeReport
 
@@ -112,7 +113,7 @@ def choose_partition(
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
-    low-precision values follow the exactness rule (:mod:`.recompute_exactness`), and
+    low-precision values follow the exactness rule (:mod:`.recompute_rules`), and
     the spliced backwards of :mod:`.recompute_splice` join the search. ``seconds``
     prices one op for ranking splice options (default: the roofline at CPU figures).
     ``bounded``: the search's planning work is bounded

@@ -29,16 +29,29 @@ import torch
 from torch import fx
 
 from hyper_offload.passes import ActionKind, ResidencySchedule
-from hyper_offload.passes.fx.sizes import unbounded_sizes
+from hyper_offload.passes.fx.sizes import Bucket, bucket_of, size_inputs, unbounded_sizes
 from hyper_offload.passes.plan.step import RegionFloor
 
-from .collectives import is_collective
+from .recompute_rules import is_collective
 from .region_plan import GraphPlan, PlannedRegion
-from .region_report import LOGGER
-from .size_buckets import Bucket, bucket_of, size_inputs
-from .tiling_report import TilingReport, TilingSource
+from .region_report import LOGGER, TilingReport
 
-__all__ = ["CompiledRegion", "Lowering", "activation_inputs", "fake_example_inputs"]
+__all__ = [
+    "CompiledRegion", "Lowering", "TilingSource", "activation_inputs", "fake_example_inputs",
+]
+
+
+class TilingSource(NamedTuple):
+    """A region's untiled Dynamo graph, its example inputs as Dynamo's fake values
+    (never the real ones: an activation holds its whole autograd graph), the inputs that
+    carry tokens (``{placeholder: token dim}``; None: the analysis' default) and the
+    inputs that are activations (AOTAutograd's names), kept so that the step can choose
+    again (:meth:`.step.lowerings.RegionLowerings.retile`)."""
+
+    graph: fx.GraphModule
+    inputs: list[Any]
+    seeds: dict[str, int | None] | None
+    moving: frozenset[str]
 
 
 class Lowering(NamedTuple):

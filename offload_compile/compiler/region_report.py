@@ -1,4 +1,7 @@
-"""What the backend did to one compiled region, from Python and through ``logging``.
+"""What the backend did to one compiled region, from Python and through ``logging``: the
+plan's records (:class:`RegionReport` and its parts) and what sequence tiling did to the
+region and what it chose from (:class:`TilingReport`, ``tile_sequence``, :mod:`.tiling`),
+which the region report, the step report and ``hyper_offload.check`` print.
 
 Logger ``hyper_offload`` (quiet by default: the report is logged at INFO, and the one
 WARNING per region whose budget is infeasible reaches stderr through Python's
@@ -8,10 +11,9 @@ last-resort handler unless the application configures logging).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..passes.fx.sizes import SymbolicSize
-from .tiling_report import TilingReport
 
 LOGGER = logging.getLogger("hyper_offload")
 
@@ -22,12 +24,15 @@ movable moved) can filter them without reading their text."""
 
 __all__ = [
     "LOGGER",
+    "NOT_BIT_EXACT",
     "UNDER_FLOOR",
     "InfeasibleOpReport",
     "KeptSavedReport",
     "PartitionReport",
     "RecomputeReport",
     "RegionReport",
+    "TiledSpanReport",
+    "TilingReport",
     "log_region_report",
 ]
 
@@ -273,3 +278,74 @@ def log_region_report(report: RegionReport) -> None:
             "neither budget holds; or raise max_host_activation_mb or the device budget",
             report.region, report.host_budget_bytes or 0, report.budget_bytes,
             report.peak_host_bytes, report.predicted_peak_after)
+
+
+_MIB = 1 << 20
+
+NOT_BIT_EXACT = (
+    "NOT bit-exact: splitting sums over tokens (weight gradients, a loss mean) into tiles "
+    "reassociates them; hyper_offload.check measures the deviation"
+)
+"""Said by every report of a tiled plan."""
+
+
+@dataclass(frozen=True)
+class TiledSpanReport:
+    """Token-wise ops tiled together: the first and last op of one of them, what they
+    are, in how many tiles, and how many identical spans (one per layer) got the same."""
+
+    first: str
+    last: str
+    ops: str
+    tiles: int
+    copies: int = 1
+
+    def __str__(self) -> str:
+        copies = f" (x{self.copies} identical)" if self.copies > 1 else ""
+        return f"{self.first}..{self.last} [{self.ops}] in {self.tiles} tiles{copies}"
+
+
+@dataclass(frozen=True)
+class TilingReport:
+    """One region's tiling choice. Figures are *predicted*: ``floor_*`` the most any op
+    of the region needs with everything movable moved (the region's floor), before and
+    after; ``compute_*`` every op of both graphs at the roofline prices, the tiles'
+    recomputation included (after - before is its price); ``probes``: compiles of the
+    region's graphs (no code) the choice made; ``stopped``: why it chose what it did."""
+
+    mode: str
+    seq_len: int | None
+    spans: tuple[TiledSpanReport, ...]
+    floor_before_bytes: int
+    floor_after_bytes: int
+    floor_op_before: str
+    floor_op_after: str
+    compute_before_s: float
+    compute_after_s: float
+    probes: int
+    seconds: float
+    stopped: str
+
+    @property
+    def tiled(self) -> bool:
+        return bool(self.spans)
+
+    def summary(self) -> dict[str, object]:
+        data = asdict(self)
+        data["spans"] = [asdict(span) for span in self.spans]
+        data["tiled"] = self.tiled
+        data["exact"] = not self.tiled
+        return data
+
+    def __str__(self) -> str:
+        head = f"tile_sequence={self.mode}"
+        if not self.tiled:
+            return f"{head}: not tiled ({self.stopped}); exact"
+        spans = "; ".join(map(str, self.spans))
+        return (
+            f"{head}: TILED {spans}; {NOT_BIT_EXACT}. Predicted floor "
+            f"{self.floor_before_bytes / _MIB:,.2f} -> {self.floor_after_bytes / _MIB:,.2f} MiB "
+            f"(set by {self.floor_op_after}), compute {self.compute_before_s * 1e3:.3f} -> "
+            f"{self.compute_after_s * 1e3:.3f} ms (the tiles' recompute); {self.stopped}; "
+            f"{self.probes} probe(s) in {self.seconds:.1f} s"
+        )

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError, DynamicShapeError, HyperOffloadError
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
-from hyper_offload.passes.fx.floor_detail import FloorDetail, floor_detail
+from hyper_offload.passes.fx.fx_trace import FloorDetail, floor_detail
 from hyper_offload.runtime.device import TransferBandwidth
 
 from .block_layout import AUTO_MIN_REPEATS, BlockRun, compile_per_block, repeated_blocks
@@ -133,7 +133,7 @@ FLOOR_DETAIL_LEAST_BYTES = 1 << 20
 
 
 def _floor_detail(backend: HyperOffloadBackend, report: StepReport | None) -> FloorDetail | None:
-    """:func:`~hyper_offload.passes.fx.floor_detail.floor_detail` at the step floor's
+    """:func:`~hyper_offload.passes.fx.fx_trace.floor_detail` at the step floor's
     op, on the lowering in force of its region (None: eager code, or no plan)."""
     floor_op = None if report is None else report.floor_op
     if floor_op is None or floor_op.region is None:

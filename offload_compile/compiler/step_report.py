@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from hyper_offload.passes.plan.step import FloorOp, InvocationPlan, StepPlan
 
-from .region_report import LOGGER, UNDER_FLOOR
-from .tiling_report import NOT_BIT_EXACT
+from .region_report import LOGGER, NOT_BIT_EXACT, UNDER_FLOOR
 
 __all__ = ["StepReport", "build_step_report", "explain_floor", "log_step_plan"]
 

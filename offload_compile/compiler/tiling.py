@@ -20,7 +20,7 @@ Before a region is compiled, when ``tile_sequence`` is ``"auto"`` or a tile coun
    nothing and changes nothing;
 3. the region is compiled from the tiled graph as from any Dynamo graph (the recompute
    search, the step plan, the lowerings all see the tiled graphs); its region report says
-   what was tiled (:class:`~.tiling_report.TilingReport`), and that the plan is *not
+   what was tiled (:class:`~.region_report.TilingReport`), and that the plan is *not
    bit-exact* (sums over tokens are reassociated: weight gradients, a loss mean).
 
 Every candidate is priced on the one timeline model: its floor from its own trace, its
@@ -65,9 +65,8 @@ from hyper_offload.passes.fx.tiling_rewrite import TileUnit, tile_graph
 
 from .fake_capture import compile_graphs_only
 from .options import BackendOptions
-from .region import activation_inputs, fake_example_inputs
-from .region_report import LOGGER
-from .tiling_report import TiledSpanReport, TilingReport, TilingSource
+from .region import TilingSource, activation_inputs, fake_example_inputs
+from .region_report import LOGGER, TiledSpanReport, TilingReport
 
 __all__ = ["MAX_TILES", "MIN_GAIN", "SPAN_KEY", "Probe", "TilingSource", "choose_tiling",
            "probe_floor", "tile_region", "tiling_source"]

@@ -29,12 +29,12 @@ from hyper_offload.errors import CheckUsageError, OffloadBudgetWarning
 from hyper_offload.progress import note
 
 from .report import CheckReport, Mismatch, SavedTensor, Verdict
-from .tiling import measure_tiling
 from .runs import (
     Door,
     Problem,
     RunResult,
     first_mismatch,
+    measure_tiling,
     offload_compile,
     offload_eager,
     plain_compile,

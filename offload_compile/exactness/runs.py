@@ -11,6 +11,15 @@ Doors (:class:`Door`): ``plain_compile`` (``torch.compile`` with the inner compi
 ``offload_compile`` (``backend=hyper_offload`` at budget 0, optionally moving only some
 saved tensors), ``plain_eager`` and ``offload_eager`` (an ``OffloadSession`` at budget 0
 around each step).
+
+**How far sequence tiling moves training from plain training** (:func:`measure_tiling`).
+Sequence tiling (``tile_sequence``, :mod:`hyper_offload.compiler.tiling`) is the one
+option that is not bit-exact: each tile's forward is the untiled rows of token-wise
+ops, but sums over tokens (weight gradients, a loss mean, an embedding's gradient) are
+added tile by tile, in another order. So :func:`~.check.check` does not judge it with
+``torch.equal``; it trains once more with tiling (everything movable moved, as the
+exact run) and reports, for the loss and every gradient, the largest absolute and
+relative difference from the plain run over the steps.
 """
 
 from __future__ import annotations
@@ -28,9 +37,12 @@ from torch.utils._pytree import tree_flatten
 from hyper_offload.config import OffloadConfig
 from hyper_offload.errors import CheckUsageError
 
-from .report import Mismatch
+from .report import Deviation, Mismatch, TilingDeviation
 
-__all__ = ["Door", "Problem", "RunResult", "StepValues", "first_mismatch", "train"]
+__all__ = [
+    "Door", "Problem", "RunResult", "StepValues", "deviations", "first_mismatch",
+    "measure_tiling", "train",
+]
 
 
 class StepValues(NamedTuple):
@@ -184,3 +196,51 @@ def offload_eager(config: dict[str, Any]) -> Door:
 
     session = OffloadSession(OffloadConfig(**{**config, "max_resident_activation_mb": 0}))
     return Door("hyper_offload eager door", lambda model: model, lambda: session, session)
+
+
+def measure_tiling(
+    problem: Problem, want: RunResult, inner_compiler: str, options: dict[str, Any]
+) -> TilingDeviation:
+    """Train ``problem`` through the compile door with ``options`` (their
+    ``tile_sequence``) and compare with the plain run ``want`` (module docstring)."""
+    mode = str(options["tile_sequence"])
+    door = offload_compile(inner_compiler, options)
+    try:
+        got = train(problem, door)
+    except Exception as error:  # reported, never swallowed: it is the check's finding
+        return TilingDeviation(mode, (), (), error=f"{type(error).__name__}: {error}")
+    tiled = tuple(
+        f"region {region.index}: {region.tiling}" for region in door.state.regions
+        if region.tiling is not None and region.tiling.tiled
+    )
+    return TilingDeviation(mode, tiled, deviations(want.steps, got.steps))
+
+
+def deviations(want: Sequence[StepValues], got: Sequence[StepValues]) -> tuple[Deviation, ...]:
+    """The loss's and each gradient's deviation of ``got`` from ``want``, the largest
+    over the steps, in the model's parameter order."""
+    worst: dict[str, tuple[float, float]] = {}
+    for a, b in zip(want, got):
+        pairs = [("loss", a.loss, b.loss)]
+        pairs += [(f"gradient of {name}", grad, b.grads.get(name)) for name, grad in a.grads.items()]
+        for what, x, y in pairs:
+            found = _deviation(x, y)
+            old = worst.get(what, (0.0, 0.0))
+            worst[what] = (max(old[0], found[0]), max(old[1], found[1]))
+    return tuple(Deviation(what, *found) for what, found in worst.items())
+
+
+def _deviation(x: torch.Tensor, y: torch.Tensor | None) -> tuple[float, float]:
+    """(max abs difference, that over max |x|) of two values of one step."""
+    if y is None or x.shape != y.shape:
+        return float("inf"), float("inf")
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    x, y = x.double(), y.double()
+    if not x.numel():
+        return 0.0, 0.0
+    diff = float((x - y).abs().max())
+    if diff != diff:  # NaN
+        return float("inf"), float("inf")
+    scale = float(x.abs().max())
+    return diff, (diff / scale if scale else (0.0 if diff == 0 else float("inf")))

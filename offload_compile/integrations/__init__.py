@@ -25,7 +25,7 @@ from .._lazy import lazy_getattr
 _LAZY = {
     "HyperOffloadCallback": ".lightning_callback",
     "HyperOffloadTrainer": ".hf_trainer",
-    "OffloadArguments": ".arguments",
+    "OffloadArguments": ".door",
     "OffloadDoor": ".door",
     "OffloadTrainerMixin": ".hf_trainer",
 }

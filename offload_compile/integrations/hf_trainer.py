@@ -31,8 +31,7 @@ import torch
 
 from hyper_offload.errors import ConfigurationError
 
-from .door import OffloadDoor
-from .arguments import require
+from .door import OffloadDoor, require
 
 _FEATURE = "hyper_offload.integrations.HyperOffloadTrainer"
 transformers = require("transformers", extra="hf", feature=_FEATURE)
@@ -44,7 +43,7 @@ __all__ = ["HyperOffloadTrainer", "OffloadTrainerMixin"]
 class OffloadTrainerMixin:
     """Adds ``offload=`` to a ``transformers.Trainer`` class (module docstring).
 
-    ``offload``: :class:`~.arguments.OffloadArguments`, a ``hyper_offload.backend(...)`` or
+    ``offload``: :class:`~.door.OffloadArguments`, a ``hyper_offload.backend(...)`` or
     an ``OffloadSession`` (default: ``OffloadArguments()``, the compile door at 1024 MiB).
     Invariant: the model is compiled (compile door) or the session made (eager door) once,
     in ``__init__``, after Trainer placed the model on its device.

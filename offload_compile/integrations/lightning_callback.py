@@ -38,8 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .door import OffloadDoor
-from .arguments import require
+from .door import OffloadDoor, require
 
 pl = require("lightning.pytorch", extra="lightning",
              feature="hyper_offload.integrations.HyperOffloadCallback")
@@ -50,7 +49,7 @@ __all__ = ["HyperOffloadCallback"]
 class HyperOffloadCallback(pl.Callback):
     """Either door for a Lightning ``Trainer`` (module docstring).
 
-    ``offload``: :class:`~.arguments.OffloadArguments`, a ``hyper_offload.backend(...)`` or
+    ``offload``: :class:`~.door.OffloadArguments`, a ``hyper_offload.backend(...)`` or
     an ``OffloadSession`` (default: ``OffloadArguments()``). ``compile_modules``: dotted
     names of the submodules the compile door compiles (``""``: the LightningModule).
     ``log_metrics``: log the step report's figures every batch.

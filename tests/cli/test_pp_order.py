@@ -1,4 +1,4 @@
-"""``hyper-offload pp-order``: in-process through ``hyper_offload.cli.main``, plus one subprocess."""
+"""``hyper-offload pp-order``: in-process through ``hyper_offload.cli.main()``, plus one subprocess."""
 
 from __future__ import annotations
 

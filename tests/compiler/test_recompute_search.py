@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hyper_offload.compiler.recompute_candidates import copy_joint, refine_count, share_counts
-from hyper_offload.compiler.recompute_exactness import (
+from hyper_offload.compiler.recompute_rules import (
     draws_random,
     low_precision_bans,
     recomputed_nodes,

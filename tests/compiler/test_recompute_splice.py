@@ -23,7 +23,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 import hyper_offload.runtime.ops  # noqa: F401
 from hyper_offload.compiler import recompute_splice as rs
 from hyper_offload.compiler.recompute_candidates import copy_joint
-from hyper_offload.compiler.recompute_exactness import draws_random
+from hyper_offload.compiler.recompute_rules import draws_random
 
 aten = torch.ops.aten
 DIM = 16

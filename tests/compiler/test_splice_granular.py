@@ -30,7 +30,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 import hyper_offload.runtime.ops  # noqa: F401 (materialize/discard real kernels)
 from hyper_offload.compiler import recompute_splice as rs
 from hyper_offload.compiler.recompute_candidates import copy_joint
-from hyper_offload.compiler.recompute_exactness import draws_random
+from hyper_offload.compiler.recompute_rules import draws_random
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
 
 from .compile_models import deterministic  # noqa: F401 (autouse)

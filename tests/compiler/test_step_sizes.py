@@ -1,4 +1,4 @@
-"""Sizes decided at run time under the step scope (issue 43, compiler/size_buckets.py).
+"""Sizes decided at run time under the step scope (issue 43, passes/fx/sizes.py).
 
 HF Llama (2 layers, from a config) compiled whole with aot_eager, a sequence length that
 changes every step (32, 48, 64, 48, 32, 64), under ``dynamic=True`` and under automatic

@@ -19,7 +19,7 @@ import torch
 import hyper_offload
 from hyper_offload.compiler.options import parse_backend_options
 from hyper_offload.errors import ConfigurationError
-from hyper_offload.exactness.tiling import deviations
+from hyper_offload.exactness.runs import deviations
 from hyper_offload.exactness.runs import StepValues
 
 from examples.step_memory import profiled_step

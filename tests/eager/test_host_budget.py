@@ -83,7 +83,7 @@ def test_a_host_budget_of_nothing_offloads_nothing_and_stays_exact(device_budget
 
 
 def test_the_node_view_divides_available_memory_by_the_local_ranks() -> None:
-    from hyper_offload.host_memory import available_host_bytes
+    from hyper_offload.config import available_host_bytes
 
     one = OffloadConfig(local_world_size=1).host_budget_bytes()
     eight = OffloadConfig(local_world_size=8).host_budget_bytes()

@@ -134,7 +134,7 @@ def test_bad_arguments_name_the_fix():
 
 
 def test_the_command_line_check_passes_on_the_example_models(capsys):
-    from hyper_offload.cli.main import main
+    from hyper_offload.cli import main
 
     examples = Path(__file__).resolve().parents[2] / "examples"
     code = main(["check", f"{examples / 'fft_mixing_model.py'}:fft_mixer_tiny",
@@ -179,7 +179,7 @@ def test_check_does_not_warn_about_the_budget_it_chose(door, caplog, recwarn):
 def test_the_command_line_check_names_a_model_that_fails_on_its_inputs(capsys, tmp_path):
     """Issue 51: one line naming the op's own error (the shape mismatch), not Dynamo's
     "RuntimeError when making fake tensor call"."""
-    from hyper_offload.cli.main import main
+    from hyper_offload.cli import main
 
     (tmp_path / "models.py").write_text(
         "import torch\n\ndef mlp():\n    return torch.nn.Sequential(torch.nn.Linear(64, 8))\n")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from hyper_offload.cli.main import build_parser
+from hyper_offload.cli import build_parser
 
 from .doc_blocks import DOCUMENTS, Block, Command, all_blocks, commands
 from .import_graph import REPO

@@ -54,6 +54,7 @@ from hyper_offload import progress
 from hyper_offload.passes import ResidencySchedule, required_bytes
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
+from hyper_offload.passes.fx.sizes import merged_sizes
 from hyper_offload.passes.plan.step import RegionFloor, StepPlan, StepTimeline, plan_step
 from hyper_offload.passes.plan.step.model import Slot
 from hyper_offload.passes.plan.step.plan import regions_to_relower
@@ -64,7 +65,6 @@ from ..recompute_candidates import PlanScore
 from ..region import CompiledRegion, Lowering
 from ..region_plan import GraphPlan
 from ..region_report import LOGGER
-from ..size_buckets import merged_sizes
 from ..tiling import tile_region
 
 

@@ -4,9 +4,9 @@
   forwards and backwards, in order, and the eager code between them) and
   :class:`RegionFloor` (one region's trace and the schedule its graphs run);
 * :mod:`.layout` — :func:`lay_out_step`, the one layout of a step (:class:`StepTrace`);
-* :mod:`.keep` — which slots stay on the device, with the one host ledger;
 * :mod:`.planner` — :class:`~.planner.StepPlanner`, the step's proposals, run by
-  ``plan_residency``;
+  ``plan_residency``, and which slots each keeps on the device, with the one host ledger
+  (:func:`~.planner.choose_keep`);
 * :mod:`.plan` — :func:`plan_step`, the entry: a :class:`StepPlan` with one summary.
 
 Pure: no torch.

@@ -28,7 +28,7 @@ lowered again, :func:`tailorable`) may move their storages as a plan of the whol
 likes: :attr:`StepTrace.movable`, within their invocation (no reload before its backward's
 first op, no release after its forward's last op). Every other invocation runs its
 region's schedule: its storages are *fixed*, and only keeping a slot on the device
-(:mod:`.keep`) changes them. :func:`fixed_split` turns the fixed moves into storages of
+(:func:`~.planner.choose_keep`) changes them. :func:`fixed_split` turns the fixed moves into storages of
 their own, so that the shared pipeline plans the tailored storages around them.
 
 Pure: no torch.

@@ -32,10 +32,9 @@ from ...analysis.validator import ScheduleReport, check_schedule
 from ...ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from ..planning import plan_residency
 from ..report import PlanSummary
-from .keep import kept_bytes_curve
 from .layout import StepTrace, lay_out_step, replace_storages, tailorable
 from .model import Invocation, RegionFloor, StepTimeline, slots_of
-from .planner import StepPlanner, StepProposal
+from .planner import StepPlanner, StepProposal, kept_bytes_curve
 
 __all__ = [
     "FloorOp", "InvocationPlan", "StepPlan", "cut_schedule", "plan_step", "regions_to_relower",
@@ -116,7 +115,7 @@ class StepPlan:
     """The step as one trace, as the plan was made on it."""
     schedule: ResidencySchedule | None = field(default=None, compare=False, repr=False)
     """The plan's schedule of ``layout.trace`` (a kept slot has no moves: it costs its
-    bytes from its copy on, one window more than this schedule shows, :mod:`.keep`)."""
+    bytes from its copy on, one window more than this schedule shows, :func:`~.planner.choose_keep`)."""
 
     budget_bytes = property(lambda self: self.summary.budget_bytes)
     peak_bytes = property(lambda self: self.summary.peak_bytes)

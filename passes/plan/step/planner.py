@@ -1,12 +1,13 @@
-"""The step's proposals, one planner that :func:`~..planning.plan_residency` runs.
+"""The step's proposals, one planner that :func:`~..planning.plan_residency` runs, and
+which slots each proposal keeps on the device.
 
 Two ways to hold a step under one budget, which :class:`StepPlanner` offers and the one
 planning pipeline prices on the one timeline model:
 
 * **keep on the lowerings in force** (``"keep"``): every region runs its schedule
   (:attr:`~.layout.StepTrace.floor`) and, per invocation, the runtime keeps the slots
-  that fit (:mod:`.keep`). Nothing is compiled again; the only way for a region invoked
-  several times per step (one compiled graph serves every invocation);
+  that fit (:func:`choose_keep`, below). Nothing is compiled again; the only way for a
+  region invoked several times per step (one compiled graph serves every invocation);
 * **a schedule made for the step** (``"step schedule"``): the tailored invocations'
   storages planned on the whole step by the shared pipeline (the time-aware greedy,
   release holding, prefetch placement) around the fixed moves
@@ -18,28 +19,55 @@ Every proposal is a schedule of the step trace: ``check_schedule`` judges it and
 ``predict_timeline`` prices it like any other; the pipeline keeps the least predicted
 stall, then the fewest bytes moved, then the first. Below the floor (the budget is
 under the floor's peak: no plan meets it) every proposal is made at the floor's peak:
-moving what does not lower it only costs time. Pure: no torch.
+moving what does not lower it only costs time.
+
+**Which slots stay on the device** (the keep-set choice of a step's schedule).
+
+A region's graphs are compiled once for every invocation, so an invocation cannot move
+less than its lowering moves by another schedule; it can *keep* a slot instead: its
+``copy_d2h`` makes a device copy where it would have made a host copy
+(``TransferRuntime.keeping``), the source is freed where the lowering frees it, and the
+reload hands the device copy back. So keeping slot ``s`` costs its bytes on the device
+from just after its copy until its reload starts (``Slot.copy + 1 .. Slot.reload - 1``):
+one window more (copy to release) than the same schedule without its moves shows.
+
+:func:`choose_keep` keeps slots greedily, those holding the device over the fewest ops
+first (a slot whose reload follows its copy soonest is the hardest to hide), larger first
+on ties, while every op stays within ``cap`` (the budget, or the floor's peak where the
+floor alone is over it: moving what stays under the floor's peak only costs time); each
+decision is one range query and one range add on a
+:class:`~..segment_tree.RangeAddMaxTree`. The host budget is the planners' one ledger
+(:class:`~..host_budget.HostLedger`): the slots left to move claim host room in the
+order they are worth moving (the longest first); one the ledger has no room for stays on
+the device too, past ``cap`` if need be (the plan's ``binding`` then says so).
+
+Invariant: at every op the bytes are at most ``cap`` plus what the host budget forced
+to stay; with no host budget, ``peak <= cap``. Pure: no torch.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from hyper_offload.errors import HyperOffloadError
 
-from ...analysis.liveness import offload_candidates
+from ...analysis.liveness import OffloadCandidate, offload_candidates
 from ...analysis.validator import check_schedule
-from ...ir.schedule import ResidencySchedule
-from ...ir.trace import ActivationTrace
+from ...ir.limits import host_bucket_bytes
+from ...ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
+from ...ir.trace import ActivationTrace, StorageId
 from ..choice_lowering import lower_offload_choice
 from ..greedy import GreedyResidencyPlanner
+from ..host_budget import HostLedger
 from ..planning import plan_residency
-from .keep import KeepChoice, choose_keep, drop_moves
+from ..segment_tree import RangeAddMaxTree
 from .layout import StepTrace, fixed_split, replace_storages
 from .model import Slot, slots_of
 
-__all__ = ["StepPlanner", "StepProposal"]
+__all__ = ["KeepChoice", "StepPlanner", "StepProposal", "choose_keep", "drop_moves",
+           "kept_bytes_curve"]
 
 LOGGER = logging.getLogger("hyper_offload")
 
@@ -127,3 +155,108 @@ class StepPlanner:
                            "keeps the lowering it runs", self.where, error)
             return None
         return made.schedule, at
+
+
+class KeepChoice(NamedTuple):
+    """The slots kept, the device peak and the host peak they leave, and how many slots
+    stay only because the host budget had no room for them."""
+
+    kept: frozenset[StorageId]
+    peak_bytes: int
+    peak_host_bytes: int
+    kept_for_host: int
+
+
+def _span(slot: Slot) -> int:
+    """Ops over which keeping ``slot`` holds its bytes."""
+    return max(slot.reload - slot.copy - 1, 0)
+
+
+def choose_keep(
+    floor: Sequence[int],
+    slots: Sequence[Slot],
+    cap: int,
+    *,
+    host_budget_bytes: int | None = None,
+    keep: bool = True,
+) -> KeepChoice:
+    """Keep slots of a schedule whose device bytes per op are ``floor`` (module
+    docstring). ``keep=False`` keeps only the slots that cost nothing (no op runs while
+    they would be away); ``host_budget_bytes`` is the host budget (None: none)."""
+    positions = max(len(floor), 1)
+    room = RangeAddMaxTree([min(value - cap, 0) for value in floor] or [0])
+    kept: list[Slot] = []
+    for slot in sorted(slots, key=lambda s: (_span(s), -s.nbytes, s.storage)):
+        lo, hi = slot.copy + 1, slot.reload
+        if lo >= hi:  # nothing runs while it would be away: keeping it is free
+            kept.append(slot)
+            continue
+        if not keep or room.max(lo, hi) + slot.nbytes > 0:
+            continue
+        room.add(lo, hi, slot.nbytes)
+        kept.append(slot)
+    chosen = {s.storage for s in kept}
+    moved = sorted((s for s in slots if s.storage not in chosen),
+                   key=lambda s: (-_span(s), -s.nbytes, s.storage))
+    ledger = HostLedger(positions, host_budget_bytes)
+    forced = {s.storage for s in moved if not ledger.take(_as_candidate(s))}
+    kept += [s for s in moved if s.storage in forced]
+    return KeepChoice(
+        frozenset(s.storage for s in kept), kept_bytes_curve(floor, kept).max_all(),
+        _host_peak([s for s in moved if s.storage not in forced], positions), len(forced),
+    )
+
+
+def _as_candidate(slot: Slot) -> OffloadCandidate:
+    """``slot`` as the offload gap whose host interval the ledger counts (its copy to its
+    reload, inclusive)."""
+    return OffloadCandidate(slot.storage, slot.release, max(slot.reload, slot.release + 1),
+                            slot.nbytes, slot.copy)
+
+
+def _host_peak(moved: Sequence[Slot], positions: int) -> int:
+    """The bucketed host bytes the moved slots hold at once, over the ops the ledger
+    counts for each (never fewer than the pool holds)."""
+    tree = RangeAddMaxTree([0] * positions)
+    for slot in moved:
+        candidate = _as_candidate(slot)
+        tree.add(candidate.d2h_op, min(candidate.end + 1, positions),
+                 host_bucket_bytes(slot.nbytes))
+    return max(tree.max_all(), 0)
+
+
+def kept_bytes_curve(floor: Sequence[int], kept: Sequence[Slot]) -> RangeAddMaxTree:
+    """Device bytes per op of the schedule whose curve is ``floor`` with ``kept`` slots
+    kept (each adds its bytes from just after its copy to just before its reload)."""
+    tree = RangeAddMaxTree(list(floor) or [0])
+    for slot in kept:
+        if slot.copy + 1 < slot.reload:
+            tree.add(slot.copy + 1, slot.reload, slot.nbytes)
+    return tree
+
+
+def drop_moves(schedule: ResidencySchedule, kept: Sequence[Slot]) -> ResidencySchedule:
+    """``schedule`` without the moves of ``kept`` slots: their copy, their release before
+    the reload, their reload, its wait and the host release (their final release after
+    their last access stays)."""
+    dropped: set[tuple[int, str, ResidencyAction]] = set()
+    for slot in kept:
+        sid = slot.storage
+        dropped.add((slot.copy, "post", ResidencyAction(ActionKind.COPY_D2H, sid)))
+        dropped.add((slot.release, "post", ResidencyAction(ActionKind.RELEASE_DEVICE, sid)))
+    storages = {slot.storage for slot in kept}
+    moves_after = (ActionKind.COPY_H2D, ActionKind.WAIT_H2D, ActionKind.RELEASE_HOST)
+
+    def keep_action(op: int, where: str, action: ResidencyAction) -> bool:
+        if action.storage not in storages:
+            return True
+        if (op, where, action) in dropped:
+            return False
+        return action.kind not in moves_after
+
+    return ResidencySchedule(
+        pre=tuple(tuple(a for a in acts if keep_action(op, "pre", a))
+                  for op, acts in enumerate(schedule.pre)),
+        post=tuple(tuple(a for a in acts if keep_action(op, "post", a))
+                   for op, acts in enumerate(schedule.post)),
+    )

@@ -17,7 +17,7 @@ from torch._functorch.aot_autograd import aot_function
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import hyper_offload
-from hyper_offload.passes.fx.floor_detail import floor_detail
+from hyper_offload.passes.fx.fx_trace import floor_detail
 from hyper_offload.passes.fx.graph_trace import build_fx_trace
 
 N = 64

@@ -1,5 +1,6 @@
-"""Exactness of recomputation: which forward ops a partition may re-run, so that the step
-equals plain compile bit for bit, and what a partition recomputes.
+"""Recompute rules: which forward ops a partition may re-run, so that the step equals
+plain compile bit for bit (and every rank runs the same collectives), what a partition
+recomputes, and how the partitioner may size a graph's communication objects.
 
 The recompute search (:mod:`.recompute_search`) lets torch's partitioner recompute only
 what these rules allow:
@@ -7,11 +8,20 @@ what these rules allow:
 * **Random ops** are never recomputed: the partitioner bans them, and a partition whose
   backward re-runs a seeded random op that the default partition does not is rejected
   (its RNG state would not be replayed; :func:`draws_random`).
-* **Collectives** (tensor parallel) are never recomputed: the search marks them
-  ``MUST_SAVE`` and no spliced chain contains one (:mod:`.collectives`: each rank ranks
-  partitions by its own measurements, and a recomputed all-reduce on one rank is a
-  collective the others never run). A device mesh among the graph's inputs is sized
-  0 bytes for the partitioner; another opaque input turns the search off for the region.
+* **Collectives** (tensor parallel: DTensor's redistributions lower to
+  ``_c10d_functional`` ops and their ``wait_tensor``) are never recomputed: the search
+  marks them ``MUST_SAVE`` and no spliced chain contains one (:func:`is_collective`):
+  ranks rank partitions by their own measurements, and a recomputed all-reduce in one
+  rank's backward is a collective the others never run. (That a functional collective's
+  inputs live until its wait is the trace's rule: :mod:`hyper_offload.passes.fx.collectives`.)
+* **Communication objects.** Tensor parallel passes the device mesh or process group in
+  as an opaque graph input (a ``FakeScriptObject`` while tracing). Torch's min-cut
+  partitioner cannot size an opaque input and refuses to guess
+  (``unsafe_treat_script_objects_as_zero_size``). A device mesh or process group holds
+  no activation memory, so for graphs whose only opaque inputs are those the search
+  partitions with that switch on (:func:`sizing_opaque_inputs`); any other opaque object
+  turns the search off for the region, with the reason in its report
+  (:func:`unsizable_inputs`).
 * **Low precision under Inductor.** Inductor keeps a fused intermediate in fp32 and
   rounds it to bf16/fp16 only where it is stored, so a value recomputed inside a
   backward kernel can differ from the stored one (``benchmarks/recompute_exactness.py``:
@@ -27,32 +37,90 @@ what these rules allow:
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 
 import torch
 from torch import fx
+from torch._functorch import config as functorch_config
 
-from .collectives import is_collective
+from hyper_offload.errors import ConfigurationError
+from hyper_offload.passes.fx.collectives import is_collective_op
+
 from .recompute_splice import EXTERN_MATMULS, inductor_uses_templates
 
 __all__ = [
     "draws_random",
+    "is_collective",
     "low_precision_bans",
+    "opaque_inputs",
     "partition_bans",
     "random_nodes",
     "recomputed_nodes",
+    "sizing_opaque_inputs",
     "unrepeatable",
+    "unsizable_inputs",
     "uses_low_precision",
 ]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+_COMMUNICATION_CLASSES = ("DeviceMesh", "ProcessGroup")
+"""Opaque classes that only name ranks (no tensor memory of their own)."""
+
+
+def is_collective(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op of a communication namespace."""
+    return node.op == "call_function" and is_collective_op(node.target)
+
+
+def opaque_inputs(graph: fx.Graph) -> dict[str, str]:
+    """Placeholder name -> class name, for every opaque-object input of ``graph``."""
+    found = {}
+    for node in graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        name = getattr(value, "script_class_name", None)
+        if name is None and isinstance(value, torch.ScriptObject):
+            name = str(value._type().qualified_name())
+        if name is not None:
+            found[node.name] = name
+    return found
+
+
+def unsizable_inputs(graph: fx.Graph) -> dict[str, str]:
+    """The opaque inputs that are not a device mesh or process group (their memory is
+    unknown: the recompute search cannot run on the graph)."""
+    return {
+        node: cls for node, cls in opaque_inputs(graph).items()
+        if not cls.endswith(_COMMUNICATION_CLASSES)
+    }
+
+
+@contextlib.contextmanager
+def sizing_opaque_inputs(graph: fx.Graph) -> Iterator[None]:
+    """Let the min-cut partitioner size ``graph``'s communication objects as 0 bytes.
+
+    Raises ``ConfigurationError`` naming the input when another opaque object is present
+    (callers check :func:`unsizable_inputs` first)."""
+    unknown = unsizable_inputs(graph)
+    if unknown:
+        raise ConfigurationError(
+            f"sizing_opaque_inputs: opaque input(s) {unknown} may hold tensors; only a "
+            "DeviceMesh or ProcessGroup is known to hold no activation memory"
+        )
+    if not opaque_inputs(graph):
+        yield
+        return
+    with functorch_config.patch(unsafe_treat_script_objects_as_zero_size=True):
+        yield
 
 
 def partition_bans(
     pristine: fx.GraphModule, default_recomputed: set[str], restrict_low_precision: bool
 ) -> tuple[frozenset[str], str | None]:
     """Forward ops the search's partitions must save, and the exactness rule that limited
-    it (None: none did). Collectives always (:mod:`.collectives`); under Inductor in low
+    it (None: none did). Collectives always (:func:`is_collective`); under Inductor in low
     precision, what the rule in the module docstring bans (:func:`low_precision_bans`)."""
     banned = frozenset(n.name for n in pristine.graph.nodes if is_collective(n))
     if not (restrict_low_precision and uses_low_precision(pristine)):
