@@ -73,8 +73,8 @@ __all__ = ["ReplayExecutor"]
 _RELEASES = (ActionKind.RELEASE_DEVICE, ActionKind.RELEASE_HOST)
 _STEP_COUNTERS = ("bytes_d2h", "bytes_h2d", "transfers", "bytes_to_disk", "bytes_from_disk",
                   "demand_loads", "rescued")
-"""The :class:`StepStats` counters a step that a warmup took over sums: what the replayed
-ops did, then what the warmup did."""
+"""The :class:`~.executor_base.StepStats` counters a step that a warmup took over sums:
+what the replayed ops did, then what the warmup did."""
 
 
 class ReplayExecutor(BaseExecutor):
