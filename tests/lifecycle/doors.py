@@ -11,6 +11,7 @@ from functools import cache
 
 import torch
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 from torch.utils._python_dispatch import _disable_current_modes
 
 import hyper_offload
@@ -138,12 +139,25 @@ class CompileDoor:
             budget = {"max_resident_activation_mb": self.budget / MIB}
         self.backend: HyperOffloadBackend = hyper_offload.backend(
             inner_compiler="aot_eager", verify=True, **budget)
+        self.twin_graph_runs = 0
+        """Calls of the twin's compiled graphs (plain ``aot_eager``), to tell a step that
+        plain ``torch.compile`` ran eagerly (below)."""
+        self._checked = (0, 0)  # (twin_graph_runs, backend steps) at the last check
 
     def attach(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return torch.compile(model, backend=self.backend)
 
     def attach_twin(self, twin: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        return torch.compile(twin, backend="aot_eager")
+        return torch.compile(twin, backend=self._counting_aot_eager)
+
+    def _counting_aot_eager(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiled = lookup_backend("aot_eager")(gm, example_inputs)
+
+        def run(*args: object) -> object:
+            self.twin_graph_runs += 1
+            return compiled(*args)
+
+        return run
 
     def step(self) -> AbstractContextManager[None]:
         return nullcontext()
@@ -169,7 +183,18 @@ class CompileDoor:
         step plan of the step's shape (what no plan can go below), and the host pool
         idle after every step."""
         self.check_idle()
+        (runs, steps), now = self._checked, (self.twin_graph_runs, self.backend.controller.steps)
+        self._checked = now
         if kind != StepKind.TRAIN or result.saved_bytes is None:
+            return
+        if now[0] == runs:
+            # Plain torch.compile ran no compiled graph in this step: Dynamo runs the model
+            # eagerly. Measured 12-07 on torch 2.13 with plain compile: once a hook of a
+            # layer inside the forward's loop over blocks has raised, Dynamo reports "graph
+            # break in loop ... Skipping the frame and falling back to eager" and skips
+            # that forward's code for good, every instance after (found by make fuzz).
+            # The door then has no region to plan either, and holds no budget.
+            assert now[1] == steps, "compile door: planned a step plain compile ran eagerly"
             return
         report = self.backend.step_report
         assert report is not None, "compile door: a training step made no step plan"
