@@ -240,7 +240,11 @@ class HyperOffloadBackend:
     def collect(self) -> None:
         """Let the runtime observe finished copies (see ``TransferRuntime.collect``):
         copies seen complete drop their hold on host copies whose graph died (a step that
-        raised, a forward without backward), so buffers come back at the next forward."""
+        raised, a forward without backward), so buffers come back at the next forward.
+        A step whose backward pass raised first has the autograd engine let go of its
+        nodes (:meth:`~.step.recorder.StepRecorder.release_failed_pass`)."""
+        if self.options.step_scoped:
+            self.controller.recorder.release_failed_pass()
         self.runtime.collect()
 
     def _step_device(self) -> torch.device:

@@ -208,7 +208,9 @@ class CompileDoor:
 
     def check_idle(self) -> None:
         runtime = self.backend.runtime
-        runtime.collect()  # what a user's next forward does: finished copies let go
+        # What a user's next forward does first: finished copies let go, and a backward
+        # pass that raised has the engine let go of its nodes.
+        self.backend.collect()
         stats = runtime.pool.stats()
         assert stats.buffers_in_use == 0 and stats.pinned_bytes_in_use == 0, stats
         assert stats.pageable_bytes_in_use == 0, stats

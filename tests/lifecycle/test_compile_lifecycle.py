@@ -29,6 +29,8 @@ import torch
 
 from .doors import CompileDoor
 from .fuzz import fuzz_settings, run_and_record
+from .harness import Interrupt
+from .machine import machine_for
 from .models import MODELS
 
 SETTINGS = fuzz_settings(subset_examples=2, subset_steps=6)
@@ -53,3 +55,19 @@ def dynamo_sees_every_event() -> Iterator[None]:
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_compile_door_matches_its_twin_through_random_events(model: str) -> None:
     run_and_record(CompileDoor, "compile", model, SETTINGS)
+
+
+def test_a_backward_that_raises_after_a_caught_op_error_returns_every_host_buffer() -> None:
+    """The sequence ``make fuzz`` shrank on the MLP (12-07): budget 0, a layer added, a
+    step whose model catches an op's error (one more region), then a backward that raises.
+    The engine kept the failed pass's queued nodes (one region's backward and 7 host
+    buffers) until the thread's next backward; the door now has it let go of them before
+    the next forward (``tests/compiler/test_failed_step.py``). The machine's own checks
+    (host pool idle, the plan unchanged by the failed step) are the assertions."""
+    state = machine_for(CompileDoor, "mlp")()
+    state.setup(budget=0.0, fraction_option=False, max_warmups=1, rewarm=False)
+    state.add_layer()
+    state.step_with_a_caught_op_error()
+    state.step_that_raises(error=Interrupt, where="backward")
+    state.nothing_left_behind()
+    state.train_step(how_zero="to_none", optimizer=True)

@@ -41,6 +41,7 @@ from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hyper_offload.passes.plan.step.model import (
     BetweenRegions,
@@ -51,7 +52,7 @@ from hyper_offload.passes.plan.step.model import (
     StepTimeline,
 )
 
-__all__ = ["StepObserver", "StepRecorder", "compiled_backward_node"]
+__all__ = ["StepObserver", "StepRecorder", "compiled_backward_node", "release_failed_backward_pass"]
 
 
 class _Pending(NamedTuple):
@@ -104,6 +105,8 @@ class StepRecorder:
         self._unconfirmed: set[Invocation] = set()
         self._dead: list[Invocation] = []  # appended by weakref callbacks, lock-free
         self._ready: list[StepTimeline] = []  # ended inside _reap; delivered by poll()
+        self._backward_began = False
+        """A backward of this step's invocations began (reset when the step ends)."""
         self.steps = 0
         """Steps finished so far (with at least one backward)."""
 
@@ -174,6 +177,7 @@ class StepRecorder:
             if self._is_current(invocation, ref):
                 event = StepEvent(StepEventKind.BACKWARD, invocation)
                 self._events.append(event)
+                self._backward_began = True
                 if self.observer is not None:
                     self.observer.event(event)
                     self.observer.enter()
@@ -212,6 +216,7 @@ class StepRecorder:
             # Nothing outstanding, no backward pass running, yet a pass never confirmed
             # what it ran: it raised. The step failed.
             self._events, self._done, self._ordinals, self._unconfirmed = [], {}, {}, set()
+            self._backward_began = False
         elif not self._pending and (self._events or self._ordinals):
             finished = self._finish_if_idle()
             if finished is not None:
@@ -228,9 +233,24 @@ class StepRecorder:
             self.observer.between(events) if self.observer is not None else None,
         ) if events else None
         self._events, self._done, self._ordinals = [], {}, {}
+        self._backward_began = False
         if timeline is not None:
             self.steps += 1
         return timeline
+
+    def release_failed_pass(self) -> bool:
+        """Where a backward pass began on this step and invocations are still outstanding
+        while no pass runs, the pass may have raised, leaving their nodes to the autograd
+        engine alone (:func:`release_failed_backward_pass`): let it drop them, so that
+        their graphs die and the step fails as a step whose graphs died does. Returns
+        whether it ran. Called before every region's forward (a retained graph's nodes,
+        or those of micro-batches still to run backward, are held by the user's tensors:
+        nothing changes for them)."""
+        with self._lock:
+            suspect = self._backward_began and bool(self._pending)
+        if not suspect or torch._C._current_graph_task_id() >= 0:
+            return False
+        return release_failed_backward_pass()
 
     def poll(self) -> None:
         """Deliver steps that ended because a graph died (the forward path calls this)."""
@@ -239,6 +259,28 @@ class StepRecorder:
             ready, self._ready = self._ready, []
         for timeline in ready:
             self._on_step(timeline)
+
+
+def release_failed_backward_pass() -> bool:
+    """Let torch's autograd engine drop the nodes a backward pass that raised left to it.
+
+    Measured (torch 2.13, CPU; ``tests/compiler/test_failed_backward.py``): when a node of
+    a backward pass raises (a hook, an interrupt), the nodes already queued to run next
+    stay referenced by the engine on the thread that ran the pass, with every node they
+    reach and all those nodes save, until that thread runs its next backward pass, which
+    drops them. Plain training keeps those saved activations on the device until then;
+    with offload they are host copies, and the step they belong to never ends. A
+    one-node backward pass on this thread (no dispatch mode sees it; nothing of the
+    user's graph runs) makes the engine drop them now. Returns False where it cannot
+    run: under compiled autograd (the pass would be compiled)."""
+    from torch._dynamo import compiled_autograd
+
+    if compiled_autograd.compiled_autograd_enabled:
+        return False
+    with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros((), requires_grad=True)
+        torch.autograd.grad(leaf * 1.0, leaf)
+    return True
 
 
 def compiled_backward_node(outputs: Any) -> Any | None:
