@@ -177,7 +177,7 @@ def test_a_data_dependent_size_with_no_bound_names_the_fix_and_the_fix_works():
     assert backend.reports[0].bytes_d2h == 64 * (8 + 4)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.extended)])
 def test_hf_moe_routing_with_new_tokens_every_step(name):
     """Hugging Face Qwen3-MoE and Mixtral as transformers builds them (``grouped_mm``
     experts): routing changes every step inside one graph of constant shapes."""

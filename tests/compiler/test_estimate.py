@@ -165,7 +165,7 @@ def test_a_step_without_backward_is_an_error(scope: str) -> None:
                                budget_scope=scope)
 
 
-@SCOPES
+@pytest.mark.parametrize("scope", ["step", pytest.param("region", marks=pytest.mark.extended)])
 def test_meta_inputs_and_meta_model_match_the_real_model(scope: str) -> None:
     model = llama_tiny()
     tokens = torch.randint(64, (2, 16))

@@ -10,9 +10,10 @@ views must really move (measured: the device bytes autograd's graph holds) and a
 floor the plan must be feasible. Deterministic algorithms are on (plain Inductor on CPU
 is not run-to-run deterministic without them).
 
-``make test`` runs every model under aot_eager and the demo GPT under Inductor (fp32);
-the other Inductor cases (minutes of Inductor code generation on two cores) are marked
-``extended`` and run by ``make test-extended``.
+``make test`` runs every model under aot_eager in one dtype, both dtypes across the models
+(the demo GPT in both), and the demo GPT under Inductor (fp32); the other cases (the
+second dtype of the larger models, 2-3 minutes on two cores; Inductor's, minutes of code
+generation) are marked ``extended`` and run by ``make test-extended``.
 """
 
 from __future__ import annotations
@@ -103,14 +104,20 @@ def _assert_equal(got: tuple, want: tuple, what: str) -> None:
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{what}: grad {index}"
 
 
+MAKE_TEST_DTYPES = {"demo_gpt": ("fp32", "bf16"), "llama_example": ("bf16",),
+                    "hf_gpt2": ("fp32",), "hf_llama": ("fp32",)}
+"""The dtypes ``make test`` runs each model in under aot_eager (both appear)."""
+
+
 def _cases() -> list[Any]:
-    """Every (model, inner compiler, dtype); Inductor's beyond the demo GPT in fp32 are
-    ``extended``."""
+    """Every (model, inner compiler, dtype); beyond each model's representative dtype
+    (:data:`MAKE_TEST_DTYPES`) and the demo GPT under Inductor in fp32, ``extended``."""
     cases = []
     for model in sorted(MODELS):
         for inner in ("aot_eager", "inductor"):
             for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-                representative = inner == "aot_eager" or (model, name) == ("demo_gpt", "fp32")
+                representative = (name in MAKE_TEST_DTYPES[model] if inner == "aot_eager"
+                                  else (model, name) == ("demo_gpt", "fp32"))
                 marks = (() if inner == "aot_eager" else (pytest.mark.slow,)) + (
                     () if representative else (pytest.mark.extended,))
                 cases.append(pytest.param(model, inner, dtype, marks=marks,

@@ -25,11 +25,11 @@ WORLD = 2
 
 
 def spawn_ranks(
-    worker: Callable[..., None], out_dir: Path, world: int = WORLD
+    worker: Callable[..., None], out_dir: Path, world: int = WORLD, *extra: Any
 ) -> list[dict[str, Any]]:
-    """Per rank, what ``worker`` saved. ``join=True`` re-raises a rank's failure here;
-    the workers' gloo timeout bounds a hung rank."""
-    mp.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True)
+    """Per rank, what ``worker(rank, world, port, out_dir, *extra)`` saved. ``join=True``
+    re-raises a rank's failure here; the workers' gloo timeout bounds a hung rank."""
+    mp.spawn(worker, args=(world, free_port(), str(out_dir), *extra), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -30,27 +30,45 @@ pytestmark = [pytest.mark.slow,  # 2 + 4 gloo processes compiling DTensor graphs
 pytest.importorskip("transformers")
 
 MESHES = {"tp": 2, "fsdp_tp": 4}
+EXTENDED = {("fsdp_tp", "llama")}
+"""(mesh, model) jobs ``make test`` leaves to ``make test-extended``: four ranks on two
+cores take the longest, and the other model covers FSDP2 x TP there (the example Llama
+runs tensor parallel on the ``tp`` mesh)."""
 PLANNED = [
-    (mesh, f"{model}-{door}")
+    pytest.param(mesh, f"{model}-{door}", id=f"{mesh}-{model}-{door}",
+                 marks=(pytest.mark.extended,) if (mesh, model) in EXTENDED else ())
     for mesh in MESHES for model in worker_module.MODELS for door in worker_module.DOORS
 ] + [("tp", "llama-inductor")]  # the compile door with Inductor as the inner compiler
 
 
+def _job(tmp_path_factory: pytest.TempPathFactory, mesh: str, extended: bool) -> list[dict[str, Any]]:
+    models = tuple(m for m in worker_module.MODELS if ((mesh, m) in EXTENDED) == extended)
+    return spawn_ranks(worker_module.worker, tmp_path_factory.mktemp(mesh), MESHES[mesh], models)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return {
-        mesh: spawn_ranks(worker_module.worker, tmp_path_factory.mktemp(mesh), world)
-        for mesh, world in MESHES.items()
-    }
+    return {mesh: _job(tmp_path_factory, mesh, extended=False) for mesh in MESHES}
 
 
-def _runs(results, mesh: str, name: str) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def extended_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The ``EXTENDED`` jobs, run only where an extended case asks for them."""
+    meshes = {mesh for mesh, _ in EXTENDED}
+    return {mesh: _job(tmp_path_factory, mesh, extended=True) for mesh in meshes}
+
+
+def _runs(results, mesh: str, name: str, request: pytest.FixtureRequest | None = None
+          ) -> list[dict[str, Any]]:
+    if (mesh, name.split("-")[0]) in EXTENDED:
+        assert request is not None
+        results = request.getfixturevalue("extended_results")
     return [rank_case(results[mesh], name, r) for r in range(MESHES[mesh])]
 
 
 @pytest.mark.parametrize(("mesh", "name"), PLANNED)
-def test_every_rank_is_exact_within_its_budget_and_moves(results, mesh, name):
-    for rank, case in enumerate(_runs(results, mesh, name)):
+def test_every_rank_is_exact_within_its_budget_and_moves(results, mesh, name, request):
+    for rank, case in enumerate(_runs(results, mesh, name, request)):
         reference, budget = case["reference"], case["budget"]
         assert budget > 0
         for number, step in enumerate(case["steps"], 1):
@@ -65,8 +83,8 @@ def test_every_rank_is_exact_within_its_budget_and_moves(results, mesh, name):
 
 
 @pytest.mark.parametrize(("mesh", "name"), PLANNED)
-def test_ranks_plan_the_same_schedule_where_their_traces_agree(results, mesh, name):
-    runs = _runs(results, mesh, name)
+def test_ranks_plan_the_same_schedule_where_their_traces_agree(results, mesh, name, request):
+    runs = _runs(results, mesh, name, request)
     plans = [case["plan"] for case in runs]
     if "eager" not in name:
         assert any(region["collectives"] for region in plans[0]["regions"])
@@ -88,11 +106,13 @@ def test_ranks_plan_the_same_schedule_where_their_traces_agree(results, mesh, na
         assert a["schedule"] == b["schedule"]
 
 
-@pytest.mark.parametrize("model", worker_module.MODELS)
-def test_the_eager_session_leaves_fsdp2_buffers_in_place(results, model):
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=(pytest.mark.extended,) if ("fsdp_tp", m) in EXTENDED else ())
+    for m in worker_module.MODELS])
+def test_the_eager_session_leaves_fsdp2_buffers_in_place(results, model, request):
     """FSDP's all-gather and reduce-scatter buffers are parameters' memory: the session
     records them at 0 bytes (``fsdp::`` ops made or filled them) and never moves them."""
-    for case in _runs(results, "fsdp_tp", f"{model}-eager"):
+    for case in _runs(results, "fsdp_tp", f"{model}-eager", request):
         assert case["plan"]["foreign"] > 0
 
 

@@ -143,8 +143,10 @@ def _inductor_case(tp_mesh: DeviceMesh) -> dict[str, Any]:
         torch.use_deterministic_algorithms(False)
 
 
-def worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Entry point of ``torch.multiprocessing.spawn``: every case, results to a file."""
+def worker(rank: int, world: int, port: int, out_dir: str,
+           models: tuple[str, ...] = MODELS) -> None:
+    """Entry point of ``torch.multiprocessing.spawn``: every case of ``models``, results
+    to a file."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     logging.getLogger("hyper_offload").setLevel(logging.ERROR)
@@ -157,7 +159,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         tp_mesh, dp_mesh, dp_rank = mesh["tp"], mesh["dp"], mesh["dp"].get_local_rank()
     results: dict[str, Any] = {"dp_rank": dp_rank}
     try:
-        for model_name in MODELS:
+        for model_name in models:
             for door in DOORS:
                 name = f"{model_name}-{door}"
                 try:
