@@ -36,6 +36,13 @@ How the pieces stay exact:
   buffers (pool buffers, offloaded copies) carry a label set with :func:`label_host` and
   are excluded from device bytes from the moment they are labelled.
 
+**One storage ledger.** :class:`StorageLedger` is how everything in the library that
+follows storages over a step follows them: this meter, the eager door's
+``ActivationTracker`` and the compile door's ``EagerMeter``. Each keeps its own record per
+storage (bytes counted, a storage id, a log key); the ledger owns the weak references and
+the one rule that keeps them exact: a record ends when its storage dies, never because a
+later storage reuses the address.
+
 On an accelerator the meter additionally reads the allocator's own figures for the whole
 ``with`` block: ``allocator_base_bytes`` (``memory_allocated`` at entry, i.e. everything
 alive before the step, cuBLAS workspaces and leftovers of earlier work included),
@@ -48,10 +55,11 @@ freed blocks waiting for a side stream, so the reserved peak is reported beside 
 from __future__ import annotations
 
 import threading
+import types
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -71,6 +79,7 @@ _HOST_LABEL = HOST_LABEL
 __all__ = [
     "DeviceMemoryMeter",
     "MemorySample",
+    "StorageLedger",
     "is_host_labelled",
     "label_host",
 ]
@@ -144,11 +153,88 @@ def _storages_of(values: Sequence[Any]) -> Iterator[torch.UntypedStorage]:
         yield tensor.untyped_storage()
 
 
+R = TypeVar("R")
+
+
+class StorageLedger(Generic[R]):
+    """Live storages, one record each (module docstring, "One storage ledger").
+
+    Keyed by the storage's address (``_cdata``: the same for every Python handle of a
+    storage while it lives, reused only once it died). A record ends exactly when its
+    storage dies: a weak reference's callback, which may run inside any code and on any
+    thread (a collection, autograd's threads), removes it and hands it to ``on_death``;
+    a storage born later at the same address is another entry, which no earlier
+    callback touches. Nothing here keeps anything alive: the ledger holds storages
+    weakly, its callbacks hold the ledger weakly, and it holds ``on_death`` weakly when
+    that is a bound method (its owner's)."""
+
+    def __init__(self, on_death: Callable[[R], None] | None = None) -> None:
+        self._entries: dict[int, tuple[weakref.ref[torch.UntypedStorage], R]] = {}
+        self._on_death: Callable[[], Callable[[R], None] | None] = (
+            (lambda: None) if on_death is None
+            else weakref.WeakMethod(on_death) if isinstance(on_death, types.MethodType)
+            else (lambda: on_death))
+
+    def __repr__(self) -> str:
+        return f"StorageLedger({len(self._entries)} live)"
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, storage: torch.UntypedStorage) -> bool:
+        return storage._cdata in self._entries
+
+    def add(self, storage: torch.UntypedStorage, record: R) -> weakref.ref[torch.UntypedStorage]:
+        """Follow ``storage`` with ``record``; returns the weak reference, whose callback
+        ends the record. A storage added again takes the new record; the old one is
+        forgotten (it never reaches ``on_death``)."""
+        key, ledger = storage._cdata, weakref.ref(self)
+
+        def died(ref: weakref.ref[torch.UntypedStorage]) -> None:
+            owner = ledger()
+            if owner is not None:
+                owner._end(key, ref)
+
+        ref = weakref.ref(storage, died)
+        self._entries[key] = (ref, record)
+        return ref
+
+    def get(self, storage: torch.UntypedStorage) -> R | None:
+        """``storage``'s record while it lives, else None."""
+        entry = self._entries.get(storage._cdata)
+        return None if entry is None else entry[1]
+
+    def records(self) -> list[R]:
+        """The records of the storages alive now."""
+        return [record for _, record in list(self._entries.values())]
+
+    def storages(self) -> list[tuple[torch.UntypedStorage, R]]:
+        """The storages alive now, each with its record."""
+        alive = []
+        for ref, record in list(self._entries.values()):  # a copy: deaths may shrink it
+            storage = ref()
+            if storage is not None:
+                alive.append((storage, record))
+        return alive
+
+    def clear(self) -> None:
+        """Forget every storage; their callbacks, still pending, end nothing."""
+        self._entries = {}
+
+    def _end(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] is not ref:
+            return  # forgotten (clear) or a newer storage at the same address
+        del self._entries[key]
+        on_death = self._on_death()
+        if on_death is not None:
+            on_death(entry[1])
+
+
 @dataclass
 class _Tracked:
-    """One tracked storage: a weak reference and the bytes last counted for it."""
+    """The bytes last counted for one tracked storage."""
 
-    ref: weakref.ref[torch.UntypedStorage]
     counted_bytes: int
 
 
@@ -177,7 +263,7 @@ class DeviceMemoryMeter(TorchDispatchMode):
         # Re-entrant: dropping the last reference to a storage while holding the lock runs
         # its weakref callback on this thread, and the callback takes the lock too.
         self._lock = threading.RLock()
-        self._tracked: dict[int, _Tracked] = {}
+        self._tracked: StorageLedger[_Tracked] = StorageLedger(self._forget)
         self._live = 0
         self._window_peak = 0
         self._peak = 0
@@ -315,9 +401,9 @@ class DeviceMemoryMeter(TorchDispatchMode):
         # inputs by this op), then add the fresh outputs: a storage shrunk before the op
         # and an output allocated by it never appear to be alive at the same time.
         self._rescan()
-        input_keys = {id(s) for s in _storages_of(flat_in)}
+        input_keys = {s._cdata for s in _storages_of(flat_in)}
         for storage in _storages_of(flat_out):
-            if id(storage) not in input_keys:
+            if storage._cdata not in input_keys:
                 self._track(storage)
         with self._lock:
             self._samples.append(
@@ -346,39 +432,22 @@ class DeviceMemoryMeter(TorchDispatchMode):
         """Start counting ``storage`` unless it is already tracked or on another device."""
         if _normalise_device(storage.device) != self.device:
             return
-        key = id(storage)
         with self._lock:
-            if key in self._tracked:
+            if storage in self._tracked:
                 return
-            ref = weakref.ref(storage, self._forget_callback(key))
             nbytes = storage.nbytes() if self._counts(storage) else 0
-            self._tracked[key] = _Tracked(ref, nbytes)
+            self._tracked.add(storage, _Tracked(nbytes))
             self._add(nbytes)
 
-    def _forget_callback(self, key: int) -> Any:
-        # A closure over the key only: holding the meter weakly keeps a forgotten meter
-        # collectable even while storages it tracked are still alive.
-        meter_ref = weakref.ref(self)
-
-        def forget(_: weakref.ref[torch.UntypedStorage]) -> None:
-            meter = meter_ref()
-            if meter is None:
-                return
-            with meter._lock:
-                entry = meter._tracked.pop(key, None)
-                if entry is not None:
-                    meter._add(-entry.counted_bytes)
-
-        return forget
+    def _forget(self, entry: _Tracked) -> None:
+        """A tracked storage died (the ledger's callback, on any thread)."""
+        with self._lock:
+            self._add(-entry.counted_bytes)
 
     def _rescan(self) -> None:
         """Re-read ``nbytes()`` and the host label of every tracked storage."""
         with self._lock:
-            # A copy: callbacks fired by dropping ``storage`` below may shrink the dict.
-            for entry in list(self._tracked.values()):
-                storage = entry.ref()
-                if storage is None:
-                    continue  # its callback is about to subtract it
+            for storage, entry in self._tracked.storages():
                 nbytes = storage.nbytes() if self._counts(storage) else 0
                 if nbytes != entry.counted_bytes:
                     self._add(nbytes - entry.counted_bytes)

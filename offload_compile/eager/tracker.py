@@ -9,8 +9,9 @@ Identity is the storage object: ``UntypedStorage._cdata`` while the storage live
 Storages that existed before the step (parameters, inputs, buffers, optimizer state)
 are never tracked: they are not activations, and no plan may move them.
 
-Who holds what: the tracker holds only *weak* references to storages, so it never keeps
-an activation alive. Liveness at the end of the step is read from the storage's own use
+Who holds what: the tracker follows storages through a
+:class:`~hyper_offload.runtime.memory_meter.StorageLedger` (weak references only), so it
+never keeps an activation alive. Liveness at the end of the step is read from the storage's own use
 count (:meth:`ActivationTracker.referenced_elsewhere`), because a storage offloaded by
 the warmup executor is also held by the ``ResidencyManager`` and its weak reference
 would never fire.
@@ -26,6 +27,7 @@ import torch
 
 from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes.ir.trace import StorageId
+from hyper_offload.runtime.memory_meter import StorageLedger
 
 __all__ = ["ActivationTracker", "TrackedStorage"]
 
@@ -60,7 +62,7 @@ class ActivationTracker:
     """
 
     def __init__(self, on_free: Callable[[StorageId], None] | None = None) -> None:
-        self._by_key: dict[int, TrackedStorage] = {}
+        self._live: StorageLedger[TrackedStorage] = StorageLedger(self._freed)
         self._entries: dict[StorageId, TrackedStorage] = {}
         self._next_sid = 0
         # Weakly, when it is a method of the executor that owns this tracker: a strong one
@@ -77,7 +79,7 @@ class ActivationTracker:
 
     def sid_of(self, storage: torch.UntypedStorage) -> StorageId | None:
         """The id of ``storage`` if the step created it and it is alive, else None."""
-        entry = self._by_key.get(storage._cdata)
+        entry = self._live.get(storage)
         return None if entry is None else entry.sid
 
     def entry(self, sid: StorageId) -> TrackedStorage:
@@ -110,11 +112,11 @@ class ActivationTracker:
 
     def adopt(self, storage: torch.UntypedStorage, producer: int) -> StorageId:
         """Start tracking ``storage`` (created by op ``producer``); returns its new id."""
-        key = storage._cdata
-        if key in self._by_key:
+        tracked = self._live.get(storage)
+        if tracked is not None:
             raise ConfigurationError(
                 f"ActivationTracker.adopt: storage already tracked as "
-                f"{self._by_key[key].sid}; look it up with sid_of() first"
+                f"{tracked.sid}; look it up with sid_of() first"
             )
         return self.adopt_as(storage, self._next_sid, storage.nbytes(), producer)
 
@@ -125,9 +127,9 @@ class ActivationTracker:
         later fresh ids start above it."""
         if sid in self._entries:
             raise ConfigurationError(f"ActivationTracker.adopt_as: storage id {sid} is already in use")
-        entry = TrackedStorage(sid, nbytes, producer, weakref.ref(storage, self._freed(storage._cdata, sid)))
+        entry = TrackedStorage(sid, nbytes, producer, _dead_ref)  # type: ignore[arg-type]
+        entry.ref = self._live.add(storage, entry)
         self._entries[sid] = entry
-        self._by_key[storage._cdata] = entry
         self._next_sid = max(self._next_sid, sid + 1)
         return sid
 
@@ -156,26 +158,15 @@ class ActivationTracker:
         """Forget everything (between steps); pending weakref callbacks become no-ops."""
         for entry in self._entries.values():
             entry.alive = False
-        self._by_key.clear()
+        self._live.clear()
         self._entries = {}
         self._next_sid = 0
 
-    def _freed(self, key: int, sid: StorageId) -> Callable[[weakref.ref], None]:
-        # Holds the tracker weakly so a finished step's tracker can be collected while
-        # storages it saw are still alive.
-        tracker_ref = weakref.ref(self)
-
-        def callback(_: weakref.ref) -> None:
-            tracker = tracker_ref()
-            if tracker is None:
-                return
-            entry = tracker._by_key.get(key)
-            if entry is None or entry.sid != sid or not entry.alive:
-                return
-            entry.alive = False
-            del tracker._by_key[key]
-            on_free = tracker._on_free() if tracker._on_free is not None else None
-            if on_free is not None:
-                on_free(sid)
-
-        return callback
+    def _freed(self, entry: TrackedStorage) -> None:
+        """A tracked storage died (the ledger's callback)."""
+        if not entry.alive:
+            return
+        entry.alive = False
+        on_free = self._on_free() if self._on_free is not None else None
+        if on_free is not None:
+            on_free(entry.sid)

@@ -1,4 +1,5 @@
-"""DeviceMemoryMeter: frees, views, resizes, host labels, threads, and the profiler."""
+"""DeviceMemoryMeter: frees, views, resizes, host labels, threads, and the profiler; the
+StorageLedger every storage follower in the library shares."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from hyper_offload.runtime.memory_meter import (
     DeviceMemoryMeter,
     MemorySample,
+    StorageLedger,
     is_host_labelled,
     label_host,
 )
@@ -307,3 +309,60 @@ def test_cuda_meter_step_delta_matches_the_allocator_delta() -> None:
     assert meter_step <= allocator_step <= meter_step + slack, meter.allocator_summary()
     assert meter.allocator_reserved_peak_bytes >= meter.allocator_peak_bytes
     assert "max_memory_reserved" in meter.allocator_summary()
+
+
+# ---------------------------------------------------------------- the storage ledger
+
+
+class _Owner:
+    """Owns a ledger, as the meters and the eager tracker do (``on_death`` a method)."""
+
+    def __init__(self) -> None:
+        self.ended: list[str] = []
+        self.ledger: StorageLedger[str] = StorageLedger(self.died)
+
+    def died(self, record: str) -> None:
+        self.ended.append(record)
+
+
+def test_a_record_ends_when_its_storage_dies_and_never_by_a_storage_at_the_same_address():
+    owner = _Owner()
+    first = torch.empty(1024)
+    owner.ledger.add(first.untyped_storage(), "first")
+    view = first[:10]
+    assert owner.ledger.get(view.untyped_storage()) == "first"  # one storage, any handle
+    del first
+    assert owner.ended == [] and len(owner.ledger) == 1  # the view still holds it
+    address = view.untyped_storage()._cdata
+    del view
+    assert owner.ended == ["first"] and len(owner.ledger) == 0
+    # The allocator hands the address out again: a new storage is a new entry.
+    again = [torch.empty(1024) for _ in range(8)]
+    reused = [t for t in again if t.untyped_storage()._cdata == address]
+    for tensor in again:
+        assert owner.ledger.get(tensor.untyped_storage()) is None
+    if reused:
+        owner.ledger.add(reused[0].untyped_storage(), "second")
+        assert owner.ended == ["first"]
+        del reused, again
+        assert owner.ended == ["first", "second"]
+
+
+def test_forgotten_records_end_nothing_and_the_ledger_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    owner = _Owner()
+    kept = torch.empty(16)
+    ref = owner.ledger.add(kept.untyped_storage(), "kept")
+    assert ref() is kept.untyped_storage()
+    owner.ledger.clear()
+    del kept
+    assert owner.ended == []  # cleared: its callback ends nothing
+    alive = torch.empty(16)
+    owner.ledger.add(alive.untyped_storage(), "alive")
+    gone = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert gone() is None  # a live storage does not keep the ledger's owner alive
+    del alive  # its callback finds no ledger: nothing happens

@@ -10,7 +10,7 @@ learns a step, in ``hyper_offload.estimate``'s fake step as in a real step run i
 counts only the ops run outside a region (the backend marks a region's forward, the step
 recorder its backward) on tensors of the step's device (and, in a fake step, of the step's
 own fake mode: Dynamo's compiles use theirs), and follows each new storage an op makes
-until it dies (a weak reference). It writes a log; :func:`between_regions` reads it back
+until it dies (the runtime's :class:`~hyper_offload.runtime.memory_meter.StorageLedger`). It writes a log; :func:`between_regions` reads it back
 against the step's events as :class:`~hyper_offload.passes.plan.step.BetweenRegions`.
 
 What is counted, as a region's trace counts it: every device storage eager code makes,
@@ -32,7 +32,6 @@ one (and the trainer integrations, which run the step).
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from hyper_offload.passes.fx.sizes import planning_size
 from hyper_offload.passes.plan.step.model import BetweenRegions, StepEvent
+from hyper_offload.runtime.memory_meter import StorageLedger
 
 __all__ = ["EagerMeter", "between_regions"]
 
@@ -62,8 +62,8 @@ class EagerMeter(TorchDispatchMode):
         self._fake_mode = fake_mode
         self._device = device
         self._inside = 0
-        self._ids: dict[int, int] = {}
-        """Live storages: address -> the id it was logged under (an address is reused
+        self._ids: StorageLedger[int] = StorageLedger(self._freed)
+        """Live storages, each with the id it was logged under (an address is reused
         once its storage dies; an id never is)."""
         self._next_id = 0
         self._in_backward: set[int] = set()
@@ -87,7 +87,8 @@ class EagerMeter(TorchDispatchMode):
 
     def start(self) -> None:
         """Push the meter and count from here (a new log)."""
-        self.log, self._ids, self._in_backward = [], {}, set()
+        self.log, self._in_backward = [], set()
+        self._ids.clear()
         self.__enter__()
         self._counting = True
 
@@ -116,8 +117,9 @@ class EagerMeter(TorchDispatchMode):
 
     def hand_over(self, values: Iterable[Any]) -> None:
         for value in values:
-            if isinstance(value, torch.Tensor) and _address(value) in self._ids:
-                self.log.append(("free", self._ids[_address(value)]))
+            key = self._ids.get(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+            if key is not None:
+                self.log.append(("free", key))
 
     def between(self, events: tuple[StepEvent, ...]) -> BetweenRegions:
         """The eager bytes of the step so far against its ``events``."""
@@ -131,7 +133,7 @@ class EagerMeter(TorchDispatchMode):
 
     def _gradients(self) -> frozenset[int]:
         """Storages autograd's engine made that are still alive: the step's gradients."""
-        alive = set(self._ids.values())
+        alive = set(self._ids.records())
         return frozenset(key for key in self._in_backward if key in alive)
 
     # ------------------------------------------------------------------ counting
@@ -150,16 +152,15 @@ class EagerMeter(TorchDispatchMode):
         made = []
         backward = torch._C._current_graph_task_id() >= 0
         for tensor in outputs:
-            address = _address(tensor)
-            if address in self._ids or address in read:
-                continue  # a view or an in-place result (of any tensor): no new bytes
             storage = tensor.untyped_storage()
-            key = self._ids[address] = self._next_id
+            if storage in self._ids or storage._cdata in read:
+                continue  # a view or an in-place result (of any tensor): no new bytes
+            key = self._next_id
             self._next_id += 1
+            self._ids.add(storage, key)
             made.append((key, _nbytes(tensor)))
             if backward:
                 self._in_backward.add(key)
-            weakref.finalize(storage, self._freed, address, key)
         if made:
             name = getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
             self.log.append(("op", name, tuple(made),
@@ -174,9 +175,8 @@ class EagerMeter(TorchDispatchMode):
         device = value.device  # "cuda" names the current one: a tensor says "cuda:0"
         return device.type == self._device.type and self._device.index in (None, device.index)
 
-    def _freed(self, address: int, key: int) -> None:
-        if self._ids.get(address) == key:
-            del self._ids[address]
+    def _freed(self, key: int) -> None:
+        """A followed storage died (the ledger's callback)."""
         self.log.append(("free", key))
 
 
