@@ -264,7 +264,7 @@ class StepRecorder:
 def release_failed_backward_pass() -> bool:
     """Let torch's autograd engine drop the nodes a backward pass that raised left to it.
 
-    Measured (torch 2.13, CPU; ``tests/compiler/test_failed_backward.py``): when a node of
+    Measured (torch 2.13, CPU; ``tests/compiler/test_failed_step.py``): when a node of
     a backward pass raises (a hook, an interrupt), the nodes already queued to run next
     stay referenced by the engine on the thread that ran the pass, with every node they
     reach and all those nodes save, until that thread runs its next backward pass, which
