@@ -104,7 +104,7 @@ class _RegionForward:
             backend.fake_steps or torch._guards.detect_fake_mode(args) is None)
         backend.collect()
         if step_scoped and (stepping or not grad):
-            backend.controller.before_forward(grad)
+            backend.controller.before_forward(grad, region.index)
         if stepping:
             return backend.run_invocation(region, args)
         compiled = region.compiled

@@ -135,11 +135,17 @@ def test_torch_keeps_a_raised_backward_pass_queued_nodes_until_the_thread_runs_a
     assert released == 0
 
 
-def test_a_backward_that_raises_returns_every_host_buffer_and_leaves_the_plan():
-    """The compile door (budget 0: every activation moves) with a graph break, so that
-    the failed pass leaves compiled regions' nodes queued in the engine: before the next
-    forward (``backend.collect()``, its first call) every host buffer is back; the failed
-    step made no plan; the next steps are exact."""
+@pytest.mark.parametrize("where", ["parameter", "loss_side"])
+def test_a_backward_that_raises_returns_every_host_buffer_and_leaves_the_plan(where: str):
+    """The compile door (budget 0: every activation moves) on blocks compiled one by one,
+    summed in eager code, so that the failed pass leaves compiled regions' nodes queued in
+    the engine. The pass raises at a parameter's gradient (``parameter``: after the
+    block's region ran its backward) or at an eager tensor on the loss side (``loss_side``:
+    before any region's backward began, so the recorder saw nothing of it). The host
+    buffers come back before the next forward (``parameter``: at ``backend.collect()``,
+    the forward's first call) or at it (``loss_side``: the forward's invocation is not the
+    plan's); the failed step made no plan, the next step is a step of its own on the same
+    plan; every other step is exact."""
     from torch import nn
 
     def build() -> nn.Module:
@@ -151,36 +157,42 @@ def test_a_backward_that_raises_returns_every_host_buffer_and_leaves_the_plan():
         torch._dynamo.reset()
         blocks = build()
         compiled = [torch.compile(block, backend=backend) for block in blocks]
-
-        def step(x: torch.Tensor) -> torch.Tensor:  # a region per block: independent chains
-            return sum(block(x).exp().sum() for block in compiled)
-
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
-        results = []
-        for number in range(4):
+        results, held = [], []
+        for number in range(5):
             blocks.zero_grad(set_to_none=True)
-            handle = (blocks[-1][0].weight.register_hook(_raise) if number == 2 else None)
+            outs = [block(x).exp() for block in compiled]  # the block made last runs first
+            handle = None
+            if number == 2:
+                handle = (blocks[-1][0].weight.register_hook(_raise) if where == "parameter"
+                          else outs[-1].register_hook(_raise))
             try:
-                step(x).backward()
+                sum(out.sum() for out in outs).backward()
             except KeyboardInterrupt:
                 results.append(None)
             else:
                 results.append([p.grad.clone() for p in blocks.parameters()])
+            del outs
             if handle is not None:
                 handle.remove()
-            if backend != "aot_eager" and number == 2:
+            if backend != "aot_eager":
                 backend.collect()  # what the next forward does first
-                assert backend.runtime.pool.stats().buffers_in_use == 0
-                assert backend.controller.plan is plan_before
-            if backend != "aot_eager" and number == 1:
-                plan_before = backend.controller.plan
-        return results
+                controller = backend.controller
+                held.append(backend.runtime.pool.stats().buffers_in_use)
+                if number == 1:
+                    plan_before, replans = controller.plan, controller.replans
+                if number >= 2:
+                    assert controller.plan is plan_before and controller.replans == replans
+                    assert controller.steps == number  # the failed step is no step
+        return results, held
 
-    plain = run("aot_eager")
+    plain, _ = run("aot_eager")
     backend = hyper_offload.backend(inner_compiler="aot_eager", max_resident_activation_mb=0)
-    got = run(backend)
+    got, held = run(backend)
+    # loss side: the engine holds the failed pass's nodes until the next forward
+    assert held == ([0] * 5 if where == "parameter" else [0, 0, held[2], 0, 0]), held
     assert got[2] is None and plain[2] is None
-    for number in (0, 1, 3):
+    for number in (0, 1, 3, 4):
         assert all(torch.equal(a, b) for a, b in zip(got[number], plain[number])), number
     assert backend.runtime.bytes_d2h > 0
 

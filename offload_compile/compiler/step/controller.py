@@ -47,7 +47,11 @@ Events and what they do (every other pair leaves the state as it is):
   as RELOWERING does.
 * ``STEP_ABANDONED`` (a step's graphs died before their backward: it raised, was
   interrupted, or evaluated with grad enabled): seen at the next forward, never planned;
-  its host buffers come back there (the runtime collects them); the state stays.
+  its host buffers come back there (the runtime collects them); the state stays. A
+  backward pass that raised leaves its queued nodes to torch's autograd engine, which
+  keeps them (and so the step's graphs) until the thread's next backward pass: the
+  forward has the engine drop them first (:meth:`StepController._release_failed_pass`,
+  :meth:`~.recorder.StepRecorder.release_failed_pass`).
 * A recompilation (Dynamo hands over another region: other sizes, other ops, a branch)
   is no event of its own: the step that runs it has another shape, planned when done.
 
@@ -73,7 +77,7 @@ from hyper_offload.passes.plan.step import BetweenRegions, Invocation, StepPlan,
 from hyper_offload.passes.plan.step.model import SizeBucket, Slot
 
 from .meter import EagerMeter
-from .recorder import StepRecorder
+from .recorder import StepRecorder, release_failed_backward_pass
 
 __all__ = ["StepController", "StepEventName", "StepState", "StepLowering"]
 
@@ -212,8 +216,10 @@ class StepController:
 
     # ------------------------------------------------------------------ events
 
-    def before_forward(self, grad: bool) -> None:
-        """A region's forward is about to run (``grad``: autograd records it)."""
+    def before_forward(self, grad: bool, region: int | None = None) -> None:
+        """A forward of ``region`` is about to run (``grad``: autograd records it)."""
+        if grad and region is not None:
+            self._release_failed_pass(region)
         self.recorder.poll()  # a step whose graphs died ends here (STEP_ABANDONED)
         if not grad:
             self._move(self.state, StepEventName.FORWARD_NO_GRAD)
@@ -224,6 +230,21 @@ class StepController:
             self._relower()
         elif self.state is StepState.COLD:
             self._move(StepState.LEARNING, StepEventName.FORWARD)
+
+    def _release_failed_pass(self, region: int) -> None:
+        """A backward pass that raised before any region's backward began leaves the
+        recorder no trace of itself, and its nodes to the engine alone
+        (:func:`~.recorder.release_failed_backward_pass`): the next step's forwards would
+        join the step those nodes keep open. The invocation this forward begins tells:
+        one the plan in force does not have, while invocations are outstanding (or any
+        forward while no plan is in force) has the engine let go of a failed pass's
+        nodes first. A step on its plan costs nothing; a step off it (another shape,
+        micro-batches before their backwards) one empty backward pass per forward."""
+        if not self.recorder.current_forwards() or torch._C._current_graph_task_id() >= 0:
+            return
+        upcoming = self.recorder.begin_forward(region)
+        if self.plan is None or upcoming not in self.plan.timeline.invocations:
+            release_failed_backward_pass()
 
     def keep_for(self, invocation: Invocation, bucket: SizeBucket) -> frozenset[int]:
         """What a plan keeps for ``invocation`` (its sizes: ``bucket``): the plan in force,
