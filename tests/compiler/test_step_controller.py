@@ -68,7 +68,7 @@ class Scripted:
     def recomputes(self, plan) -> bool:
         return False
 
-    def slots(self, region):
+    def slots(self, region, sizes=()):
         return block().slots, max(block().resident)
 
 

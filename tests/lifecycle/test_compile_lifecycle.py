@@ -71,3 +71,17 @@ def test_a_backward_that_raises_after_a_caught_op_error_returns_every_host_buffe
     state.step_that_raises(error=Interrupt, where="backward")
     state.nothing_left_behind()
     state.train_step(how_zero="to_none", optimizer=True)
+
+
+def test_a_step_at_new_sizes_keeps_only_what_fits_at_those_sizes() -> None:
+    """The sequence ``make fuzz`` found on the attention block and the MLP (12-07): a
+    fraction budget, a step, then batch 4 (Dynamo recompiles the model with a symbolic
+    batch) and batch 12. The batch-12 step, for which no plan exists yet, kept the slots
+    that fit the budget at the sizes the region's lowering was planned for (batch 4), and
+    held 10,800 B for a budget of 5,551 B and a floor of 4,612 B on the MLP; the slots are
+    now sized at the call's own sizes. The machine's budget check is the assertion."""
+    state = machine_for(CompileDoor, "mlp")()
+    state.setup(budget=0.6, fraction_option=True, max_warmups=3, rewarm=True)
+    state.train_step(how_zero="keep", optimizer=False)
+    state.change_sizes(batch=4)
+    state.change_sizes(batch=12)

@@ -56,7 +56,7 @@ from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.passes.fx.sizes import merged_sizes
 from hyper_offload.passes.plan.step import RegionFloor, StepPlan, StepTimeline, plan_step
-from hyper_offload.passes.plan.step.model import Slot
+from hyper_offload.passes.plan.step.model import SizeBucket, Slot
 from hyper_offload.passes.plan.step.plan import regions_to_relower
 
 from ..options import BackendOptions
@@ -145,8 +145,8 @@ class RegionLowerings:
         lowered = {r.index: r.step_schedule for r in self._regions if r.step_schedule is not None}
         return dataclasses.replace(plan, schedules=lowered)
 
-    def slots(self, region: int) -> tuple[tuple[Slot, ...], int]:
-        floor = self._regions[region].step_floor(in_force=True)
+    def slots(self, region: int, sizes: SizeBucket = ()) -> tuple[tuple[Slot, ...], int]:
+        floor = self._regions[region].step_floor(dict(sizes), in_force=True)
         return ((), 0) if floor is None else (floor.slots, max(floor.resident, default=0))
 
     def lowered_as(self, plan: StepPlan) -> bool:
