@@ -120,6 +120,12 @@ class StepRecorder:
         with self._lock:
             return tuple(e.invocation for e in self._events if e.kind is StepEventKind.FORWARD)
 
+    @property
+    def outstanding(self) -> bool:
+        """Whether an invocation of the step in progress awaits its backward."""
+        with self._lock:
+            return bool(self._pending)
+
     def current_retained(self) -> int:
         """Bytes the invocations of the step in progress retain (measured)."""
         with self._lock:
