@@ -34,10 +34,10 @@ from torch._functorch import config as functorch_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.llama_model import LLAMA3_8B, Block  # noqa: E402
-from hyper_offload.compiler import recompute_splice as rs  # noqa: E402
+from hyper_offload.compiler.recompute import splice as rs  # noqa: E402
 from hyper_offload.compiler.fake_capture import capture_graphs  # noqa: E402
-from hyper_offload.compiler.recompute_candidates import copy_joint  # noqa: E402
-from hyper_offload.compiler.recompute_rules import unrepeatable  # noqa: E402
+from hyper_offload.compiler.recompute.candidates import copy_joint  # noqa: E402
+from hyper_offload.compiler.recompute.rules import unrepeatable  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds  # noqa: E402
 from hyper_offload.passes.fx.fx_trace import floor_detail  # noqa: E402
 from hyper_offload.passes.fx.fx_trace import FxTrace  # noqa: E402

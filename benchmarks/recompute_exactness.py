@@ -23,7 +23,7 @@ One JSON line per (backend, dtype, budget, ``emulate_precision_casts``):
   forward stores (tapped after each saved output): are the recomputed values themselves
   equal, and are the gradients then?
 * ``recompute_exactness.splice``: what the backend searches in bf16 under Inductor,
-  the product's spliced backward (``recompute_splice``) on a 2-layer GPT with the
+  the product's spliced backward (``compiler/recompute/splice.py``) on a 2-layer GPT with the
   cheapest 25 / 50 / 100 % of its options recomputed;
 * ``recompute_exactness.spliced``: the first prototype of that, the backward built as a recompute prologue (the
   partition's own recompute nodes, up to each value the default partition saves), an
@@ -110,7 +110,7 @@ SPLICE_SHARES = (0.25, 0.5, 1.0)
 
 
 def splice_rows() -> list[dict[str, Any]]:
-    """The product's spliced backward (``hyper_offload.compiler.recompute_splice``) on
+    """The product's spliced backward (``hyper_offload.compiler.recompute.splice``) on
     the 2-layer GPT in bf16 under Inductor: the cheapest ``share`` of its options
     recomputed, against plain Inductor."""
     plain = step("inductor", torch.bfloat16, 1.0, False, SPLICE_CONFIG)
@@ -137,9 +137,9 @@ class _ProductSplice(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from hyper_offload.compiler import recompute_splice as rs
-        from hyper_offload.compiler.recompute_candidates import copy_joint
-        from hyper_offload.compiler.recompute_rules import draws_random
+        from hyper_offload.compiler.recompute import splice as rs
+        from hyper_offload.compiler.recompute.candidates import copy_joint
+        from hyper_offload.compiler.recompute.rules import draws_random
         from hyper_offload.passes.fx.cost_model import node_seconds, throughput_for
 
         graphs = {}
@@ -191,7 +191,7 @@ class _SplicingPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from hyper_offload.compiler.recompute_candidates import copy_joint
+        from hyper_offload.compiler.recompute.candidates import copy_joint
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)
@@ -297,8 +297,8 @@ class _TappingPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from hyper_offload.compiler.recompute_candidates import copy_joint
-        from hyper_offload.compiler.recompute_rules import recomputed_nodes
+        from hyper_offload.compiler.recompute.candidates import copy_joint
+        from hyper_offload.compiler.recompute.rules import recomputed_nodes
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)
@@ -349,8 +349,8 @@ class _RealizingPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, ...]:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        from hyper_offload.compiler.recompute_candidates import copy_joint
-        from hyper_offload.compiler.recompute_rules import recomputed_nodes
+        from hyper_offload.compiler.recompute.candidates import copy_joint
+        from hyper_offload.compiler.recompute.rules import recomputed_nodes
 
         with torch._functorch.config.patch(activation_memory_budget=1.0):
             default_fw, default_bw = min_cut_rematerialization_partition(copy_joint(gm), joint_inputs, **kwargs)

@@ -19,12 +19,12 @@ and budget (a fraction of the plain step's activation peak):
                       least compute + predicted stall among the feasible plans: the best
                       mix when exactness may be waived;
 * ``backend``         what the compile backend itself chooses with ``recompute="auto"``
-                      (:func:`hyper_offload.compiler.recompute_search.choose_partition`,
+                      (:func:`hyper_offload.compiler.recompute.search.choose_partition`,
                       run on the same joint graph inside the capture) under its
                       exactness rules. These traces are bf16 under Inductor, so the
                       low-precision rule applies: torch's partitions only recompute
                       what rounds the same, and the spliced backward
-                      (``recompute_splice``) recomputes saved activations exactly
+                      (``compiler/recompute/splice.py``) recomputes saved activations exactly
                       (``backend_spliced``: how many);
 * ``backend_unrestricted`` the same search with that rule off: what the backend
                       searches where the rule does not apply (aot_eager, fp32), priced
@@ -58,8 +58,8 @@ from stall import GPU, MIB, MODELS  # noqa: E402
 
 from hyper_offload.compiler.fake_capture import StockPartition, capture_graphs  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
-from hyper_offload.compiler.recompute_candidates import copy_joint  # noqa: E402
-from hyper_offload.compiler.recompute_search import choose_partition, graph_planner  # noqa: E402
+from hyper_offload.compiler.recompute.candidates import copy_joint  # noqa: E402
+from hyper_offload.compiler.recompute.search import choose_partition, graph_planner  # noqa: E402
 from hyper_offload.compiler.region_report import RecomputeReport  # noqa: E402
 from hyper_offload.passes import GreedyResidencyPlanner, plan_residency  # noqa: E402
 from hyper_offload.passes.analysis.predicted_timeline import op_durations  # noqa: E402

@@ -12,9 +12,8 @@
   is learnt (recorder, eager meter) and the lowerings its plans want; planning itself is
   the step model of :mod:`hyper_offload.passes.plan.step`; :mod:`.step_report` shows the
   plan in force (:class:`StepReport`);
-* :mod:`.recompute_search` / :mod:`.recompute_candidates` / :mod:`.recompute_rules` /
-  :mod:`.recompute_splice` — keep, move or recompute: the search, the partitions it
-  prices, what may be recomputed exactly, the spliced backward;
+* :mod:`.recompute` — keep, move or recompute: the search, the partitions it prices,
+  what may be recomputed exactly, the spliced backward;
 * :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
   autograd's graph (:func:`saved_device_bytes`);
 * :mod:`.fake_capture` / :mod:`.fit_estimate` / :mod:`.step_estimate` — the same graphs

@@ -16,7 +16,7 @@ partitioner sees it for the same inner compiler:
 
 Nothing is compiled: the forward/backward "compilers" only keep the graphs. A
 ``partition`` hook replaces the stock call (``estimate`` runs the backend's recompute
-search there, :func:`~.recompute_search.choose_partition`).
+search there, :func:`~.recompute.search.choose_partition`).
 """
 
 from __future__ import annotations

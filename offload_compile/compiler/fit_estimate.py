@@ -49,7 +49,7 @@ from hyper_offload.runtime.device import DEFAULT_TRANSFER_BANDWIDTH, TransferBan
 from .estimate_report import EstimateReport
 from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
 from .options import BackendOptions, parse_backend_options
-from .recompute_search import PartitionChoice, search_region
+from .recompute.search import PartitionChoice, search_region
 from .region_plan import build_region_report
 
 __all__ = ["estimate"]

@@ -10,7 +10,7 @@ Accepted keys: every :class:`~hyper_offload.OffloadConfig` field
   ``activation_memory_budget`` users know), instead of ``max_resident_activation_mb``;
 * ``recompute``: ``"auto"`` (default) or ``"off"``. ``"auto"`` lets a region whose
   offload-only plan stalls compute or cannot meet the budget recompute more in the
-  backward as well (:mod:`.recompute_search`); a region whose offload-only plan is
+  backward as well (:mod:`.recompute.search`); a region whose offload-only plan is
   stall-free, or whose budget is at or above its peak, compiles exactly as with
   ``"off"``, which never asks the partitioner for more recompute than torch's default;
 * ``transfer_bandwidth_gbps``: price host/device copies at this many GB/s each way

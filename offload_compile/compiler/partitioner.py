@@ -3,7 +3,7 @@
 AOTAutograd calls a partitioner with the joint graph of one region; Inductor's supported
 hook is ``torch._inductor.config.custom_partitioner_fn`` (a ``CustomPartitionerFn``).
 :class:`OffloadPartitioner` runs torch's min-cut partition (searched with recompute where
-the request says so, :mod:`.recompute_search`), plans it, and lowers the plan onto the
+the request says so, :mod:`.recompute.search`), plans it, and lowers the plan onto the
 ``hyper_offload::`` transfer ops (:func:`~.region_plan.lower_region`). Everything it needs
 comes in one :class:`PartitionRequest`; what it made comes back as one
 :class:`PartitionResult` (:attr:`OffloadPartitioner.result`). Nothing else is shared.
@@ -53,8 +53,8 @@ from hyper_offload.passes.fx.cost_model import DeviceThroughput
 from hyper_offload.runtime.device import TransferBandwidth
 
 from .options import BackendOptions
-from .recompute_candidates import Scorer
-from .recompute_search import search_region
+from .recompute.candidates import Scorer
+from .recompute.search import search_region
 from .region_plan import GraphPlan, PlannedRegion, lower_region, plan_with_schedule
 from .region_report import log_region_report
 

@@ -32,7 +32,7 @@ from hyper_offload.passes import ActionKind, ResidencySchedule
 from hyper_offload.passes.fx.sizes import Bucket, bucket_of, size_inputs, unbounded_sizes
 from hyper_offload.passes.plan.step import RegionFloor
 
-from .recompute_rules import is_collective
+from .recompute.rules import is_collective
 from .region_plan import GraphPlan, PlannedRegion
 from .region_report import LOGGER, TilingReport
 

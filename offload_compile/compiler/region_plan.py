@@ -1,6 +1,6 @@
 """Trace, plan, lower and re-check one region's forward/backward graphs.
 
-The wiring between the pure passes; :mod:`.recompute_search` plans each candidate
+The wiring between the pure passes; :mod:`.recompute.search` plans each candidate
 partition with :func:`plan_graphs`, and :mod:`.partitioner` lowers the chosen one
 with :func:`lower_region`. Planning is the shared pipeline of every
 door, :func:`hyper_offload.passes.plan_residency` (plan -> check -> place prefetches ->

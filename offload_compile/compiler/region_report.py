@@ -76,7 +76,7 @@ class PartitionReport:
     rejected: str | None = None
     spliced: int = 0
     """Saved activations of the default partition that its spliced backward recomputes
-    (:mod:`.recompute_splice`; 0: torch's own partition at ``memory_budget``)."""
+    (:mod:`.recompute.splice`; 0: torch's own partition at ``memory_budget``)."""
 
     @property
     def step_s(self) -> float:
@@ -111,8 +111,8 @@ class RecomputeReport:
     restriction: str | None = None
     spliced: int = 0
     work_bounded: bool = False
-    """True when the search stopped at its work bound (:mod:`.recompute_search`,
-    :data:`~.recompute_candidates.SEARCH_MIN_WORK`) before trying every partition."""
+    """True when the search stopped at its work bound (:mod:`.recompute.search`,
+    :data:`~.recompute.candidates.SEARCH_MIN_WORK`) before trying every partition."""
 
     def summary(self) -> dict[str, object]:
         data = dict(self.__dict__)

@@ -16,7 +16,7 @@ bytes, and :mod:`hyper_offload.runtime.ops` registers their real kernels. Ten op
   pool early (spilled, or read back and released) must never become scratch memory of
   the inner compiler, which reuses a buffer once its last reader ran;
 * the two **recompute barriers** of the spliced backward
-  (:mod:`hyper_offload.compiler.recompute_splice`): ``materialize(Tensor value) ->
+  (:mod:`hyper_offload.compiler.recompute.splice`): ``materialize(Tensor value) ->
   Tensor``, a copy of ``value`` that Inductor runs as an extern kernel (stored rounded
   to its dtype, nothing fuses across it), and ``discard(Tensor value) -> Tensor``, an
   empty tensor that reads ``value`` from memory. Both are plain functional ops with no

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hyper_offload
-from hyper_offload.compiler.recompute_rules import draws_random, recomputed_nodes
+from hyper_offload.compiler.recompute.rules import draws_random, recomputed_nodes
 
 from .compile_models import Block, deterministic  # noqa: F401 (autouse)
 

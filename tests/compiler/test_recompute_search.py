@@ -20,14 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hyper_offload.compiler.recompute_candidates import copy_joint, refine_count, share_counts
-from hyper_offload.compiler.recompute_rules import (
+from hyper_offload.compiler.recompute.candidates import copy_joint, refine_count, share_counts
+from hyper_offload.compiler.recompute.rules import (
     draws_random,
     low_precision_bans,
     recomputed_nodes,
     uses_low_precision,
 )
-from hyper_offload.compiler.recompute_search import choose_partition
+from hyper_offload.compiler.recompute.search import choose_partition
 
 aten = torch.ops.aten
 

@@ -2,7 +2,7 @@
 
 The graphs are AOTAutograd's own partitions of one small function: torch's default
 partition and its ``activation_memory_budget=0`` partition, captured once per module.
-Each test pins one invariant of :mod:`hyper_offload.compiler.recompute_splice`; the
+Each test pins one invariant of :mod:`hyper_offload.compiler.recompute.splice`; the
 spliced graphs also run on eager kernels and must give every gradient bit for bit.
 (Exactness under Inductor is ``tests/compiler/test_recompute_numerics.py``.)
 """
@@ -21,9 +21,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 # The spliced graphs run materialize/discard: their real kernels (run alone, this module
 # would otherwise depend on another test having imported them first).
 import hyper_offload.runtime.ops  # noqa: F401
-from hyper_offload.compiler import recompute_splice as rs
-from hyper_offload.compiler.recompute_candidates import copy_joint
-from hyper_offload.compiler.recompute_rules import draws_random
+from hyper_offload.compiler.recompute import splice as rs
+from hyper_offload.compiler.recompute.candidates import copy_joint
+from hyper_offload.compiler.recompute.rules import draws_random
 
 aten = torch.ops.aten
 DIM = 16

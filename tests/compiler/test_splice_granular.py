@@ -28,9 +28,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 import hyper_offload.runtime.ops  # noqa: F401 (materialize/discard real kernels)
-from hyper_offload.compiler import recompute_splice as rs
-from hyper_offload.compiler.recompute_candidates import copy_joint
-from hyper_offload.compiler.recompute_rules import draws_random
+from hyper_offload.compiler.recompute import splice as rs
+from hyper_offload.compiler.recompute.candidates import copy_joint
+from hyper_offload.compiler.recompute.rules import draws_random
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
 
 from .compile_models import deterministic  # noqa: F401 (autouse)
@@ -216,7 +216,8 @@ def test_a_tiny_llama_recomputed_op_by_op_is_bit_exact(inner):
 
 
 def test_where_nothing_fits_the_search_cuts_the_backward_where_it_peaks():
-    """The last resort of the splice search (:func:`recompute_candidates.splice_candidates`):
+    """The last resort of the splice search
+    (:func:`hyper_offload.compiler.recompute.candidates.splice_candidates`):
     when no candidate meets the budget, every option recomputed with a stage barrier at
     the backward op where that plan peaks, so that no value recomputed before it is alive
     there: a held value a chain needs early is recomputed privately instead. Here every
@@ -224,7 +225,7 @@ def test_where_nothing_fits_the_search_cuts_the_backward_where_it_peaks():
     chain needs ``h`` early, and only a backward with a private copy "fits"."""
     from types import SimpleNamespace
 
-    from hyper_offload.compiler import recompute_candidates as candidates
+    from hyper_offload.compiler.recompute import candidates
 
     captured: dict[str, Any] = {}
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import hyper_offload
-from hyper_offload.compiler.recompute_rules import is_collective, opaque_inputs
+from hyper_offload.compiler.recompute.rules import is_collective, opaque_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from train_tp import batch, build_model, offload_run, train  # noqa: E402

@@ -61,7 +61,7 @@ from hyper_offload.passes.plan.step.plan import regions_to_relower
 
 from ..options import BackendOptions
 from ..partitioner import PartitionRequest, PartitionResult
-from ..recompute_candidates import PlanScore
+from ..recompute.candidates import PlanScore
 from ..region import CompiledRegion, Lowering
 from ..region_plan import GraphPlan
 from ..region_report import LOGGER

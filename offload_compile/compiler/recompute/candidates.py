@@ -1,19 +1,19 @@
 """The recompute search's candidates: partitions of one joint graph, each planned and
 priced under a work bound.
 
-:func:`~.recompute_search.choose_partition` ranks what this module produces, beside
+:func:`~.search.choose_partition` ranks what this module produces, beside
 torch's default partition:
 
 * :func:`budget_candidates`: torch's own partition at each ``activation_memory_budget``
-  of the grid, each distinct one planned (or rejected by :mod:`.recompute_rules`);
+  of the grid, each distinct one planned (or rejected by :mod:`.rules`);
 * :func:`splice_candidates`: the default partition with its cheapest saved activations
-  recomputed by the spliced backward (:mod:`.recompute_splice`), the option count
+  recomputed by the spliced backward (:mod:`.splice`), the option count
   bisected around the best of a few byte shares (:func:`share_counts`,
   :func:`refine_count`).
 
 Every candidate is planned by a :data:`Planner` under the default partition's byte
 budget, scored by a :data:`Scorer` (:func:`region_score` by default) into its
-:class:`~.region_report.PartitionReport`, and counted against a :class:`WorkBound`:
+:class:`~..region_report.PartitionReport`, and counted against a :class:`WorkBound`:
 planning work (trace accesses, :func:`plan_work`), never seconds, so the same model gets
 the same search on any machine.
 """
@@ -35,16 +35,16 @@ from torch._functorch import config as functorch_config
 from hyper_offload import progress
 from hyper_offload.passes.ir.trace import DEFAULT_BANDWIDTH_GBPS
 
-from .recompute_rules import random_nodes, recomputed_nodes, unrepeatable
-from .recompute_splice import (
+from .rules import random_nodes, recomputed_nodes, unrepeatable
+from .splice import (
     held_options,
     inductor_uses_templates,
     recompute_order,
     splice,
     splice_options,
 )
-from .region_plan import GraphPlan
-from .region_report import PartitionReport
+from ..region_plan import GraphPlan
+from ..region_report import PartitionReport
 
 __all__ = [
     "SEARCH_MIN_WORK",
@@ -87,7 +87,7 @@ class PlanScore(NamedTuple):
 
 Scorer = Callable[[GraphPlan], PlanScore]
 """The search's objective for a planned partition (:func:`region_score` by default; the
-step scope prices a region's partition on the whole step, :mod:`.step.lowerings`)."""
+step scope prices a region's partition on the whole step, :mod:`..step.lowerings`)."""
 
 
 def region_score(plan: GraphPlan) -> PlanScore:
@@ -165,7 +165,7 @@ partition on every 4- and 32-layer Llama case)."""
 
 STEP_SEARCH_MIN_WORK = 8_000_000
 """The same for the default step scope's search, which runs once per region, after a
-step was seen to stall or miss the budget  (:mod:`.step.lowerings`): enough for the whole
+step was seen to stall or miss the budget  (:mod:`..step.lowerings`): enough for the whole
 grid and splice search of a 32-layer Llama-3-8B region at 32 K tokens (13 plans, 2.8 M
 accesses, one of them 2.0 M: ``benchmarks/peers.py --search``), so the default door
 finds what the region scope's unbounded search finds."""
@@ -178,7 +178,7 @@ def plan_work(plan: GraphPlan) -> int:
 
 
 class WorkBound:
-    """The search's work bound (:func:`~.recompute_search.choose_partition`): the planning work it may still
+    """The search's work bound (:func:`~.search.choose_partition`): the planning work it may still
     spend, and the largest attempt seen so far (the expected cost of the next one).
     ``hit`` says whether the bound stopped the search. Work, never seconds: the same
     search on any machine."""
@@ -329,12 +329,12 @@ def splice_candidates(
     reload_gbps: Callable[[fx.GraphModule], float] | None = None,
 ) -> list[Candidate]:
     """The default partition with its cheapest saved activations recomputed by the
-    spliced backward (:mod:`.recompute_splice`, exact in low precision under Inductor):
+    spliced backward (:mod:`.splice`, exact in low precision under Inductor):
     the counts covering each of :data:`SPLICE_SHARES` (every option first: where that
     does not fit, only the last resort follows), then up to :data:`SPLICE_REFINEMENTS`
     counts around the best of them, each planned under the default partition's byte
     budget. Values that cost more to recompute than to reload are held
-    (:func:`~.recompute_splice.held_options`); where no count fits, the last resort
+    (:func:`~.splice.held_options`); where no count fits, the last resort
     recomputes every option with a stage barrier at the op where that peaks (nothing
     recomputed before it alive there). The recompute chains come from torch's
     ``activation_memory_budget=0`` partition."""

@@ -11,7 +11,7 @@ pipeline inside it. For one region's joint graph:
 2. Otherwise each ``activation_memory_budget`` of :data:`RECOMPUTE_GRID` below the
    user's partitions a fresh deep copy of the joint graph (the partitioner rewrites the
    graph it is given), the partitioner recomputing more the lower the value. Each
-   distinct partition is planned by :func:`~.region_plan.plan_graphs` under the *same*
+   distinct partition is planned by :func:`~..region_plan.plan_graphs` under the *same*
    byte budget (the fraction resolves against the default partition's peak), and priced
    as compute (every op, recomputation included, by the roofline) plus the plan's
    predicted stall.
@@ -27,12 +27,12 @@ pipeline. ``benchmarks/recompute_mix.py`` measures what the search buys (predict
 GPU-priced traces): never slower than either strategy alone and strictly faster on 13
 of 24 rows in fp32, and on 12 of 24 in bf16 under Inductor (every row where a plan can
 be faster), where the exactness rule below leaves torch's partitions almost nothing to
-recompute and the spliced backward (:mod:`.recompute_splice`) recomputes exactly.
+recompute and the spliced backward (:mod:`.splice`) recomputes exactly.
 
 Exactness (the result must equal plain compile bit for bit: no random op, no collective
 recomputed, and under Inductor in low precision only what rounds the same) is
-:mod:`.recompute_rules`'s; the candidates are built, planned and priced by
-:mod:`.recompute_candidates`.
+:mod:`.rules`'s; the candidates are built, planned and priced by
+:mod:`.candidates`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from torch._functorch import config as functorch_config
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds, throughput_for
 from hyper_offload.runtime.device import TransferBandwidth
 
-from .options import BackendOptions
-from .recompute_candidates import (
+from ..options import BackendOptions
+from .candidates import (
     SEARCH_MIN_WORK,
     STEP_SEARCH_MIN_WORK,
     Candidate,
@@ -63,11 +63,11 @@ from .recompute_candidates import (
     region_score,
     splice_candidates,
 )
-from .recompute_rules import (
+from .rules import (
     partition_bans, recomputed_nodes, sizing_opaque_inputs, unsizable_inputs,
 )
-from .region_plan import GraphPlan, plan_graphs
-from .region_report import RecomputeReport
+from ..region_plan import GraphPlan, plan_graphs
+from ..region_report import RecomputeReport
 
 __all__ = [
     "RECOMPUTE_GRID",
@@ -113,19 +113,19 @@ def choose_partition(
 ) -> PartitionChoice:
     """Partition ``joint`` and plan it, searching recompute when it pays (module
     docstring). ``restrict_low_precision``: the inner compiler fuses (Inductor), so
-    low-precision values follow the exactness rule (:mod:`.recompute_rules`), and
-    the spliced backwards of :mod:`.recompute_splice` join the search. ``seconds``
+    low-precision values follow the exactness rule (:mod:`.rules`), and
+    the spliced backwards of :mod:`.splice` join the search. ``seconds``
     prices one op for ranking splice options (default: the roofline at CPU figures).
     ``bounded``: the search's planning work is bounded
-    (:data:`~.recompute_candidates.SEARCH_WORK_SHARE` of the default partition's
-    :func:`~.recompute_candidates.plan_work`, at least ``min_work``), so a region whose
+    (:data:`~.candidates.SEARCH_WORK_SHARE` of the default partition's
+    :func:`~.candidates.plan_work`, at least ``min_work``), so a region whose
     one plan is costly compiles in about twice the time of an unsearched one (the
     issue-31 bound: HF RWKV at 10% took 5.3x before it), and the same model gets the
     same plan on any machine. ``score`` is the objective every partition is ranked by
-    (default: the region's own plan, :func:`~.recompute_candidates.region_score`).
+    (default: the region's own plan, :func:`~.candidates.region_score`).
     ``reload_gbps``: the link's host-to-device GB/s for a forward graph (default: the
     16 GB/s default link), which decides what a spliced backward holds rather than
-    recomputes twice (:func:`~.recompute_splice.held_options`)."""
+    recomputes twice (:func:`~.splice.held_options`)."""
     seconds = seconds or partial(node_seconds, throughput=throughput_for(torch.device("cpu")))
     user_budget = float(functorch_config.activation_memory_budget)
     pristine = copy_joint(joint) if mode == "auto" else None
@@ -201,7 +201,7 @@ def graph_planner(
     floor: bool = False,
     activation_inputs: frozenset[str] = frozenset(),
 ) -> Planner:
-    """The :data:`~.recompute_candidates.Planner` both doors search with: :func:`~.region_plan.plan_graphs`
+    """The :data:`~.candidates.Planner` both doors search with: :func:`~..region_plan.plan_graphs`
     with the options, the link ``bandwidth(fw)`` and ``throughput``; with ``floor``,
     every movable saved activation offloaded (``plan_graphs(floor=True)``), graph inputs in
     ``activation_inputs`` included."""
@@ -233,7 +233,7 @@ def search_region(
     step scope's plan, each partition at its floor; without ``score``, torch's partition
     alone (the first lowering: nothing is known of the step yet, and the step plan later
     keeps what fits); with ``score`` (the step scope's re-lowering once the step is
-    known, :mod:`.step.lowerings`) the ``recompute`` option's search, every partition
+    known, :mod:`..step.lowerings`) the ``recompute`` option's search, every partition
     ranked on the whole step."""
     plan = graph_planner(
         num_fwd_outputs=num_fwd_outputs, options=options, bandwidth=bandwidth,

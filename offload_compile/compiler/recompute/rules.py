@@ -2,7 +2,7 @@
 plain compile bit for bit (and every rank runs the same collectives), what a partition
 recomputes, and how the partitioner may size a graph's communication objects.
 
-The recompute search (:mod:`.recompute_search`) lets torch's partitioner recompute only
+The recompute search (:mod:`.search`) lets torch's partitioner recompute only
 what these rules allow:
 
 * **Random ops** are never recomputed: the partitioner bans them, and a partition whose
@@ -32,7 +32,7 @@ what these rules allow:
   buffers every kernel reads from memory (graph inputs, extern matmul/convolution
   results). Every other forward op is marked ``MUST_SAVE`` on the copy the search
   partitions (``RecomputeReport.restriction`` says how many; :func:`partition_bans`).
-  The spliced backward (:mod:`.recompute_splice`) recomputes those exactly.
+  The spliced backward (:mod:`.splice`) recomputes those exactly.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from torch._functorch import config as functorch_config
 from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes.fx.collectives import is_collective_op
 
-from .recompute_splice import EXTERN_MATMULS, inductor_uses_templates
+from .splice import EXTERN_MATMULS, inductor_uses_templates
 
 __all__ = [
     "draws_random",
