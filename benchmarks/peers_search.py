@@ -40,7 +40,7 @@ from hyper_offload.compiler.fake_capture import (  # noqa: E402
 from hyper_offload.compiler.options import parse_backend_options  # noqa: E402
 from hyper_offload.compiler.recompute.search import choose_partition, graph_planner  # noqa: E402
 from hyper_offload.compiler.step.controller import StepState  # noqa: E402
-from hyper_offload.compiler.step_estimate import compile_as_given  # noqa: E402
+from hyper_offload.compiler.estimate.step_scope import compile_as_given  # noqa: E402
 from hyper_offload.passes.analysis.predicted_timeline import op_durations  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds  # noqa: E402
 from hyper_offload.runtime.device import TransferBandwidth  # noqa: E402

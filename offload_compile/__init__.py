@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "backend": ".compiler.registry",
     "check": ".exactness.check",
-    "estimate": ".compiler.fit_estimate",
+    "estimate": ".compiler.estimate.fit",
     "OffloadSession": ".eager.session",
     "register_backend": ".compiler.registry",
     "skip_offload": ".eager.opaque",

@@ -261,7 +261,7 @@ def _check_device(text: str) -> None:
 
 def _estimate(args: argparse.Namespace) -> Any:
     note("loading torch and the compile door")
-    from hyper_offload.compiler.fit_estimate import estimate
+    from hyper_offload.compiler.estimate.fit import estimate
 
     _check_flags(args)
 

@@ -16,9 +16,11 @@
   what may be recomputed exactly, the spliced backward;
 * :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
   autograd's graph (:func:`saved_device_bytes`);
-* :mod:`.fake_capture` / :mod:`.fit_estimate` / :mod:`.step_estimate` — the same graphs
-  on fake tensors, and :func:`estimate` (does a step fit under a budget?) built on them;
-  :mod:`.estimate_report` — what it returns (:class:`EstimateReport`).
+* :mod:`.fake_capture` — the same graphs on fake tensors;
+* :mod:`.estimate` — ``hyper_offload.estimate`` (does a step fit under a budget?) built on
+  them: per region (:mod:`.estimate.fit`), under the step scope
+  (:mod:`.estimate.step_scope`, per block: :mod:`.estimate.block_layout`), and what it
+  returns (:mod:`.estimate.report`, :class:`EstimateReport`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ _LAZY = {
     "step_report": ".registry",
     "StepReport": ".step_report",
     "RegionReport": ".region_report",
-    "EstimateReport": ".estimate_report",
-    "estimate": ".fit_estimate",
+    "EstimateReport": ".estimate.report",
     "saved_device_bytes": ".saved_bytes",
     "autograd_saved_device_bytes": ".saved_bytes",
 }

@@ -112,7 +112,7 @@ def assert_estimate_is_the_step_plan(
     that step carry it; the fake step of ``estimate`` does not)."""
     from hyper_offload.compiler.fake_capture import resolve_trace_device
     from hyper_offload.compiler.options import parse_backend_options
-    from hyper_offload.compiler.step_estimate import estimate_step
+    from hyper_offload.compiler.estimate.step_scope import estimate_step
 
     real = backend.step_report
     link = backend.bandwidth(backend.regions[0].graphs[0])  # what the backend priced with

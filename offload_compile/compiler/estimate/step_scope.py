@@ -1,8 +1,8 @@
 """``hyper_offload.estimate`` under ``budget_scope="step"``: the backend's own step plan,
 on fake tensors.
 
-A copy of the model whose parameters are fake twins (:func:`.fake_capture.fake_module`)
-is compiled with ``torch.compile`` and a :class:`~.backend.HyperOffloadBackend`
+A copy of the model whose parameters are fake twins (:func:`..fake_capture.fake_module`)
+is compiled with ``torch.compile`` and a :class:`~..backend.HyperOffloadBackend`
 in *fake-steps* mode, and runs one step on fake inputs: one forward (Dynamo splits it
 into the regions a real compile makes: graph breaks, blocks compiled on their own,
 one compiled block invoked once per layer) and the backward of its loss (a scalar output
@@ -12,7 +12,7 @@ the plan asks for regions to be lowered again (as a real run's next steps). Each
 partitioned, planned at its floor and lowered by the backend's own code; its graphs run
 as FX graphs on the fake tensors, so the backend's step recorder sees the step exactly
 as it sees a real first step, measures the eager code between regions as in a real
-step (:mod:`.step.meter`: an LM head and loss outside the compiled blocks), and the step
+step (:mod:`..step.meter`: an LM head and loss outside the compiled blocks), and the step
 model plans it. Estimate and backend therefore agree by construction: same regions, same
 floor plans, same eager bytes, same step plan (a test compares them).
 
@@ -45,12 +45,12 @@ from hyper_offload.passes.fx.fx_trace import FloorDetail, floor_detail
 from hyper_offload.runtime.device import TransferBandwidth
 
 from .block_layout import AUTO_MIN_REPEATS, BlockRun, compile_per_block, repeated_blocks
-from .backend import HyperOffloadBackend
-from .fake_capture import estimate_fake_mode, fake_inputs, fake_module
-from .options import BackendOptions
-from .region_report import RegionReport
-from .step.controller import StepState
-from .step_report import StepReport
+from ..backend import HyperOffloadBackend
+from ..fake_capture import estimate_fake_mode, fake_inputs, fake_module
+from ..options import BackendOptions
+from ..region_report import RegionReport
+from ..step.controller import StepState
+from ..step_report import StepReport
 
 __all__ = ["StepEstimate", "block_run_for", "compile_as_given", "estimate_step"]
 
@@ -160,7 +160,7 @@ def _compute_s(backend: HyperOffloadBackend) -> float:
 
 _MAX_STEPS = 3
 """Fake steps an estimate runs at most: the first at the floor, and more while the step
-plan asks for regions to be lowered again (:mod:`.step.lowerings`: the recompute search,
+plan asks for regions to be lowered again (:mod:`..step.lowerings`: the recompute search,
 each region at most once, and schedules made for the step), as a real run's next steps: a
 lowering asked for at a step's end is made before the next step's first forward, and that
 step is planned again at its end."""

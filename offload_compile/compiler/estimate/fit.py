@@ -8,14 +8,14 @@ Nothing is allocated: the model may live on the meta device and be far larger th
 machine's memory. Two scopes, as the backend's ``budget_scope``:
 
 * ``"step"`` (the default, as the backend's): one step runs on fake tensors through the
-  compile backend itself (:mod:`.step_estimate`): Dynamo splits it into the regions a
+  compile backend itself (:mod:`.step_scope`): Dynamo splits it into the regions a
   real compile makes (graph breaks; blocks the model compiled on their own stay so, one
   compiled block invoked per layer), each region is planned at its floor, and the step
   plan is :func:`hyper_offload.passes.plan.step.plan_step`'s. ``report.step`` is exactly the backend's
   ``step_report`` after a real first step, ``report.regions`` its region reports.
-* ``"region"``: the model as one region (:mod:`.fake_capture`: AOTAutograd on the whole
+* ``"region"``: the model as one region (:mod:`..fake_capture`: AOTAutograd on the whole
   module, no Dynamo, the stock min-cut partition the backend uses), planned, checked and
-  hoisted by the backend's own analysis (:func:`.region_plan.plan_graphs`) under the
+  hoisted by the backend's own analysis (:func:`..region_plan.plan_graphs`) under the
   whole budget, with the recompute search: ``report.region`` is what the backend reports
   for the model compiled whole under ``budget_scope="region"``.
 
@@ -23,9 +23,9 @@ Figures are for saved activations and the temporaries of the step as the compile
 backend counts them (parameters, inputs, gradients and optimizer state excluded; see
 docs/architecture.md "Compile path", "What counts"), and under the step scope the eager
 code between compiled regions too (an LM head and loss outside per-block compiled
-blocks, :mod:`.step.meter`), which a real step measures the same way. ``floor_op`` names
+blocks, :mod:`..step.meter`), which a real step measures the same way. ``floor_op`` names
 the op that sets the floor and ``floor_explained`` what lowers it. The report and how it
-reads: :mod:`.estimate_report`.
+reads: :mod:`.report`.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from hyper_offload.passes.fx.sizes import symbolic_sizes
 from hyper_offload.passes.plan.step import FloorOp
 from hyper_offload.runtime.device import DEFAULT_TRANSFER_BANDWIDTH, TransferBandwidth
 
-from .estimate_report import EstimateReport
-from .fake_capture import StockPartition, capture_graphs, resolve_trace_device
-from .options import BackendOptions, parse_backend_options
-from .recompute.search import PartitionChoice, search_region
-from .region_plan import build_region_report
+from .report import EstimateReport
+from ..fake_capture import StockPartition, capture_graphs, resolve_trace_device
+from ..options import BackendOptions, parse_backend_options
+from ..recompute.search import PartitionChoice, search_region
+from ..region_plan import build_region_report
 
 __all__ = ["estimate"]
 
@@ -125,7 +125,7 @@ def estimate(
         flops_per_s=prices.flops_per_s, memory_bytes_per_s=prices.bytes_per_s,
     )
     if parsed.step_scoped:
-        from .step_estimate import estimate_step
+        from .step_scope import estimate_step
 
         found = estimate_step(
             model, example_inputs, device=target, options=parsed, link=link,

@@ -1,4 +1,4 @@
-"""What :func:`~.fit_estimate.estimate` returns: :class:`EstimateReport`, its figures in
+"""What :func:`~.fit.estimate` returns: :class:`EstimateReport`, its figures in
 either scope, and how it reads (``summary()``, ``to_dict()``, ``to_json()``).
 
 The report wraps the backend's own report of the same model (a :class:`StepReport`
@@ -16,8 +16,8 @@ from hyper_offload.errors import ReportScopeError
 from hyper_offload.passes.fx.fx_trace import FloorDetail
 from hyper_offload.passes.plan.step import FloorOp
 
-from .region_report import RegionReport
-from .step_report import StepReport, explain_floor
+from ..region_report import RegionReport
+from ..step_report import StepReport, explain_floor
 
 __all__ = ["EstimateReport"]
 
