@@ -249,7 +249,7 @@ MUTATIONS = (
              "gap >= min_gap, open_pos - (phase is SwapPhase.WEIGHT_STATE), close_pos, phase)",
              ("tests/passes/pipeline/test_pp_check_order.py", "tests/passes/pipeline/test_pp_properties.py"),
              "DW_LAUNCH_OFFLOAD is placed before the BWD_INPUT whose state it moves"),
-    Mutation("kept-output-keeps-graph", "runtime/pipeline/step_runner.py",
+    Mutation("kept-output-keeps-graph", "offload_compile/pipeline/step_runner.py",
              "            self._detach_kept_output(stage, s, m)\n",
              "",
              ("tests/runtime/pipeline/test_step_context.py::test_a_kept_last_stage_output_drops_its_graph_after_its_backward",),

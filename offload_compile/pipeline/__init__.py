@@ -3,8 +3,9 @@
 * :func:`swap_wrapper` / :func:`swap_tensor_wrapper` — mark the modules (or tensors) whose
   saved activations may leave the device between a chunk's forward and backward;
 * :class:`PipelineSwapSchedule` — a torch-style schedule that runs the swap-rewritten
-  rank orders of :mod:`hyper_offload.passes.pipeline` (re-exported from
-  :mod:`hyper_offload.runtime.pipeline`).
+  rank orders of :mod:`hyper_offload.passes.pipeline` (:mod:`.schedule`), one ``step()``
+  at a time (:mod:`.step_runner`), on the swap groups and session of
+  :mod:`hyper_offload.runtime.pipeline`.
 
 Planning orders without running them: ``hyper-offload pp-order`` and
 :mod:`hyper_offload.passes.pipeline`.
@@ -17,8 +18,8 @@ from ..errors import SwapOutsideGroupWarning, UnsupportedScheduleError
 
 # The executor imports torch.distributed.pipelining (seconds of start-up): load on use.
 _LAZY = {
-    "PipelineSwapSchedule": "hyper_offload.runtime.pipeline.schedule",
-    "StepObserver": "hyper_offload.runtime.pipeline.step_runner",
+    "PipelineSwapSchedule": ".schedule",
+    "StepObserver": ".step_runner",
     "swap_tensor_wrapper": ".wrappers",
     "swap_wrapper": ".wrappers",
 }

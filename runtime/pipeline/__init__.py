@@ -6,16 +6,14 @@
   per ``step()``);
 * :class:`FootprintRecorder` — measures each stage's footprint (the residency model's
   input) from one metered step;
-* :class:`PipelineSwapSchedule` — a torch-style schedule executing the finalized orders of
-  :mod:`hyper_offload.passes.pipeline` on ``torch.distributed`` (``PipelineStage`` for
-  compute and P2P, FSDP2 for unshard / reshard / reduce-grad).
+* :mod:`.p2p` — P2P issue and wait for the executor.
 
-The user-facing door is :mod:`hyper_offload.pipeline` (``swap_wrapper``,
-``swap_tensor_wrapper`` and this schedule); the saved-tensor hooks it installs are in
+The door that drives them is :mod:`hyper_offload.pipeline` (``swap_wrapper``,
+``swap_tensor_wrapper`` and ``PipelineSwapSchedule``, the training-step driver that runs
+the finalized orders on ``torch.distributed``); the saved-tensor hooks it installs are in
 :mod:`.session`.
 """
 
-from hyper_offload._lazy import lazy_getattr
 from hyper_offload.errors import SwapStateError, UnsupportedScheduleError
 
 from .footprint import FootprintRecorder
@@ -25,19 +23,8 @@ from .swap_group import GroupState, SwapGroup
 __all__ = [
     "FootprintRecorder",
     "GroupState",
-    "PipelineSwapSchedule",
     "PipelineSwapSession",
-    "StepObserver",
     "SwapGroup",
     "SwapStateError",
     "UnsupportedScheduleError",
 ]
-
-# The executor imports torch.distributed.pipelining (seconds of start-up); load it on use.
-_LAZY = {
-    "PipelineSwapSchedule": ".schedule",
-    "StepObserver": ".step_runner",
-}
-
-
-__getattr__ = lazy_getattr(__name__, _LAZY)

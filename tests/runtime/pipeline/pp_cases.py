@@ -110,7 +110,8 @@ def run_case(ctx: Any, arg: tuple[Case, bool]) -> dict[str, Any] | None:
 
     from hyper_offload.passes.pipeline import layout_for, predicted_peak
     from hyper_offload.runtime import DeviceMemoryMeter
-    from hyper_offload.runtime.pipeline import FootprintRecorder, PipelineSwapSchedule
+    from hyper_offload.pipeline import PipelineSwapSchedule
+    from hyper_offload.runtime.pipeline import FootprintRecorder
 
     case, swap = arg
     group = ctx.group(case.ranks)

@@ -32,7 +32,7 @@ def _message(fn: Any) -> str:
 
 
 def refuse_reshard_after_forward(ctx: Any, _: Any) -> str | None:
-    from hyper_offload.runtime.pipeline import PipelineSwapSchedule
+    from hyper_offload.pipeline import PipelineSwapSchedule
 
     case = Case("zbv", 2, 4, stages_per_rank=2, fsdp=True, reshard_after_forward=True)
     group = ctx.group(2)
@@ -66,7 +66,7 @@ def torch_zbv_fsdp_grads(ctx: Any, reshard_after_forward: bool) -> dict[str, Any
 
 
 def misuse_messages(ctx: Any, _: Any) -> dict[str, str] | None:
-    from hyper_offload.runtime.pipeline import PipelineSwapSchedule
+    from hyper_offload.pipeline import PipelineSwapSchedule
 
     group = ctx.group(2)
     if group is None:
@@ -129,7 +129,7 @@ def fail_mid_step(ctx: Any, _: Any) -> dict[str, Any] | None:
     """GPipe on a fresh 2-rank group; rank 1 raises in the FWD of micro 2 during step 2."""
     from torch.distributed.pipelining import PipelineStage
 
-    from hyper_offload.runtime.pipeline import PipelineSwapSchedule
+    from hyper_offload.pipeline import PipelineSwapSchedule
 
     group = dist.new_group([0, 1], timeout=timedelta(seconds=30))  # collective on all ranks
     if ctx.rank >= 2:

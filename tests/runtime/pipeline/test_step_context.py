@@ -17,7 +17,7 @@ import torch
 
 from tests.integration.import_graph import import_graph
 
-_PIPELINE = "hyper_offload.runtime.pipeline"
+_PIPELINE = "hyper_offload.pipeline"  # the door: its schedule and step runner
 _MICRO = 4
 
 
@@ -30,8 +30,8 @@ def test_step_runner_imports_nothing_of_the_schedule() -> None:
 
 
 def test_step_observer_stays_importable_from_the_runner_and_the_package() -> None:
-    from hyper_offload.runtime.pipeline import StepObserver as from_package
-    from hyper_offload.runtime.pipeline.step_runner import StepObserver
+    from hyper_offload.pipeline import StepObserver as from_package
+    from hyper_offload.pipeline.step_runner import StepObserver
 
     assert StepObserver is from_package
 
@@ -43,7 +43,7 @@ def _loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _schedule(swap: bool) -> tuple[Any, torch.nn.Module]:
     from torch.distributed.pipelining import PipelineStage
 
-    from hyper_offload.runtime.pipeline import PipelineSwapSchedule
+    from hyper_offload.pipeline import PipelineSwapSchedule
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
@@ -106,7 +106,7 @@ def test_a_kept_last_stage_output_drops_its_graph_after_its_backward(one_rank: N
     place: the returned output has no graph and the same values."""
     from torch.distributed.pipelining import PipelineStage
 
-    from hyper_offload.runtime.pipeline import PipelineSwapSchedule
+    from hyper_offload.pipeline import PipelineSwapSchedule
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))

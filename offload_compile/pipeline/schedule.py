@@ -11,7 +11,7 @@ builds the P2P ops; FSDP2 (``fully_shard``) modules are unsharded, resharded and
 order's FSDP steps.
 
 ``swap=True`` only injects the four swap steps and creates a
-:class:`~.session.PipelineSwapSession`; which activations move is decided by
+:class:`~hyper_offload.runtime.pipeline.session.PipelineSwapSession`; which activations move is decided by
 ``swap_wrapper`` / ``swap_tensor_wrapper`` in the model. Without any wrapper, ``swap=True``
 changes nothing but bookkeeping.
 
@@ -50,9 +50,9 @@ from hyper_offload.passes.pipeline.meta_step import MetaStep, StepKind
 from hyper_offload.passes.pipeline.execution import SendReleases, send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP
 
-from ..pinned_pool import PinnedMemoryPool
-from .session import PipelineSwapSession, group_scope, swap_step_scope
-from .p2p import SentTensor
+from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
+from hyper_offload.runtime.pipeline.session import PipelineSwapSession, group_scope, swap_step_scope
+from hyper_offload.runtime.pipeline.p2p import SentTensor
 from .step_runner import StepContext, StepObserver, StepRun
 
 __all__ = ["PipelineSwapSchedule", "UnsupportedScheduleError"]
