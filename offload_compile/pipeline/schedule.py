@@ -11,7 +11,8 @@ builds the P2P ops; FSDP2 (``fully_shard``) modules are unsharded, resharded and
 order's FSDP steps.
 
 ``swap=True`` only injects the four swap steps and creates a
-:class:`~hyper_offload.runtime.pipeline.session.PipelineSwapSession`; which activations move is decided by
+:class:`~hyper_offload.runtime.pipeline.session.PipelineSwapSession`; which activations
+move is decided by
 ``swap_wrapper`` / ``swap_tensor_wrapper`` in the model. Without any wrapper, ``swap=True``
 changes nothing but bookkeeping.
 

@@ -11,12 +11,14 @@ Each top-level step is dispatched by kind:
   and :meth:`StepRun.backward_leaf` — the only two entry points, used by the main thread
   and by the overlap worker alike. A FWD of an eligible chunk runs inside its swap group
   (:meth:`~hyper_offload.runtime.pipeline.session.PipelineSwapSession.forward_scope`);
-  its output and loss are protected right after. A same-rank neighbour stage (V schedules) gets its input or output gradient
-  directly, without P2P, as in torch's runtime;
+  its output and loss are protected right after. A same-rank neighbour stage (V
+  schedules) gets its input or output gradient directly, without P2P, as in torch's
+  runtime;
 * ``OVERLAP_B_F`` / ``OVERLAP_F_B``: leaves in order, or — with ``real_overlap`` — the
   forward leaves on the calling thread and the backward leaves on a worker thread, joined
   before the next step; a worker's exception is re-raised here;
-* P2P leaves and ``BATCH_SEND_RECV`` through :class:`~hyper_offload.runtime.pipeline.p2p.P2PTracker`, which waits a
+* P2P leaves and ``BATCH_SEND_RECV`` through
+  :class:`~hyper_offload.runtime.pipeline.p2p.P2PTracker`, which waits a
   send once the order proves it received (``StepContext.send_releases``);
 * ``UNSHARD`` / ``RESHARD`` / ``REDUCE_GRAD`` on the stage's FSDP2 modules;
 * the four swap kinds through the session.

@@ -3,7 +3,8 @@
 The residency model of the order pass (:mod:`hyper_offload.passes.pipeline.residency`)
 predicts a rank's peak from what one micro-batch of each stage keeps alive, phase by
 phase. :class:`FootprintRecorder` measures those levels on a real step: it is a
-:class:`~hyper_offload.pipeline.step_runner.StepObserver` that reads a :class:`~hyper_offload.runtime.DeviceMemoryMeter`
+:class:`~hyper_offload.pipeline.step_runner.StepObserver` that reads a
+:class:`~hyper_offload.runtime.DeviceMemoryMeter`
 around every top-level step and the swap session's group sizes::
 
     recorder = FootprintRecorder(meter, schedule.session)

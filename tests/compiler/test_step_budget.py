@@ -165,8 +165,9 @@ def test_a_mib_budget_per_region_is_what_issue_31_found_broken(plain):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", (torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.extended)),
-                         ids=("fp32", "bf16"))
+@pytest.mark.parametrize(
+    "dtype", (torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.extended)),
+    ids=("fp32", "bf16"))
 def test_inductor_lowers_the_whole_model_again_for_the_step_and_stays_exact(dtype):
     """Issue 43: the whole model is one region run once per step, so after the first step
     it is compiled once more with the step's own schedule (release and reload points made

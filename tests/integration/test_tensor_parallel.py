@@ -41,7 +41,8 @@ PLANNED = [
 ] + [("tp", "llama-inductor")]  # the compile door with Inductor as the inner compiler
 
 
-def _job(tmp_path_factory: pytest.TempPathFactory, mesh: str, extended: bool) -> list[dict[str, Any]]:
+def _job(tmp_path_factory: pytest.TempPathFactory, mesh: str,
+         extended: bool) -> list[dict[str, Any]]:
     models = tuple(m for m in worker_module.MODELS if ((mesh, m) in EXTENDED) == extended)
     return spawn_ranks(worker_module.worker, tmp_path_factory.mktemp(mesh), MESHES[mesh], models)
 

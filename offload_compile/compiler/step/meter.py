@@ -10,8 +10,9 @@ learns a step, in ``hyper_offload.estimate``'s fake step as in a real step run i
 counts only the ops run outside a region (the backend marks a region's forward, the step
 recorder its backward) on tensors of the step's device (and, in a fake step, of the step's
 own fake mode: Dynamo's compiles use theirs), and follows each new storage an op makes
-until it dies (the runtime's :class:`~hyper_offload.runtime.memory_meter.StorageLedger`). It writes a log; :func:`between_regions` reads it back
-against the step's events as :class:`~hyper_offload.passes.plan.step.BetweenRegions`.
+until it dies (the runtime's
+:class:`~hyper_offload.runtime.memory_meter.StorageLedger`). It writes a log;
+:func:`between_regions` reads it back against the step's events as :class:`~hyper_offload.passes.plan.step.BetweenRegions`.
 
 What is counted, as a region's trace counts it: every device storage eager code makes,
 from the op that makes it to its death, and each op's own operands at that op. Not
@@ -117,7 +118,9 @@ class EagerMeter(TorchDispatchMode):
 
     def hand_over(self, values: Iterable[Any]) -> None:
         for value in values:
-            key = self._ids.get(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+            if not isinstance(value, torch.Tensor):
+                continue
+            key = self._ids.get(value.untyped_storage())
             if key is not None:
                 self.log.append(("free", key))
 

@@ -52,7 +52,9 @@ from hyper_offload.passes.plan.step.model import (
     StepTimeline,
 )
 
-__all__ = ["StepObserver", "StepRecorder", "compiled_backward_node", "release_failed_backward_pass"]
+__all__ = [
+    "StepObserver", "StepRecorder", "compiled_backward_node", "release_failed_backward_pass",
+]
 
 
 class _Pending(NamedTuple):
