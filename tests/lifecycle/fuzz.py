@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
@@ -32,10 +33,15 @@ def fuzz_settings(subset_examples: int, subset_steps: int) -> settings:
 
 
 def run_and_record(door: DoorFactory, door_name: str, model: str, config: settings) -> None:
-    """Run ``door``'s machine on ``model``; in a long run, append one JSON line."""
+    """Run ``door``'s machine on ``model``; in a long run, append one JSON line per
+    sequence as it ends (``out/fuzz-<door>-sequences.jsonl``: what an interrupted run
+    ran) and one for the whole run (``out/fuzz-<door>.jsonl``)."""
     started = time.perf_counter()
     before = EVENTS.copy()
-    run_state_machine_as_test(machine_for(door, model), settings=config)
+    machine = machine_for(door, model)
+    if FUZZ:
+        machine.on_sequence = staticmethod(_record_sequence)
+    run_state_machine_as_test(machine, settings=config)
     if FUZZ:
         ran = EVENTS - before
         out = Path("out")
@@ -46,3 +52,12 @@ def run_and_record(door: DoorFactory, door_name: str, model: str, config: settin
                 "seconds": round(time.perf_counter() - started, 1)}
         with open(out / f"fuzz-{door_name}.jsonl", "a") as stream:
             stream.write(json.dumps(line) + "\n")
+
+
+def _record_sequence(door: str, model: str, ran: Counter[str]) -> None:
+    events = sum(v for k, v in ran.items() if k not in ("sequences", "strict_mismatch"))
+    out = Path("out")
+    out.mkdir(exist_ok=True)
+    with open(out / f"fuzz-{door}-sequences.jsonl", "a") as stream:
+        stream.write(json.dumps({"door": door, "model": model, "events": events,
+                                 "time": round(time.time(), 1)}) + "\n")

@@ -55,9 +55,13 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     door_factory: DoorFactory
     model_name: str
+    on_sequence: Callable[[str, str, Counter[str]], None] | None = None
+    """Told of every sequence as it ends (door, model, the events it ran): ``make fuzz``'s
+    running record, which an interrupted run keeps."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._events_before = EVENTS.copy()
         self.baseline = Baseline.now()
         self.door: Door
         self.pair: Pair
@@ -300,6 +304,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.plan_knobs = None
 
     # ------------------------------------------------------------------ after every event
+
+    def teardown(self) -> None:
+        if type(self).on_sequence is not None and hasattr(self, "door"):
+            type(self).on_sequence(self.door.name, self.model_name, EVENTS - self._events_before)
 
     @invariant()
     def nothing_left_behind(self) -> None:
