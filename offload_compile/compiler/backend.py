@@ -102,7 +102,9 @@ class _RegionForward:
         # whole steps on fake tensors.
         stepping = step_scoped and grad and (
             backend.fake_steps or torch._guards.detect_fake_mode(args) is None)
-        backend.collect()
+        if step_scoped:
+            backend.controller.recorder.release_failed_pass()
+        backend.runtime.collect()
         if step_scoped and (stepping or not grad):
             backend.controller.before_forward(grad, region.index)
         if stepping:
@@ -238,13 +240,15 @@ class HyperOffloadBackend:
         return self._bandwidth[device]
 
     def collect(self) -> None:
-        """Let the runtime observe finished copies (see ``TransferRuntime.collect``):
-        copies seen complete drop their hold on host copies whose graph died (a step that
-        raised, a forward without backward), so buffers come back at the next forward.
-        A step whose backward pass raised first has the autograd engine let go of its
-        nodes (:meth:`~.step.recorder.StepRecorder.release_failed_pass`)."""
+        """What the next forward does first, now: the autograd engine lets go of the nodes
+        a backward pass that raised left to it (an empty backward pass where invocations
+        are outstanding: :meth:`~.step.recorder.StepRecorder.release_failed_pass`),
+        and the runtime observes finished copies (``TransferRuntime.collect``), so that
+        host copies whose graph died (a step that raised, a forward without backward)
+        give their buffers back. Call it after catching an error in a step to have the
+        step's host buffers back before the next one."""
         if self.options.step_scoped:
-            self.controller.recorder.release_failed_pass()
+            self.controller.recorder.release_failed_pass(after_a_backward_only=False)
         self.runtime.collect()
 
     def _step_device(self) -> torch.device:

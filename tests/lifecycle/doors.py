@@ -117,9 +117,13 @@ class CompileDoor:
     so losses and gradients compare with ``torch.equal`` (dropout included).
 
     A changed op recompiles as plain ``torch.compile`` does; the door is never strict.
-    Its plan token is the step timeline its plan was made from: a step without grad or
-    a failed step makes no plan (re-lowering asked for by the step before, which the
-    next training forward does, plans that step's timeline again)."""
+    Its plan token changes when the door learns a step: plans are made from the
+    timelines of completed steps only, so a step without grad or a failed step must
+    leave it. Which plan is in force may change at any training forward all the same:
+    the re-lowering the step before asked for plans that step again, and a forward
+    whose shape is a step planned before (another branch) puts that plan in force
+    (found by make fuzz on the branchy model, 12-07: the token was the plan in force,
+    and a failed step of another shape switched it)."""
 
     name = "compile"
     op_error_taints = False
@@ -143,6 +147,7 @@ class CompileDoor:
         """Calls of the twin's compiled graphs (plain ``aot_eager``), to tell a step that
         plain ``torch.compile`` ran eagerly (below)."""
         self._checked = (0, 0)  # (twin_graph_runs, backend steps) at the last check
+        self._tokens: dict[int, object] = {}  # steps learnt -> plan token
 
     def attach(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return torch.compile(model, backend=self.backend)
@@ -174,9 +179,7 @@ class CompileDoor:
         """Nothing to do: a compiled model needs no reset after an error."""
 
     def plan_token(self) -> object:
-        controller = self.backend.controller
-        plan = controller.wanted or controller.plan
-        return None if plan is None else plan.timeline
+        return self._tokens.setdefault(self.backend.controller.steps, object())
 
     def check_step(self, kind: str, result: StepResult, ops_changed: bool) -> None:
         """Saved device bytes after the forward within the budget or the floor of the

@@ -246,16 +246,18 @@ class StepRecorder:
             self.steps += 1
         return timeline
 
-    def release_failed_pass(self) -> bool:
-        """Where a backward pass began on this step and invocations are still outstanding
-        while no pass runs, the pass may have raised, leaving their nodes to the autograd
-        engine alone (:func:`release_failed_backward_pass`): let it drop them, so that
-        their graphs die and the step fails as a step whose graphs died does. Returns
-        whether it ran. Called before every region's forward (a retained graph's nodes,
-        or those of micro-batches still to run backward, are held by the user's tensors:
-        nothing changes for them)."""
+    def release_failed_pass(self, *, after_a_backward_only: bool = True) -> bool:
+        """Where invocations are outstanding while no pass runs and (``after_a_backward_only``)
+        a backward pass began on this step, the pass may have raised, leaving their nodes
+        to the autograd engine alone (:func:`release_failed_backward_pass`): let it drop
+        them, so that their graphs die and the step fails as a step whose graphs died
+        does. Returns whether it ran. Called before every region's forward, with the
+        evidence (a pass that raised before any region's backward leaves none: the step
+        controller's check, or the backend's ``collect()``, which asks for none). A
+        retained graph's nodes, or those of micro-batches still to run backward, are held
+        by the user's tensors: nothing changes for them."""
         with self._lock:
-            suspect = self._backward_began and bool(self._pending)
+            suspect = bool(self._pending) and (self._backward_began or not after_a_backward_only)
         if not suspect or torch._C._current_graph_task_id() >= 0:
             return False
         return release_failed_backward_pass()
