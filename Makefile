@@ -39,9 +39,9 @@ test-extended: setup
 # The lifecycle state machine (tests/lifecycle/) run long: FUZZ_EXAMPLES random event
 # sequences per model and door against a plain twin (make test runs a short deterministic
 # subset); what ran goes to out/fuzz-<door>.jsonl, and each sequence as it ends to
-# out/fuzz-<door>-sequences.jsonl (kept by a run that is interrupted). The eager door: 521 sequences in 196 s
-# on 2 cores (12-07); the compile door (a compile per model state): 10-40 s a sequence
-# (12-07, measured on a loaded 2-core machine), so 500 take hours.
+# out/fuzz-<door>-sequences.jsonl (kept by a run that is interrupted). The eager door: 521
+# sequences in 196 s on 2 cores (12-07); the compile door (a compile per model state):
+# 10-45 s a sequence (12-07, measured on a loaded 2-core machine), so 500 take hours.
 FUZZ_EXAMPLES ?= 500
 fuzz: setup
 	HYPER_OFFLOAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/lifecycle
