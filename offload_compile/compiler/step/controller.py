@@ -241,7 +241,7 @@ class StepController:
         forward while no plan is in force) has the engine let go of a failed pass's
         nodes first. A step on its plan costs nothing; a step off it (another shape,
         micro-batches before their backwards) one empty backward pass per forward."""
-        if not self.recorder.outstanding or torch._C._current_graph_task_id() >= 0:
+        if not self.recorder.outstanding:
             return
         upcoming = self.recorder.begin_forward(region)
         if self.plan is None or upcoming not in self.plan.timeline.invocations:

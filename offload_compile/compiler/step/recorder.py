@@ -258,9 +258,7 @@ class StepRecorder:
         by the user's tensors: nothing changes for them."""
         with self._lock:
             suspect = bool(self._pending) and (self._backward_began or not after_a_backward_only)
-        if not suspect or torch._C._current_graph_task_id() >= 0:
-            return False
-        return release_failed_backward_pass()
+        return suspect and release_failed_backward_pass()
 
     def poll(self) -> None:
         """Deliver steps that ended because a graph died (the forward path calls this)."""
@@ -281,11 +279,12 @@ def release_failed_backward_pass() -> bool:
     drops them. Plain training keeps those saved activations on the device until then;
     with offload they are host copies, and the step they belong to never ends. A
     one-node backward pass on this thread (no dispatch mode sees it; nothing of the
-    user's graph runs) makes the engine drop them now. Returns False where it cannot
-    run: under compiled autograd (the pass would be compiled)."""
+    user's graph runs) makes the engine drop them now. Returns False where it must not
+    run: inside a backward pass (whose own nodes are queued), under compiled autograd
+    (the pass would be compiled)."""
     from torch._dynamo import compiled_autograd
 
-    if compiled_autograd.compiled_autograd_enabled:
+    if torch._C._current_graph_task_id() >= 0 or compiled_autograd.compiled_autograd_enabled:
         return False
     with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
         leaf = torch.zeros((), requires_grad=True)
