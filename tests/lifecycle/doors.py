@@ -18,14 +18,15 @@ import hyper_offload
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.compiler import autograd_saved_device_bytes
 from hyper_offload.compiler.backend import HyperOffloadBackend
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.compiler.saved_bytes import node_saved_tensors
 from hyper_offload.config import MIB
 from hyper_offload.eager import ReplayMismatchError, current_session
 from hyper_offload.eager.lifecycle import StepState
 from hyper_offload.runtime import DeviceMemoryMeter
+from hyper_offload.runtime.memory_meter import is_host_labelled
 
 from .harness import Config, StepKind, StepResult, seeded
-from .models import MODELS, WIDTH
+from .models import MODELS, WIDTH, autograd_nodes, compiled_by_the_user
 
 
 @cache
@@ -129,11 +130,6 @@ class CompileDoor:
     op_error_taints = False
 
     def __init__(self, config: Config) -> None:
-        # A fresh backend and Dynamo per sequence (a sequence reproduces on its own: a
-        # backend shared by sequences carries one's leftovers into the next, see
-        # test_compile_lifecycle); new backends' entries would otherwise pile up on the
-        # models' code objects.
-        torch._dynamo.reset()
         fraction = config.budget_fraction
         if config.fraction_option and 0 < fraction <= 1:
             budget: dict[str, float] = {"max_resident_activation_fraction": fraction}
@@ -141,6 +137,15 @@ class CompileDoor:
         else:
             self.budget = int(fraction * plain_peak_bytes(config.model))
             budget = {"max_resident_activation_mb": self.budget / MIB}
+        # A fresh backend and Dynamo per sequence (a sequence reproduces on its own: a
+        # backend shared by sequences carries one's leftovers into the next, see
+        # test_compile_lifecycle); new backends' entries would otherwise pile up on the
+        # models' code objects. Reset after the measurement above: it runs the compiled
+        # stack's blocks under a dispatch mode, and Dynamo then marks the blocks' code as
+        # skipped until the next reset, so the process's first sequence ran them eagerly
+        # where later ones compiled them (found by make fuzz, 12-07: a failure that passed
+        # alone and failed as the second run of itself in one process).
+        torch._dynamo.reset()
         self.backend: HyperOffloadBackend = hyper_offload.backend(
             inner_compiler="aot_eager", verify=True, **budget)
         self.twin_graph_runs = 0
@@ -168,9 +173,19 @@ class CompileDoor:
         return nullcontext()
 
     def saved_bytes(self, loss: torch.Tensor, exclude: list[torch.Tensor]) -> int | None:
-        # What the compiled regions hold for their backward (eager code between regions,
-        # which the step plan does not count unless measured, is not counted either).
-        return saved_device_bytes(loss, exclude=exclude)
+        # What the door's compiled regions hold for their backward. Eager code between
+        # regions, which the step plan does not count unless measured, is not counted
+        # either; nor are regions the model's own torch.compile made, which run outside
+        # the door when Dynamo gives up the outer frame (models.compiled_by_the_user).
+        skip = {id(t.untyped_storage()) for t in exclude}
+        storages = {
+            id(tensor.untyped_storage()): tensor.untyped_storage().nbytes()
+            for node in autograd_nodes(loss)
+            if "CompiledFunction" in type(node).__name__ and not compiled_by_the_user(node)
+            for tensor in node_saved_tensors(node)
+            if id(tensor.untyped_storage()) not in skip and not is_host_labelled(tensor)
+        }
+        return sum(storages.values())
 
     def strict(self, ops_changed: bool) -> type[BaseException] | None:
         return None

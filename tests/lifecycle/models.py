@@ -7,11 +7,14 @@ Each forward takes ``x`` of shape ``(batch, WIDTH)`` and returns a scalar loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 WIDTH = 32
 """Features of every model's input."""
@@ -133,16 +136,54 @@ class Block(nn.Module):
         return h + self.drop(F.gelu(self.fc(h)))
 
 
+def _users_own_nop(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """``aot_eager``'s no-op compiler, its result tagged: see :func:`compiled_by_the_user`."""
+    run = boxed_nop(gm, example_inputs)
+    run.compiled_by_the_user = True  # type: ignore[attr-defined]
+    return run
+
+
+users_aot_eager = functools.partial(aot_eager, fw_compiler=_users_own_nop)
+"""``aot_eager`` exactly, for the blocks a user compiles inside the model: regions it
+compiles can be told apart in the autograd graph."""
+
+
+def compiled_by_the_user(node: Any) -> bool:
+    """Whether an autograd node is the backward of a region the model's own
+    ``torch.compile`` (:data:`users_aot_eager`) compiled, not a door's backend.
+
+    Under an outer ``torch.compile`` the blocks' own compile is inlined into the outer
+    frame's graph. When Dynamo gives the outer frame up ("graph break in a for/while loop ...
+    Skipping the frame and falling back to eager", after a hook inside the loop raised),
+    the blocks run their own compiled code, as under plain ``torch.compile``: regions no
+    door's backend sees, like eager code between regions (found by make fuzz, 12-07)."""
+    forward = getattr(type(node), "_forward_cls", None)
+    return bool(getattr(getattr(forward, "compiled_fw", None), "compiled_by_the_user", False))
+
+
+def autograd_nodes(loss: torch.Tensor) -> Iterator[Any]:
+    """Every autograd node reachable from ``loss``, each once."""
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
 class CompiledStack(Knobbed):
-    """Blocks that are ``torch.compile``d (``aot_eager``): inside a session each runs as
-    one opaque op with its compiled forward and backward."""
+    """Blocks that are ``torch.compile``d (``aot_eager``, as :data:`users_aot_eager`):
+    inside a session each runs as one opaque op with its compiled forward and backward."""
 
     OPAQUE_PREFIX = "blocks."
 
     def __init__(self, depth: int = 2) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
-            torch.compile(Block(), backend="aot_eager", dynamic=False) for _ in range(depth))
+            torch.compile(Block(), backend=users_aot_eager, dynamic=False) for _ in range(depth))
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hyper_offload.compiler.saved_bytes import saved_device_bytes
+
 from .doors import CompileDoor
 from .fuzz import fuzz_settings, run_and_record
-from .harness import Interrupt
+from .harness import Config, Interrupt
 from .machine import machine_for
-from .models import MODELS
+from .models import MODELS, Block, autograd_nodes, compiled_by_the_user, users_aot_eager
 
 SETTINGS = fuzz_settings(subset_examples=2, subset_steps=6)
 
@@ -85,3 +87,29 @@ def test_a_step_at_new_sizes_keeps_only_what_fits_at_those_sizes() -> None:
     state.train_step(how_zero="keep", optimizer=False)
     state.change_sizes(batch=4)
     state.change_sizes(batch=12)
+
+
+def test_the_door_counts_its_own_regions_and_not_the_models_own_compiled_blocks() -> None:
+    """What :meth:`~.doors.CompileDoor.saved_bytes` counts (found by make fuzz on the
+    compiled stack, 12-07: 4,608 B counted against a floor of 4,096 B at budget 0). Once
+    Dynamo gives up the outer frame (a hook raised inside the loop over blocks), the
+    blocks run their own ``torch.compile``: regions the door's backend never sees. Seen in
+    the second of two runs of the shrunk sequence in one process, not in the first: whether
+    the blocks then run compiled or eagerly depends on Dynamo's state, not on the door.
+    Here both kinds of region are in one autograd graph, built directly."""
+    torch.manual_seed(0)
+    door = CompileDoor(Config(model="compiled", budget_fraction=0.0))
+    users_block = torch.compile(Block(), backend=users_aot_eager, dynamic=False)
+    doors_block = door.attach(Block())
+    x = torch.randn(8, 32, requires_grad=True)
+    with torch._dynamo.config.patch(recompile_limit=256):
+        users_only = users_block(x).sum()
+        both = doors_block(users_block(x)).sum()
+    compiled = [n for n in autograd_nodes(both) if "CompiledFunction" in type(n).__name__]
+    assert [compiled_by_the_user(n) for n in compiled] == [False, True]
+    params = [*users_block.parameters(), *doors_block.parameters(), x]
+    assert saved_device_bytes(users_only, exclude=params) > 0  # the user's block keeps some
+    assert door.saved_bytes(users_only, params) == 0  # none of it is the door's
+    both.backward()
+    users_only.backward()
+    door.check_idle()
