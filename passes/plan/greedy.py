@@ -60,8 +60,7 @@ from hyper_offload.errors import ConfigurationError
 
 from ..analysis.liveness import OffloadCandidate, design_rank_key
 from ..analysis.predicted_timeline import op_start_times
-from ..ir.limits import OpLimit, op_limit
-from ..ir.schedule import ResidencySchedule
+from ..ir.schedule import OpLimit, ResidencySchedule, op_limit
 from ..ir.trace import ActivationTrace, StorageId
 from .choice_lowering import lower_offload_choice
 from .host_budget import HostLedger, fit_host_budget
@@ -90,7 +89,7 @@ def copy_fits(
     earliest_prefetch_op: OpLimit = 0,
 ) -> list[bool]:
     """For each candidate, whether its D2H and its H2D each fit their window alone
-    (``earliest_prefetch_op``: one op, or one per storage, :mod:`..ir.limits`)."""
+    (``earliest_prefetch_op``: one op, or one per storage, :mod:`..ir.schedule`)."""
     num_ops = trace.num_ops
     clock = op_start_times(trace)
     next_over = [num_ops] * (num_ops + 1)  # first op >= i over budget
@@ -177,7 +176,7 @@ class GreedyResidencyPlanner:
     :mod:`hyper_offload.passes.plan.step.layout`): ``movable`` restricts the gaps to those
     storages' (None: every storage may move), and ``earliest_prefetch_op`` is where the
     time ranking assumes each storage's reload may start (one op or one per storage,
-    :mod:`..ir.limits`; None: where the trace's ``bw:`` ops begin, ``backward_start``).
+    :mod:`..ir.schedule`; None: where the trace's ``bw:`` ops begin, ``backward_start``).
 
     ``host_budget_bytes``: the most bucketed bytes host buffers may hold at once
     (:mod:`.host_budget`; None: no host budget). Every proposal keeps it; where it stops
