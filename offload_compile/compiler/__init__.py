@@ -18,9 +18,9 @@
   autograd's graph (:func:`saved_device_bytes`);
 * :mod:`.fake_capture` — the same graphs on fake tensors;
 * :mod:`.estimate` — ``hyper_offload.estimate`` (does a step fit under a budget?) built on
-  them: per region (:mod:`.estimate.fit`), under the step scope
-  (:mod:`.estimate.step_scope`, per block: :mod:`.estimate.block_layout`), and what it
-  returns (:mod:`.estimate.report`, :class:`EstimateReport`).
+  them: per region (:mod:`.estimate.fit`), under the step scope and per block
+  (:mod:`.estimate.step_scope`), and what it returns (:mod:`.estimate.report`,
+  :class:`EstimateReport`).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class EstimateReport:
     ``exposed_transfer_s`` is a share of. None under the region scope."""
     layout: str = "as given"
     """How the step scope compiled the model: ``"as given"`` (as its owner did), or its
-    run of identical blocks compiled per block (:mod:`.block_layout`, ``layout=``)."""
+    run of identical blocks compiled per block (:mod:`.step_scope`, ``layout=``)."""
     floor_detail: FloorDetail | None = None
     """Step scope, where a region's op sets the floor: that op's own operands and the
     largest other values on the device there, each named and said how it got there
