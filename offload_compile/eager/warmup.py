@@ -50,15 +50,14 @@ from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 from hyper_offload.runtime.pipeline.session import swap_step_running
 
 from .dispatch_mode import (
-    PARAMETER_MEMORY, argument_tensors, estimate_new_bytes, owns_storage, tensor_leaves,
-    written_arguments,
+    PARAMETER_MEMORY, ActivationTracker, argument_tensors, estimate_new_bytes, owns_storage,
+    tensor_leaves, written_arguments,
 )
 from .executor_base import BaseExecutor, settle_communication
 from .plan_result import (
     WarmupResult, hand_back, plan_warmup, refuse_swap_step, region_saved_bytes, replan,
     warmup_trace,
 )
-from .tracker import ActivationTracker
 
 __all__ = [
     "WarmupExecutor",
