@@ -29,7 +29,7 @@ Algorithm (M candidate gaps, S ops):
    with ties broken by storage id.
 3. Walk the ranking; accept a candidate while any op it covers is still over budget,
    and when accepted lower those ops' resident bytes by its size.
-4. Lower the accepted set to actions (:mod:`.choice_lowering`).
+4. Lower the accepted set to actions (:func:`~.report.lower_offload_choice`).
 
 Step 3 is where the design's straightforward version spends O(M·S); here a
 :class:`~.segment_tree.RangeAddMaxTree` over the per-op excess makes
@@ -66,7 +66,7 @@ the number of gaps). Variables::
 
 with ``excess_i = resident_without_offload_i - max(budget, required_bytes_i)`` (only
 ops with positive excess give a row). The objective is exactly ``bytes_d2h + bytes_h2d``
-of the lowered schedule (:mod:`.choice_lowering`), which ``check_schedule`` counts.
+of the lowered schedule (:func:`~.report.lower_offload_choice`), which ``check_schedule`` counts.
 
 scipy is not a dependency of the library: it is imported on first use, with an error
 that says how to install it.
@@ -86,11 +86,10 @@ from ..analysis.liveness import OffloadCandidate, design_rank_key
 from ..analysis.predicted_timeline import op_start_times
 from ..ir.schedule import OpLimit, ResidencySchedule, op_limit
 from ..ir.trace import ActivationTrace, StorageId
-from .choice_lowering import lower_offload_choice
+from .report import PlanReport, lower_offload_choice, plan_by_choice
 from .host_budget import HostLedger, fit_host_budget
 from .refine import fill_peak, refine_choice
 from .planning import backward_start
-from .report import PlanReport, plan_by_choice
 from .segment_tree import RangeAddMaxTree
 
 __all__ = [

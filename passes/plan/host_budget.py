@@ -4,7 +4,7 @@ The host budget: how many bytes a plan keeps alive in host buffers at once.
 
 Offloaded bytes live somewhere: each write epoch with an offloaded gap holds one host
 buffer from its ``COPY_D2H`` (``post[d2h_op]``) until its ``RELEASE_HOST`` (``post`` of
-its last reload, :mod:`.choice_lowering`). The buffer is a pool bucket
+its last reload, :mod:`.report`). The buffer is a pool bucket
 (:func:`~..ir.schedule.host_bucket_bytes`), not the storage's raw size. Local ranks share one
 machine's memory, so a rank's share of it (``OffloadConfig.max_host_activation_mb``) is a
 budget like the device's, and a planner must never exceed it: a node that runs out of

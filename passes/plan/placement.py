@@ -392,7 +392,7 @@ def with_reload_starts(
             continue
         copy = ResidencyAction(ActionKind.COPY_H2D, storage)
         pre[wait_op].remove(copy)
-        # Copies started at the same op run before that op's waits (see choice_lowering).
+        # Copies started at the same op run before that op's waits (see report.lower_offload_choice).
         waits = [i for i, a in enumerate(pre[start]) if a.kind is ActionKind.WAIT_H2D]
         pre[start].insert(waits[0] if waits else len(pre[start]), copy)
     return ResidencySchedule(pre=pre, post=schedule.post)

@@ -57,7 +57,7 @@ from ...analysis.liveness import OffloadCandidate, offload_candidates
 from ...analysis.validator import check_schedule
 from ...ir.schedule import ActionKind, ResidencyAction, ResidencySchedule, host_bucket_bytes
 from ...ir.trace import ActivationTrace, StorageId
-from ..choice_lowering import lower_offload_choice
+from ..report import lower_offload_choice
 from ..greedy import GreedyResidencyPlanner
 from ..host_budget import HostLedger
 from ..planning import plan_residency
