@@ -40,7 +40,7 @@ from torch import nn
 from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes import required_bytes
-from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
+from hyper_offload.passes.analysis.liveness import stall_lower_bound
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
 from hyper_offload.passes.fx.sizes import symbolic_sizes
 from hyper_offload.passes.plan.step import FloorOp

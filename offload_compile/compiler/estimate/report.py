@@ -54,7 +54,7 @@ class EstimateReport:
     trace_seconds: float
     stall_lower_bound_s: float | None = None
     """Region scope: no schedule under this budget is predicted to stall compute less
-    (:func:`~hyper_offload.passes.analysis.stall_bound.stall_lower_bound`, the compile
+    (:func:`~hyper_offload.passes.analysis.liveness.stall_lower_bound`, the compile
     door's rules): how far ``exposed_transfer_s`` is from the best any plan could do.
     None under the step scope (the bound is per region)."""
     step: StepReport | None = None

@@ -19,8 +19,7 @@ from hyper_offload.passes import (
     plan_residency,
     predict_timeline,
 )
-from hyper_offload.passes.analysis.liveness import offload_candidates
-from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
+from hyper_offload.passes.analysis.liveness import offload_candidates, stall_lower_bound
 from hyper_offload.passes.plan.report import lower_offload_choice
 
 from ..planner_strategies import timed_pressured, with_times
