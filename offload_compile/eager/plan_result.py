@@ -88,7 +88,7 @@ class WarmupResult:
         """Storages a functional collective read or wrote (tensor parallel)."""
         self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
         """Op index -> the storages a ``Work``-returning op pinned there (from that op to
-        the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
+        the end of the step: :mod:`hyper_offload.passes.ir.trace_op`)."""
         self.foreign = foreign
         """FSDP's buffers (``fsdp::`` ops): 0 bytes in the trace, never bound."""
         self.virtual: Mapping[StorageId, int] = virtual or {}

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hyper_offload.passes.fx.collectives import PendingCollectives, returns_work, wait_accesses
+from hyper_offload.passes.ir.trace_op import PendingCollectives, returns_work, wait_accesses
 from hyper_offload.passes.ir.trace import (
     AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp,
 )
@@ -213,7 +213,7 @@ class WarmupExecutor(BaseExecutor):
         """An issued functional collective reads its inputs and writes its outputs until
         its ``wait_tensor``: so does the wait in the trace, and every op in between
         reads them (:meth:`on_op_begin`), so no plan or eviction moves them before it
-        (:mod:`hyper_offload.passes.fx.collectives`)."""
+        (:mod:`hyper_offload.passes.ir.trace_op`)."""
         self.collectives.issued(func, reads, outputs)
         wait_accesses(self.collectives, func, reads, accesses, AccessKind.READ, AccessKind.WRITE)
 
