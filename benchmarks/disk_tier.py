@@ -45,7 +45,7 @@ from hyper_offload.passes import (
     predict_timeline,
     required_bytes,
 )
-from hyper_offload.passes.ir.limits import host_bucket_bytes
+from hyper_offload.passes.ir.schedule import host_bucket_bytes
 from hyper_offload.runtime.disk_store import profile_disk_bandwidth
 
 

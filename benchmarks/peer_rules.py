@@ -46,7 +46,7 @@ from hyper_offload.passes.analysis.liveness import OffloadCandidate, offload_can
 from hyper_offload.passes.analysis.predicted_timeline import op_durations
 from hyper_offload.passes.fx.fx_trace import FxTrace
 from hyper_offload.passes.ir.schedule import ActionKind, ResidencyAction
-from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
+from hyper_offload.passes.plan.report import lower_offload_choice
 from hyper_offload.passes.plan.placement import with_reload_starts
 
 __all__ = ["aot_schedule", "layer_of", "titan_schedule"]

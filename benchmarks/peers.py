@@ -20,7 +20,7 @@ GiB), stall (ms and % of compute) and peak (GiB):
 * ``torchtitan`` and ``torch_aot`` (``benchmarks/peer_rules.py``; no budget: their own
   peak, the same on every row);
 * ``lower_bound_ms``: no schedule within the budget stalls less
-  (``passes/analysis/stall_bound.py``; below the floor, within the floor's peak).
+  (``passes/analysis/liveness.py``; below the floor, within the floor's peak).
 
 Budgets: 70 / 50 / 30% of the saved bytes, 50% of the peak without offload, and
 torchtitan's own peak (the comparison at equal memory).
@@ -57,7 +57,7 @@ from hyper_offload.passes.plan.step.model import (  # noqa: E402
     StepTimeline,
 )
 from hyper_offload.passes.plan.step.plan import plan_step  # noqa: E402
-from hyper_offload.passes.analysis.stall_bound import stall_lower_bound  # noqa: E402
+from hyper_offload.passes.analysis.liveness import stall_lower_bound  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput  # noqa: E402
 from hyper_offload.passes.fx.fx_trace import FxTrace  # noqa: E402
 from hyper_offload.runtime.device import TransferBandwidth  # noqa: E402

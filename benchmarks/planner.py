@@ -50,7 +50,7 @@ from pathlib import Path
 
 from hyper_offload.passes import ActivationTrace, ResidencySchedule, check_schedule
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
-from hyper_offload.passes.plan.ilp import OptimalResidencyPlanner
+from hyper_offload.passes.plan.greedy import OptimalResidencyPlanner
 from hyper_offload.passes.plan.planning import backward_start, plan_residency
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 
 BATCH, SEQ, VOCAB = 2, 64, 128
 _MIB = float(1 << 20)

@@ -18,7 +18,7 @@ stall/compute for
 * ``time, 2 copy streams (model only)`` the first re-timed with a copy stream per
   direction (the runtime has one),
 
-and ``stall_lower_bound`` (``passes/analysis/stall_bound.py``: no schedule under the budget
+and ``stall_lower_bound`` (``passes/analysis/liveness.py``: no schedule under the budget
 stalls less), with ``target_met`` for issue 16's figure (stall <= 5% of compute or <=
 1.1 x the bound) on rows at >= 70% of peak and 50 GB/s. ``--only planning_time`` times
 the pipeline on a 10k-op synthetic trace (measured, this machine).
@@ -54,7 +54,7 @@ from hyper_offload.passes import (  # noqa: E402
     plan_residency,
     predict_timeline,
 )
-from hyper_offload.passes.analysis.stall_bound import stall_lower_bound  # noqa: E402
+from hyper_offload.passes.analysis.liveness import stall_lower_bound  # noqa: E402
 from hyper_offload.passes.fx.cost_model import DeviceThroughput  # noqa: E402
 from hyper_offload.passes.plan.planning import backward_start  # noqa: E402
 from hyper_offload.runtime.device import TransferBandwidth  # noqa: E402

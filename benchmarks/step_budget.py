@@ -43,7 +43,7 @@ import torch.nn as nn
 import hyper_offload
 from hyper_offload.compiler.backend import HyperOffloadBackend
 from hyper_offload.compiler.options import parse_backend_options
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 from hyper_offload.passes.analysis.predicted_timeline import op_durations, predict_timeline
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, node_seconds
 from hyper_offload.passes.ir.schedule import ResidencySchedule

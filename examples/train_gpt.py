@@ -9,7 +9,7 @@ gradient are compared with ``torch.equal``.
   ``torch.use_deterministic_algorithms(True)`` (plain Inductor on CPU is not run-to-run
   deterministic without it). Memory: ``torch.profiler``'s allocator events (host
   buffers told apart), bytes moved read from the transfer ops that ran, and the device
-  bytes the compiled backward holds (``hyper_offload.compiler.saved_bytes``).
+  bytes the compiled backward holds (``hyper_offload.runtime.saved_bytes``).
 * ``--mode eager``: ``with OffloadSession(...)`` against the plain eager loop. Memory:
   ``DeviceMemoryMeter`` op by op (the session's own figures in ``session.last_stats``).
 * ``--mode both``: compile, then eager (what ``make demo`` runs).

@@ -23,8 +23,7 @@ from .analysis.predicted_timeline import PredictedTimeline, predict_timeline
 from .analysis.validator import Rule, ScheduleError, ScheduleReport, Violation, check_schedule
 from .ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
 from .ir.trace import AccessKind, ActivationTrace, StorageAccess, TraceFormatError, TraceOp
-from .plan.greedy import GreedyResidencyPlanner
-from .plan.ilp import OptimalPlannerError, OptimalResidencyPlanner
+from .plan.greedy import GreedyResidencyPlanner, OptimalPlannerError, OptimalResidencyPlanner
 from .plan.planning import PlannedSchedule, PlanningError, PlanningStage, plan_residency
 from .plan.report import ResidencyPlanner
 

@@ -13,7 +13,8 @@ which the pure passes import, and re-exported by :mod:`.ops` with the real kerne
 (:mod:`.physical_buffer`), host-sync accounting (:mod:`.stats`), pool sizing
 (``bucket_bytes``, ``pinned_cost`` in :mod:`.pinned_pool`), host-copy states
 (:mod:`.transfer_records`), ``current_transfer_runtime`` (:mod:`.transfer_context`),
-``current_keep`` (:mod:`.transfer_scope`), ``DeviceTimer`` (:mod:`.device`).
+``current_keep`` (:mod:`.transfer_records`), ``DeviceTimer`` (:mod:`.device`), the
+saved-bytes readers (:mod:`.saved_bytes`; :mod:`hyper_offload.compiler` re-exports them).
 
 Invariant: importing this package imports none of its submodules (nor torch). Each
 public name is loaded on first access (PEP 562), so ``from hyper_offload.runtime import

@@ -44,8 +44,7 @@ import torch
 from hyper_offload.errors import TransferMisuseError
 
 from .disk_store import DiskStore
-from .transfer_records import HostCopy, TransferRecords
-from .transfer_scope import link_runtime
+from .transfer_records import HostCopy, TransferRecords, link_runtime
 
 __all__ = ["DiskTransfers"]
 

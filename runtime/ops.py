@@ -44,7 +44,7 @@ from hyper_offload.passes.ir.ops import (
 
 from .disk_ops import DiskTransfers
 from .transfer_context import current_transfer_runtime, runtime_of
-from .transfer_scope import current_keep
+from .transfer_records import current_keep
 
 __all__ = [
     "COPY_D2H",

@@ -75,7 +75,7 @@ from hyper_offload.errors import (
     PageableFallbackWarning,
     PoolMisuseError,
 )
-from hyper_offload.passes.ir.limits import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, host_bucket_bytes
+from hyper_offload.passes.ir.schedule import MAX_BUCKET_BYTES, MIN_BUCKET_BYTES, host_bucket_bytes
 
 from .device import pin_memory_available
 from .memory_meter import label_host

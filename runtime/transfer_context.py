@@ -9,7 +9,7 @@ here, in an object the caller owns and makes current for a forward pass::
         loss = compiled_model(x)
     loss.backward()  # the backward reaches the runtime through its host copies
 
-How an op finds its runtime (:mod:`.transfer_scope`): ``copy_d2h`` uses the *current*
+How an op finds its runtime (:mod:`.transfer_records`): ``copy_d2h`` uses the *current*
 one, made current by ``with runtime``; the other ops follow the weak link that every
 tensor a runtime creates carries on its storage, so a backward needs no ``with`` block.
 
@@ -70,16 +70,14 @@ from .transfer_records import (
     HostCopyState,
     PendingTransfer,
     TransferRecords,
-    describe,
-    storage_key,
-)
-from .transfer_scope import (
     TransferScope,
     current_scope,
+    describe,
     enter_scope,
     leave_scope,
     link_runtime,
     linked_runtime,
+    storage_key,
 )
 from .verify import checksum, dense_bytes
 
@@ -106,7 +104,7 @@ def current_transfer_runtime(op: str = "hyper_offload transfer op") -> TransferR
 
 def runtime_of(op: str, *tensors: torch.Tensor | None) -> TransferRuntime:
     """The runtime that created the first of ``tensors`` made by a runtime, else the
-    current one (:mod:`.transfer_scope`)."""
+    current one (:mod:`.transfer_records`)."""
     runtime: TransferRuntime | None = linked_runtime(op, tensors)
     return current_transfer_runtime(op) if runtime is None else runtime
 

@@ -23,9 +23,9 @@ from typing import Any
 from hyper_offload.progress import note, progress_line
 
 from .estimate import (
-    _BadInput, describe_inputs, load_factory, parse_dtype, parse_shape, tile_sequence_arg,
+    _BadInput, add_debug_flag, describe, describe_inputs, load_factory, parse_dtype, parse_shape,
+    quiet_torch_tracebacks, report_bad_input, tile_sequence_arg,
 )
-from .failure import add_debug_flag, describe, quiet_torch_tracebacks, report_bad_input
 
 
 EXIT_PASS, EXIT_NOT_PASSED, EXIT_BAD_INPUT = 0, 1, 2

@@ -42,7 +42,7 @@ from hyper_offload.passes import (
     predict_timeline,
     resident_bytes_without_offload,
 )
-from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
+from hyper_offload.passes.analysis.liveness import stall_lower_bound
 from hyper_offload.passes.plan.planning import backward_start
 
 MIB = 1 << 20

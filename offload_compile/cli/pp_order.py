@@ -27,10 +27,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hyper_offload.passes.pipeline.build import TRANSPORTS, build_rank_orders
+from hyper_offload.passes.pipeline.build import SCHEDULES, TRANSPORTS, build_rank_orders
 from hyper_offload.passes.pipeline.check_order import check_order
 from hyper_offload.passes.pipeline.meta_step import SEND_KINDS, MetaStep, StepKind, SwapPhase
-from hyper_offload.passes.pipeline.orders import SCHEDULES
 from hyper_offload.passes.pipeline.residency import StageFootprint, StageFootprints, peak_bytes
 from hyper_offload.passes.pipeline.execution import send_releases
 from hyper_offload.passes.pipeline.swap import MIN_SWAP_GAP, find_swap_chunks, find_weight_windows, strip_swap_steps

@@ -14,13 +14,14 @@
   plan in force (:class:`StepReport`);
 * :mod:`.recompute` — keep, move or recompute: the search, the partitions it prices,
   what may be recomputed exactly, the spliced backward;
-* :mod:`.saved_bytes` — the device bytes a compiled step keeps for backward, read from
-  autograd's graph (:func:`saved_device_bytes`);
+* :func:`saved_device_bytes`, :func:`autograd_saved_device_bytes` — the device bytes a
+  compiled step keeps for backward, read from autograd's graph
+  (:mod:`hyper_offload.runtime.saved_bytes`, which the eager door reads too);
 * :mod:`.fake_capture` — the same graphs on fake tensors;
 * :mod:`.estimate` — ``hyper_offload.estimate`` (does a step fit under a budget?) built on
-  them: per region (:mod:`.estimate.fit`), under the step scope
-  (:mod:`.estimate.step_scope`, per block: :mod:`.estimate.block_layout`), and what it
-  returns (:mod:`.estimate.report`, :class:`EstimateReport`).
+  them: per region (:mod:`.estimate.fit`), under the step scope and per block
+  (:mod:`.estimate.step_scope`), and what it returns (:mod:`.estimate.report`,
+  :class:`EstimateReport`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ _LAZY = {
     "StepReport": ".step_report",
     "RegionReport": ".region_report",
     "EstimateReport": ".estimate.report",
-    "saved_device_bytes": ".saved_bytes",
-    "autograd_saved_device_bytes": ".saved_bytes",
+    "saved_device_bytes": "hyper_offload.runtime.saved_bytes",
+    "autograd_saved_device_bytes": "hyper_offload.runtime.saved_bytes",
 }
 
 __all__ = sorted(_LAZY)

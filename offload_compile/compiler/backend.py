@@ -59,6 +59,7 @@ from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.device import TransferBandwidth, profile_transfer_bandwidth
 from hyper_offload.runtime.disk_store import DiskStore
 from hyper_offload.runtime.memory_meter import is_host_labelled
+from hyper_offload.runtime.saved_bytes import node_saved_tensors
 from hyper_offload.runtime.verify import VerifySteps
 
 from .fake_capture import compile_graphs_only
@@ -69,7 +70,6 @@ from .partitioner import (
 from .region import CompiledRegion, Lowering
 from .region_plan import GraphPlan
 from .region_report import LOGGER, RegionReport, log_region_report
-from .saved_bytes import node_saved_tensors
 from .step.controller import StepController
 from .step.lowerings import RegionLowerings
 from .step_report import StepReport, build_step_report

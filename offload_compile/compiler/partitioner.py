@@ -12,7 +12,7 @@ comes in one :class:`PartitionRequest`; what it made comes back as one
 AOTAutograd's and Inductor's caches store a region's compiled forward and backward, with
 the transfer ops the plan put in them, and serve them to a later process without running
 the partitioner; the graphs then run as they are (the ops reach their runtime at run
-time, see :mod:`hyper_offload.runtime.transfer_scope`). What those caches do not keep
+time, see :mod:`hyper_offload.runtime.transfer_records`). What those caches do not keep
 is our record of the plan (:class:`~.region_plan.PlannedRegion`: the trace, the schedule,
 the checks, the region report), which ``HyperOffloadBackend.reports`` and
 ``regions[i].planned`` show. The partitioner stores it next to Inductor's cache

@@ -36,10 +36,9 @@ from hyper_offload.passes.fx.graph_trace import build_fx_trace
 from hyper_offload.passes.fx.lowering import lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering
 from hyper_offload.passes.fx.sizes import SymbolicSize, symbolic_sizes
-from hyper_offload.passes.plan.choice_lowering import FloorPlanner
+from hyper_offload.passes.plan.report import FloorPlanner, binding
 from hyper_offload.passes.plan.host_budget import host_curve
 from hyper_offload.passes.plan.planning import plan_residency
-from hyper_offload.passes.plan.report import binding
 from hyper_offload.runtime.device import TransferBandwidth
 
 from .options import BackendOptions
@@ -169,7 +168,7 @@ def plan_graphs(
     (the recompute search plans every partition under the one budget the fraction gave
     for torch's default partition). ``floor``: plan at the region's floor instead of with
     the options' planner (the step scope:
-    :class:`~hyper_offload.passes.plan.choice_lowering.FloorPlanner`, the gaps across the
+    :class:`~hyper_offload.passes.plan.report.FloorPlanner`, the gaps across the
     forward/backward boundary included, reloads hoisted only under the floor's own peak,
     whatever the budget: the step plan keeps slots in the room above it).
     ``activation_inputs``: forward placeholders that may move (``build_fx_trace``). The

@@ -6,9 +6,9 @@ replay that schedule through the runtime's ``ResidencyManager``.
 
 * :mod:`.session` — :class:`OffloadSession`, phase and reports;
 * :mod:`.executor_base` — the active session and executor (a ``ContextVar``; a leaf module);
-* :mod:`.dispatch_mode`, :mod:`.tracker` — recording ops and storages;
+* :mod:`.dispatch_mode` — recording ops and storages (the mode and the tracker);
 * :mod:`.executor_base`, :mod:`.warmup`, :mod:`.replay` — the two executors;
-* :mod:`.opaque`, :mod:`.opaque`, :mod:`.opaque` — regions run as one op
+* :mod:`.opaque` — regions run as one op
   (``@skip_offload``, compiled submodules).
 """
 

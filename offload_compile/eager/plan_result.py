@@ -14,7 +14,7 @@ traced, and stay on the device until the region's backward. The session cannot p
 them, but it must count them: they share the device with what it plans (left
 out, a plan reads feasible and is not). :func:`region_saved_bytes` reads them from
 autograd's graph at the end of the region's forward (the nodes the region created: from its
-outputs back to its start), the way :mod:`hyper_offload.compiler.saved_bytes` reads a
+outputs back to its start), the way :mod:`hyper_offload.runtime.saved_bytes` reads a
 compiled step. The warmup records them as one *held* storage of that size, written by the
 region's forward op, read by every op up to its backward op (so no plan has a gap to move it
 in) and released after it; the replay counts the same bytes at the same ops.
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hyper_offload.compiler.saved_bytes import any_node_saved_tensors, inner_tensors
+from hyper_offload.runtime.saved_bytes import any_node_saved_tensors, inner_tensors
 from hyper_offload.config import MIB
 from hyper_offload.passes.analysis.validator import ScheduleReport
 from hyper_offload.passes.ir.schedule import ResidencySchedule
@@ -88,7 +88,7 @@ class WarmupResult:
         """Storages a functional collective read or wrote (tensor parallel)."""
         self.pins: Mapping[int, tuple[StorageId, ...]] = pins or {}
         """Op index -> the storages a ``Work``-returning op pinned there (from that op to
-        the end of the step: :mod:`hyper_offload.passes.fx.collectives`)."""
+        the end of the step: :mod:`hyper_offload.passes.ir.trace_op`)."""
         self.foreign = foreign
         """FSDP's buffers (``fsdp::`` ops): 0 bytes in the trace, never bound."""
         self.virtual: Mapping[StorageId, int] = virtual or {}

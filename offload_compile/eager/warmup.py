@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hyper_offload.passes.fx.collectives import PendingCollectives, returns_work, wait_accesses
+from hyper_offload.passes.ir.trace_op import PendingCollectives, returns_work, wait_accesses
 from hyper_offload.passes.ir.trace import (
     AccessKind, ActivationTrace, StorageAccess, StorageId, TraceOp,
 )
@@ -50,15 +50,14 @@ from hyper_offload.runtime.physical_buffer import BufferState, byte_view
 from hyper_offload.runtime.pipeline.session import swap_step_running
 
 from .dispatch_mode import (
-    PARAMETER_MEMORY, argument_tensors, estimate_new_bytes, owns_storage, tensor_leaves,
-    written_arguments,
+    PARAMETER_MEMORY, ActivationTracker, argument_tensors, estimate_new_bytes, owns_storage,
+    tensor_leaves, written_arguments,
 )
 from .executor_base import BaseExecutor, settle_communication
 from .plan_result import (
     WarmupResult, hand_back, plan_warmup, refuse_swap_step, region_saved_bytes, replan,
     warmup_trace,
 )
-from .tracker import ActivationTracker
 
 __all__ = [
     "WarmupExecutor",
@@ -214,7 +213,7 @@ class WarmupExecutor(BaseExecutor):
         """An issued functional collective reads its inputs and writes its outputs until
         its ``wait_tensor``: so does the wait in the trace, and every op in between
         reads them (:meth:`on_op_begin`), so no plan or eviction moves them before it
-        (:mod:`hyper_offload.passes.fx.collectives`)."""
+        (:mod:`hyper_offload.passes.ir.trace_op`)."""
         self.collectives.issued(func, reads, outputs)
         wait_accesses(self.collectives, func, reads, accesses, AccessKind.READ, AccessKind.WRITE)
 

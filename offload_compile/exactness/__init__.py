@@ -8,12 +8,12 @@ from .._lazy import lazy_getattr
 
 _LAZY = {
     "check": ".check",
-    "CheckReport": ".report",
-    "Deviation": ".report",
-    "Mismatch": ".report",
-    "SavedTensor": ".report",
-    "TilingDeviation": ".report",
-    "Verdict": ".report",
+    "CheckReport": ".runs",
+    "Deviation": ".runs",
+    "Mismatch": ".runs",
+    "SavedTensor": ".runs",
+    "TilingDeviation": ".runs",
+    "Verdict": ".runs",
 }
 
 __all__ = sorted(_LAZY)

@@ -28,11 +28,14 @@ from torch import nn
 from hyper_offload.errors import CheckUsageError, OffloadBudgetWarning
 from hyper_offload.progress import note
 
-from .report import CheckReport, Mismatch, SavedTensor, Verdict
 from .runs import (
+    CheckReport,
     Door,
+    Mismatch,
     Problem,
     RunResult,
+    SavedTensor,
+    Verdict,
     first_mismatch,
     measure_tiling,
     offload_compile,

@@ -20,8 +20,8 @@ from ..errors import SwapOutsideGroupWarning, UnsupportedScheduleError
 _LAZY = {
     "PipelineSwapSchedule": ".schedule",
     "StepObserver": ".step_runner",
-    "swap_tensor_wrapper": ".wrappers",
-    "swap_wrapper": ".wrappers",
+    "swap_tensor_wrapper": ".schedule",
+    "swap_wrapper": ".schedule",
 }
 
 __all__ = [

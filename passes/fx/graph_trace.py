@@ -25,7 +25,7 @@ Storages (the trace's unit) come from fake-tensor metadata:
 * a saved activation (a forward output the backward takes as a placeholder of the same
   name) is one storage across both graphs;
 * a functional collective's ``wait_tensor`` reads its tensor inputs and writes its
-  output (:mod:`.collectives`: the communication runs until then); a ``Work``-returning
+  output (:mod:`..ir.trace_op`: the communication runs until then); a ``Work``-returning
   c10d op (which Dynamo graph-breaks on, but a hand-made graph may hold) writes every
   tensor it is given, its results are those tensors (no new storage), and a saved
   activation among them never moves (its communication ends at a wait no graph shows);
@@ -65,7 +65,7 @@ from ..ir.trace import (
     StorageId,
     TraceOp,
 )
-from .collectives import PendingCollectives, returns_work, wait_accesses
+from ..ir.trace_op import PendingCollectives, returns_work, wait_accesses
 from .cost_model import DeviceThroughput, node_seconds, tensor_bytes, throughput_for
 from .fx_trace import FxTrace
 from .saved import StorageBase, classify_saved

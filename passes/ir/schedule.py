@@ -1,4 +1,5 @@
-"""The residency schedule: what to move, and when, around each op of a trace.
+"""The residency schedule: what to move, and when, around each op of a trace, and the
+limits a plan's actions keep (per-storage op limits, host buffer sizes).
 
 A planner turns an :class:`~.trace.ActivationTrace` into a
 :class:`ResidencySchedule`; lowerings (FX rewrite, eager replay) apply it; and
@@ -31,6 +32,22 @@ JSON format, version 1::
     {"format": "hyper-offload.schedule", "version": 1, "num_ops": 3,
      "pre":  {"2": ["COPY_H2D 0", "WAIT_H2D 0"]},
      "post": {"0": ["COPY_D2H 0", "RELEASE_DEVICE 0"], "2": ["RELEASE_DEVICE 0", "RELEASE_HOST 0"]}}
+
+**Op limits** that may differ per storage: where a reload may start, where a release may
+go. A compile region's trace has one limit for every storage: no reload before the first
+backward op, no release after the last forward op (a region's backward graph cannot run
+a copy before it starts; its forward graph must have freed its bytes by its end). A
+*step* laid out as one trace (several regions and invocations, :mod:`..plan.step.layout`)
+has one such pair per invocation, so each storage has its own. :data:`OpLimit` is either
+form: an ``int`` (every storage) or a mapping from storage to op (a storage it does not
+name has no limit: the caller's default).
+
+**What an offloaded storage costs on the host**: the bytes of the buffer that holds it.
+The runtime's host pool (:mod:`hyper_offload.runtime.pinned_pool`) serves every request
+from a power-of-two size bucket, so a plan that counts raw storage bytes under-counts
+what the host really holds (up to 2x). Planners that keep a host budget count
+:func:`host_bucket_bytes` instead; the pool imports the same function, so the two can
+never disagree. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -40,7 +57,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 from hyper_offload.errors import TraceFormatError
 
@@ -224,3 +241,33 @@ class ResidencySchedule:
         except json.JSONDecodeError as error:
             raise TraceFormatError(f"schedule: not valid JSON ({error})") from None
         return cls.from_dict(data)
+
+
+# -- limits ----------------------------------------------------------------------------
+
+MIN_BUCKET_BYTES = 1 << 10
+MAX_BUCKET_BYTES = 1 << 31
+
+
+def host_bucket_bytes(nbytes: int) -> int:
+    """Capacity of the host buffer that serves a request of ``nbytes``.
+
+    A power of two in ``[MIN_BUCKET_BYTES, MAX_BUCKET_BYTES]``, or ``nbytes`` itself for
+    requests above ``MAX_BUCKET_BYTES`` (a dedicated buffer of exactly that size).
+    """
+    if nbytes > MAX_BUCKET_BYTES:
+        return nbytes
+    return max(MIN_BUCKET_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+OpLimit = Union[int, Mapping[StorageId, int]]
+"""One op for every storage, or one per storage (see the module docstring)."""
+
+
+def op_limit(limit: OpLimit | None, storage: StorageId, default: int) -> int:
+    """``limit`` for ``storage``: the int itself, the mapping's entry, else ``default``."""
+    if limit is None:
+        return default
+    if isinstance(limit, int):
+        return limit
+    return limit.get(storage, default)

@@ -6,15 +6,15 @@ actions → rewrite P2P transport → inject swap steps. Every pass is a pure
 
 Public here: the order IR, building and checking orders, planning swaps, the timeline,
 and the bridge to torch's pipelining actions. The individual passes (``compute_orders``,
-``inject_swap_steps``, ``rewrite_transport``, ...) live in their modules: ``orders``,
-``fsdp``, ``transport``, ``swap``, ``swap_cost``, ``execution``, ``send_release``,
-``residency``, ``torch_actions``.
+``inject_swap_steps``, ``rewrite_transport``, ...) live in their modules: ``build`` (the
+compute orders, P2P, FSDP and transport passes, and the pipeline that runs them),
+``swap``, ``swap_cost``, ``execution``, ``residency``, ``torch_actions``.
 """
 
 from hyper_offload._lazy import lazy_getattr
 from hyper_offload.errors import OrderError, StepFormatError, TimelineError
 
-from .build import TRANSPORTS, build_rank_orders
+from .build import PipelineLayout, SCHEDULES, TRANSPORTS, build_rank_orders, layout_for
 from .check_order import (
     OrderRule,
     OrderViolation,
@@ -23,7 +23,6 @@ from .check_order import (
     format_order_table,
 )
 from .meta_step import MetaStep, StepKind, format_order, parse_order
-from .orders import SCHEDULES, PipelineLayout, layout_for
 from .residency import (
     ActivationSizes,
     StageFootprint,

@@ -60,7 +60,7 @@ from hyper_offload.errors import TimelineError
 
 from .check_order import OrderRule, OrderViolation
 from .meta_step import MetaStep, P2P_KINDS, RECV_KINDS, SEND_KINDS, StepKind
-from .orders import PipelineLayout
+from .build import PipelineLayout
 
 __all__ = [
     "P2PKey",

@@ -125,7 +125,7 @@ def torch_pipeline_order(
 
     Raises ``ConfigurationError`` (with torch's reason) for combinations torch rejects.
     Note: torch 2.13's ``Schedule1F1B`` order is malformed for lowering (the last rank lacks
-    ``F0``); use :func:`~hyper_offload.passes.pipeline.orders.compute_orders` for 1F1B.
+    ``F0``); use :func:`~hyper_offload.passes.pipeline.build.compute_orders` for 1F1B.
     """
     if schedule not in TORCH_SCHEDULE_CLASSES:
         raise ConfigurationError(

@@ -4,8 +4,8 @@ The host budget: how many bytes a plan keeps alive in host buffers at once.
 
 Offloaded bytes live somewhere: each write epoch with an offloaded gap holds one host
 buffer from its ``COPY_D2H`` (``post[d2h_op]``) until its ``RELEASE_HOST`` (``post`` of
-its last reload, :mod:`.choice_lowering`). The buffer is a pool bucket
-(:func:`~..ir.limits.host_bucket_bytes`), not the storage's raw size. Local ranks share one
+its last reload, :mod:`.report`). The buffer is a pool bucket
+(:func:`~..ir.schedule.host_bucket_bytes`), not the storage's raw size. Local ranks share one
 machine's memory, so a rank's share of it (``OffloadConfig.max_host_activation_mb``) is a
 budget like the device's, and a planner must never exceed it: a node that runs out of
 host memory dies, where one that keeps a few more bytes on the device (or recomputes
@@ -71,8 +71,10 @@ from hyper_offload.errors import ConfigurationError
 
 from ..analysis.liveness import OffloadCandidate
 from ..analysis.predicted_timeline import op_start_times, predict_timeline
-from ..ir.limits import OpLimit, host_bucket_bytes, op_limit
-from ..ir.schedule import ActionKind, DISK_ACTIONS, ResidencyAction, ResidencySchedule
+from ..ir.schedule import (
+    ActionKind, DISK_ACTIONS, OpLimit, ResidencyAction, ResidencySchedule, host_bucket_bytes,
+    op_limit,
+)
 from ..ir.trace import ActivationTrace, StorageId
 from .segment_tree import RangeAddMaxTree
 
@@ -271,7 +273,7 @@ def spill_to_disk(
     itself when nothing needs to move or the trace has no disk tier. Whether the host
     budget is met is the caller's to test: ``host_curve(trace, result).peak``; a slot
     where a copy's D2H and its spill both run still holds that copy for a moment.
-    ``earliest_load_op`` (one op or one per storage, :mod:`..ir.limits`): no load
+    ``earliest_load_op`` (one op or one per storage, :mod:`..ir.schedule`): no load
     before it. ``default_op_duration_s`` and ``release_waits_for_d2h``: as for
     :func:`~..analysis.predicted_timeline.predict_timeline`, which prices the loads.
     """

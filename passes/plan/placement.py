@@ -75,8 +75,7 @@ from hyper_offload.errors import PrefetchError, ReleaseDelayError
 from ..analysis.liveness import required_bytes
 from ..analysis.predicted_timeline import TimelineSimulator, predict_timeline
 from ..analysis.validator import check_schedule
-from ..ir.limits import OpLimit, op_limit
-from ..ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
+from ..ir.schedule import ActionKind, OpLimit, ResidencyAction, ResidencySchedule, op_limit
 from ..ir.trace import ActivationTrace, StorageId
 
 __all__ = [
@@ -105,7 +104,7 @@ def release_slots(
     its own op: it moved behind that slot's other actions). ``schedule`` must pass
     ``check_schedule``; ``default_op_duration_s``: see
     :func:`..analysis.predicted_timeline.op_durations`. ``latest_op``: one op for every
-    storage or one per storage (:mod:`..ir.limits`). ``fixed``: storages whose releases stay
+    storage or one per storage (:mod:`..ir.schedule`). ``fixed``: storages whose releases stay
     where they are (a lowering already compiled).
     """
     report = check_schedule(trace, schedule)
@@ -271,7 +270,7 @@ def earliest_slots(
     order: as far back as the budget
     allows, never before ``earliest_op`` (the compile path cannot start a backward reload
     in the forward graph; per storage for a step of several regions,
-    :mod:`~hyper_offload.passes.ir.limits`), nor before its wait if that is earlier, nor
+    :mod:`~hyper_offload.passes.ir.schedule`), nor before its wait if that is earlier, nor
     before the start of the reload waited for before it. ``schedule`` must pass
     ``check_schedule``.
     """
@@ -393,7 +392,7 @@ def with_reload_starts(
             continue
         copy = ResidencyAction(ActionKind.COPY_H2D, storage)
         pre[wait_op].remove(copy)
-        # Copies started at the same op run before that op's waits (see choice_lowering).
+        # Copies started at the same op run before that op's waits (see report.lower_offload_choice).
         waits = [i for i, a in enumerate(pre[start]) if a.kind is ActionKind.WAIT_H2D]
         pre[start].insert(waits[0] if waits else len(pre[start]), copy)
     return ResidencySchedule(pre=pre, post=schedule.post)

@@ -43,8 +43,7 @@ from hyper_offload.errors import ConfigurationError, PlanningError
 
 from ..analysis.predicted_timeline import predict_timeline
 from ..analysis.validator import Rule, ScheduleError, ScheduleReport, check_schedule
-from ..ir.limits import OpLimit
-from ..ir.schedule import ResidencySchedule
+from ..ir.schedule import OpLimit, ResidencySchedule
 from ..ir.trace import BACKWARD_GRAPH, FORWARD_GRAPH, ActivationTrace, StorageId
 from .host_budget import host_curve, spill_to_disk
 from .placement import PrefetchError, delay_releases, hoist_prefetches, prefetch_leads
@@ -161,7 +160,7 @@ def plan_residency(
     (module docstring) the one predicted to stall least is kept.
 
     ``earliest_prefetch_op`` and ``latest_release_op`` are one op for every storage or
-    one per storage (:mod:`..ir.limits`: a step laid out as one trace has a pair per
+    one per storage (:mod:`..ir.schedule`: a step laid out as one trace has a pair per
     invocation). ``where`` names the caller in errors (``"hyper_offload region 3"``,
     ``"eager warmup"``).
     ``default_op_duration_s``: see :func:`..analysis.predicted_timeline.op_durations`.

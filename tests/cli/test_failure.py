@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_offload.cli.failure import describe, root_cause
+from hyper_offload.cli.estimate import describe, root_cause
 
 
 def _raised(function) -> BaseException:  # noqa: ANN001

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hyper_offload
-from hyper_offload.compiler.estimate.block_layout import compile_per_block, repeated_blocks
+from hyper_offload.compiler.estimate.step_scope import compile_per_block, repeated_blocks
 from hyper_offload.compiler.estimate.step_scope import block_run_for
 
 from .step_models import Block, Stack, assert_estimate_is_the_step_plan, batch, train

@@ -13,7 +13,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 from hyper_offload.passes.analysis.liveness import offload_candidates
 from hyper_offload.passes.fx.sizes import SizeBound
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 from .compile_models import mlp, moved_views, offload_backend
 
 pytestmark = [

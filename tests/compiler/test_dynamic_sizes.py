@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import autograd_saved_device_bytes
+from hyper_offload.runtime.saved_bytes import autograd_saved_device_bytes
 from hyper_offload.passes.fx.sizes import SizeBound
 
 from ..hf_moe import moe_config

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 from hyper_offload.passes import required_bytes
 
 from .compile_models import deterministic, moved_views  # noqa: F401 (autouse)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 
 from .step_models import SLACK, assert_estimate_is_the_step_plan
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 
 transformers = pytest.importorskip("transformers")
 

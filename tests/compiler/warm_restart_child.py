@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 
 
 def _step(backend: object) -> tuple[list[torch.Tensor], int]:

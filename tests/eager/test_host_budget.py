@@ -12,7 +12,7 @@ import torch
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.config import MIB
 from hyper_offload.errors import ConfigurationError, OffloadBudgetWarning
-from hyper_offload.passes.ir.limits import MIN_BUCKET_BYTES
+from hyper_offload.passes.ir.schedule import MIN_BUCKET_BYTES
 from hyper_offload.passes.plan.host_budget import host_curve
 
 from .models import CASES, assert_same_state, make_pair, plain_peak_bytes, train_step

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hyper_offload import OffloadConfig, OffloadSession
-from hyper_offload.compiler.saved_bytes import autograd_saved_device_bytes
+from hyper_offload.runtime.saved_bytes import autograd_saved_device_bytes
 from hyper_offload.eager.replay_checks import SizeDrift, grown_sizes
 from hyper_offload.passes import ActionKind, ResidencyAction
 from hyper_offload.passes.ir.trace import ActivationTrace, TraceOp

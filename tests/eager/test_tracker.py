@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from hyper_offload.eager.tracker import ActivationTracker
+from hyper_offload.eager.dispatch_mode import ActivationTracker
 
 
 def test_ids_are_dense_and_views_share_them() -> None:

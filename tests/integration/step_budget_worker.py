@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import hyper_offload
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 
 from ..compiler.step_models import Stack
 from .dp_compile_worker import _grads, _wrap  # DDP with 1 MiB buckets, FSDP2 per block

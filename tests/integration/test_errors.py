@@ -195,7 +195,7 @@ def test_the_scan_finds_a_bare_raise() -> None:
 def _bad_calls() -> dict[str, tuple[type[Exception], object]]:
     """Calls with a bad knob -> (the builtin the caller used to catch, the call)."""
     from hyper_offload.passes import GreedyResidencyPlanner
-    from hyper_offload.passes.pipeline.orders import compute_orders
+    from hyper_offload.passes.pipeline.build import compute_orders
     from hyper_offload.runtime import PinnedMemoryPool
 
     return {

@@ -1,5 +1,5 @@
 """The package layout's contracts: no import cycle, layers import downwards only, cheap
-doors, small files and functions.
+doors that import no other door, small files and functions.
 
 Static checks read the source (``import_graph``: every import, lazy and ``TYPE_CHECKING``
 ones included); the import-cost checks run a fresh interpreter.
@@ -100,6 +100,34 @@ def test_passes_subpackages_import_only_the_ones_before_them() -> None:
         "need into the lower subpackage"
     )
     assert {_passes_part(m) for m in GRAPH} >= {*PASSES_ORDER, "pipeline"}  # the walk saw them
+
+
+#: The front doors: a module of one imports no module of another (docs/architecture.md,
+#: "Layout"). What two doors need lives below them, in passes/ or runtime/.
+DOORS = ("hyper_offload.compiler", "hyper_offload.eager", "hyper_offload.pipeline")
+
+
+def _door(module: str) -> str | None:
+    """The door ``module`` belongs to (``None``: not in one)."""
+    return next((door for door in DOORS if module == door or module.startswith(door + ".")),
+                None)
+
+
+def test_a_door_imports_no_other_door() -> None:
+    wrong = [
+        (module, target)
+        for module, targets in sorted(GRAPH.items())
+        if (door := _door(module)) is not None
+        for target in sorted(targets)
+        if (other := _door(target)) is not None and other != door
+    ]
+    assert wrong == [], (
+        f"a door imports another door (module -> import): {wrong}. The doors "
+        f"({', '.join(DOORS)}) stand side by side on the passes and the runtime: move what "
+        "both need into hyper_offload.passes (pure) or hyper_offload.runtime (moves or "
+        "measures bytes), and import it from there"
+    )
+    assert {_door(m) for m in GRAPH} >= set(DOORS)  # the walk saw every door
 
 
 #: The folders of the repository that hold Python (the library, tests, and the rest).

@@ -18,7 +18,7 @@ import hyper_offload
 from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.compiler import autograd_saved_device_bytes
 from hyper_offload.compiler.backend import HyperOffloadBackend
-from hyper_offload.compiler.saved_bytes import node_saved_tensors
+from hyper_offload.runtime.saved_bytes import node_saved_tensors
 from hyper_offload.config import MIB
 from hyper_offload.eager import ReplayMismatchError, current_session
 from hyper_offload.eager.lifecycle import StepState

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hyper_offload.compiler.saved_bytes import saved_device_bytes
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 
 from .doors import CompileDoor
 from .fuzz import fuzz_settings, run_and_record

@@ -12,7 +12,7 @@ from hyper_offload.runtime import ops
 from hyper_offload.runtime.memory_meter import is_host_labelled
 from hyper_offload.runtime.pinned_pool import PinnedMemoryPool
 from hyper_offload.runtime.transfer_context import TransferRuntime
-from hyper_offload.runtime.transfer_scope import current_keep
+from hyper_offload.runtime.transfer_records import current_keep
 
 
 def _runtime() -> TransferRuntime:

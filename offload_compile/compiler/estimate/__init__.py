@@ -2,6 +2,6 @@
 spent? The model's graphs captured on fake tensors at the real shapes
 (:mod:`..fake_capture`) and planned as the backend plans them: region by region
 (:mod:`.fit`, which also holds the public function), or as the backend's step plan under
-``budget_scope="step"`` (:mod:`.step_scope`), a model of identical blocks compiled one
-block at a time (:mod:`.block_layout`); :mod:`.report` is what it returns
+``budget_scope="step"`` (:mod:`.step_scope`, which also compiles a model of identical
+blocks one block at a time); :mod:`.report` is what it returns
 (:class:`~.report.EstimateReport`)."""

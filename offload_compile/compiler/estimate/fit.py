@@ -40,7 +40,7 @@ from torch import nn
 from hyper_offload import progress
 from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes import required_bytes
-from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
+from hyper_offload.passes.analysis.liveness import stall_lower_bound
 from hyper_offload.passes.fx.cost_model import DeviceThroughput, throughput_for
 from hyper_offload.passes.fx.sizes import symbolic_sizes
 from hyper_offload.passes.plan.step import FloorOp
@@ -96,7 +96,7 @@ def estimate(
     roofline of ``device``). ``layout`` (step scope): ``"auto"`` (default) estimates a
     model compiled whole that repeats one block at least 8 times with each block compiled
     on its own (one block captured and planned, priced on the step for every layer:
-    :mod:`.block_layout` says what differs from the whole graph's plan);
+    :mod:`.step_scope` says what differs from the whole graph's plan);
     ``"as_given"`` as its owner compiled it; ``"per_block"`` per block from 2 blocks.
     Inputs may be real, meta or fake tensors; only their shapes, dtypes and strides are
     used. Nothing is allocated and the model is not modified.
@@ -175,7 +175,7 @@ def _estimate_region(
 
 
 def _check_layout(layout: str) -> None:
-    from .block_layout import LAYOUTS
+    from .step_scope import LAYOUTS
 
     if layout not in LAYOUTS:
         raise ConfigurationError(

@@ -54,7 +54,7 @@ class EstimateReport:
     trace_seconds: float
     stall_lower_bound_s: float | None = None
     """Region scope: no schedule under this budget is predicted to stall compute less
-    (:func:`~hyper_offload.passes.analysis.stall_bound.stall_lower_bound`, the compile
+    (:func:`~hyper_offload.passes.analysis.liveness.stall_lower_bound`, the compile
     door's rules): how far ``exposed_transfer_s`` is from the best any plan could do.
     None under the step scope (the bound is per region)."""
     step: StepReport | None = None
@@ -69,7 +69,7 @@ class EstimateReport:
     ``exposed_transfer_s`` is a share of. None under the region scope."""
     layout: str = "as given"
     """How the step scope compiled the model: ``"as given"`` (as its owner did), or its
-    run of identical blocks compiled per block (:mod:`.block_layout`, ``layout=``)."""
+    run of identical blocks compiled per block (:mod:`.step_scope`, ``layout=``)."""
     floor_detail: FloorDetail | None = None
     """Step scope, where a region's op sets the floor: that op's own operands and the
     largest other values on the device there, each named and said how it got there

@@ -13,7 +13,7 @@ what these rules allow:
   marks them ``MUST_SAVE`` and no spliced chain contains one (:func:`is_collective`):
   ranks rank partitions by their own measurements, and a recomputed all-reduce in one
   rank's backward is a collective the others never run. (That a functional collective's
-  inputs live until its wait is the trace's rule: :mod:`hyper_offload.passes.fx.collectives`.)
+  inputs live until its wait is the trace's rule: :mod:`hyper_offload.passes.ir.trace_op`.)
 * **Communication objects.** Tensor parallel passes the device mesh or process group in
   as an opaque graph input (a ``FakeScriptObject`` while tracing). Torch's min-cut
   partitioner cannot size an opaque input and refuses to guess
@@ -46,7 +46,7 @@ from torch import fx
 from torch._functorch import config as functorch_config
 
 from hyper_offload.errors import ConfigurationError
-from hyper_offload.passes.fx.collectives import is_collective_op
+from hyper_offload.passes.ir.trace_op import is_collective_op
 
 from .splice import EXTERN_MATMULS, inductor_uses_templates
 

@@ -28,8 +28,7 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from ...analysis.validator import check_schedule
-from ...ir.limits import OpLimit, op_limit
-from ...ir.schedule import ActionKind, ResidencySchedule
+from ...ir.schedule import ActionKind, OpLimit, ResidencySchedule, op_limit
 from ...ir.trace import ActivationTrace, StorageId
 
 __all__ = [
@@ -200,7 +199,7 @@ def slots_of(
     schedule: ResidencySchedule, sizes: Mapping[StorageId, int], boundary: OpLimit,
 ) -> tuple[Slot, ...]:
     """The slots of ``schedule``: storages copied before op ``boundary`` (their backward's
-    first op: one for every storage, or one per storage, :mod:`...ir.limits`; a storage a
+    first op: one for every storage, or one per storage, :mod:`...ir.schedule`; a storage a
     mapping does not name has none) and reloaded at or after it, in storage order."""
     copy: dict[StorageId, int] = {}
     release: dict[StorageId, int] = {}

@@ -55,10 +55,9 @@ from hyper_offload.errors import HyperOffloadError
 
 from ...analysis.liveness import OffloadCandidate, offload_candidates
 from ...analysis.validator import check_schedule
-from ...ir.limits import host_bucket_bytes
-from ...ir.schedule import ActionKind, ResidencyAction, ResidencySchedule
+from ...ir.schedule import ActionKind, ResidencyAction, ResidencySchedule, host_bucket_bytes
 from ...ir.trace import ActivationTrace, StorageId
-from ..choice_lowering import lower_offload_choice
+from ..report import lower_offload_choice
 from ..greedy import GreedyResidencyPlanner
 from ..host_budget import HostLedger
 from ..planning import plan_residency

@@ -28,7 +28,7 @@ from hyper_offload.passes import (
 )
 from hyper_offload.passes.analysis.liveness import is_hold_gap, offload_candidates, op_byte_profile
 from hyper_offload.passes.analysis.validator import Rule
-from hyper_offload.passes.plan.choice_lowering import FloorPlanner
+from hyper_offload.passes.plan.report import FloorPlanner
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
 from hyper_offload.passes.plan.planning import plan_residency
 

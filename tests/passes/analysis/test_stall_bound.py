@@ -19,9 +19,8 @@ from hyper_offload.passes import (
     plan_residency,
     predict_timeline,
 )
-from hyper_offload.passes.analysis.liveness import offload_candidates
-from hyper_offload.passes.analysis.stall_bound import stall_lower_bound
-from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
+from hyper_offload.passes.analysis.liveness import offload_candidates, stall_lower_bound
+from hyper_offload.passes.plan.report import lower_offload_choice
 
 from ..planner_strategies import timed_pressured, with_times
 

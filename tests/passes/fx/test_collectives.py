@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hyper_offload.passes.fx.collectives import (
+from hyper_offload.passes.ir.trace_op import (
     PendingCollectives,
     is_collective_op,
     is_wait_op,

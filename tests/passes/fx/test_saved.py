@@ -32,7 +32,7 @@ from hyper_offload.passes.fx.lowering import lower_schedule
 from hyper_offload.passes.fx.lowering_check import check_lowering
 from hyper_offload.runtime import PinnedMemoryPool, TransferRuntime
 from hyper_offload.runtime.memory_meter import is_host_labelled
-from hyper_offload.passes.plan.choice_lowering import FloorPlanner
+from hyper_offload.passes.plan.report import FloorPlanner
 from hyper_offload.runtime.ops import COPY_D2H, COPY_H2D, WAIT_TRANSFER
 
 _GEN = torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
 """Golden orders, written as strings the way torch's TestScheduleLowering writes them.
 
 Every expected order below was derived by hand from the rules in the module docstrings of
-orders.py (P2P), fsdp.py (one-slot unshard lookahead), transport.py and swap.py (anchors);
-the derivation for the less obvious steps is in the comments.
+build.py (P2P, FSDP's one-slot unshard lookahead, transport) and swap.py (anchors); the
+derivation for the less obvious steps is in the comments.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from hyper_offload.passes.pipeline import (
     format_order,
     parse_order,
 )
-from hyper_offload.passes.pipeline.orders import compute_orders
+from hyper_offload.passes.pipeline.build import compute_orders, rewrite_transport
 from hyper_offload.passes.pipeline.swap import strip_swap_steps
-from hyper_offload.passes.pipeline.build import rewrite_transport
 
 
 def _build(schedule: str, rank: int, **kwargs: object) -> list[str]:

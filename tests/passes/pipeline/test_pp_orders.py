@@ -14,7 +14,7 @@ from hyper_offload.passes.pipeline import (
     parse_order,
     torch_pipeline_order,
 )
-from hyper_offload.passes.pipeline.orders import compute_orders, fuse_overlap_b_f, split_dx_dw
+from hyper_offload.passes.pipeline.build import compute_orders, fuse_overlap_b_f, split_dx_dw
 from hyper_offload.passes.pipeline.torch_actions import from_torch_actions, to_torch_actions
 
 

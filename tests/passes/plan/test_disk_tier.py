@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 
 from hyper_offload.errors import ConfigurationError
 from hyper_offload.passes import ActionKind, ActivationTrace, check_schedule
-from hyper_offload.passes.ir.limits import host_bucket_bytes
-from hyper_offload.passes.ir.schedule import DISK_ACTIONS, ResidencySchedule
+from hyper_offload.passes.ir.schedule import DISK_ACTIONS, ResidencySchedule, host_bucket_bytes
 from hyper_offload.passes.plan.host_budget import host_copies, host_curve, spill_to_disk
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
 from hyper_offload.passes.plan.planning import PlanningStage, plan_residency

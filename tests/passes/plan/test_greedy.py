@@ -15,7 +15,7 @@ from hyper_offload.passes import (
     check_schedule,
 )
 from hyper_offload.passes.analysis.liveness import OffloadCandidate, offload_candidates
-from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
+from hyper_offload.passes.plan.report import lower_offload_choice
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner, PlanReport
 
 BOTH = [GreedyResidencyPlanner(refine=False), GreedyResidencyPlanner(refine=True)]

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hyper_offload.errors import PlanningError
 from hyper_offload.passes import ActivationTrace, check_schedule, required_bytes
 from hyper_offload.passes.analysis.liveness import offload_candidates
-from hyper_offload.passes.ir.limits import host_bucket_bytes
-from hyper_offload.passes.plan.choice_lowering import FloorPlanner, lower_offload_choice
+from hyper_offload.passes.ir.schedule import host_bucket_bytes
+from hyper_offload.passes.plan.report import FloorPlanner, lower_offload_choice
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
 from hyper_offload.passes.plan.host_budget import HostLedger, fit_host_budget, host_curve
 from hyper_offload.passes.plan.planning import plan_residency

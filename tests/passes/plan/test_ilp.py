@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hyper_offload.passes import ActivationTrace, Rule, check_schedule
 from hyper_offload.passes.analysis.liveness import budget_excess, offload_candidates
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner
-from hyper_offload.passes.plan.ilp import OptimalResidencyPlanner, solve_optimal_choice
+from hyper_offload.passes.plan.greedy import OptimalResidencyPlanner, solve_optimal_choice
 
 from ..benchmark_modules import benchmark_module
 from ..planner_strategies import pressured_traces

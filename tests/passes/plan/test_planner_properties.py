@@ -23,7 +23,7 @@ from hyper_offload.passes import (
 from hyper_offload.passes.analysis.liveness import (
     access_gaps, budget_excess, infeasible_ops, offload_candidates, op_byte_profile,
 )
-from hyper_offload.passes.plan.choice_lowering import lower_offload_choice
+from hyper_offload.passes.plan.report import lower_offload_choice
 from hyper_offload.passes.plan.greedy import GreedyResidencyPlanner, select_greedy
 from hyper_offload.passes.plan.refine import refine_choice
 from hyper_offload.passes.plan.segment_tree import RangeAddMaxTree

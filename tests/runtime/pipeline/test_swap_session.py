@@ -265,7 +265,7 @@ def test_saved_outputs_die_with_the_backward_without_the_cyclic_gc() -> None:
 def test_wrapped_module_keeps_names_and_survives_deepcopy(xs) -> None:
     import copy
 
-    from hyper_offload.pipeline.wrappers import SwapWrapped
+    from hyper_offload.pipeline.schedule import SwapWrapped
 
     net = Net()
     names = [n for n, _ in net.named_parameters()]

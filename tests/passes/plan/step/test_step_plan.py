@@ -15,7 +15,7 @@ from hyper_offload.passes import (
     ActionKind, ActivationTrace, ResidencyAction, ResidencySchedule, check_schedule,
     resident_bytes_without_offload,
 )
-from hyper_offload.passes.plan.choice_lowering import FloorPlanner
+from hyper_offload.passes.plan.report import FloorPlanner
 from hyper_offload.passes.plan.host_budget import host_curve
 from hyper_offload.passes.plan.step import (
     BetweenRegions, Invocation, RegionFloor, StepEvent, StepEventKind, StepTimeline,
@@ -204,7 +204,7 @@ def regions(draw: st.DrawFn, index: int) -> RegionFloor:
     """A region as a compile door traces one: each storage accessed at every op of its
     span in a graph (a forward span, and a backward one for a saved activation that may
     move; one that may not is accessed from its write to its last backward read, the
-    invariant :mod:`~hyper_offload.passes.plan.choice_lowering` relies on)."""
+    invariant :mod:`~hyper_offload.passes.plan.report` relies on)."""
     fw, bw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     accesses: list[dict[int, str]] = [{} for _ in range(fw + bw)]
     sizes, movable = {}, set()

@@ -1,4 +1,4 @@
-"""Measure the device bytes a compiled step keeps for its backward.
+"""Measure the device bytes a step keeps for its backward, read from autograd's graph.
 
 A dispatch-mode meter cannot see compiled code (while a ``TorchDispatchMode`` is active
 ``torch.compile`` runs the original Python instead), and the CPU allocator keeps no
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hyper_offload.runtime.memory_meter import is_host_labelled
+from .memory_meter import is_host_labelled
 
 __all__ = [
     "any_node_saved_tensors", "autograd_saved_device_bytes", "inner_tensors", "node_saved_tensors",
