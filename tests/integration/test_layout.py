@@ -16,7 +16,7 @@ import pytest
 
 import hyper_offload
 
-from .import_graph import REPO, cycles, import_graph
+from .import_graph import REPO, cycles, import_graph, library_modules
 
 GRAPH = import_graph()
 
@@ -128,6 +128,65 @@ def test_a_door_imports_no_other_door() -> None:
         "measures bytes), and import it from there"
     )
     assert {_door(m) for m in GRAPH} >= set(DOORS)  # the walk saw every door
+
+
+#: The modules outside passes/ that import no torch, each with the job that keeps it out of
+#: passes/. Torch-free *planning* lives in passes/ (issue 48: the compile door once held a
+#: second planner of 1,200 torch-free lines); a new torch-free module elsewhere must be
+#: listed here with a job that is not planning, or move to passes/.
+TORCH_FREE_OUTSIDE_PASSES: dict[str, str] = {
+    "hyper_offload": "package (lazy names)",
+    "hyper_offload.__main__": "entry point",
+    "hyper_offload._lazy": "lazy names (bottom layer)",
+    "hyper_offload.cli": "command line (parser)",
+    "hyper_offload.cli.plan": "command line (reads a trace, runs passes, prints)",
+    "hyper_offload.cli.pp_order": "command line (prints pipeline orders passes build)",
+    "hyper_offload.compiler": "package (lazy names)",
+    "hyper_offload.compiler.estimate": "package (lazy names)",
+    "hyper_offload.compiler.estimate.report": "report (what estimate returns)",
+    "hyper_offload.compiler.recompute": "package",
+    "hyper_offload.compiler.region_report": "report (one region, for users and logs)",
+    "hyper_offload.compiler.step": "package",
+    "hyper_offload.compiler.step_report": "report (the step plan in force)",
+    "hyper_offload.eager": "package (lazy names)",
+    "hyper_offload.eager.lifecycle": "state machine (the eager door's step lifecycle)",
+    "hyper_offload.errors": "errors (bottom layer)",
+    "hyper_offload.exactness": "package (lazy names)",
+    "hyper_offload.integrations": "package (lazy names)",
+    "hyper_offload.integrations.lightning_callback": "trainer hook (Lightning)",
+    "hyper_offload.pipeline": "package (lazy names)",
+    "hyper_offload.progress": "progress notes",
+    "hyper_offload.viz": "plots",
+    "hyper_offload.runtime": "package",
+    "hyper_offload.runtime.pipeline": "package",
+    "hyper_offload.runtime.pipeline.footprint": "measurement (a stage's bytes in one step)",
+    "hyper_offload.runtime.stats": "counters (the runtime's syncs and pool figures)",
+}
+
+
+def _imports_torch(path: Path) -> bool:
+    """Whether the file imports torch itself, anywhere in it (lazy imports count)."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import) and any(
+                a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (
+                (node.module or "").split(".")[0] == "torch"):
+            return True
+    return False
+
+
+def test_torch_free_planning_lives_in_passes() -> None:
+    torch_free = {module for module, path in library_modules().items()
+                  if not module.startswith("hyper_offload.passes") and not _imports_torch(path)}
+    unlisted = sorted(torch_free - set(TORCH_FREE_OUTSIDE_PASSES))
+    assert unlisted == [], (
+        f"torch-free modules outside passes/ that are not listed: {unlisted}. Planning that "
+        "needs no torch belongs in hyper_offload.passes (pure: data in, data out); if the "
+        "module's job is not planning (a report, a command, a state machine), add it to "
+        "TORCH_FREE_OUTSIDE_PASSES with that job")
+    stale = sorted(set(TORCH_FREE_OUTSIDE_PASSES) - torch_free)
+    assert stale == [], f"listed but gone or importing torch now (drop them): {stale}"
 
 
 #: The folders of the repository that hold Python (the library, tests, and the rest).
