@@ -47,12 +47,16 @@ stage() {
 if [[ ${CPU_SMOKE:-0} == 1 ]]; then
   device=(--device cpu); gpt=(--layers 2 --heads 2 --seq 32 --batch 2 --vocab 128)
   dim=64; dtype=float32; inner=aot_eager; scale=4  # a shared CPU is slow: longer limits
+  # The sanitizer needs CUDA: on a CPU build it fails the first tensor made under it (at
+  # import, torch.distributed.pipelining makes one), and torch turns it on for any value of
+  # the variable. Here the stage checks that its tests collect and skip.
+  sanitizer=()
 else
   $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
   # Install without dependencies or build isolation: the image already has torch.
   $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
   device=(--device cuda); gpt=(--layers 12 --heads 12 --seq 2048 --batch 8 --vocab 50304)
-  dim=768; dtype=bfloat16; inner=inductor; scale=1
+  dim=768; dtype=bfloat16; inner=inductor; scale=1; sanitizer=(TORCH_CUDA_SANITIZER=1)
 fi
 
 files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/runtime/test_op_clock.py tests/compiler/test_compile_gpu.py tests/eager/test_gpu_session.py tests/runtime/pipeline/test_swap_session_gpu.py
@@ -66,7 +70,7 @@ stage gpu_tests $((80 * scale)) $PY -m pytest -q -p no:cacheprovider -m gpu "${f
 # estimate tests, whose Inductor builds would spend the stage's time without a transfer.
 transfer_files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/eager/test_gpu_session.py
                 tests/runtime/pipeline/test_swap_session_gpu.py)
-stage gpu_tests_csan $((60 * scale)) env TORCH_CUDA_SANITIZER=1 $PY -m pytest -q -p no:cacheprovider -m gpu "${transfer_files[@]}"
+stage gpu_tests_csan $((60 * scale)) env "${sanitizer[@]}" $PY -m pytest -q -p no:cacheprovider -m gpu "${transfer_files[@]}"
 
 stage eager_step $((40 * scale)) sh -c "$PY benchmarks/eager_step.py ${device[*]} --dtype $dtype ${gpt[*]} --dim $dim --steps 5 --no-tiny-model > '$out/eager_step.jsonl'"
 # One shared Inductor cache for the anchor workers: plain compile is then compiled once,
