@@ -41,7 +41,8 @@ test-extended: setup
 # subset); what ran goes to out/fuzz-<door>.jsonl, and each sequence as it ends to
 # out/fuzz-<door>-sequences.jsonl (kept by a run that is interrupted). The eager door: 521
 # sequences in 196 s on 2 cores (12-07); the compile door (a compile per model state):
-# 10-45 s a sequence (12-07, measured on a loaded 2-core machine), so 500 take hours.
+# 3-22 s a sequence by model (12-07, one process per model on 2 cores: 424 sequences in
+# 68 process-minutes), so 500 take about 40 minutes on 2 cores.
 FUZZ_EXAMPLES ?= 500
 fuzz: setup
 	HYPER_OFFLOAD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/lifecycle
