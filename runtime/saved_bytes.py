@@ -20,7 +20,7 @@ their inner tensors, which hold the bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,12 +28,13 @@ import torch
 from .memory_meter import is_host_labelled
 
 __all__ = [
-    "any_node_saved_tensors", "autograd_saved_device_bytes", "inner_tensors", "node_saved_tensors",
-    "saved_device_bytes", "saved_tensors_of",
+    "any_node_saved_tensors", "autograd_nodes", "autograd_saved_device_bytes", "inner_tensors",
+    "is_compiled_region", "node_saved_tensors", "saved_device_bytes", "saved_tensors_of",
 ]
 
 
-def _nodes(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
+def autograd_nodes(roots: Iterable[torch.Tensor]) -> Iterator[Any]:
+    """Every autograd node reachable from ``roots``, each once."""
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     while stack:
@@ -54,26 +55,36 @@ def node_saved_tensors(node: Any) -> list[torch.Tensor]:
     return saved
 
 
-def saved_tensors_of(*outputs: torch.Tensor) -> list[torch.Tensor]:
-    """Tensors saved for backward by compiled regions reachable from ``outputs``."""
+def is_compiled_region(node: Any) -> bool:
+    """Whether an autograd node is the backward of a compiled region (AOTAutograd's)."""
+    return "CompiledFunction" in type(node).__name__
+
+
+def saved_tensors_of(
+    *outputs: torch.Tensor, regions: Callable[[Any], bool] = is_compiled_region
+) -> list[torch.Tensor]:
+    """Tensors saved for backward by the compiled regions reachable from ``outputs``
+    (``regions``: which of their autograd nodes count; every compiled region by default)."""
     saved: list[torch.Tensor] = []
-    for node in _nodes(outputs):
-        if "CompiledFunction" in type(node).__name__:
+    for node in autograd_nodes(outputs):
+        if is_compiled_region(node) and regions(node):
             saved.extend(node_saved_tensors(node))
     return saved
 
 
 def saved_device_bytes(
-    *outputs: torch.Tensor, exclude: Iterable[torch.Tensor] = ()
+    *outputs: torch.Tensor, exclude: Iterable[torch.Tensor] = (),
+    regions: Callable[[Any], bool] = is_compiled_region,
 ) -> int:
-    """Bytes of distinct device storages the compiled backward of ``outputs`` holds.
+    """Bytes of distinct device storages the compiled backward of ``outputs`` holds
+    (``regions`` as in :func:`saved_tensors_of`).
 
     ``exclude`` (parameters, inputs) are not activations and are not counted; host
     copies (host-labelled storages) are not device bytes.
     """
     skip = {id(t.untyped_storage()) for t in exclude}
     storages = {}
-    for tensor in saved_tensors_of(*outputs):
+    for tensor in saved_tensors_of(*outputs, regions=regions):
         storage = tensor.untyped_storage()
         if id(storage) in skip or is_host_labelled(tensor):
             continue
@@ -93,7 +104,7 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 def any_node_saved_tensors(node: Any) -> list[torch.Tensor]:
     """What one autograd node, compiled or eager, holds for its backward."""
-    if "CompiledFunction" in type(node).__name__:
+    if is_compiled_region(node):
         return node_saved_tensors(node)
     values: list[Any] = []
     for name in dir(node):
@@ -119,7 +130,7 @@ def autograd_saved_device_bytes(
     # saved tensor does until this returns.
     skip = {t.untyped_storage()._cdata for e in exclude for t in inner_tensors(e)}
     storages = {}
-    for node in _nodes(outputs):
+    for node in autograd_nodes(outputs):
         for saved in any_node_saved_tensors(node):
             for tensor in inner_tensors(saved):
                 storage = tensor.untyped_storage()

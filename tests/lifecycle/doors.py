@@ -20,15 +20,14 @@ from hyper_offload import OffloadConfig, OffloadSession
 from hyper_offload.compiler import autograd_saved_device_bytes
 from hyper_offload.compiler.backend import HyperOffloadBackend
 from hyper_offload.compiler.step.recorder import release_failed_backward_pass
-from hyper_offload.runtime.saved_bytes import node_saved_tensors
+from hyper_offload.runtime.saved_bytes import saved_device_bytes
 from hyper_offload.config import MIB
 from hyper_offload.eager import ReplayMismatchError, current_session
 from hyper_offload.eager.lifecycle import StepState
 from hyper_offload.runtime import DeviceMemoryMeter
-from hyper_offload.runtime.memory_meter import is_host_labelled
 
 from .harness import Config, StepKind, StepResult, seeded
-from .models import MODELS, WIDTH, autograd_nodes, compiled_by_the_user
+from .models import MODELS, WIDTH, compiled_by_the_user
 
 
 @cache
@@ -179,15 +178,8 @@ class CompileDoor:
         # regions, which the step plan does not count unless measured, is not counted
         # either; nor are regions the model's own torch.compile made, which run outside
         # the door when Dynamo gives up the outer frame (models.compiled_by_the_user).
-        skip = {id(t.untyped_storage()) for t in exclude}
-        storages = {
-            id(tensor.untyped_storage()): tensor.untyped_storage().nbytes()
-            for node in autograd_nodes(loss)
-            if "CompiledFunction" in type(node).__name__ and not compiled_by_the_user(node)
-            for tensor in node_saved_tensors(node)
-            if id(tensor.untyped_storage()) not in skip and not is_host_labelled(tensor)
-        }
-        return sum(storages.values())
+        return saved_device_bytes(loss, exclude=exclude,
+                                  regions=lambda node: not compiled_by_the_user(node))
 
     def strict(self, ops_changed: bool) -> type[BaseException] | None:
         return None

@@ -8,7 +8,7 @@ Each forward takes ``x`` of shape ``(batch, WIDTH)`` and returns a scalar loss.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -159,19 +159,6 @@ def compiled_by_the_user(node: Any) -> bool:
     door's backend sees, like eager code between regions (found by make fuzz, 12-07)."""
     forward = getattr(type(node), "_forward_cls", None)
     return bool(getattr(getattr(forward, "compiled_fw", None), "compiled_by_the_user", False))
-
-
-def autograd_nodes(loss: torch.Tensor) -> Iterator[Any]:
-    """Every autograd node reachable from ``loss``, each once."""
-    seen: set[int] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        yield node
-        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 class CompiledStack(Knobbed):
