@@ -17,7 +17,7 @@
 #
 #   CPU_SMOKE=1 bash scripts/gpu_check.sh   # the same stages on CPU at tiny sizes (checks
 #                                           # this script and the benchmarks' flags; no GPU;
-#                                           # ~100 s on 2 cores, run by
+#                                           # ~60 s on 2 cores, run by
 #                                           # tests/integration/test_gpu_check_smoke.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +47,11 @@ stage() {
 if [[ ${CPU_SMOKE:-0} == 1 ]]; then
   device=(--device cpu); gpt=(--layers 2 --heads 2 --seq 32 --batch 2 --vocab 128)
   dim=64; dtype=float32; inner=aot_eager; scale=4  # a shared CPU is slow: longer limits
+  # Each anchor method and compile variant is a process of its own (seconds of start-up and
+  # compile on 2 cores): the smoke checks the flags with two timed steps, the anchor methods
+  # tests/integration/test_anchors.py does not run in-process plus our two, and two variants.
+  steps=2; anchor_methods=(--methods compile,compile_memory_budget,hyper_offload_eager,hyper_offload_compile)
+  variants=plain,hyper_offload@0.5
   # The sanitizer needs CUDA: on a CPU build it fails the first tensor made under it (at
   # import, torch.distributed.pipelining makes one), and torch turns it on for any value of
   # the variable. Here the stage checks that its tests collect and skip.
@@ -57,6 +62,7 @@ else
   $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
   device=(--device cuda); gpt=(--layers 12 --heads 12 --seq 2048 --batch 8 --vocab 50304)
   dim=768; dtype=bfloat16; inner=inductor; scale=1; sanitizer=(TORCH_CUDA_SANITIZER=1)
+  steps=5; anchor_methods=(); variants=plain,hyper_offload@0.5,hyper_offload@0.7,hyper_offload@0.85
 fi
 
 files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py tests/runtime/test_op_clock.py tests/compiler/test_compile_gpu.py tests/eager/test_gpu_session.py tests/runtime/pipeline/test_swap_session_gpu.py
@@ -72,17 +78,17 @@ transfer_files=(tests/runtime/test_gpu_runtime.py tests/runtime/test_gpu_ops.py 
                 tests/runtime/pipeline/test_swap_session_gpu.py)
 stage gpu_tests_csan $((60 * scale)) env "${sanitizer[@]}" $PY -m pytest -q -p no:cacheprovider -m gpu "${transfer_files[@]}"
 
-stage eager_step $((40 * scale)) sh -c "$PY benchmarks/eager_step.py ${device[*]} --dtype $dtype ${gpt[*]} --dim $dim --steps 5 --no-tiny-model > '$out/eager_step.jsonl'"
+stage eager_step $((40 * scale)) sh -c "$PY benchmarks/eager_step.py ${device[*]} --dtype $dtype ${gpt[*]} --dim $dim --steps $steps --no-tiny-model > '$out/eager_step.jsonl'"
 # One shared Inductor cache for the anchor workers: plain compile is then compiled once,
 # not once per compile method (first_call_s is not a cold compile there; hyper_offload's
 # and the mark-all partitioner's regions are never served from a cache).
 anchor_cache=$(mktemp -d)
-stage anchors $((180 * scale)) $PY benchmarks/anchors.py "${device[@]}" --dtype $dtype "${gpt[@]}" --dim $dim --steps 5 \
-  --inner $inner --timeout $((75 * scale)) --shared-cache "$anchor_cache" --out "$out/anchors.jsonl"
+stage anchors $((180 * scale)) $PY benchmarks/anchors.py "${device[@]}" --dtype $dtype "${gpt[@]}" --dim $dim --steps $steps \
+  "${anchor_methods[@]}" --inner $inner --timeout $((75 * scale)) --shared-cache "$anchor_cache" --out "$out/anchors.jsonl"
 rm -rf "$anchor_cache"
 [[ -s $out/anchors.jsonl ]] && $PY benchmarks/anchors_table.py "$out/anchors.jsonl" > "$out/anchors.md" || true
 # issue 16: the measured step-time ratio at the stall benchmark's budgets (50/70/85% of peak)
-stage compile_step $((110 * scale)) sh -c "$PY benchmarks/compile_step.py ${device[*]} --dtype $dtype ${gpt[*]} --d $dim --steps 5 --inner $inner --variants plain,hyper_offload@0.5,hyper_offload@0.7,hyper_offload@0.85 --no-curve > '$out/compile_step.jsonl'"
+stage compile_step $((110 * scale)) sh -c "$PY benchmarks/compile_step.py ${device[*]} --dtype $dtype ${gpt[*]} --d $dim --steps $steps --inner $inner --variants $variants --no-curve > '$out/compile_step.jsonl'"
 # issue 34: both doors with every transfer checked. eager_step raises TransferIntegrityError
 # (traceback in verify.log); a compile_step worker reports it in its line's "error", which
 # the grep turns into a failure (and prints into the log).
