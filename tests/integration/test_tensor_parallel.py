@@ -30,10 +30,13 @@ pytestmark = [pytest.mark.slow,  # 2 + 4 gloo processes compiling DTensor graphs
 pytest.importorskip("transformers")
 
 MESHES = {"tp": 2, "fsdp_tp": 4}
-EXTENDED = {("fsdp_tp", "llama")}
-"""(mesh, model) jobs ``make test`` leaves to ``make test-extended``: four ranks on two
-cores take the longest, and the other model covers FSDP2 x TP there (the example Llama
-runs tensor parallel on the ``tp`` mesh)."""
+EXTENDED = {("fsdp_tp", "llama"), ("tp", "hf_llama")}
+"""(mesh, model) jobs ``make test`` leaves to ``make test-extended``: each model runs
+tensor parallel once there, the example Llama on the ``tp`` mesh (with the recompute
+search and Inductor) and Hugging Face Llama's explicit plan on the ``tp`` dimension of
+the 2x2 mesh under FSDP2 (four ranks on two cores take the longest: measured 12-07,
+alone, 64 s for the ``tp`` job and 55 s for ``fsdp_tp``, of which 11 s is Hugging Face
+Llama on ``tp``, which the 2x2 mesh's ``tp`` dimension covers)."""
 PLANNED = [
     pytest.param(mesh, f"{model}-{door}", id=f"{mesh}-{model}-{door}",
                  marks=(pytest.mark.extended,) if (mesh, model) in EXTENDED else ())
