@@ -169,3 +169,37 @@ def test_a_backward_that_raises_ends_no_step(compiled, steps, where):
     assert len(steps) == 1
     (r,) = steps[0].regions
     assert steps[0].events == _events((F, r, 0), (F, r, 1), (B, r, 1), (B, r, 0))
+
+
+def test_a_forward_during_which_the_last_steps_graph_dies_is_recorded_in_the_new_step(
+    compiled, steps,
+):
+    """A failed step's graph can die in the middle of the next forward: held by a
+    reference cycle (a traceback's frames), it goes when the collector runs, which any
+    allocation may trigger. The forward began numbered after that step's invocations and
+    ends in a new step: it is recorded as the new step's, never dropped (found by make
+    fuzz, 12-07: an untracked invocation's host copies stayed in use after a backward
+    that raised, since the recorder saw nothing outstanding to release)."""
+    backend, model = compiled
+    recorder = backend.controller.recorder
+    abandoned = [model(_x())]  # the failed step's graph, still alive: (r, 0) and (r, 1)
+    began, calls = recorder.begin_forward, []
+
+    def graph_dies_once_begun(region: int) -> Invocation:
+        upcoming = began(region)
+        calls.append(upcoming)
+        if len(calls) == 2:  # the invocation's own (the first: the controller's look ahead)
+            abandoned.clear()  # what a collection of the cycle does, mid-forward
+        return upcoming
+
+    recorder.begin_forward = graph_dies_once_begun  # type: ignore[method-assign]
+    try:
+        hidden = model.layers[0](_x())
+    finally:
+        del recorder.begin_forward
+    assert [i.ordinal for i in calls] == [2, 2] and not abandoned
+    model.head(model.layers[1](hidden)).pow(2).mean().backward()
+    recorder.poll()
+    assert len(steps) == 1 and len(steps[0].regions) == 1
+    (r,) = steps[0].regions
+    assert steps[0].events == _events((F, r, 0), (F, r, 1), (B, r, 1), (B, r, 0))

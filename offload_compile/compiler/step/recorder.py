@@ -163,8 +163,14 @@ class StepRecorder:
         ref = weakref.ref(node, lambda _: dead.append(invocation))
         with self._lock:
             self._reap()
-            if self._ordinals.get(invocation.region, 0) != invocation.ordinal:
+            expected = self._ordinals.get(invocation.region, 0)
+            if expected > invocation.ordinal:
                 return False  # another thread recorded this ordinal first: not tracked
+            # Fewer than when it began: the step it began in ended while it ran (that
+            # step's graphs died, e.g. a failed step's, freed by a collection of the
+            # cycle that held them). It is the new step's, numbered there: dropped, it
+            # would hold host copies no release knows of (found by make fuzz, 12-07).
+            invocation = Invocation(invocation.region, expected)
             self._ordinals[invocation.region] = invocation.ordinal + 1
             event = StepEvent(StepEventKind.FORWARD, invocation)
             self._events.append(event)
