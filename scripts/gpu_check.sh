@@ -50,8 +50,8 @@ if [[ ${CPU_SMOKE:-0} == 1 ]]; then
   # Each anchor method and compile variant is a process of its own (seconds of start-up and
   # compile on 2 cores): the smoke checks the flags with two timed steps, the anchor methods
   # tests/integration/test_anchors.py does not run in-process plus our two, and two variants.
-  steps=2; anchor_methods=(--methods compile,compile_memory_budget,hyper_offload_eager,hyper_offload_compile)
-  variants=plain,hyper_offload@0.5
+  steps=2; variants=plain,hyper_offload@0.5
+  anchor_methods=(--methods compile,compile_memory_budget,hyper_offload_eager,hyper_offload_compile)
   # The sanitizer needs CUDA: on a CPU build it fails the first tensor made under it (at
   # import, torch.distributed.pipelining makes one), and torch turns it on for any value of
   # the variable. Here the stage checks that its tests collect and skip.

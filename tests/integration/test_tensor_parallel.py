@@ -31,8 +31,8 @@ pytest.importorskip("transformers")
 
 MESHES = {"tp": 2, "fsdp_tp": 4}
 EXTENDED = {("fsdp_tp", "llama"), ("tp", "hf_llama")}
-"""(mesh, model) jobs ``make test`` leaves to ``make test-extended``: each model runs
-tensor parallel once there, the example Llama on the ``tp`` mesh (with the recompute
+"""(mesh, model) jobs ``make test`` leaves to ``make test-extended``. ``make test`` runs
+each model's tensor parallel plan once: the example Llama on the ``tp`` mesh (with the recompute
 search and Inductor) and Hugging Face Llama's explicit plan on the ``tp`` dimension of
 the 2x2 mesh under FSDP2 (four ranks on two cores take the longest: measured 12-07,
 alone, 64 s for the ``tp`` job and 55 s for ``fsdp_tp``, of which 11 s is Hugging Face
