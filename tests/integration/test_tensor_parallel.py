@@ -32,11 +32,10 @@ pytest.importorskip("transformers")
 MESHES = {"tp": 2, "fsdp_tp": 4}
 EXTENDED = {("fsdp_tp", "llama"), ("tp", "hf_llama")}
 """(mesh, model) jobs ``make test`` leaves to ``make test-extended``. ``make test`` runs
-each model's tensor parallel plan once: the example Llama on the ``tp`` mesh (with the recompute
-search and Inductor) and Hugging Face Llama's explicit plan on the ``tp`` dimension of
-the 2x2 mesh under FSDP2 (four ranks on two cores take the longest: measured 12-07,
-alone, 64 s for the ``tp`` job and 55 s for ``fsdp_tp``, of which 11 s is Hugging Face
-Llama on ``tp``, which the 2x2 mesh's ``tp`` dimension covers)."""
+each model's tensor parallel plan once: the example Llama on the ``tp`` mesh (with the
+recompute search and Inductor), Hugging Face Llama's explicit plan on the ``tp``
+dimension of the 2x2 mesh under FSDP2. Measured 12-07, alone on two cores: the ``tp``
+job 64 s (11 s of it Hugging Face Llama, now extended), the 2x2 job 55 s."""
 PLANNED = [
     pytest.param(mesh, f"{model}-{door}", id=f"{mesh}-{model}-{door}",
                  marks=(pytest.mark.extended,) if (mesh, model) in EXTENDED else ())
