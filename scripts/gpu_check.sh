@@ -17,7 +17,7 @@
 #
 #   CPU_SMOKE=1 bash scripts/gpu_check.sh   # the same stages on CPU at tiny sizes (checks
 #                                           # this script and the benchmarks' flags; no GPU;
-#                                           # ~60 s on 2 cores, run by
+#                                           # ~80 s on 2 cores, run by
 #                                           # tests/integration/test_gpu_check_smoke.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 """``CPU_SMOKE=1 bash scripts/gpu_check.sh``: the prepared GPU run's every stage on CPU at
-tiny sizes (about 60 s on 2 cores), so that a broken stage, flag or summary shows in CI
+tiny sizes (about 80 s on 2 cores), so that a broken stage, flag or summary shows in CI
 and not first on a GPU machine. The stages are read from the script itself; each must be
 recorded ``ok`` in ``summary.txt``, and the verify stage (issue 34) must report no
 mismatch."""
