@@ -175,10 +175,11 @@ def test_a_forward_during_which_the_last_steps_graph_dies_is_recorded_in_the_new
     compiled, steps,
 ):
     """A failed step's graph can die in the middle of the next forward: held by a
-    reference cycle, it goes when the collector runs, which any allocation may trigger. The forward began numbered after that step's invocations and
-    ends in a new step: it is recorded as the new step's, never dropped (found by make
-    fuzz, 12-07: an untracked invocation's host copies stayed in use after a backward
-    that raised, since the recorder saw nothing outstanding to release)."""
+    reference cycle, it goes when the collector runs, which any allocation may trigger.
+    The forward began numbered after that step's invocations and ends in a new step: it
+    is recorded as the new step's, never dropped (found by make fuzz, 12-07: an
+    untracked invocation's host copies stayed in use after a backward that raised, since
+    the recorder saw nothing outstanding to release)."""
     backend, model = compiled
     recorder = backend.controller.recorder
     abandoned = [model(_x())]  # the failed step's graph, still alive: (r, 0) and (r, 1)

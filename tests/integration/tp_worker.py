@@ -168,7 +168,7 @@ def worker(rank: int, world: int, port: int, out_dir: str,
                     results[name] = {"error": traceback.format_exc()}
                     raise
                 dist.barrier()
-        if dp_mesh is None and "llama" in models:  # the job make test runs
+        if dp_mesh is None and "llama" in models:  # the example Llama's other cases
             for name, case in (("llama-search", lambda: run_search_case(tp_mesh)),
                                ("llama-inductor", lambda: _inductor_case(tp_mesh))):
                 try:

@@ -229,7 +229,6 @@ class CompileDoor:
         assert stats.pageable_bytes_in_use == 0, stats
         assert runtime.transfers_pending == 0 and runtime.host_copies == 0
 
-
     def _what_frees_them(self) -> str:
         """Why host buffers are still in use after ``collect()``, for the failure message
         (make fuzz found it once on the attention block, 12-07, and the shrunk sequence

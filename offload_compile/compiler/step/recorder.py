@@ -158,9 +158,6 @@ class StepRecorder:
             return False
         held = retained_bytes(node)
         dead = self._dead
-        # The hooks hold the node weakly: a hook holding it strongly would make a cycle
-        # (node -> hook -> node) that keeps an abandoned graph alive until a collection.
-        ref = weakref.ref(node, lambda _: dead.append(invocation))
         with self._lock:
             self._reap()
             expected = self._ordinals.get(invocation.region, 0)
@@ -171,6 +168,9 @@ class StepRecorder:
             # cycle that held them). It is the new step's, numbered there: dropped, it
             # would hold host copies no release knows of (found by make fuzz, 12-07).
             invocation = Invocation(invocation.region, expected)
+            # The hooks hold the node weakly: a hook holding it strongly would make a cycle
+            # (node -> hook -> node) that keeps an abandoned graph alive until a collection.
+            ref = weakref.ref(node, lambda _: dead.append(invocation))
             self._ordinals[invocation.region] = invocation.ordinal + 1
             event = StepEvent(StepEventKind.FORWARD, invocation)
             self._events.append(event)
